@@ -1,0 +1,93 @@
+"""Which torch versions hf_altparams accepts, and the check run at import.
+
+The engine rebuilds a DDP reducer in place through private torch APIs, so the
+library refuses a torch older than :data:`MIN_TORCH` at import time, with a
+message that names the way out, instead of failing obscurely mid-training.
+
+Example::
+
+    >>> from hf_altparams._compat import MIN_TORCH, parse_torch_version
+    >>> parse_torch_version("2.13.0+cpu")
+    (2, 13)
+    >>> parse_torch_version("2.11.0a0+git1234abc") >= MIN_TORCH
+    True
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import AltParamsError
+
+__all__ = [
+    "MIN_TORCH",
+    "TESTED_TORCH",
+    "check_torch_at_import",
+    "is_tested_torch",
+    "parse_torch_version",
+    "torch_version",
+]
+
+#: Oldest (major, minor) torch release the library imports on.
+MIN_TORCH: tuple[int, int] = (2, 11)
+
+#: Inclusive range of (major, minor) torch releases the library is written and
+#: tested against: ``TESTED_TORCH[0] <= torch_version() <= TESTED_TORCH[1]``.
+TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
+
+_VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
+
+
+def parse_torch_version(version: str) -> tuple[int, int]:
+    """Return ``(major, minor)`` of a torch version string.
+
+    Local labels and pre-release tags are ignored: ``"2.13.0+cpu"``,
+    ``"2.11.0a0+git1234abc"`` and ``"2.12.0.dev20260101"`` parse to
+    ``(2, 13)``, ``(2, 11)`` and ``(2, 12)``.
+
+    Raises:
+        AltParamsError: if ``version`` does not start with ``MAJOR.MINOR``.
+    """
+    match = _VERSION_RE.match(version)
+    if match is None:
+        raise AltParamsError(
+            f"cannot parse torch version {version!r}: expected it to start with "
+            "`MAJOR.MINOR`, e.g. '2.13.0+cpu'"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_version() -> tuple[int, int]:
+    """Return ``(major, minor)`` of the installed torch (read from ``torch.__version__``)."""
+    import torch
+
+    return parse_torch_version(str(torch.__version__))
+
+
+def is_tested_torch() -> bool:
+    """Whether the installed torch lies in the inclusive range :data:`TESTED_TORCH`."""
+    low, high = TESTED_TORCH
+    return low <= torch_version() <= high
+
+
+def _fmt(version: tuple[int, int]) -> str:
+    return ".".join(str(part) for part in version)
+
+
+def check_torch_at_import() -> None:
+    """Refuse to import on a torch older than :data:`MIN_TORCH`.
+
+    Raises:
+        AltParamsError: naming the torch version found, the minimum, and the
+            pip command that fixes it.
+    """
+    import torch
+
+    found = str(torch.__version__)
+    if parse_torch_version(found) < MIN_TORCH:
+        minimum = _fmt(MIN_TORCH)
+        raise AltParamsError(
+            f"hf_altparams requires torch>={minimum}, but torch {found} is installed "
+            f"(at {getattr(torch, '__file__', '?')}). "
+            f"Upgrade it with: pip install --upgrade 'torch>={minimum}'"
+        )

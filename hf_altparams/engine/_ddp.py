@@ -1,0 +1,224 @@
+"""The DDP surgery: the one place in hf_altparams that touches private torch APIs.
+
+``DistributedDataParallel`` decides in its constructor which parameters its C++
+``Reducer`` all-reduces. To change that set on the *same* wrapper object (the
+HuggingFace Trainer keeps the wrapper in a local variable, so a new object would
+never reach its loop), :func:`rebuild_reducer` does what ``DDP.__setstate__``
+does: drop the reducer and its logger, rebuild the parameter list from
+``requires_grad`` and the ignore list, re-run DDP's reducer init helper,
+re-register the comm hooks and reset the lazy-init / bucket-rebuild flags.
+It never re-broadcasts parameters (the constructor's ``init_sync`` traffic):
+phase training keeps the ranks bit-identical, so there is nothing to sync.
+
+Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
+checked by :func:`check_ddp_supported` together with the torch version, so an
+untested torch fails with a clear message before any state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .._compat import TESTED_TORCH, torch_version
+from ..errors import SwitchError
+
+__all__ = [
+    "PRIVATE_DDP_ATTRIBUTES",
+    "check_ddp_supported",
+    "ddp_settings",
+    "is_ddp",
+    "rebuild_reducer",
+    "reduced_parameters",
+    "unwrap",
+]
+
+#: Environment variable that lets an untested torch version through (with a warning).
+ALLOW_UNTESTED_ENV = "HF_ALTPARAMS_ALLOW_UNTESTED_TORCH"
+
+#: Private DDP attributes and methods the rebuild relies on (present in torch 2.11-2.13).
+PRIVATE_DDP_ATTRIBUTES = (
+    "reducer",
+    "logger",
+    "parameters_to_ignore",
+    "static_graph",
+    "_module_parameters",
+    "_comm_hooks",
+    "_build_params_for_reducer",
+    "_build_debug_param_to_name_mapping",
+    "_ddp_init_helper",
+    "_has_rebuilt_buckets",
+    "_lazy_init_ran",
+    "_delay_all_reduce_all_params",
+    "_delay_all_reduce_params",
+    "_use_python_reducer",
+    "mixed_precision",
+)
+
+
+def is_ddp(module: object) -> bool:
+    """True when ``module`` is a ``DistributedDataParallel`` wrapper."""
+    return isinstance(module, DistributedDataParallel)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or ``module`` itself)."""
+    return module.module if is_ddp(module) else module
+
+
+def check_ddp_supported(ddp: DistributedDataParallel) -> None:
+    """Raise :class:`SwitchError` if ``ddp`` cannot be re-bucketed in place.
+
+    Checked: the torch version is in the tested range (or
+    ``HF_ALTPARAMS_ALLOW_UNTESTED_TORCH=1`` is set), every private attribute the
+    rebuild uses exists, and the wrapper uses no mode the rebuild cannot keep
+    (DDP-native mixed precision, the compiled python reducer, delayed all-reduce).
+    """
+    version = torch_version()
+    low, high = TESTED_TORCH
+    if not low <= version <= high:
+        found = f"{version[0]}.{version[1]}"
+        tested = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+            raise SwitchError(
+                f"in-place DDP re-bucketing uses private torch APIs tested on torch {tested}; "
+                f"found torch {found}. Install a tested torch, or set {ALLOW_UNTESTED_ENV}=1 "
+                "to try anyway (the test suite in tests/engine checks it)."
+            )
+        warnings.warn(
+            f"hf_altparams: torch {found} is outside the tested range {tested}; "
+            f"{ALLOW_UNTESTED_ENV}=1 is set, trying the in-place DDP rebuild anyway.",
+            stacklevel=3,
+        )
+    missing = [name for name in PRIVATE_DDP_ATTRIBUTES if not hasattr(ddp, name)]
+    if missing:
+        raise SwitchError(
+            f"this torch ({torch.__version__}) DistributedDataParallel lacks {missing}, which the "
+            "in-place rebuild needs; use a torch version from the tested range "
+            f"{TESTED_TORCH[0]}..{TESTED_TORCH[1]}."
+        )
+    if ddp.mixed_precision is not None:
+        raise SwitchError(
+            "`mixed_precision` on DistributedDataParallel (DDP-native mixed precision) is not "
+            "supported: its parameter copies and upcast hook cannot be rebuilt in place. Use "
+            "autocast instead (Accelerate `mixed_precision='bf16'`, Trainer `bf16=True`)."
+        )
+    if ddp._use_python_reducer:
+        raise SwitchError(
+            "the compiled python reducer (torch._dynamo optimize_ddp='python_reducer') is not "
+            "supported: it has no C++ reducer to rebuild. Use the default optimize_ddp mode."
+        )
+    if ddp._delay_all_reduce_params:
+        raise SwitchError(
+            "`delay_all_reduce_named_params` on DistributedDataParallel is not supported: its "
+            "delayed gradient buffer is fixed at construction. Remove that argument."
+        )
+
+
+def reduced_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
+    """The parameters the current reducer all-reduces (requires_grad and not ignored)."""
+    if ddp._delay_all_reduce_all_params:
+        return []
+    ignore = ddp.parameters_to_ignore
+    seen: set[int] = set()
+    params = []
+    for name, param in ddp.module.named_parameters():
+        if param.requires_grad and name not in ignore and id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
+    return params
+
+
+def ddp_settings(ddp: DistributedDataParallel) -> dict[str, object]:
+    """The user's DDP settings that a rebuild keeps (for logs and checks)."""
+    return {
+        "find_unused_parameters": ddp.find_unused_parameters,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": ddp.static_graph,
+        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+        "broadcast_buffers": ddp.broadcast_buffers,
+        "comm_hooks": [hook.__qualname__ for hook, _ in ddp._comm_hooks],
+    }
+
+
+def _reset_hook_state(state: object) -> None:
+    # PowerSGD keeps per-bucket error feedback and low-rank factors keyed by bucket
+    # index; bucket indices mean other parameters after a rebuild, so start fresh.
+    for attr in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        value = getattr(state, attr, None)
+        if isinstance(value, dict):
+            value.clear()
+
+
+def _check_hook_state(ddp: DistributedDataParallel, state: object) -> None:
+    if state is ddp or any(v is ddp for v in getattr(state, "__dict__", {}).values()):
+        raise SwitchError(
+            f"a DDP comm hook state ({type(state).__name__}) holds a strong reference to the "
+            "DDP wrapper; that cycle runs through C++ and keeps the old gradient buckets alive "
+            "after a rebuild. Hold a weakref.ref(ddp) in the state instead."
+        )
+
+
+def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None) -> None:
+    """Rebuild ``ddp``'s reducer in place for the current ``requires_grad`` flags.
+
+    Args:
+        ddp: the wrapper to re-bucket; the same object keeps working afterwards.
+        ignore: if given, the full set of parameter/buffer names DDP must ignore
+            (neither all-reduced nor broadcast), replacing the current ignore list.
+
+    Call it only at an optimizer-step boundary, on every rank, with the same
+    ``requires_grad`` flags everywhere. It clears every ``.grad`` first (a grad
+    that is a view into an old bucket would keep that bucket alive). Settings
+    kept: ``find_unused_parameters``, ``gradient_as_bucket_view``,
+    ``static_graph``, bucket caps, buffer broadcast, comm hooks (re-registered
+    with their state; PowerSGD's per-bucket memory is reset). When no parameter
+    requires a gradient, DDP becomes a pass-through (no reducer, no gradient sync
+    and no buffer broadcast) until the next rebuild.
+
+    Example:
+        >>> # on every rank, after optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        >>> # for p in ddp.module.head.parameters(): p.requires_grad_(False)
+        >>> # rebuild_reducer(ddp)
+    """
+    check_ddp_supported(ddp)
+    hooks = list(ddp._comm_hooks)
+    for _, state in hooks:
+        _check_hook_state(ddp, state)
+    for param in ddp.module.parameters():
+        param.grad = None
+    if ignore is not None:
+        ddp.parameters_to_ignore = set(ignore)
+        ddp._module_parameters = [
+            p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore
+        ]
+    # The logger holds the reducer; dropping both frees the old reducer and its
+    # buckets by reference count (no gc pass needed: they form no Python cycle).
+    ddp.reducer = None
+    ddp.logger = None
+
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    if not parameters:
+        # A reducer over zero parameters is an internal assert in torch; DDP's own
+        # "delay all-reduce of all params" path skips the reducer in forward.
+        ddp._delay_all_reduce_all_params = True
+        return
+    ddp._delay_all_reduce_all_params = False
+    name_mapping = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, name_mapping, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    for hook, state in hooks:
+        _reset_hook_state(state)
+        dist._register_comm_hook(ddp.reducer, state, hook)
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+    ddp._comm_hooks = hooks
+    ddp._has_rebuilt_buckets = False
+    ddp._lazy_init_ran = False

@@ -1,0 +1,342 @@
+"""One optimizer per parameter group, behind a single ``torch.optim.Optimizer``.
+
+:class:`GroupedOptimizer` is what Accelerate, the Trainer and LR schedulers see:
+its ``param_groups`` are the inner optimizers' own dicts, ``step()`` steps only
+the active groups, and ``state_dict()`` is keyed by group and parameter *name*
+so it loads into a rebuilt model. Idle groups' optimizer state follows a
+policy: ``keep`` it, ``offload`` it to CPU (pinned when the device is CUDA), or
+``drop`` it (torch optimizers re-initialise empty state at the next step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ..errors import PlanError
+from ..plan.groups import ParamGroups
+
+__all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory"]
+
+StatePolicy = Literal["keep", "offload", "drop"]
+POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
+OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
+STATE_DICT_FORMAT = "hf_altparams.GroupedOptimizer/1"
+
+
+def _per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise PlanError(f"`{argument}` names unknown groups {unknown}; known groups: {list(names)}")
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise PlanError(
+                f"`{argument}` has no entry for groups {missing}; give one per group, "
+                f"or a single value for all of {list(names)}"
+            )
+        return dict(value)
+    return {name: value for name in names}
+
+
+class GroupedOptimizer(Optimizer):
+    """A composite optimizer: one inner optimizer per parameter group.
+
+    Args:
+        groups: the :class:`~hf_altparams.plan.ParamGroups` to optimize.
+        optimizers: a factory ``params -> Optimizer`` (e.g.
+            ``functools.partial(torch.optim.AdamW, lr=1e-3)``) used for every group,
+            or a mapping from group name to factory (one per group).
+        state_policy: what happens to an idle group's optimizer state:
+            ``"keep"``, ``"offload"`` or ``"drop"``; one value or one per group.
+        active: the groups that step at first (default: all). The phase switcher
+            sets this at every switch.
+
+    ``param_groups`` are the inner optimizers' own dicts (an LR scheduler on this
+    optimizer changes every group's learning rate, idle or not; use
+    :class:`GroupedLRScheduler` for schedules that pause while a group is idle).
+
+    Example:
+        >>> import functools, torch
+        >>> from hf_altparams.plan import ParamGroups
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> opt = GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))
+        >>> opt.set_active({"a"}); sorted(opt.active)
+        ['a']
+    """
+
+    def __init__(
+        self,
+        groups: ParamGroups,
+        optimizers: Union[OptimizerFactory, Mapping[str, OptimizerFactory]],
+        *,
+        state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+        active: Optional[Iterable[str]] = None,
+    ) -> None:
+        self.groups = groups
+        factories = _per_group(optimizers, groups.names, "optimizers")
+        policies = _per_group(state_policy, groups.names, "state_policy")
+        for name, policy in policies.items():
+            if policy not in POLICIES:
+                raise PlanError(
+                    f"`state_policy` for group {name!r} is {policy!r}; accepted: {list(POLICIES)}"
+                )
+        self.policies: dict[str, str] = policies
+        self.inner: dict[str, Optimizer] = {}
+        for name in groups.names:
+            opt = factories[name](groups.params(name))
+            if not isinstance(opt, Optimizer):
+                raise PlanError(
+                    f"`optimizers` factory for group {name!r} returned {type(opt).__name__}; "
+                    "it must return a torch.optim.Optimizer built on the parameters it is given"
+                )
+            self.inner[name] = opt
+        self._offloaded: dict[str, list[tuple[nn.Parameter, str, torch.device]]] = {}
+        all_params = [p for name in groups.names for p in groups.params(name)]
+        super().__init__(all_params, defaults={})
+        # The composite's param_groups ARE the inner optimizers' dicts.
+        self.param_groups = [g for opt in self.inner.values() for g in opt.param_groups]
+        self.active: frozenset[str] = frozenset(groups.names)
+        self.set_active(groups.names if active is None else active)
+
+    # `Optimizer.__init__` assigns `self.state`; the composite's state is the inner ones'.
+    @property  # type: ignore[override]
+    def state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        merged: dict[nn.Parameter, dict[str, Any]] = {}
+        for opt in self.inner.values():
+            merged.update(opt.state)
+        return merged
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:
+            raise AttributeError("GroupedOptimizer.state is the union of the inner optimizers' state")
+
+    def __repr__(self) -> str:
+        parts = [f"  {n} ({'active' if n in self.active else 'idle'}, {self.policies[n]}): "
+                 f"{type(o).__name__}" for n, o in self.inner.items()]
+        return "GroupedOptimizer(\n" + "\n".join(parts) + "\n)"
+
+    # ----------------------------------------------------------------- phases
+    def set_active(self, names: Iterable[str]) -> None:
+        """Make ``names`` the groups that step; apply the state policy to the others.
+
+        Groups becoming idle get their policy applied (offload/drop); groups
+        becoming active get offloaded state back on their parameters' device.
+        Names that are not groups of this optimizer are ignored (a phase may
+        name groups that a single optimizer does not cover).
+        """
+        new_active = frozenset(n for n in names if n in self.inner)
+        for name in self.groups.names:
+            if name in new_active:
+                self._restore(name)
+            else:
+                self._apply_idle_policy(name)
+        self.active = new_active
+
+    def _state_tensors(self, name: str) -> Iterable[tuple[nn.Parameter, str, torch.Tensor]]:
+        opt = self.inner[name]
+        for param in self.groups.params(name):
+            for key, value in opt.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield param, key, value
+
+    def _apply_idle_policy(self, name: str) -> None:
+        policy = self.policies[name]
+        if policy == "drop":
+            opt = self.inner[name]
+            for param in self.groups.params(name):
+                opt.state.pop(param, None)
+            self._offloaded.pop(name, None)
+        elif policy == "offload":
+            self.offload(name)
+
+    def offload(self, name: str, non_blocking: bool = True) -> int:
+        """Move group ``name``'s optimizer state to CPU; return the bytes moved."""
+        moved = self._offloaded.setdefault(name, [])
+        opt = self.inner[name]
+        nbytes = 0
+        for param, key, tensor in list(self._state_tensors(name)):
+            if tensor.device.type == "cpu":
+                continue
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=tensor.is_cuda)
+            host.copy_(tensor, non_blocking=non_blocking and tensor.is_cuda)
+            opt.state[param][key] = host
+            moved.append((param, key, tensor.device))
+            nbytes += tensor.numel() * tensor.element_size()
+        if nbytes and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        return nbytes
+
+    def _restore(self, name: str, non_blocking: bool = True) -> int:
+        nbytes = 0
+        opt = self.inner[name]
+        for param, key, device in self._offloaded.pop(name, []):
+            state = opt.state.get(param)
+            if state is None or key not in state:
+                continue
+            tensor = state[key]
+            state[key] = tensor.to(device, non_blocking=non_blocking)
+            nbytes += tensor.numel() * tensor.element_size()
+        return nbytes
+
+    prefetch = _restore  # starting the copy back early is the same operation
+
+    def state_bytes(self, name: str) -> dict[str, int]:
+        """Bytes of group ``name``'s optimizer state, by device type."""
+        out: dict[str, int] = {}
+        for _, _, tensor in self._state_tensors(name):
+            key = tensor.device.type
+            out[key] = out.get(key, 0) + tensor.numel() * tensor.element_size()
+        return out
+
+    # -------------------------------------------------------------- optimizer
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Step the active groups' optimizers (each skips parameters whose grad is None)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for name in self.groups.names:
+            if name in self.active:
+                self.inner[name].step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every group (``None`` by default: frees memory, keeps DDP buckets unpinned)."""
+        for opt in self.inner.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "inner", None) and getattr(self, "active", None) is not None:
+            raise PlanError(
+                "GroupedOptimizer.add_param_group: parameters belong to named groups; "
+                "define a new group in ParamGroups instead"
+            )
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """State of every group, keyed by group and parameter name."""
+        groups_out: dict[str, Any] = {}
+        for name, opt in self.inner.items():
+            names = self.groups.param_names(name)
+            index_to_name = dict(enumerate(names))
+            inner = opt.state_dict()
+            groups_out[name] = {
+                "state": {index_to_name[i]: s for i, s in inner["state"].items()},
+                "param_groups": [
+                    {**g, "params": [index_to_name[i] for i in g["params"]]}
+                    for g in inner["param_groups"]
+                ],
+            }
+        return {"format": STATE_DICT_FORMAT, "active": sorted(self.active),
+                "policies": dict(self.policies), "groups": groups_out}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`; then re-apply the idle-state policy.
+
+        Torch's ``load_state_dict`` casts state onto the parameters' device, so
+        offloaded or dropped state would silently come back; it is re-offloaded
+        (or dropped) here for every idle group.
+        """
+        if state_dict.get("format") != STATE_DICT_FORMAT:
+            raise PlanError(
+                f"GroupedOptimizer.load_state_dict: `format` is {state_dict.get('format')!r}; "
+                f"expected {STATE_DICT_FORMAT!r} (a dict from GroupedOptimizer.state_dict())"
+            )
+        saved = state_dict["groups"]
+        if set(saved) != set(self.inner):
+            raise PlanError(
+                f"GroupedOptimizer.load_state_dict: saved groups {sorted(saved)} differ from "
+                f"this optimizer's groups {sorted(self.inner)}"
+            )
+        for name, opt in self.inner.items():
+            name_to_index = {n: i for i, n in enumerate(self.groups.param_names(name))}
+            entry = saved[name]
+            unknown = sorted(set(entry["state"]) - set(name_to_index))
+            if unknown:
+                raise PlanError(
+                    f"GroupedOptimizer.load_state_dict: group {name!r} has state for unknown "
+                    f"parameters {unknown[:5]}"
+                )
+            opt.load_state_dict({
+                "state": {name_to_index[n]: s for n, s in entry["state"].items()},
+                "param_groups": [
+                    {**g, "params": [name_to_index[n] for n in g["params"]]}
+                    for g in entry["param_groups"]
+                ],
+            })
+        self._offloaded.clear()
+        self.set_active(self.active)
+
+
+SchedulerFactory = Callable[[Optimizer], Any]
+
+
+class GroupedLRScheduler:
+    """One LR scheduler per group of a :class:`GroupedOptimizer`.
+
+    Args:
+        optimizer: the grouped optimizer.
+        schedulers: a factory ``inner_optimizer -> LRScheduler`` for every group,
+            or a mapping group name -> factory (groups left out keep a constant LR).
+        advance_idle: if ``False`` (default), a group's schedule advances only on
+            steps where the group is active, so it resumes where it paused; if
+            ``True``, every group's schedule advances every step (wall-clock
+            schedules).
+
+    Example:
+        >>> # sched = GroupedLRScheduler(opt, lambda o: torch.optim.lr_scheduler.StepLR(o, 10))
+        >>> # after opt.step(): sched.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: GroupedOptimizer,
+        schedulers: Union[SchedulerFactory, Mapping[str, SchedulerFactory]],
+        *,
+        advance_idle: bool = False,
+    ) -> None:
+        if not isinstance(optimizer, GroupedOptimizer):
+            raise PlanError(
+                f"GroupedLRScheduler: `optimizer` is {type(optimizer).__name__}; "
+                "a GroupedOptimizer is required"
+            )
+        self.optimizer = optimizer
+        self.advance_idle = advance_idle
+        if isinstance(schedulers, Mapping):
+            unknown = sorted(set(schedulers) - set(optimizer.inner))
+            if unknown:
+                raise PlanError(f"`schedulers` names unknown groups {unknown}; known: {sorted(optimizer.inner)}")
+            factories = dict(schedulers)
+        else:
+            factories = {name: schedulers for name in optimizer.inner}
+        self.schedulers = {name: f(optimizer.inner[name]) for name, f in factories.items()}
+
+    def step(self) -> None:
+        """Advance the schedules of the active groups (of all groups if ``advance_idle``)."""
+        for name, sched in self.schedulers.items():
+            if self.advance_idle or name in self.optimizer.active:
+                with warnings.catch_warnings():
+                    # An idle group's optimizer did not step; torch warns about the order.
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                    sched.step()
+
+    def get_last_lr(self) -> list[float]:
+        """Current learning rates in ``optimizer.param_groups`` order."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"advance_idle": self.advance_idle,
+                "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state_dict["schedulers"][name])

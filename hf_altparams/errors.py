@@ -1,0 +1,22 @@
+"""The one exception family of hf_altparams.
+
+Every error the library raises on bad input or a failed switch is an
+:class:`AltParamsError`. Messages name the argument, the value received and
+what would be accepted, so a user can fix the call without reading our code.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AltParamsError", "PlanError", "SwitchError"]
+
+
+class AltParamsError(Exception):
+    """Base class of every error raised by hf_altparams."""
+
+
+class PlanError(AltParamsError, ValueError):
+    """A parameter group or schedule is invalid (raised at construction, before any step)."""
+
+
+class SwitchError(AltParamsError, RuntimeError):
+    """A phase switch was refused or failed; the model and optimizer are left as they were."""

@@ -1,0 +1,42 @@
+"""The plan layer: parameter groups and schedules; pure Python + torch.nn, no process group.
+
+Example:
+    >>> from torch import nn
+    >>> from hf_altparams.plan import Alternating, ParamGroups
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> groups = ParamGroups(model, {"a": "0.*", "b": "1.*"})
+    >>> schedule = Alternating({"a": 3, "b": 1})
+    >>> schedule.validate(groups)
+    >>> schedule.phase_at(3).name
+    'b'
+"""
+
+from __future__ import annotations
+
+from .groups import ParamGroups
+from .phase import Phase
+from .schedules import (
+    Alternating,
+    Chain,
+    FnSchedule,
+    GradualUnfreeze,
+    PerTaskCycle,
+    PhaseSequence,
+    ProgressiveFreeze,
+    RandomBlocks,
+    Schedule,
+)
+
+__all__ = [
+    "Alternating",
+    "Chain",
+    "FnSchedule",
+    "GradualUnfreeze",
+    "ParamGroups",
+    "PerTaskCycle",
+    "Phase",
+    "PhaseSequence",
+    "ProgressiveFreeze",
+    "RandomBlocks",
+    "Schedule",
+]

@@ -1,0 +1,303 @@
+"""Run a script as real separate processes (gloo on CPU) for multi-process tests.
+
+This is the ONE way the test suite starts several ranks. :func:`launch` runs a
+script under ``torchrun`` or ``accelerate launch`` on a free local port, with an
+environment that keeps it on the CPU and offline, and raises
+:class:`LaunchError` (an ``AssertionError``, so pytest shows it as a failure)
+with the command and the tail of the output when anything goes wrong.
+
+Scripts report back through files, not through stdout: each rank writes
+``{out_dir}/rank{r}.json`` (:func:`write_rank_result`) and the test reads them
+all with :func:`rank_results`.
+
+Example (a test)::
+
+    import pytest
+    from hf_altparams.testing import launch, rank_results, script_path
+
+    @pytest.mark.distributed
+    @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+    def test_two_ranks_agree(tmp_path, launcher):
+        launch(script_path("smoke_allreduce.py"), str(tmp_path), nproc=2, launcher=launcher)
+        rank0, rank1 = rank_results(tmp_path, nproc=2)
+        assert rank0["param_sha256"] == rank1["param_sha256"]
+
+and the script it runs (``hf_altparams/testing/scripts/*.py``)::
+
+    import sys
+    import torch.distributed as dist
+    from hf_altparams.testing import write_rank_result
+
+    dist.init_process_group("gloo")
+    ...
+    write_rank_result(sys.argv[1], {"world_size": dist.get_world_size()})
+
+Environment given to every launch (the caller's ``env`` overrides it):
+
+* ``CUDA_VISIBLE_DEVICES=""`` always, so the ranks use gloo on the CPU even on
+  a machine with GPUs, and tests behave the same everywhere. A GPU test passes
+  ``env={"CUDA_VISIBLE_DEVICES": "0,1"}``.
+* ``OMP_NUM_THREADS=1`` (two ranks on two cores must not oversubscribe).
+* ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``:
+  tests never reach a hub.
+* ``TOKENIZERS_PARALLELISM=false``, ``PYTHONUNBUFFERED=1``.
+* ``PYTHONPATH`` starts with the directory that holds this checkout's
+  ``hf_altparams`` when it is not an installed copy, so an uninstalled checkout
+  works too.
+* ``ACCELERATE_USE_CPU=1`` for ``launcher="accelerate"``.
+
+Launcher facts (torch 2.13, accelerate 1.15):
+
+* ``launcher="accelerate"`` runs ``ACCELERATE_USE_CPU=1 accelerate launch
+  --multi_gpu --num_processes N``: N gloo ranks on the CPU (checked by
+  ``tests/test_smoke_distributed.py``). ``accelerate launch --cpu
+  --num_processes N`` silently runs ONE process (world size 1; its "simple"
+  launcher ignores the count), so it is never used.
+* A developer's ``accelerate config`` default file can still add settings the
+  flags here do not name (``gpu_ids`` for instance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "SCRIPTS_DIR",
+    "LaunchError",
+    "free_port",
+    "launch",
+    "launch_command",
+    "rank_results",
+    "script_path",
+    "write_rank_result",
+]
+
+#: Folder of the check scripts shipped inside the package.
+SCRIPTS_DIR: Path = Path(__file__).resolve().parent / "scripts"
+
+Launcher = Literal["torchrun", "accelerate"]
+
+_TAIL_LINES = 200
+_ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
+
+_BASE_ENV: dict[str, str] = {
+    "OMP_NUM_THREADS": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class LaunchError(AssertionError):
+    """A launched multi-process run failed, timed out, or reported the wrong number of ranks."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def script_path(name: str) -> Path:
+    """Return the path of a check script shipped in ``hf_altparams/testing/scripts``.
+
+    Example::
+
+        >>> script_path("smoke_allreduce.py").name
+        'smoke_allreduce.py'
+    """
+    path = SCRIPTS_DIR / name
+    if not path.is_file():
+        available = sorted(p.name for p in SCRIPTS_DIR.glob("*.py"))
+        raise FileNotFoundError(f"no script named {name!r} in {SCRIPTS_DIR}; available: {available}")
+    return path
+
+
+def launch_command(
+    script: str | os.PathLike[str],
+    *script_args: str,
+    nproc: int = 2,
+    launcher: Launcher = "torchrun",
+    port: int,
+) -> list[str]:
+    """Return the argv that :func:`launch` runs (useful for printing or debugging by hand)."""
+    if launcher == "torchrun":
+        head = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1",
+            "--master_port", str(port),
+        ]  # fmt: skip
+    elif launcher == "accelerate":
+        head = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--multi_gpu",  # NOT --cpu: that silently runs a single process
+            "--num_processes", str(nproc),
+            "--num_machines", "1",
+            "--mixed_precision", "no",
+            "--dynamo_backend", "no",
+            "--main_process_port", str(port),
+        ]  # fmt: skip
+    else:
+        raise ValueError(f"`launcher` must be 'torchrun' or 'accelerate', got {launcher!r}")
+    return [*head, os.fspath(script), *script_args]
+
+
+def _checkout_root() -> Path | None:
+    """The folder holding ``hf_altparams`` if it is a source checkout, else None (installed copy)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() or (root / "setup.cfg").is_file():
+        return root
+    return None
+
+
+def _launch_env(launcher: Launcher, env: Mapping[str, str] | None) -> dict[str, str]:
+    full = dict(os.environ)
+    full.update(_BASE_ENV)
+    if launcher == "accelerate":
+        full["ACCELERATE_USE_CPU"] = "1"
+    root = _checkout_root()
+    if root is not None:
+        rest = full.get("PYTHONPATH", "")
+        full["PYTHONPATH"] = os.pathsep.join([str(root), rest]) if rest else str(root)
+    if env:
+        full.update(env)
+    return full
+
+
+def _tail(text: str, lines: int = _TAIL_LINES) -> str:
+    kept = text.splitlines()[-lines:]
+    return "\n".join(kept)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _run_once(
+    cmd: list[str], env: dict[str, str], timeout: float, cwd: str | os.PathLike[str] | None
+) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (launcher and ranks).
+
+    Returns the finished process and whether it timed out.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, None), False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, None), True
+    except BaseException:  # e.g. KeyboardInterrupt or pytest-timeout: leave no ranks behind
+        _kill_group(proc)
+        proc.wait()
+        raise
+
+
+def launch(
+    script: str | os.PathLike[str],
+    *script_args: str,
+    nproc: int = 2,
+    launcher: Launcher = "torchrun",
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as ``nproc`` separate processes (gloo on CPU) and wait for it.
+
+    Args:
+        script: path of the Python script every rank runs.
+        *script_args: arguments passed to the script (strings).
+        nproc: number of processes (ranks).
+        launcher: ``"torchrun"`` (``python -m torch.distributed.run``) or
+            ``"accelerate"`` (``accelerate launch --multi_gpu``).
+        env: extra environment variables; they override the defaults listed in
+            the module docstring.
+        timeout: seconds before the launcher and all its ranks are killed.
+        cwd: working directory of the run.
+
+    Returns:
+        The finished process; ``stdout`` holds stdout and stderr of the launcher
+        and all ranks, interleaved; ``stderr`` is None.
+
+    Raises:
+        LaunchError: on a non-zero exit or a timeout, with the command and the
+            last 200 lines of output. A run that failed because its port was
+            taken in the meantime (``address already in use``) is retried once
+            on a new port first.
+    """
+    if nproc < 1:
+        raise ValueError(f"`nproc` must be >= 1, got {nproc}")
+    full_env = _launch_env(launcher, env)
+    for attempt in (1, 2):
+        cmd = launch_command(script, *script_args, nproc=nproc, launcher=launcher, port=free_port())
+        result, timed_out = _run_once(cmd, full_env, timeout, cwd)
+        if result.returncode == 0 and not timed_out:
+            return result
+        if attempt == 1 and not timed_out and _ADDRESS_IN_USE.search(result.stdout or ""):
+            continue  # port race with another process: one more try on a new port
+        break
+    what = f"timed out after {timeout:g} s" if timed_out else f"exited with code {result.returncode}"
+    raise LaunchError(
+        f"{launcher} run of {os.fspath(script)} with {nproc} processes {what}.\n"
+        f"command: {subprocess.list2cmdline(cmd)}\n"
+        f"--- last {_TAIL_LINES} lines of output ---\n{_tail(result.stdout or '')}"
+    )
+
+
+def write_rank_result(out_dir: str | os.PathLike[str], payload: Mapping[str, Any], rank: int | None = None) -> Path:
+    """Write ``payload`` (plus ``"rank"``) to ``{out_dir}/rank{rank}.json`` atomically.
+
+    ``rank`` defaults to the ``RANK`` environment variable set by both launchers.
+    For use inside launched scripts.
+    """
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    final = out / f"rank{rank}.json"
+    tmp = out / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps({**payload, "rank": rank}, indent=1, sort_keys=True))
+    os.replace(tmp, final)
+    return final
+
+
+def rank_results(out_dir: str | os.PathLike[str], nproc: int = 2) -> list[dict[str, Any]]:
+    """Load ``{out_dir}/rank{r}.json`` for r in 0..nproc-1, in rank order.
+
+    Raises:
+        LaunchError: if the files present are not exactly ranks ``0..nproc-1``
+            (a rank died silently, or fewer processes were started than asked).
+    """
+    out = Path(out_dir)
+    files = {int(m.group(1)): p for p in out.glob("rank*.json") if (m := re.fullmatch(r"rank(\d+)\.json", p.name))}
+    if sorted(files) != list(range(nproc)):
+        raise LaunchError(
+            f"expected result files for ranks 0..{nproc - 1} in {out}, found ranks {sorted(files)}"
+        )
+    return [json.loads(files[r].read_text()) for r in range(nproc)]
