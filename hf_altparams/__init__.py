@@ -14,15 +14,84 @@ check_torch_at_import()
 __version__ = "0.1.0"
 
 # ---------------------------------------------------------------------------
-# Public API. Everything users may import from `hf_altparams` is listed in
-# `__all__`; internals live in underscore modules or subpackages.
-# (Re-exports of plan / engine / integrations are added as each lands.)
+# Public API: everything users may import from `hf_altparams` is in `__all__`.
+# The plan and engine load eagerly; the integrations (which import accelerate,
+# transformers: seconds) and the planner load on first attribute access.
 # ---------------------------------------------------------------------------
+from importlib import import_module
+from typing import Any
+
+from .engine import (
+    CommCounter,
+    GroupedLRScheduler,
+    GroupedOptimizer,
+    MemoryReport,
+    PhaseSwitcher,
+    SwitchRecord,
+    memory_report,
+    reapply_state_policy,
+    register_comm_counter,
+)
 from .errors import AltParamsError, PlanError, SwitchError
+from .plan import (
+    Alternating,
+    Chain,
+    FnSchedule,
+    GradualUnfreeze,
+    ParamGroups,
+    PerTaskCycle,
+    Phase,
+    PhaseSequence,
+    ProgressiveFreeze,
+    RandomBlocks,
+    Schedule,
+)
+
+_LAZY = {
+    "PhasedAccelerator": ".integrations.accelerate",
+    "AlternatingFreeze": ".integrations.trainer",
+    "grouped_optimizer": ".integrations.trainer",
+    "plan_cost": ".planner",
+    "CostPlan": ".planner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_altparams' has no attribute {name!r}")
+
 
 __all__ = [
     "AltParamsError",
+    "Alternating",
+    "AlternatingFreeze",
+    "Chain",
+    "CommCounter",
+    "CostPlan",
+    "FnSchedule",
+    "GradualUnfreeze",
+    "GroupedLRScheduler",
+    "GroupedOptimizer",
+    "MemoryReport",
+    "ParamGroups",
+    "PerTaskCycle",
+    "Phase",
+    "PhaseSequence",
+    "PhaseSwitcher",
+    "PhasedAccelerator",
     "PlanError",
+    "ProgressiveFreeze",
+    "RandomBlocks",
+    "Schedule",
     "SwitchError",
+    "SwitchRecord",
     "__version__",
+    "grouped_optimizer",
+    "memory_report",
+    "plan_cost",
+    "reapply_state_policy",
+    "register_comm_counter",
 ]

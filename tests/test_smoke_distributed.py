@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import LaunchError, launch, rank_results, script_path
 
 NPROC = 2
 
@@ -29,3 +32,73 @@ def test_two_ranks_allreduce_and_ddp_step(tmp_out: Path, launcher: str) -> None:
     assert all(r["grad_is_average"] for r in ranks)
     assert all(r["grad_sha256"] == ranks[0]["grad_sha256"] for r in ranks)
     assert all(r["param_sha256"] == ranks[0]["param_sha256"] for r in ranks)
+
+
+# --- the launcher's own failure handling ------------------------------------
+
+_FAILING = """
+import os
+if os.environ["RANK"] == "1":
+    raise RuntimeError("boom from rank 1")
+"""
+
+_HANGING = """
+import os, sys, time
+from pathlib import Path
+Path(sys.argv[1], "pid" + os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(120)  # bounded, in case the kill under test fails
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; it only waits to be reaped
+
+
+@pytest.mark.distributed
+def test_failing_rank_raises_launch_error_with_command_and_output(tmp_path: Path) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING)
+    with pytest.raises(LaunchError) as info:
+        launch(script, nproc=2, timeout=120)
+    message = str(info.value)
+    assert "exited with code" in message
+    assert "torch.distributed.run" in message and str(script) in message
+    assert "boom from rank 1" in message
+
+
+@pytest.mark.distributed
+def test_timeout_kills_launcher_and_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "hanging.py"
+    script.write_text(_HANGING)
+    with pytest.raises(LaunchError, match="timed out after 25 s"):
+        launch(script, str(tmp_path), nproc=2, timeout=25)
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("pid*"))]
+    assert len(pids) == 2, "both ranks should have started within the timeout"
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.distributed
+def test_port_taken_in_the_meantime_is_retried_once(tmp_out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `hf_altparams.testing.launch` the function shadows the module of the same
+    # name as an attribute of `hf_altparams.testing`; reach the module itself.
+    launch_module = sys.modules["hf_altparams.testing.launch"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        ports = iter([busy_port])
+        real_free_port = launch_module.free_port
+        monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real_free_port())
+
+        result = launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=2, launcher="torchrun")
+
+    used = result.args[result.args.index("--master_port") + 1]
+    assert used != str(busy_port)
+    assert [r["world_size"] for r in rank_results(tmp_out, nproc=2)] == [2, 2]

@@ -1,17 +1,29 @@
 """The engine: phase switches under torch.distributed (DDP re-bucketing, optimizers, memory)."""
 
+from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import release_memory, rss_bytes
-from .optim import GroupedLRScheduler, GroupedOptimizer
+from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
+from .report import MemoryReport, expected_peak_bytes, memory_report
+from .residency import ResidencyManager, non_resident_groups
 from .switch import PhaseSwitcher, SwitchRecord
 
 __all__ = [
+    "BufferPlan",
+    "BufferSync",
     "CommCounter",
     "GroupedLRScheduler",
     "GroupedOptimizer",
+    "MemoryReport",
     "PhaseSwitcher",
+    "ResidencyManager",
     "SwitchRecord",
     "counting_allreduce_hook",
+    "expected_peak_bytes",
+    "memory_report",
+    "non_resident_groups",
+    "plan_buffer_sync",
+    "reapply_state_policy",
     "register_comm_counter",
     "release_memory",
     "rss_bytes",

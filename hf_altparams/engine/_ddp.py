@@ -31,6 +31,8 @@ from ..errors import SwitchError
 
 __all__ = [
     "PRIVATE_DDP_ATTRIBUTES",
+    "STATIC_GRAPH_ATTRIBUTES",
+    "check_comm_hooks",
     "check_ddp_supported",
     "ddp_settings",
     "is_ddp",
@@ -60,6 +62,9 @@ PRIVATE_DDP_ATTRIBUTES = (
     "_use_python_reducer",
     "mixed_precision",
 )
+
+#: Private attributes the rebuild also resets when the wrapper uses ``static_graph=True``.
+STATIC_GRAPH_ATTRIBUTES = ("_static_graph_delay_allreduce_enqueued",)
 
 
 def is_ddp(module: object) -> bool:
@@ -96,7 +101,8 @@ def check_ddp_supported(ddp: DistributedDataParallel) -> None:
             f"{ALLOW_UNTESTED_ENV}=1 is set, trying the in-place DDP rebuild anyway.",
             stacklevel=3,
         )
-    missing = [name for name in PRIVATE_DDP_ATTRIBUTES if not hasattr(ddp, name)]
+    needed = PRIVATE_DDP_ATTRIBUTES + (STATIC_GRAPH_ATTRIBUTES if getattr(ddp, "static_graph", False) else ())
+    missing = [name for name in needed if not hasattr(ddp, name)]
     if missing:
         raise SwitchError(
             f"this torch ({torch.__version__}) DistributedDataParallel lacks {missing}, which the "
@@ -165,6 +171,15 @@ def _check_hook_state(ddp: DistributedDataParallel, state: object) -> None:
         )
 
 
+def check_comm_hooks(ddp: DistributedDataParallel) -> None:
+    """Raise :class:`SwitchError` if a registered comm hook's state would pin old buckets.
+
+    Checked before a switch touches anything (a refusal, not a failed rebuild).
+    """
+    for _, state in ddp._comm_hooks:
+        _check_hook_state(ddp, state)
+
+
 def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None) -> None:
     """Rebuild ``ddp``'s reducer in place for the current ``requires_grad`` flags.
 
@@ -215,6 +230,10 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
+        # The new reducer starts a static-graph first iteration, whose all-reduce
+        # runs from a callback that DDP's forward queues only while this flag is
+        # False; left True, nothing is ever all-reduced and the ranks drift apart.
+        ddp._static_graph_delay_allreduce_enqueued = False
     for hook, state in hooks:
         _reset_hook_state(state)
         dist._register_comm_hook(ddp.reducer, state, hook)

@@ -19,8 +19,9 @@ from torch.optim import Optimizer
 
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
+from ._transfer import HostCopies, Prefetcher, optimizer_of, param_group_map, state_target_device, to_device, to_host
 
-__all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory"]
+__all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory", "reapply_state_policy"]
 
 StatePolicy = Literal["keep", "offload", "drop"]
 POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
@@ -97,6 +98,8 @@ class GroupedOptimizer(Optimizer):
                 )
             self.inner[name] = opt
         self._offloaded: dict[str, list[tuple[nn.Parameter, str, torch.device]]] = {}
+        self._host_copies = HostCopies()  # device -> host copies not yet waited for
+        self._prefetcher = Prefetcher()  # host -> device copies started before a switch
         all_params = [p for name in groups.names for p in groups.params(name)]
         super().__init__(all_params, defaults={})
         # The composite's param_groups ARE the inner optimizers' dicts.
@@ -157,36 +160,79 @@ class GroupedOptimizer(Optimizer):
             self.offload(name)
 
     def offload(self, name: str, non_blocking: bool = True) -> int:
-        """Move group ``name``'s optimizer state to CPU; return the bytes moved."""
+        """Move group ``name``'s optimizer state to CPU; return the bytes moved.
+
+        From CUDA the copies go into pinned memory without blocking the host:
+        the device memory is reusable at once in stream order, so the copy never
+        raises the peak. The host copies are waited for only before the CPU
+        reads them (:meth:`state_dict`, :meth:`synchronize`).
+        """
         moved = self._offloaded.setdefault(name, [])
+        recorded = {(id(p), k) for p, k, _ in moved}
         opt = self.inner[name]
         nbytes = 0
         for param, key, tensor in list(self._state_tensors(name)):
             if tensor.device.type == "cpu":
                 continue
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                               pin_memory=tensor.is_cuda)
-            host.copy_(tensor, non_blocking=non_blocking and tensor.is_cuda)
-            opt.state[param][key] = host
-            moved.append((param, key, tensor.device))
+            opt.state[param][key] = to_host(tensor, torch.device("cpu")) if non_blocking \
+                else tensor.to("cpu")
+            self._host_copies.note(tensor.device)
+            if (id(param), key) not in recorded:
+                moved.append((param, key, tensor.device))
             nbytes += tensor.numel() * tensor.element_size()
-        if nbytes and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+        self._host_copies.record()
         return nbytes
 
     def _restore(self, name: str, non_blocking: bool = True) -> int:
-        nbytes = 0
+        """Bring group ``name``'s state to where torch keeps it for the parameters' device.
+
+        The rule is ``Optimizer.load_state_dict``'s (``step`` stays on the CPU
+        unless the group is capturable or fused), so state that came back from
+        a checkpoint, or whose parameters moved, lands right too. A copy started
+        by :meth:`prefetch` is used when it is still current.
+        """
+        self._offloaded.pop(name, None)
         opt = self.inner[name]
-        for param, key, device in self._offloaded.pop(name, []):
-            state = opt.state.get(param)
-            if state is None or key not in state:
+        groups_of = param_group_map(opt.param_groups)
+        nbytes = 0
+        for param, key, tensor in list(self._state_tensors(name)):
+            target = state_target_device(param, key, groups_of.get(id(param)))
+            if target is None or tensor.device == target:
                 continue
-            tensor = state[key]
-            state[key] = tensor.to(device, non_blocking=non_blocking)
+            ready = self._prefetcher.take((id(param), key), tensor)
+            opt.state[param][key] = ready if ready is not None else (
+                to_device(tensor, target) if non_blocking else tensor.to(target))
             nbytes += tensor.numel() * tensor.element_size()
         return nbytes
 
-    prefetch = _restore  # starting the copy back early is the same operation
+    def prefetch(self, name: str, max_bytes: Optional[int] = None) -> int:
+        """Start copying idle group ``name``'s offloaded state back, on a CUDA side stream.
+
+        The copy overlaps whatever runs until the group becomes active again,
+        when :meth:`set_active` uses it; meanwhile it occupies device memory
+        (that is the trade-off; ``PhaseSwitcher(prefetch=...)`` decides when).
+        Returns the bytes started: 0 off CUDA or when nothing is offloaded.
+        """
+        opt = self.inner[name]
+        groups_of = param_group_map(opt.param_groups)
+        started = 0
+        for param, key, tensor in list(self._state_tensors(name)):
+            target = state_target_device(param, key, groups_of.get(id(param)))
+            if target is None or tensor.device == target:
+                continue
+            if max_bytes is not None and started + tensor.numel() * tensor.element_size() > max_bytes:
+                break
+            started += self._prefetcher.start((id(param), key), tensor, target)
+        return started
+
+    @property
+    def prefetched_bytes(self) -> int:
+        """Device bytes of prefetched state not yet used."""
+        return self._prefetcher.bytes
+
+    def synchronize(self) -> None:
+        """Wait for pending device -> host copies of offloaded state (before reading it on the CPU)."""
+        self._host_copies.wait()
 
     def state_bytes(self, name: str) -> dict[str, int]:
         """Bytes of group ``name``'s optimizer state, by device type."""
@@ -222,12 +268,36 @@ class GroupedOptimizer(Optimizer):
             )
         super().add_param_group(param_group)
 
+    def _indexed_names(self, name: str) -> list[str]:
+        """Group ``name``'s parameter names in the order torch's ``state_dict`` numbers them.
+
+        Torch numbers parameters in ``param_groups`` order, which a factory may
+        change (e.g. weight-decay and no-decay sub-groups), so the group's own
+        order would key the state under the wrong names.
+        """
+        names_by_id = {id(p): n for n, p in self.groups.named_params(name)}
+        order: list[str] = []
+        seen: set[int] = set()
+        for group in self.inner[name].param_groups:
+            for param in group["params"]:
+                if id(param) in seen:
+                    continue
+                if id(param) not in names_by_id:
+                    raise PlanError(
+                        f"the optimizer of group {name!r} holds a parameter of shape "
+                        f"{tuple(param.shape)} that is not in that group; a factory must build "
+                        "its optimizer on the parameters it is given"
+                    )
+                seen.add(id(param))
+                order.append(names_by_id[id(param)])
+        return order
+
     def state_dict(self) -> dict[str, Any]:
         """State of every group, keyed by group and parameter name."""
+        self.synchronize()  # offloaded state may still be in flight to the host
         groups_out: dict[str, Any] = {}
         for name, opt in self.inner.items():
-            names = self.groups.param_names(name)
-            index_to_name = dict(enumerate(names))
+            index_to_name = dict(enumerate(self._indexed_names(name)))
             inner = opt.state_dict()
             groups_out[name] = {
                 "state": {index_to_name[i]: s for i, s in inner["state"].items()},
@@ -258,7 +328,7 @@ class GroupedOptimizer(Optimizer):
                 f"this optimizer's groups {sorted(self.inner)}"
             )
         for name, opt in self.inner.items():
-            name_to_index = {n: i for i, n in enumerate(self.groups.param_names(name))}
+            name_to_index = {n: i for i, n in enumerate(self._indexed_names(name))}
             entry = saved[name]
             unknown = sorted(set(entry["state"]) - set(name_to_index))
             if unknown:
@@ -273,7 +343,12 @@ class GroupedOptimizer(Optimizer):
                     for g in entry["param_groups"]
                 ],
             })
+        # torch's load_state_dict replaces each inner param_group dict with a new one;
+        # re-point the composite at the live dicts, or LR schedulers (and GradScaler)
+        # acting on `self.param_groups` would edit stale copies the inner optimizers ignore.
+        self.param_groups = [g for opt in self.inner.values() for g in opt.param_groups]
         self._offloaded.clear()
+        self._prefetcher.cancel()
         self.set_active(self.active)
 
 
@@ -340,3 +415,35 @@ class GroupedLRScheduler:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict["schedulers"][name])
+
+
+def reapply_state_policy(optimizer: Any) -> int:
+    """Re-apply a :class:`GroupedOptimizer`'s idle-state policy; return the bytes re-offloaded.
+
+    Three places move optimizer state back onto the device by themselves:
+    ``Optimizer.load_state_dict`` (torch casts state to the parameters' device),
+    Accelerate's optimizer preparation (``AcceleratedOptimizer`` with
+    ``device_placement=True`` reloads the state dict moved to the device) and
+    the Trainer's resume. ``GroupedOptimizer.load_state_dict`` re-applies the
+    policy itself; call this after anything else that may have touched the
+    state. ``optimizer`` may be wrapped (``.optimizer`` chains such as
+    ``AcceleratedOptimizer`` are unwrapped); any other optimizer is left alone
+    (returns 0).
+
+    Example:
+        >>> # optimizer = accelerator.prepare(GroupedOptimizer(groups, factory, state_policy="offload"))
+        >>> # reapply_state_policy(optimizer)  # idle groups' state back on the CPU
+    """
+    inner = optimizer_of(optimizer)
+    if not isinstance(inner, GroupedOptimizer):
+        return 0
+    moved = 0
+    for name in inner.groups.names:
+        if name in inner.active:
+            inner._restore(name)
+        elif inner.policies[name] == "offload":
+            moved += inner.offload(name)
+        elif inner.policies[name] == "drop":
+            moved += sum(inner.state_bytes(name).values())
+            inner._apply_idle_policy(name)
+    return moved

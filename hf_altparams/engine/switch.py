@@ -15,6 +15,15 @@ DDP wrapper and optimizer. At a switch it
 
 If step 4 or 5 fails on any rank, every rank restores the previous flags and
 reducer and raises :class:`~hf_altparams.errors.SwitchError`.
+
+Memory (see :mod:`.residency`, :mod:`.buffers`, :mod:`.report`): before step 4,
+groups the phase does not keep resident (``Phase.resident``) move off the
+device and the returning ones come back; step 5 passes DDP the matching ignore
+list; a failure there rolls the moves back too. After the transaction, groups
+resident for the first time since the wrap are broadcast from rank 0 once,
+guards go on modules of non-resident groups, and the buffer-sync policy is
+applied. With ``prefetch``, the next phase's offloaded parameters and state
+start copying back during the last step of the current phase.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +44,13 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp
+from ._transfer import optimizer_of
+from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
 from .memory import release_memory
-from .optim import GroupedOptimizer
+from .optim import GroupedOptimizer, reapply_state_policy
+from .residency import DeviceLike, ResidencyManager
+
+PrefetchSetting = Union[bool, int, str]
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
 
@@ -54,6 +68,11 @@ class SwitchRecord:
     allreduce_bytes_per_step: int
     rebuilt_ddp: bool
     seconds: float
+    moved_bytes: Optional[int] = None
+    offloaded_bytes: Optional[int] = None
+    synced_bytes: Optional[int] = None
+    buffer_broadcast_bytes: Optional[int] = None
+    buffer_broadcast_saved_bytes: Optional[int] = None
 
     def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float, str]]:
         """Flat ``{name: value}`` metrics (numbers only, plus the phase name)."""
@@ -90,6 +109,30 @@ class PhaseSwitcher:
         full_gc: make that gc pass a full collection (80-300 ms with torch and
             transformers imported; a switch's garbage is freed by reference count,
             so this is only for user-side reference cycles).
+        offload_device: where the groups a phase does not keep resident live
+            (``Phase.resident``, e.g. the other tasks of ``PerTaskCycle``): their
+            parameters, gradients and optimizer state. Default the CPU; ``None``
+            leaves them in place (still out of DDP and guarded).
+        device: where resident groups live (default: where each tensor left from,
+            else the DDP wrapper's device).
+        guard_offloaded: refuse, with a :class:`SwitchError` naming the parameter,
+            a forward through a module whose parameters are all non-resident.
+        prefetch: start copying the next phase's offloaded parameters and
+            optimizer state back on a CUDA side stream during the last step of
+            the current phase, so the copy overlaps its compute. The trade-off:
+            during that step the device holds both phases' copies. ``False``
+            (default): copy at the switch, the peak stays that of the larger
+            phase. ``True``: prefetch everything. An ``int``: at most that many
+            bytes. ``"auto"``: at most the headroom between the current phase's
+            expected peak and the largest expected peak seen so far (or the next
+            phase's), so the run's expected peak does not rise (activations are
+            not part of that estimate). Step schedules only; a no-op off CUDA.
+        buffer_sync: ``"keep"`` (default: DDP's buffer broadcast as built) or
+            ``"auto"`` (broadcast only while a module that updates its buffers in
+            forward may train; see :mod:`hf_altparams.engine.buffers`).
+        frozen_norms: ``"train"`` (default) or ``"eval"``: hold norm layers whose
+            parameters are frozen in a phase in eval mode (running stats stop drifting).
+        buffer_updating_types: module types besides norm layers that update buffers in forward.
 
     Example:
         >>> import torch
@@ -111,8 +154,27 @@ class PhaseSwitcher:
         model: Optional[nn.Module] = None,
         release: bool = True,
         full_gc: bool = False,
+        offload_device: Optional[DeviceLike] = "cpu",
+        device: Optional[DeviceLike] = None,
+        guard_offloaded: bool = True,
+        prefetch: PrefetchSetting = False,
+        buffer_sync: BufferSyncPolicy = "keep",
+        frozen_norms: FrozenNormPolicy = "train",
+        buffer_updating_types: tuple[type, ...] = (),
     ) -> None:
         schedule.validate(groups)
+        if not (prefetch in (True, False, "auto") or
+                (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0)):
+            raise SwitchError(
+                f"`prefetch` is {prefetch!r}; accepted: False, True, 'auto' or a byte budget (int >= 0)"
+            )
+        self.prefetch = prefetch
+        self.residency = ResidencyManager(groups, offload_device=offload_device, device=device,
+                                          guard=guard_offloaded)
+        self.residency.optimizer = optimizer
+        self.buffer_sync = BufferSync(buffer_sync, frozen_norms, buffer_updating_types)
+        self._prefetched_for: Optional[int] = None
+        self._peak_seen = 0
         self.groups = groups
         self.schedule = schedule
         self.optimizer = optimizer
@@ -130,11 +192,21 @@ class PhaseSwitcher:
     def module(self) -> nn.Module:
         return self.groups.module
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:
         """Attach the DDP wrapper built around ``groups.module`` (no-op for a plain module).
 
-        The wrapper must have been built while the current phase was applied
-        (``requires_grad`` set); from now on switches re-bucket it in place.
+        Without ``rebuild`` the wrapper must have been built while the current
+        phase was applied (``requires_grad`` set); from now on switches
+        re-bucket it in place.
+
+        Args:
+            model: the DDP wrapper (or the plain grouped module).
+            rebuild: the wrapper was built before the current phase was applied
+                (the HF Trainer wraps the model before any callback can set the
+                phase, and on resume): re-bucket it now for the current phase, as
+                one collective transaction like a switch, and return its record.
+                Allowed at the start of a gradient-accumulation window (inside
+                ``no_sync``) as long as no gradient is pending.
         """
         if not _ddp.is_ddp(model):
             if model is not self.module:
@@ -142,7 +214,7 @@ class PhaseSwitcher:
                     f"`model` ({type(model).__name__}) is neither the grouped module nor a "
                     "DistributedDataParallel around it; build ParamGroups on the model you train"
                 )
-            return
+            return None
         if model.module is not self.module:
             raise SwitchError(
                 "`model` is a DistributedDataParallel around a different module than the one "
@@ -150,6 +222,22 @@ class PhaseSwitcher:
             )
         _ddp.check_ddp_supported(model)
         self.ddp = model
+        self.residency.attached(model.parameters_to_ignore, model.device)
+        self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
+        if self.current is not None:
+            # Accelerate's prepare() and the Trainer move the whole model to the device.
+            self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
+            self.residency.install_guards(self.current.name)
+            if not rebuild:
+                if set(model.parameters_to_ignore) != self.residency.ignore_names():
+                    _ddp.rebuild_reducer(model, ignore=self.residency.ignore_names())
+                self.buffer_sync.apply(self.module, self.trainable_names(self.current), ddp=model,
+                                       ignore=self.residency.ignore_names())
+        if not rebuild:
+            return None
+        if self.current is None:
+            raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
+        return self._transaction(self.current, None, None, self._hook_error() or self._pending_grads_error())
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -183,36 +271,54 @@ class PhaseSwitcher:
         """
         phase = self.phase_at(step, epoch)
         if phase == self.current:
+            self._maybe_prefetch(step, epoch)
             return None
         return self.switch(phase, step=step, epoch=epoch)
 
     def switch(self, phase: Phase, *, step: Optional[int] = None, epoch: Optional[int] = None) -> SwitchRecord:
         """Apply ``phase`` now, as one collective transaction (see the module docstring)."""
+        return self._transaction(phase, step, epoch, self._precondition_error())
+
+    def _transaction(
+        self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
+    ) -> SwitchRecord:
         started = time.perf_counter()
-        self._agree(phase, step, self._precondition_error())
+        self._agree(phase, step, local_error)
 
         trainable = self.trainable_names(phase)
         before = {name: p.requires_grad for name, p in self.groups.all_named_params()}
+        offloaded_before = self.residency.offloaded
+        ignore_before = set(self.ddp.parameters_to_ignore) if self.ddp is not None else None
         failure: Optional[BaseException] = None
+        moved = 0
         try:
+            moved = self.residency.apply(self.residency.non_resident(phase),
+                                         keep_state_off=self._state_stays_off(phase))
             self._apply_flags(trainable)
             if self.ddp is not None:
-                _ddp.rebuild_reducer(self.ddp)
+                _ddp.rebuild_reducer(self.ddp, ignore=self.residency.ignore_names())
         except Exception as exc:  # roll back locally, then tell every rank
             failure = exc
         if self._any_rank_failed(failure is not None):
-            self._rollback(before)
+            self._rollback(before, offloaded_before, ignore_before)
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
             raise SwitchError(
                 f"phase switch to {phase.name!r} at step {step} failed ({reason}); the previous "
                 "trainable set and DDP reducer were restored on every rank"
             ) from failure
 
+        synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
+        self.residency.install_guards(phase.name)
         if isinstance(self.optimizer, GroupedOptimizer):
             self.optimizer.set_active(phase.trainable)
+        plan = self.buffer_sync.apply(self.module, trainable, ddp=self.ddp,
+                                      ignore=self.residency.ignore_names())
         if self.release:
             release_memory(barrier=self._distributed(), group=self.process_group, full_gc=self.full_gc)
         self.current = phase
+        if self.prefetch:
+            self._peak_seen = max(self._peak_seen, self._expected_peak(phase))
+            self._maybe_prefetch(step, epoch)
         record = SwitchRecord(
             step=step,
             epoch=epoch,
@@ -224,6 +330,11 @@ class PhaseSwitcher:
             allreduce_bytes_per_step=self.allreduce_bytes_per_step(),
             rebuilt_ddp=self.ddp is not None,
             seconds=time.perf_counter() - started,
+            moved_bytes=moved,
+            offloaded_bytes=self.residency.offloaded_bytes(),
+            synced_bytes=synced,
+            buffer_broadcast_bytes=plan.bytes_per_forward,
+            buffer_broadcast_saved_bytes=plan.saved_bytes_per_forward,
         )
         self.records.append(record)
         return record
@@ -233,6 +344,19 @@ class PhaseSwitcher:
         if self.ddp is not None and not self.ddp.require_backward_grad_sync:
             return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
                     "an optimizer-step boundary, after optimizer.step() and zero_grad()")
+        return self._hook_error() or self._pending_grads_error()
+
+    def _hook_error(self) -> Optional[str]:
+        # Checked before anything changes: failing inside the rebuild would also fail the rollback.
+        if self.ddp is None:
+            return None
+        try:
+            _ddp.check_comm_hooks(self.ddp)
+        except SwitchError as exc:
+            return str(exc)
+        return None
+
+    def _pending_grads_error(self) -> Optional[str]:
         pending = [n for n, p in self.groups.all_named_params()
                    if p.grad is not None and bool(p.grad.ne(0).any())]
         if pending:
@@ -255,13 +379,16 @@ class PhaseSwitcher:
         # Slow path, taken by every rank alike: gather the details for one clear message.
         world = dist.get_world_size(group)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (phase.name, phase.digest(), local_error), group=group)
-        refusals = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(gathered) if e]
+        dist.all_gather_object(gathered, (repr(phase), local_error, step), group=group)
+        # Built from gathered data only, so every rank raises the very same message.
+        steps = sorted({s for _, _, s in gathered}, key=str)
+        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        refusals = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
         if refusals:
-            raise SwitchError(f"phase switch at step {step} refused; " + "; ".join(refusals))
-        asked = ", ".join(f"rank {r} -> {name!r}" for r, (name, _, _) in enumerate(gathered))
+            raise SwitchError(f"phase switch at {where} refused; " + "; ".join(refusals))
+        asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s) in enumerate(gathered))
         raise SwitchError(
-            f"ranks disagree on the phase at step {step} ({asked}); every rank must call the "
+            f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
             "switch with the same step, schedule and seed"
         )
 
@@ -278,19 +405,89 @@ class PhaseSwitcher:
             param.grad = None
             param.requires_grad_(name in trainable)
 
-    def _rollback(self, before: Mapping[str, bool]) -> None:
+    def _rollback(
+        self,
+        before: Mapping[str, bool],
+        offloaded: Optional[frozenset[str]] = None,
+        ignore: Optional[set[str]] = None,
+    ) -> None:
+        if offloaded is not None:
+            try:
+                keep_off = self._state_stays_off(self.current) if self.current is not None else None
+                self.residency.apply(offloaded, keep_state_off=keep_off or (lambda group: False))
+            except Exception as exc:
+                raise SwitchError(
+                    "phase switch failed and moving parameters back to their previous devices "
+                    f"failed too ({type(exc).__name__}: {exc}); restart from the last checkpoint"
+                ) from exc
         for name, param in self.groups.all_named_params():
             param.grad = None
             param.requires_grad_(before[name])
         if self.ddp is not None:
             try:
-                _ddp.rebuild_reducer(self.ddp)
+                _ddp.rebuild_reducer(self.ddp, ignore=ignore)
             except Exception as exc:
                 raise SwitchError(
                     "phase switch failed and restoring the previous DDP reducer failed too "
                     f"({type(exc).__name__}: {exc}); the DDP wrapper is unusable, restart from "
                     "the last checkpoint"
                 ) from exc
+
+    def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
+        """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
+        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
+        if not isinstance(opt, GroupedOptimizer):
+            return lambda group: False
+        return lambda group: group not in phase.trainable and opt.policies.get(group, "keep") != "keep"
+
+    # ------------------------------------------------------------ memory
+    def reapply_placement(self) -> int:
+        """Put parameters and optimizer state back where the current phase wants them.
+
+        Call it on every rank after anything that moved them wholesale: a
+        ``model.to(device)`` (Accelerate's ``prepare``, the Trainer's model
+        placement), an optimizer ``load_state_dict`` outside
+        :class:`GroupedOptimizer`, Accelerate's optimizer preparation, a Trainer
+        resume. Returns the bytes moved.
+        """
+        moved = 0
+        if self.current is not None:
+            moved += self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
+            self.residency.install_guards(self.current.name)
+        if self.optimizer is not None:
+            moved += reapply_state_policy(self.optimizer)
+        return moved
+
+    def _expected_peak(self, phase: Phase) -> int:
+        from .report import expected_peak_bytes  # report imports this module's types
+
+        return expected_peak_bytes(self, phase)[0]
+
+    def _maybe_prefetch(self, step: Optional[int], epoch: Optional[int]) -> int:
+        """During the last step of a phase, start copying the next phase's offloaded tensors back."""
+        if not self.prefetch or step is None or self.current is None or self.schedule.unit != "step":
+            return 0
+        if self._prefetched_for == step + 1:
+            return 0
+        upcoming = self.phase_at(step + 1, epoch or 0)
+        if upcoming == self.current:
+            return 0
+        self._prefetched_for = step + 1
+        if self.prefetch == "auto":
+            upcoming_peak = self._expected_peak(upcoming)
+            budget: Optional[int] = max(0, max(self._peak_seen, upcoming_peak) - self._expected_peak(self.current))
+        elif self.prefetch is True:
+            budget = None
+        else:
+            budget = int(self.prefetch)
+        returning = self.residency.offloaded - self.residency.non_resident(upcoming)
+        started = self.residency.prefetch(returning, budget)
+        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
+        if isinstance(opt, GroupedOptimizer):
+            for group in sorted(upcoming.trainable - opt.active):
+                if group in opt.inner and (budget is None or started < budget):
+                    started += opt.prefetch(group, None if budget is None else budget - started)
+        return started
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -66,9 +66,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+
+import psutil  # a dependency of accelerate
 
 __all__ = [
     "SCRIPTS_DIR",
@@ -183,40 +186,68 @@ def _tail(text: str, lines: int = _TAIL_LINES) -> str:
     return "\n".join(kept)
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the launcher and every process it started, whatever session they are in.
+
+    Both launchers start each rank in a session of its own (torch elastic does,
+    so it can signal a rank's whole group), so killing the launcher's process
+    group alone would leave the ranks running, orphaned. The launcher first gets
+    SIGTERM (it forwards it to its ranks and cleans up); after a short grace
+    period everything still alive, and each rank's process group, gets SIGKILL.
+    """
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
+    own_group = os.getpgrp()
+    groups = {proc.pid}
+    for child in tree:
+        try:
+            groups.add(os.getpgid(child.pid))
+        except ProcessLookupError:
+            pass
+    for group in groups - {own_group}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=5)
+    proc.wait()
 
 
 def _run_once(
     cmd: list[str], env: dict[str, str], timeout: float, cwd: str | os.PathLike[str] | None
 ) -> tuple[subprocess.CompletedProcess[str], bool]:
-    """Run ``cmd`` in its own process group; on timeout kill the whole group (launcher and ranks).
+    """Run ``cmd`` in a new session; on timeout stop it and all its ranks.
 
-    Returns the finished process and whether it timed out.
+    Output goes to a temporary file, not a pipe, so a rank that outlives the
+    launcher can never block the read. Returns the finished process and whether
+    it timed out.
     """
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, None), False
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, _ = proc.communicate()
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, None), True
-    except BaseException:  # e.g. KeyboardInterrupt or pytest-timeout: leave no ranks behind
-        _kill_group(proc)
-        proc.wait()
-        raise
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_tree(proc)
+        except BaseException:  # KeyboardInterrupt, pytest-timeout: leave no ranks behind
+            _kill_tree(proc)
+            raise
+        log.seek(0)
+        out = log.read().decode("utf-8", errors="replace")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None), timed_out
 
 
 def launch(

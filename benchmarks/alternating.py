@@ -1,0 +1,463 @@
+"""Alternating two large parameter groups under DDP: memory, bytes all-reduced, step and switch time.
+
+One command runs every scenario side by side and writes a JSON file and a
+markdown table::
+
+    python benchmarks/alternating.py                    # 2 CPU ranks (gloo), + CUDA if present
+    python benchmarks/alternating.py --size-mib 8 --steps 12 --devices cpu   # a quick run
+
+The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
+``--size-mib`` MiB of fp32 weights). Scenarios:
+
+* ``single``: ``layer1`` trained alone (``layer2`` frozen), one Adam: the baseline.
+* ``naive``: the loop users write: every step unwrap the DDP, toggle
+  ``requires_grad``, re-wrap in a new DDP; two Adam optimizers.
+* ``find_unused``: one DDP built with both halves trainable and
+  ``find_unused_parameters=True``; ``requires_grad`` toggled every step; two Adams.
+* ``hf_keep`` / ``hf_offload`` / ``hf_drop``: hf_altparams alternating every step
+  (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy).
+
+Each scenario runs in FRESH processes (its own ``torchrun`` launch), so memory
+does not carry over from one to the next. Per scenario and device:
+
+* peak memory growth over the pre-training baseline (the model built, nothing
+  else): on CPU the process's peak RSS (``VmHWM``, reset at the baseline) minus
+  the baseline RSS; on CUDA ``max_memory_allocated`` minus the baseline
+  allocation; the larger of the ranks;
+* bytes all-reduced per step (a counting comm hook) / bytes of the trainable half;
+* median step time (forward, backward, optimizer step, ``zero_grad``) and
+  median switch time, both as ratios to the median step of ``single``.
+
+Targets: bytes ratio 1.00; ``hf_drop`` memory <= 1.02 x ``single``; switch time
+<= 1 % of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
+from hf_altparams.engine.memory import malloc_trim, rss_bytes  # noqa: E402
+from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
+
+SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
+#: ``--diagnose`` adds these: the switcher with the per-switch ``malloc_trim`` disabled.
+DIAGNOSTIC = ("hf_keep_notrim", "hf_drop_notrim")
+HALVES = ("layer1", "layer2")
+MIB = 2**20
+
+
+# ============================================================== worker (one rank)
+class TwoHalves(nn.Module):
+    """``layer2(tanh(layer1(x)))``, two square ``Linear`` layers of about ``size_mib`` MiB each."""
+
+    def __init__(self, size_mib: float) -> None:
+        super().__init__()
+        width = int((size_mib * MIB / 4) ** 0.5)
+        self.layer1 = nn.Linear(width, width)
+        self.layer2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(torch.tanh(self.layer1(x)))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Memory:
+    """Peak growth over a baseline: CUDA allocator stats, or RSS high-water mark on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0
+        self.hwm_reset = False
+
+    def mark_baseline(self) -> None:
+        gc.collect()
+        malloc_trim()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+            return
+        try:  # "5" resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+        self.baseline = rss_bytes()
+
+    def peak_growth(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        peak = _status_kib("VmHWM") * 1024 if self.hwm_reset else rss_bytes()
+        return peak - self.baseline
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` takes on this rank, started when every rank is ready.
+
+    The barrier keeps one rank's lateness (say, a slower optimizer step) out of
+    the next timed region, where it would show up as waiting in the region's
+    first collective.
+    """
+    _sync(device)
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TwoHalves(args.size_mib).to(device)
+    half_bytes = {h: sum(p.numel() * p.element_size() for p in getattr(model, h).parameters()) for h in HALVES}
+    gen = torch.Generator(device=device).manual_seed(rank)
+    width = model.layer1.in_features
+    batches = [torch.randn(args.batch, width, generator=gen, device=device) for _ in range(2)]
+    ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+
+    memory = Memory(device)
+    memory.mark_baseline()
+    loop = SCENARIO_LOOPS[args.scenario]
+    step_s, switch_s, sent, trainable = loop(model, batches, args.steps, ddp_kwargs, half_bytes, device)
+    peak = memory.peak_growth()
+
+    warm = args.warmup
+    result = {
+        "scenario": args.scenario,
+        "device": device.type,
+        "world_size": world,
+        "rank": rank,
+        "half_bytes": half_bytes["layer1"],
+        "peak_growth_bytes": peak,
+        "baseline_bytes": memory.baseline,
+        "step_s": step_s[warm:],
+        "switch_s": switch_s[warm:],
+        "bytes_per_step": sent[warm:],
+        "trainable_bytes_per_step": trainable[warm:],
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+Loop = Callable[..., tuple[list[float], list[float], list[int], list[int]]]
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, step: list[torch.optim.Optimizer],
+                zero: Optional[list[torch.optim.Optimizer]] = None) -> None:
+    model(x).pow(2).mean().backward()
+    for opt in step:
+        opt.step()
+    for opt in zero or step:
+        opt.zero_grad(set_to_none=True)
+
+
+def loop_single(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
+                half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+    model.layer2.requires_grad_(False)
+    ddp = DDP(model, **ddp_kwargs)
+    counter = register_comm_counter(ddp)
+    opt = torch.optim.Adam(model.layer1.parameters(), lr=1e-4)
+    step_s, switch_s, sent, trainable = [], [], [], []
+    for step in range(steps):
+        step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opt])))
+        switch_s.append(0.0)
+        sent.append(counter.end_step())
+        trainable.append(half_bytes["layer1"])
+    return step_s, switch_s, sent, trainable
+
+
+def loop_naive(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
+               half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+    opts = {h: torch.optim.Adam(getattr(model, h).parameters(), lr=1e-4) for h in HALVES}
+    state: dict[str, Any] = {"ddp": None}
+    step_s, switch_s, sent, trainable = [], [], [], []
+
+    def rewrap(active: str) -> None:
+        inner = model if state["ddp"] is None else state["ddp"].module  # unwrap
+        for h in HALVES:
+            getattr(inner, h).requires_grad_(h == active)
+        state["ddp"] = DDP(inner, **ddp_kwargs)  # re-wrap (the old wrapper is dropped)
+        state["counter"] = register_comm_counter(state["ddp"])
+
+    for step in range(steps):
+        active = HALVES[step % 2]
+        switch_s.append(_timed(device, lambda: rewrap(active)))
+        step_s.append(_timed(device, lambda: _train_step(state["ddp"], batches[step % 2], [opts[active]])))
+        sent.append(state["counter"].end_step())
+        trainable.append(half_bytes[active])
+    return step_s, switch_s, sent, trainable
+
+
+def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
+                     half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+    ddp = DDP(model, find_unused_parameters=True, **ddp_kwargs)
+    counter = register_comm_counter(ddp)
+    opts = {h: torch.optim.Adam(getattr(model, h).parameters(), lr=1e-4) for h in HALVES}
+    step_s, switch_s, sent, trainable = [], [], [], []
+    def toggle(active: str) -> None:
+        for h in HALVES:
+            getattr(model, h).requires_grad_(h == active)
+
+    for step in range(steps):
+        active = HALVES[step % 2]
+        switch_s.append(_timed(device, lambda: toggle(active)))
+        step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opts[active]],
+                                                          list(opts.values()))))
+        sent.append(counter.end_step())
+        trainable.append(half_bytes[active])
+    return step_s, switch_s, sent, trainable
+
+
+def _hf_loop(policy: str, trim: bool = True) -> Loop:
+    def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
+             half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+        if not trim:  # diagnosis only: what the switch costs without returning heap pages to the OS
+            from hf_altparams.engine import memory
+
+            memory.malloc_trim = lambda: None  # type: ignore[assignment]
+        groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
+        opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
+        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt)
+        switcher.step_to(0)
+        ddp = DDP(model, **ddp_kwargs)
+        switcher.attach(ddp)
+        counter = register_comm_counter(ddp)
+        step_s, switch_s, sent, trainable = [], [], [], []
+        for step in range(steps):
+            active = HALVES[step % 2]
+            step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opt])))
+            sent.append(counter.end_step())
+            trainable.append(half_bytes[active])
+            switch_s.append(_timed(device, lambda: switcher.step_to(step + 1)))
+        return step_s, switch_s, sent, trainable
+
+    return loop
+
+
+SCENARIO_LOOPS: dict[str, Loop] = {
+    "single": loop_single,
+    "naive": loop_naive,
+    "find_unused": loop_find_unused,
+    "hf_keep": _hf_loop("keep"),
+    "hf_offload": _hf_loop("offload"),
+    "hf_drop": _hf_loop("drop"),
+    "hf_keep_notrim": _hf_loop("keep", trim=False),
+    "hf_drop_notrim": _hf_loop("drop", trim=False),
+}
+
+
+# ============================================================== driver
+def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, result: Path) -> list[dict[str, Any]]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": os.pathsep.join(
+        [str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           __file__, "--worker", scenario, "--device", device, "--result", str(result),
+           "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch", str(args.batch)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{scenario} on {device} failed:\n{proc.stdout[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """One row per scenario: ratios to ``single``.
+
+    ``runs[scenario]`` holds one entry per repeat, each the list of ranks'
+    results. Memory: the larger rank, median over repeats. Times: rank 0's
+    samples of every repeat, median.
+    """
+    def med(values: list[float]) -> float:
+        return statistics.median(values) if values else 0.0
+
+    def pooled(ranks_per_repeat: list[list[dict[str, Any]]], key: str) -> list[Any]:
+        return [v for ranks in ranks_per_repeat for v in ranks[0][key]]
+
+    def memory(ranks_per_repeat: list[list[dict[str, Any]]]) -> float:
+        return med([max(r["peak_growth_bytes"] for r in ranks) for ranks in ranks_per_repeat])
+
+    base_mem = memory(runs["single"])
+    base_step = med(pooled(runs["single"], "step_s"))
+    rows = []
+    for scenario, repeats in runs.items():
+        r0 = {key: pooled(repeats, key) for key in
+              ("step_s", "switch_s", "bytes_per_step", "trainable_bytes_per_step")}
+        mem = memory(repeats)
+        ratio = [s / t for s, t in zip(r0["bytes_per_step"], r0["trainable_bytes_per_step"])]
+        rows.append({
+            "scenario": scenario,
+            "peak_growth_mib": mem / MIB,
+            "memory_ratio": mem / base_mem,
+            "bytes_per_step_mib": med(r0["bytes_per_step"]) / MIB,
+            "bytes_ratio_min": min(ratio),
+            "bytes_ratio_max": max(ratio),
+            "step_ms": med(r0["step_s"]) * 1e3,
+            "step_ratio": med(r0["step_s"]) / base_step,
+            "switch_ms": med(r0["switch_s"]) * 1e3,
+            "switch_ratio": med(r0["switch_s"]) / base_step,
+            "iteration_ratio": (med(r0["step_s"]) + med(r0["switch_s"])) / base_step,
+        })
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], title: str) -> str:
+    head = ("| scenario | peak memory growth | memory / single | all-reduced per step | bytes / trainable "
+            "| step | step / single | switch | switch / single step |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 9]
+    for r in rows:
+        lo, hi = r["bytes_ratio_min"], r["bytes_ratio_max"]
+        bytes_ratio = f"{lo:.2f}" if abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
+        lines.append(
+            f"| {r['scenario']} | {r['peak_growth_mib']:.0f} MiB | {r['memory_ratio']:.2f}x "
+            f"| {r['bytes_per_step_mib']:.1f} MiB | {bytes_ratio} | {r['step_ms']:.1f} ms "
+            f"| {r['step_ratio']:.2f}x | {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |")
+    return "\n".join(lines)
+
+
+def machine(device: str, nproc: int) -> str:
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0)
+        return f"{nproc} x {name}, NCCL, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{nproc} gloo ranks on {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}"
+
+
+def run_driver(args: argparse.Namespace) -> None:
+    devices = args.devices
+    if devices == ["auto"]:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for device in devices:
+        nproc = args.cpu_ranks if device == "cpu" else (args.gpus or torch.cuda.device_count())
+        runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in args.scenarios}
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory() as tmp:
+            for repeat in range(args.repeats):  # round robin: load drift hits every scenario alike
+                for scenario in args.scenarios:
+                    print(f"[{device}] {scenario} (run {repeat + 1}/{args.repeats}) ...", flush=True)
+                    runs[scenario].append(_launch(scenario, device, nproc, args, Path(tmp) / f"{scenario}.json"))
+        load = (load_before[0], os.getloadavg()[0])
+        rows = summarize(runs)
+        half = runs["single"][0][0]["half_bytes"] / MIB
+        title = (f"{machine(device, nproc)}; two halves of {half:.1f} MiB, batch {args.batch}/rank, "
+                 f"{args.repeats} x {args.steps - args.warmup} measured steps after {args.warmup} warm-up; "
+                 f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after")
+        table = markdown(rows, title)
+        print(table, flush=True)
+        payload = {"machine": machine(device, nproc), "device": device, "world_size": nproc,
+                   "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
+                   "load_average": load, "rows": rows, "runs": runs}
+        (out_dir / f"alternating_{device}.json").write_text(json.dumps(payload, indent=1))
+        (out_dir / f"alternating_{device}.md").write_text(table + "\n")
+    print(f"\nwrote {out_dir}/alternating_*.json and .md")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=float, default=32.0, help="size of each half in MiB (fp32)")
+    parser.add_argument("--steps", type=int, default=24, help="steps per scenario, warm-up included")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the statistics")
+    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
+                        help="auto: cpu, plus cuda when a GPU is visible")
+    parser.add_argument("--cpu-ranks", type=int, default=2, help="gloo ranks for the CPU run")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs (NCCL ranks) for the CUDA run; 0: all visible")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh launches per scenario, run round robin (medians pool them)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS + DIAGNOSTIC)
+    parser.add_argument("--diagnose", action="store_true",
+                        help=f"also run {', '.join(DIAGNOSTIC)} (the switch without malloc_trim)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for JSON and markdown")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per scenario launch")
+    parser.add_argument("--worker", choices=SCENARIOS + DIAGNOSTIC, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    if args.diagnose:
+        args.scenarios += [d for d in DIAGNOSTIC if d not in args.scenarios]
+    if "single" not in args.scenarios:
+        parser.error("--scenarios must include 'single' (the baseline of every ratio)")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        args.scenario = args.worker
+        run_worker(args)
+    else:
+        run_driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,457 @@
+"""Phased training in a stock Accelerate loop: :class:`PhasedAccelerator`.
+
+``PhasedAccelerator`` is an :class:`accelerate.Accelerator` that also owns a
+:class:`~hf_altparams.engine.PhaseSwitcher`. Everything else in the loop stays
+Accelerate's: ``backward``, ``accumulate``, ``no_sync``, ``clip_grad_norm_``,
+trackers and ``log``, comm hooks from ``DistributedDataParallelKwargs``. What it
+adds, and where:
+
+* ``prepare`` applies the first phase *before* DDP is built (DDP picks the
+  parameters it reduces in its constructor), sets ``find_unused_parameters``,
+  and wraps the optimizer so that its steps drive the schedule. The raw module
+  is prepared once; switches re-bucket the same DDP wrapper in place, so
+  ``accelerator._models`` never grows and the autocast forward is wrapped once.
+* ``optimizer.step()`` at a gradient-sync boundary (``accelerator.sync_gradients``)
+  counts one schedule step; the ``optimizer.zero_grad()`` that follows switches
+  phase if the schedule says so. Micro-steps inside ``accumulate`` never switch.
+* ``save_state`` / ``load_state`` also save and restore the schedule position
+  (``hf_altparams_state.json``) and switch to the saved phase *before* the
+  optimizer state is loaded, so idle groups keep their state policy; a barrier
+  follows ``save_state``.
+
+Subclass rather than composition: the loop already talks to one object, and the
+points to hook (``prepare``, ``prepare_optimizer``, ``backward``, ``save_state``,
+``load_state``, ``free_memory``) are public methods of it. A wrapper holding an
+``Accelerator`` would have to forward the other hundred methods, or leave users
+calling ``save_state`` on the inner object and silently skipping the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+)
+from torch import nn
+from torch.optim import Optimizer
+
+from ..engine import _ddp
+from ..engine.comm import CommCounter, register_comm_counter
+from ..engine.memory import rss_bytes
+from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
+from ..engine.switch import PhaseSwitcher, SwitchRecord
+from ..errors import AltParamsError, PlanError
+from ..plan.groups import ParamGroups
+from ..plan.phase import Phase
+from ..plan.schedules import Schedule
+
+__all__ = ["PhasedAccelerator", "STATE_FILE"]
+
+#: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
+STATE_FILE = "hf_altparams_state.json"
+_STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
+_UNSUPPORTED = {
+    DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
+    DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
+    DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
+    DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
+}
+
+
+class _PhasedOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer: reports sync-boundary steps and zero_grads to its accelerator."""
+
+    def __init__(self, optimizer: Optimizer, owner: "PhasedAccelerator", **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self._owner = owner
+
+    def step(self, closure: Any = None) -> None:
+        at_boundary = self.gradient_state.sync_gradients
+        if at_boundary:
+            self._owner._check_gradients()
+        super().step(closure)
+        if at_boundary:
+            self._owner._count_step()
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(set_to_none)
+        if self.gradient_state.sync_gradients:
+            self._owner._switch_if_due()
+
+
+class _PreparedGroupedLRScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper for a GroupedLRScheduler (which has no ``_step_count``)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.step_with_optimizer and not self.gradient_state.sync_gradients:
+            return  # inside an accumulation window: the optimizer did not step
+        super().step(*args, **kwargs)
+
+
+class PhasedAccelerator(Accelerator):
+    """An ``Accelerator`` that trains one phase of a schedule at a time.
+
+    Args:
+        schedule: which groups train at each optimizer step (or epoch); checked
+            against the groups at ``prepare``, before any step.
+        groups: the :class:`~hf_altparams.plan.ParamGroups` of the model. Leave it
+            out when the optimizer is a :class:`~hf_altparams.engine.GroupedOptimizer`
+            (its groups are used).
+        find_unused_parameters: DDP's setting. ``None`` (default) keeps the value of
+            a ``DistributedDataParallelKwargs`` handler, else ``False``: frozen groups
+            are outside the reducer, so ``True`` is only needed when the forward skips
+            some *trainable* parameter of a phase (a branch or task head unused by
+            a batch). With ``False``, a trainable parameter left without a gradient
+            at a sync step raises a clear error instead of desynchronising ranks.
+        count_comm: register :func:`~hf_altparams.engine.register_comm_counter` on
+            the DDP wrapper (``accelerator.comm_counter``); it replaces DDP's default
+            all-reduce with an equivalent counting one, so it cannot be combined with
+            a ``comm_hook`` from ``DistributedDataParallelKwargs``.
+        log_switches: ``accelerator.log`` a record of every switch (phase, trainable
+            params and bytes, bytes all-reduced per step, memory, switch seconds).
+        release: run gc, a barrier and ``empty_cache`` after every switch.
+        switcher_options: more keyword arguments for the
+            :class:`~hf_altparams.engine.PhaseSwitcher` (``offload_device``,
+            ``prefetch``, ``buffer_sync``, ``frozen_norms``, ``full_gc``, ...).
+        **kwargs: passed to ``accelerate.Accelerator``.
+
+    Raises:
+        PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP,
+            Megatron-LM, XLA, tensor/context parallelism or ``torch.compile``.
+
+    Example:
+        >>> # accelerator = PhasedAccelerator(Alternating(["layer1", "layer2"]), gradient_accumulation_steps=2)
+        >>> # groups = ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"})
+        >>> # optimizer = GroupedOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-3))
+        >>> # model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        >>> # ... the stock loop: accumulate / backward / optimizer.step() / optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        *,
+        groups: Optional[ParamGroups] = None,
+        find_unused_parameters: Optional[bool] = None,
+        count_comm: bool = False,
+        log_switches: bool = True,
+        release: bool = True,
+        switcher_options: Optional[Mapping[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise PlanError(
+                f"`schedule` must be an hf_altparams Schedule, got {type(schedule).__name__}: {schedule!r}"
+            )
+        if groups is not None and not isinstance(groups, ParamGroups):
+            raise PlanError(f"`groups` must be a ParamGroups or None, got {type(groups).__name__}")
+        if groups is not None:
+            schedule.validate(groups)
+        if find_unused_parameters not in (None, True, False):
+            raise PlanError(
+                f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
+            )
+        options = dict(switcher_options or {})
+        accepted = sorted(set(inspect.signature(PhaseSwitcher.__init__).parameters)
+                          - {"self", "groups", "schedule", "optimizer", "model", "release"})
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise PlanError(f"`switcher_options` has unknown keys {unknown}; accepted: {accepted}")
+        super().__init__(**kwargs)
+        self._check_supported()
+        hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
+        if count_comm and hook != DDPCommunicationHookType.NO:
+            raise PlanError(
+                f"`count_comm=True` cannot be combined with DistributedDataParallelKwargs(comm_hook={hook!r}): "
+                "DDP runs one comm hook per wrapper and the counter is one; drop one of the two"
+            )
+        self.schedule = schedule
+        self.groups = groups
+        self._groups_given = groups
+        self.switcher: Optional[PhaseSwitcher] = None
+        self.comm_counter: Optional[CommCounter] = None
+        self.schedule_step = 0
+        self.schedule_epoch = 0
+        self._find_unused = find_unused_parameters
+        self._count_comm = bool(count_comm)
+        self._log_switches = bool(log_switches)
+        self._release = bool(release)
+        self._switcher_options = options
+        self._driving: Optional[Optimizer] = None
+        self._grouped: Optional[GroupedOptimizer] = None
+        self._step_pending = False
+        self._trainable: list[tuple[str, nn.Parameter]] = []
+        self._hooks = [self.register_save_state_pre_hook(self._save_hook),
+                       self.register_load_state_pre_hook(self._load_hook)]
+
+    def _check_supported(self) -> None:
+        reason = _UNSUPPORTED.get(self.distributed_type)
+        parallelism = getattr(self, "parallelism_config", None)
+        if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
+            reason = "tensor/context parallelism shards parameters outside DDP"
+        dynamo = getattr(getattr(self.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
+        if reason is None and dynamo != DynamoBackend.NO:
+            reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
+        if reason is not None:
+            raise AltParamsError(
+                f"PhasedAccelerator supports plain DDP (and single-process runs), not "
+                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason}. "
+                "Launch with DDP (`accelerate launch --multi_gpu`) and no dynamo backend."
+            )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The phase being trained (``None`` before ``prepare``)."""
+        return None if self.switcher is None else self.switcher.current
+
+    @property
+    def switch_records(self) -> list[SwitchRecord]:
+        """Every switch so far (the first phase applied at ``prepare`` included)."""
+        return [] if self.switcher is None else list(self.switcher.records)
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
+        """``Accelerator.prepare``, plus the phase set-up for the grouped model.
+
+        The grouped model (``groups.module``) and the optimizer whose steps drive
+        the schedule must be passed in the same call. The first phase is applied
+        before DDP is built. Returned objects should be reassigned, as with Accelerate.
+        """
+        groups, model_index, driving = self._find_grouped(args)
+        if model_index is not None:
+            self._start_phases(groups, driving)  # type: ignore[arg-type]
+        try:
+            result = super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._driving = None
+        single = len(args) == 1
+        items = [result] if single else list(result)
+        for i, obj in enumerate(items):
+            if isinstance(obj, GroupedLRScheduler):
+                items[i] = self._prepare_grouped_scheduler(obj)
+        if model_index is not None:
+            self._attach(items[model_index])
+        return items[0] if single else tuple(items)
+
+    def _find_grouped(
+        self, args: tuple[Any, ...]
+    ) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
+        optimizers = [a for a in args if isinstance(a, Optimizer)]
+        grouped = [o for o in optimizers if isinstance(o, GroupedOptimizer)]
+        groups = self.groups
+        if groups is None and grouped:
+            groups = grouped[0].groups
+        if groups is None:
+            return None, None, None
+        model_index = next((i for i, a in enumerate(args) if a is groups.module), None)
+        if model_index is None:
+            if self.switcher is None and grouped:
+                raise AltParamsError(
+                    "`prepare` got a GroupedOptimizer without its model; pass the model and the optimizer that "
+                    "drives the schedule to the same `prepare` call (the first phase must be applied before "
+                    "DDP wraps the model)"
+                )
+            return groups, None, None
+        if self.switcher is not None:
+            raise AltParamsError(
+                "`prepare` got the grouped model a second time. Preparing the raw module again would add it "
+                "to `accelerator._models` twice (two model files in save_state) and wrap its autocast forward "
+                "twice; keep using the object the first `prepare` returned: switches rebuild it in place."
+            )
+        mine = [o for o in grouped if o.groups.module is groups.module]
+        driving = mine[0] if len(mine) == 1 else (optimizers[0] if not mine and len(optimizers) == 1 else None)
+        if driving is None:
+            raise AltParamsError(
+                f"`prepare` got the grouped model with {len(optimizers)} optimizer(s) "
+                f"({[type(o).__name__ for o in optimizers]}); pass exactly one optimizer for it in the same "
+                "call: a GroupedOptimizer over its groups (one optimizer for all groups, which also keeps "
+                "fp16 loss scaling to one unscale per step), or a single plain optimizer with `groups=` given"
+            )
+        return groups, model_index, driving
+
+    def _start_phases(self, groups: ParamGroups, driving: Optimizer) -> None:
+        self.groups = groups
+        self._grouped = driving if isinstance(driving, GroupedOptimizer) else None
+        self._driving = driving
+        self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, release=self._release,
+                                      **self._switcher_options)
+        # The first phase, before DDP's constructor reads the requires_grad flags (logged at _attach).
+        self.switcher.step_to(self.schedule_step, self.schedule_epoch)
+        handler = self.ddp_handler
+        keep = handler.find_unused_parameters if handler is not None else False
+        wanted = keep if self._find_unused is None else self._find_unused
+        self.ddp_handler = (DistributedDataParallelKwargs(find_unused_parameters=wanted) if handler is None
+                            else dataclasses.replace(handler, find_unused_parameters=wanted))
+
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None) -> Optimizer:
+        """As in Accelerate; the optimizer that drives the schedule gets the phase-aware wrapper."""
+        if optimizer is not self._driving or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        placement = self.device_placement if device_placement is None else device_placement
+        wrapped = _PhasedOptimizer(optimizer, self, device_placement=placement, scaler=self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _prepare_grouped_scheduler(self, scheduler: GroupedLRScheduler) -> _PreparedGroupedLRScheduler:
+        optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), self._optimizers)
+        wrapped = _PreparedGroupedLRScheduler(
+            scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )
+        wrapped._is_accelerate_prepared = True  # type: ignore[attr-defined]
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def _attach(self, prepared: nn.Module) -> None:
+        assert self.switcher is not None
+        if _ddp.is_ddp(prepared):
+            self.switcher.attach(prepared)
+            if self._count_comm:
+                self.comm_counter = register_comm_counter(prepared)
+        elif prepared is not self.switcher.module:
+            raise AltParamsError(
+                f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
+                "supports a DistributedDataParallel wrapper or the module itself"
+            )
+        # prepare() moved the whole model to the device and AcceleratedOptimizer(device_placement=True)
+        # moved every optimizer state tensor there: back to where the current phase wants them.
+        self.switcher.reapply_placement()
+        first = self.switcher.records[-1]  # taken before DDP existed: fill in what its reducer reduces
+        self.switcher.records[-1] = dataclasses.replace(
+            first, allreduce_bytes_per_step=self.switcher.allreduce_bytes_per_step(), rebuilt_ddp=False)
+        self._after_switch(self.switcher.records[-1])
+
+    # ------------------------------------------------------- the training loop
+    def _check_gradients(self) -> None:
+        ddp = None if self.switcher is None else self.switcher.ddp
+        if ddp is None or ddp.find_unused_parameters:
+            return
+        missing = [n for n, p in self._trainable if p.grad is None]
+        if missing:
+            phase = self.phase.name if self.phase else "?"
+            raise AltParamsError(
+                f"{len(missing)} trainable parameter(s) of phase {phase!r} got no gradient in this step"
+                f" (e.g. {missing[:3]}); DDP runs with `find_unused_parameters=False`, so "
+                "their bucket was not all-reduced and the ranks would diverge. If the forward skips them on "
+                "purpose (a branch or task head unused by this batch), pass `find_unused_parameters=True` to "
+                "PhasedAccelerator; otherwise move them out of the phase's groups."
+            )
+
+    def _count_step(self) -> None:
+        if self.switcher is None:  # used after free_memory(): nothing to drive
+            return
+        self.schedule_step += 1
+        self._step_pending = True
+        if self.comm_counter is not None:
+            self.comm_counter.end_step()
+
+    def _switch_if_due(self) -> None:
+        if not self._step_pending or self.switcher is None:
+            return
+        self._step_pending = False
+        self._advance()
+
+    def _advance(self) -> Optional[SwitchRecord]:
+        assert self.switcher is not None
+        record = self.switcher.step_to(self.schedule_step, self.schedule_epoch)
+        if record is not None:
+            self._after_switch(record)
+        return record
+
+    def _after_switch(self, record: SwitchRecord) -> None:
+        assert self.switcher is not None
+        self._trainable = [(n, p) for n, p in self.switcher.groups.all_named_params() if p.requires_grad]
+        if self._log_switches:
+            self.log(self.switch_metrics(record), step=record.step)
+
+    def set_epoch(self, epoch: int) -> Optional[SwitchRecord]:
+        """Tell an epoch-unit schedule the epoch; call at the top of each epoch, on every rank."""
+        self.schedule_epoch = int(epoch)
+        if self.switcher is None or self._step_pending:
+            return None
+        return self._advance()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward``; refuses to run when a phase switch is still due."""
+        if self._step_pending:
+            raise AltParamsError(
+                "`optimizer.step()` ran at a gradient-sync boundary but `optimizer.zero_grad()` was not "
+                "called before this backward; PhasedAccelerator switches phases in the prepared optimizer's "
+                "`zero_grad()`. Call `optimizer.zero_grad()` after every `optimizer.step()`."
+            )
+        super().backward(loss, **kwargs)
+
+    def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
+        """What ``accelerator.log`` receives at a switch: the record plus memory figures."""
+        metrics: dict[str, Any] = record.as_log(prefix)
+        if self.device.type == "cuda":
+            metrics[f"{prefix}memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            metrics[f"{prefix}max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:
+            metrics[f"{prefix}rss_bytes"] = rss_bytes()
+        return metrics
+
+    # ------------------------------------------------------------- checkpoints
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        """``Accelerator.save_state`` plus ``hf_altparams_state.json``, then a barrier on every rank."""
+        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        self.wait_for_everyone()
+        return location
+
+    def _save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+        if self.switcher is None:
+            return
+        on_each_node = self.project_configuration.save_on_each_node
+        writer = self.is_main_process or (on_each_node and self.is_local_main_process)
+        if writer:
+            state = {"format": _STATE_FORMAT, "schedule_step": self.schedule_step,
+                     "schedule_epoch": self.schedule_epoch, "switcher": self.switcher.state_dict()}
+            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=1, sort_keys=True)
+
+    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
+        """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads."""
+        super().load_state(input_dir, **kwargs)
+        if self.switcher is not None:
+            self.switcher.reapply_placement()  # load_state put optimizer state on the device
+
+    def _load_hook(self, models: list[nn.Module], input_dir: str) -> None:
+        if self.switcher is None:
+            return
+        path = os.path.join(input_dir, STATE_FILE)
+        if not os.path.isfile(path):
+            raise AltParamsError(
+                f"`load_state` found no {STATE_FILE} in {input_dir!r}; load a checkpoint written by "
+                "PhasedAccelerator.save_state (it holds the schedule position)"
+            )
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("format") != _STATE_FORMAT:
+            raise AltParamsError(f"{path}: `format` is {state.get('format')!r}, expected {_STATE_FORMAT!r}")
+        self.switcher.load_state_dict(state["switcher"])
+        self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
+        self._step_pending = False
+        for _, param in self.switcher.groups.all_named_params():
+            param.grad = None  # loading replaces the run: in-flight gradients are void
+        self._advance()  # before the optimizer state loads: idle groups keep their policy
+
+    def free_memory(self, *objects: Any) -> Any:
+        """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
+        self.switcher, self.comm_counter, self._grouped = None, None, None
+        self.groups = self._groups_given
+        self._trainable, self._step_pending = [], False
+        self.schedule_step, self.schedule_epoch = 0, 0
+        return super().free_memory(*objects)

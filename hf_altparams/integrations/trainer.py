@@ -1,0 +1,658 @@
+"""The 🤗 Trainer integration: phased training from one callback.
+
+Add :class:`AlternatingFreeze` to ``callbacks`` and change nothing else::
+
+    trainer = Trainer(
+        model=model, args=args, train_dataset=train,
+        callbacks=[AlternatingFreeze(
+            layers="bert.encoder.layer", extra={"head": ["classifier.*", "bert.pooler.*"]},
+            schedule=GradualUnfreeze(["layer4", "layer5"], every=50, always=["head"]),
+        )],
+    )
+
+How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
+
+* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP and a
+  compiled multi-process model; resolves the groups on the model it receives;
+  turns ``requires_grad`` on for every parameter the schedule will ever train,
+  so the optimizer the Trainer builds later covers them all. It also moves
+  itself ahead of the reporting callbacks so its log keys reach them.
+* ``on_train_begin``: checks, by identity, that the optimizer covers those
+  parameters (a clear error otherwise); checks a resumed run's saved schedule;
+  applies the phase of ``state.global_step`` (and the epoch), so a resumed run
+  lands in the right phase. The Trainer has already wrapped the model in
+  ``DistributedDataParallel`` over every parameter and keeps the wrapper in a
+  local variable, out of a callback's reach; so a one-shot *global* forward
+  pre-hook catches that wrapper on its first call, before ``DDP.forward``
+  runs, and the engine re-buckets it in place for the phase
+  (``PhaseSwitcher.attach(ddp, rebuild=True)``): before the first backward.
+* ``on_step_end`` (after the Trainer's ``optimizer.step()`` and
+  ``model.zero_grad()``): switches to the phase of the new global step, on
+  every rank at the same step.
+* ``on_log``: adds ``altparams/*`` metrics to the logs.
+
+The engine (:class:`~hf_altparams.engine.PhaseSwitcher`) does every switch;
+this module only decides *when*, with the Trainer's step and epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import weakref
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim import Optimizer
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+from ..engine.comm import CommCounter, register_comm_counter
+from ..engine.optim import GroupedOptimizer, StatePolicy
+from ..engine.switch import PhaseSwitcher, SwitchRecord
+from ..errors import AltParamsError, PlanError, SwitchError
+from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
+from ..plan.schedules import Schedule
+
+__all__ = ["AlternatingFreeze", "grouped_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+#: Groups given to :class:`AlternatingFreeze`: a mapping group -> spec, a
+#: function model -> ParamGroups, or ParamGroups built on the Trainer's model.
+GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamGroups]
+
+#: Key of the callback's record in ``TrainerState.stateful_callbacks`` (saved in
+#: every checkpoint's ``trainer_state.json``). Deliberately not the class name:
+#: the Trainer's ``restore_callback_states_from_checkpoint`` would try to
+#: rebuild the callback from JSON arguments, which a schedule cannot be.
+STATE_KEY = "hf_altparams.AlternatingFreeze"
+
+_DEEPSPEED_MESSAGE = (
+    "AlternatingFreeze does not support DeepSpeed: DeepSpeed fixes the trainable set, its gradient "
+    "partitions and optimizer state at `deepspeed.initialize` and ignores (or crashes on) later "
+    "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
+    "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
+    "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
+    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU."
+)
+_FSDP_MESSAGE = (
+    "AlternatingFreeze does not support FSDP through the Trainer (not verified: FSDP1 reduces whole "
+    "flat parameters, zeros included, and FSDP2 units frozen at the first forward need their "
+    "mixed-precision dtypes re-initialised). Train with plain DDP instead: drop `fsdp=` / "
+    "`fsdp_config=` from TrainingArguments (and any FSDP accelerate config) and launch with "
+    "`torchrun` or `accelerate launch --multi_gpu`."
+)
+_COMPILE_MESSAGE = (
+    "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
+    "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
+    "switch changes. Set `torch_compile=False` (a single-process run may compile)."
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _unsupported_backend(args: TrainingArguments) -> Optional[str]:
+    """The refusal message for DeepSpeed / FSDP / compiled DDP in ``args``, or None."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state  # the Trainer's accelerator exists by on_init_end
+    kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
+    if (
+        kind == "DEEPSPEED"
+        or getattr(args, "deepspeed", None)
+        or getattr(args, "deepspeed_plugin", None) is not None
+        or shared.get("deepspeed_plugin") is not None
+        or shared.get("deepspeed_plugins") is not None
+        or _env_true("ACCELERATE_USE_DEEPSPEED")
+    ):
+        return _DEEPSPEED_MESSAGE
+    if (
+        kind == "FSDP"
+        or getattr(args, "fsdp", None)
+        or getattr(args, "fsdp_plugin_args", None) is not None
+        or shared.get("fsdp_plugin") is not None
+        or _env_true("ACCELERATE_USE_FSDP")
+    ):
+        return _FSDP_MESSAGE
+    if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
+        return _COMPILE_MESSAGE
+    return None
+
+
+def _unwrap_optimizer(optimizer: Optional[Any]) -> Optional[Any]:
+    """The user's optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and seen < 4:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, Optimizer):
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+class _FirstCallCatcher:
+    """A one-shot *global* forward pre-hook that finds the wrapper the Trainer built.
+
+    The Trainer keeps its ``DistributedDataParallel`` in a local variable and
+    hands callbacks the bare model. A global pre-hook sees every module call,
+    the wrapper's own included, *before* its ``forward`` runs (a pre-hook on
+    the inner module would run after ``DDP._pre_forward`` has already prepared
+    the old reducer for this iteration). It removes itself at the first call
+    of either the wrapper or, when there is none, the bare model in training.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        on_ddp: Callable[[nn.parallel.DistributedDataParallel], None],
+        on_plain: Callable[[], None],
+    ) -> None:
+        self._module = weakref.ref(module)  # a global hook must not keep the model alive
+        self.on_ddp = on_ddp
+        self.on_plain = on_plain
+        self._handle: Optional[Any] = register_module_forward_pre_hook(self._hook)
+
+    def _hook(self, called: nn.Module, _inputs: Any) -> None:
+        module = self._module()
+        if module is None:
+            self.remove()
+        elif isinstance(called, nn.parallel.DistributedDataParallel) and called.module is module:
+            self.remove()
+            self.on_ddp(called)
+        elif called is module and called.training and torch.is_grad_enabled():
+            self.remove()
+            self.on_plain()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+# ----------------------------------------------------------------------------- the callback
+
+
+class AlternatingFreeze(TrainerCallback):
+    """Phased training for the 🤗 Trainer: one callback, nothing else changed.
+
+    Args:
+        groups: the parameter groups, resolved on the model the Trainer gets:
+            a mapping ``{group: spec}`` (specs as in
+            :class:`~hf_altparams.plan.ParamGroups`: globs, ``"re:"`` regexes,
+            lists), a function ``model -> ParamGroups``, or a ``ParamGroups``
+            already built on that model. Leave it out to use ``layers``.
+        schedule: the :class:`~hf_altparams.plan.Schedule`; ``unit="step"``
+            schedules count the Trainer's global optimizer steps, ``unit="epoch"``
+            ones its epochs.
+        layers: instead of ``groups``: dotted path of the model's layer
+            ``ModuleList`` (e.g. ``"bert.encoder.layer"``), one group per
+            ``per`` layers named ``f"{prefix}{i}"``, plus ``extra`` groups
+            (see :meth:`ParamGroups.from_layers`).
+        per, prefix, extra: see ``layers``.
+        ungrouped: policy for parameters in no group (``"frozen"``,
+            ``"trainable"`` or ``"error"``).
+        count_comm: register a counting comm hook on the Trainer's DDP and log
+            the bytes really all-reduced per step (``altparams/allreduce_bytes_measured``).
+            It replaces DDP's default all-reduce with the same averaging, and
+            cannot be combined with another comm hook.
+        release: free memory after each switch (gc, barrier, ``empty_cache``).
+        check_resume: on resume, refuse a checkpoint saved with a different
+            schedule or groups.
+        log_prefix: prefix of the keys added to the Trainer's logs.
+        switcher_options: more keyword arguments for the engine's
+            :class:`~hf_altparams.engine.PhaseSwitcher` (e.g.
+            ``{"buffer_sync": "auto", "frozen_norms": "eval"}``).
+
+    Side effects: at ``Trainer(...)`` time the parameters the schedule trains
+    get ``requires_grad=True`` (so the default optimizer covers them); from
+    ``trainer.train()`` on, ``requires_grad`` follows the schedule, and after
+    training the model is left in the last phase. The Trainer's DDP wrapper is
+    re-bucketed in place at every switch.
+
+    Raises:
+        PlanError: bad arguments (here), unknown groups in the schedule, or an
+            optimizer that leaves out parameters the schedule trains (at
+            ``train()``, before the first step).
+        AltParamsError: DeepSpeed, FSDP or a compiled multi-process model.
+
+    Example:
+        >>> from hf_altparams.plan import GradualUnfreeze
+        >>> cb = AlternatingFreeze(
+        ...     layers="bert.encoder.layer", extra={"head": ["classifier.*", "bert.pooler.*"]},
+        ...     schedule=GradualUnfreeze(["layer0", "layer1"], every=10, always=["head"]))
+        >>> # Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
+    """
+
+    def __init__(
+        self,
+        groups: Optional[GroupsArg] = None,
+        schedule: Optional[Schedule] = None,
+        *,
+        layers: Optional[str] = None,
+        per: int = 1,
+        prefix: str = "layer",
+        extra: Optional[Mapping[str, Spec]] = None,
+        ungrouped: UngroupedPolicy = "frozen",
+        count_comm: bool = False,
+        release: bool = True,
+        check_resume: bool = True,
+        log_prefix: str = "altparams/",
+        switcher_options: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise PlanError(
+                f"`schedule` must be an hf_altparams Schedule (e.g. GradualUnfreeze, Alternating), "
+                f"got {schedule!r}"
+            )
+        if (groups is None) == (layers is None):
+            raise PlanError(
+                "give exactly one of `groups` (a mapping group -> patterns, a function model -> "
+                f"ParamGroups, or ParamGroups) and `layers` (e.g. 'bert.encoder.layer'); got "
+                f"groups={groups!r}, layers={layers!r}"
+            )
+        if groups is not None and not (
+            isinstance(groups, (Mapping, ParamGroups)) or callable(groups)
+        ):
+            raise PlanError(
+                f"`groups` must be a mapping group -> spec, a function model -> ParamGroups, or "
+                f"ParamGroups; got {type(groups).__name__}: {groups!r}"
+            )
+        if layers is not None and not isinstance(layers, str):
+            raise PlanError(f"`layers` must be the dotted path of a ModuleList (str), got {layers!r}")
+        if extra is not None and layers is None:
+            raise PlanError("`extra` only goes with `layers`; put those groups in `groups` instead")
+        if isinstance(groups, Mapping):
+            schedule.validate(list(groups))  # unknown group names fail here, before any model
+        self.schedule = schedule
+        self._groups_arg = groups
+        self._layers = (layers, per, prefix, dict(extra or {}))
+        self.ungrouped: UngroupedPolicy = ungrouped
+        self.count_comm = bool(count_comm)
+        self.release = bool(release)
+        self.check_resume = bool(check_resume)
+        self.log_prefix = log_prefix
+        self.switcher_options = dict(switcher_options or {})
+        clash = sorted({"optimizer", "model", "release"} & set(self.switcher_options))
+        if clash:
+            raise PlanError(f"`switcher_options` may not set {clash}: AlternatingFreeze sets them")
+
+        self.groups: Optional[ParamGroups] = None
+        self.switcher: Optional[PhaseSwitcher] = None
+        self.comm: Optional[CommCounter] = None
+        self.find_unused_parameters: Optional[bool] = None
+        self._catcher: Optional[_FirstCallCatcher] = None
+        self._is_main = True
+        self._logged_records = 0
+        self._logged_comm = 0
+        self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
+        self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
+
+    # ------------------------------------------------------------------ resolution
+    def resolve(self, model: nn.Module) -> ParamGroups:
+        """Build the groups on ``model`` and validate the schedule against them."""
+        arg = self._groups_arg
+        try:
+            if isinstance(arg, ParamGroups):
+                groups = arg if arg.module is model else arg.rebind(model)
+            elif isinstance(arg, Mapping):
+                groups = ParamGroups(model, arg, ungrouped=self.ungrouped)
+            elif arg is not None:
+                groups = arg(model)
+                if not isinstance(groups, ParamGroups):
+                    raise PlanError(
+                        f"the `groups` function returned {type(groups).__name__}; it must return "
+                        "ParamGroups built on the model it is given"
+                    )
+            else:
+                layers, per, prefix, extra = self._layers
+                assert layers is not None
+                groups = ParamGroups.from_layers(
+                    model, layers, per=per, prefix=prefix, extra=extra, ungrouped=self.ungrouped
+                )
+        except PlanError as err:
+            raise PlanError(f"AlternatingFreeze: cannot build the groups on {type(model).__name__}: {err}") from err
+        if groups.module is not model:
+            raise PlanError(
+                "AlternatingFreeze: the groups were built on another module than the Trainer's "
+                f"model ({type(groups.module).__name__} vs {type(model).__name__}); build them on "
+                "the model you pass to Trainer"
+            )
+        self.schedule.validate(groups)
+        return groups
+
+    def scheduled_param_names(self) -> frozenset[str]:
+        """Canonical names of every parameter some phase of the schedule may train."""
+        assert self.groups is not None
+        names = [g for g in self.groups.names if g in self.schedule.group_names()]
+        return self.groups.trainable_param_names(names)
+
+    # ------------------------------------------------------------------ events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        refusal = _unsupported_backend(args)
+        if refusal:
+            raise AltParamsError(refusal)
+        if model is None:
+            raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
+        self.groups = self.resolve(model)
+        self._make_scheduled_trainable()
+        self._run_before_reporters()
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
+                       **kwargs: Any) -> None:
+        refusal = _unsupported_backend(args)
+        if refusal:
+            raise AltParamsError(refusal)
+        if model is not None and (self.groups is None or self.groups.module is not model):
+            self.groups = self.resolve(model)  # `model_init` built a new model in train()
+        assert self.groups is not None
+        self._check_optimizer(optimizer)
+        self._check_saved_state(state)
+        self._is_main = state.is_world_process_zero
+        self.switcher = PhaseSwitcher(
+            self.groups, self.schedule, optimizer=_unwrap_optimizer(optimizer), release=self.release,
+            **self.switcher_options,
+        )
+        self.comm = None
+        self._logged_records = self._logged_comm = 0
+        self.switcher.step_to(state.global_step, self._epoch(state))
+        self._phase_info, self._trained_info = self._describe_phase(), {}
+        self._save_state(state)
+        if self._catcher is not None:
+            self._catcher.remove()
+        if dist.is_available() and dist.is_initialized():
+            self._catcher = _FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
+        if self._is_main:
+            logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
+                        self.groups.summary(self.switcher.current.trainable if self.switcher.current else None))
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self.switcher is None:
+            return
+        if self.comm is not None:
+            self.comm.end_step()
+        self._trained_info = self._phase_info
+        if state.max_steps and state.global_step >= state.max_steps:
+            return  # no step follows: a switch now would only cost a rebuild
+        if self.switcher.step_to(state.global_step, self._epoch(state)) is not None:
+            self._phase_info = self._describe_phase()
+            self._save_state(state)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+        if logs is None or self.switcher is None or any(k.startswith(("eval_", "test_")) for k in logs):
+            return
+        metrics = self.metrics()
+        logs.update(metrics)
+        # Trainer.log appended a copy of `logs` to the history before calling us.
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and all(k in last for k in logs if k not in metrics):
+            last.update(metrics)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self._catcher is not None:
+            self._catcher.remove()
+            self._catcher = None
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def records(self) -> list[SwitchRecord]:
+        """What every switch of the current ``train()`` did (the first may be the wrapper's re-bucketing)."""
+        return [] if self.switcher is None else list(self.switcher.records)
+
+    def metrics(self) -> dict[str, Union[int, float, str]]:
+        """The ``altparams/*`` values :meth:`on_log` adds to the Trainer's logs.
+
+        Describing the optimizer step just trained (the one whose loss is
+        logged): ``phase``, ``trainable_params``, ``allreduce_bytes_per_step``
+        (bytes the DDP reducer all-reduces per step; 0 without DDP); then
+        ``switches`` (so far in this ``train()``, the wrapper's first
+        re-bucketing included), ``switch_seconds`` (time spent switching since
+        the previous log), and with ``count_comm=True``
+        ``allreduce_bytes_measured`` (mean bytes per step since the previous log).
+        """
+        assert self.switcher is not None
+        prefix, records = self.log_prefix, self.switcher.records
+        info = self._trained_info or self._phase_info
+        out: dict[str, Union[int, float, str]] = {f"{prefix}{k}": v for k, v in info.items()}
+        out.update({
+            f"{prefix}switches": len(records),
+            f"{prefix}switch_seconds": sum(r.seconds for r in records[self._logged_records:]),
+        })
+        self._logged_records = len(records)
+        if self.comm is not None:
+            recent = self.comm.history[self._logged_comm:]
+            self._logged_comm = len(self.comm.history)
+            out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _describe_phase(self) -> dict[str, Union[int, str]]:
+        assert self.switcher is not None
+        phase = self.switcher.current
+        trainable = self.switcher.trainable_names(phase) if phase is not None else frozenset()
+        return {
+            "phase": phase.name if phase is not None else "",
+            "trainable_params": sum(p.numel() for n, p in self.switcher.groups.all_named_params() if n in trainable),
+            "allreduce_bytes_per_step": self.switcher.allreduce_bytes_per_step(),
+        }
+
+    @staticmethod
+    def _epoch(state: TrainerState) -> int:
+        # The Trainer sets `epoch = e + (batch + 1) / batches_in_epoch`, exactly e + 1 after the
+        # last step of epoch e, so the floor is the epoch the next step belongs to.
+        return int(state.epoch or 0)
+
+    def _make_scheduled_trainable(self) -> None:
+        assert self.groups is not None
+        wanted = self.scheduled_param_names()
+        for name, param in self.groups.all_named_params():
+            if name in wanted:
+                param.requires_grad_(True)
+
+    def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
+        if optimizer is None:
+            return
+        covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        assert self.groups is not None
+        wanted = self.scheduled_param_names()
+        missing = [(n, self.groups.group_of(n)) for n, p in self.groups.all_named_params()
+                   if n in wanted and id(p) not in covered]
+        if not missing:
+            return
+        groups = sorted({g or "<ungrouped>" for _, g in missing})
+        names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise PlanError(
+            f"AlternatingFreeze: the optimizer leaves out {len(missing)} parameter(s) that the schedule "
+            f"trains (group(s) {groups}: {names}); they would never be updated. The Trainer's default "
+            "optimizer covers them when AlternatingFreeze is in `callbacks` of `Trainer(...)`. If you "
+            "pass `optimizers=(optimizer, scheduler)` or build the optimizer yourself, build it over "
+            "every parameter the schedule trains, whether frozen now or not (e.g. "
+            "`torch.optim.AdamW(model.parameters())`, or `grouped_optimizer(groups, ...)` from "
+            "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`."
+        )
+
+    def _state_record(self) -> dict[str, Any]:
+        assert self.switcher is not None and self.groups is not None
+        current = self.switcher.current
+        return {
+            "schedule": self.schedule.state_dict(),
+            "groups": {g: self.groups.numel(g) for g in self.groups.names},
+            "phase": None if current is None else sorted(current.trainable),
+        }
+
+    def _save_state(self, state: TrainerState) -> None:
+        if isinstance(state.stateful_callbacks, dict):
+            record = self._state_record()
+            record["step"] = state.global_step
+            record["epoch"] = self._epoch(state)
+            state.stateful_callbacks[STATE_KEY] = record
+
+    def _check_saved_state(self, state: TrainerState) -> None:
+        saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+        if not saved or not self.check_resume:
+            return
+        assert self.groups is not None
+        how = "pass `check_resume=False` to AlternatingFreeze to continue with the new set-up anyway"
+        try:
+            self.schedule.load_state_dict(saved["schedule"])
+        except PlanError as err:
+            raise PlanError(f"AlternatingFreeze: the checkpoint was saved with another schedule ({err}); {how}") from err
+        mine = {g: self.groups.numel(g) for g in self.groups.names}
+        if saved.get("groups") != mine:
+            raise PlanError(
+                f"AlternatingFreeze: the checkpoint was saved with groups {saved.get('groups')} "
+                f"(name: parameter count), these are {mine}; {how}"
+            )
+        step, epoch = int(saved.get("step", 0)), int(saved.get("epoch", 0))
+        expected = self.schedule.phase_at(step, epoch)
+        if saved.get("phase") is not None and sorted(expected.trainable) != saved["phase"]:
+            raise PlanError(
+                f"AlternatingFreeze: at step {step} the checkpoint trained {saved['phase']}, this "
+                f"schedule gives {sorted(expected.trainable)} (a function schedule that changed?); {how}"
+            )
+
+    def _attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
+        assert self.switcher is not None
+        if self.count_comm and self.comm is None:
+            try:
+                self.comm = register_comm_counter(ddp)
+            except RuntimeError as err:
+                raise SwitchError(
+                    f"`count_comm=True` could not register its comm hook on the Trainer's DDP ({err}); "
+                    "DDP takes one comm hook: drop the other one, or pass `count_comm=False`"
+                ) from err
+        self.switcher.attach(ddp, rebuild=True)
+        self._phase_info = self._describe_phase()
+        self.find_unused_parameters = bool(ddp.find_unused_parameters)
+        if self.find_unused_parameters and self._is_main:
+            logger.warning(
+                "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default "
+                "without gradient checkpointing), which walks the autograd graph and all-reduces a "
+                "used-parameter map on every step. "
+                "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
+                "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips "
+                "some trainable parameters."
+            )
+
+    def _no_wrapper(self) -> None:
+        """Called when the model trains without a DDP wrapper (single process)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            raise SwitchError(
+                f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
+                "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
+                "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
+                "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
+                "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
+                "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
+                "Trainer's default for multi-process runs) is supported."
+            )
+
+    def _run_before_reporters(self) -> None:
+        """Move this callback ahead of the reporting callbacks (TensorBoard, W&B, ...).
+
+        The Trainer calls callbacks in list order and puts user callbacks after
+        the reporters, so keys added in ``on_log`` would reach only the progress
+        bar. Callbacks do not get the handler; it is the caller of this event.
+        """
+        frame = sys._getframe(1)
+        for _ in range(4):
+            frame = frame.f_back  # type: ignore[assignment]
+            if frame is None:
+                return
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler) and self in handler.callbacks:
+                callbacks = handler.callbacks
+                callbacks.remove(self)
+                first = next((i for i, cb in enumerate(callbacks) if not isinstance(cb, DefaultFlowCallback)),
+                             len(callbacks))
+                callbacks.insert(first, self)
+                return
+
+
+# ----------------------------------------------------------------------------- optimizer helper
+
+_NO_DECAY_PATTERNS = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"))
+
+
+def _no_decay_names(model: nn.Module) -> set[str]:
+    """Parameter names the Trainer's default optimizer exempts from weight decay."""
+    names: set[str] = set()
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if is_norm or any(p.search(full.lower()) for p in _NO_DECAY_PATTERNS):
+                names.add(full)
+    return names
+
+
+def grouped_optimizer(
+    groups: ParamGroups,
+    optimizer_cls: type[Optimizer] = torch.optim.AdamW,
+    *,
+    weight_decay: float = 0.0,
+    state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+    **optimizer_kwargs: Any,
+) -> GroupedOptimizer:
+    """One optimizer per group, for ``Trainer(optimizers=(grouped_optimizer(...), None))``.
+
+    Each group's optimizer splits its parameters like the Trainer's default
+    (no weight decay for biases and normalisation weights). Give the same
+    ``groups`` to :class:`AlternatingFreeze`: at every switch it makes the
+    phase's groups the active ones, and idle groups' optimizer state follows
+    ``state_policy`` (``"offload"`` moves it to the CPU while they are frozen).
+
+    Args:
+        groups: ParamGroups built on the model passed to the Trainer.
+        optimizer_cls: a ``torch.optim.Optimizer`` class.
+        weight_decay: weight decay of the decayed parameters.
+        state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group.
+        **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
+
+    Example:
+        >>> import torch
+        >>> from hf_altparams.plan import ParamGroups
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> opt = grouped_optimizer(groups, lr=1e-3, weight_decay=0.01, state_policy="offload")
+        >>> [g["weight_decay"] for g in opt.inner["a"].param_groups]
+        [0.01, 0.0]
+    """
+    if not isinstance(groups, ParamGroups):
+        raise PlanError(f"`groups` must be ParamGroups built on the model, got {type(groups).__name__}")
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+        raise PlanError(f"`optimizer_cls` must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
+    no_decay = _no_decay_names(groups.module)
+
+    def factory_for(group: str) -> Callable[[list[nn.Parameter]], Optimizer]:
+        named = groups.named_params(group)
+
+        def build(_params: list[nn.Parameter]) -> Optimizer:
+            decay = [p for n, p in named if n not in no_decay]
+            plain = [p for n, p in named if n in no_decay]
+            param_groups: list[dict[str, Any]] = [
+                {"params": ps, "weight_decay": wd}
+                for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps
+            ]
+            return optimizer_cls(param_groups, **optimizer_kwargs)
+
+        return build
+
+    return GroupedOptimizer(groups, {g: factory_for(g) for g in groups.names}, state_policy=state_policy)

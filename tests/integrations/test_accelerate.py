@@ -1,0 +1,359 @@
+"""PhasedAccelerator: two real gloo ranks under `accelerate launch`, plus in-process argument checks.
+
+The two-rank scenarios run in two launches shared by every test here
+(imports and start-up cost more than the training):
+``accelerate_checks.py`` (equivalence, bytes, comm hooks, bf16, fp16 scaler,
+the uninterrupted run with its mid-phase checkpoint) and then
+``accelerate_resume.py`` (new processes resuming from that checkpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from hf_altparams.engine import GroupedOptimizer
+from hf_altparams.errors import AltParamsError, PlanError
+from hf_altparams.plan import Alternating, ParamGroups
+from hf_altparams.testing import launch, rank_results, script_path
+
+NPROC = 2
+
+
+# --------------------------------------------------------------------------- two ranks
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("accelerate_checks")
+    launch(script_path("accelerate_checks.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    return out, rank_results(out, nproc=NPROC)
+
+
+@pytest.fixture(scope="module")
+def resumed(ranks: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out, _ = ranks
+    launch(script_path("accelerate_resume.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    return rank_results(out / "resume", nproc=NPROC)
+
+
+def scenario(ranks: tuple[Path, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
+    return [r[name] for r in ranks[1]]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["ga1", "ga2"])
+def test_parameters_equal_one_process_reference(ranks: Any, name: str) -> None:
+    per_rank = scenario(ranks, name)
+    for r in per_rank:
+        assert r["steps"] == r["windows"] == 6
+        assert r["max_abs_diff_vs_reference"] < 1e-6, r["max_abs_diff_vs_reference"]
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"], "ranks must stay bit-identical"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["ga1", "ga2"])
+def test_bytes_allreduced_per_step_equal_trainable_bytes(ranks: Any, name: str) -> None:
+    for r in scenario(ranks, name):
+        assert r["allreduce_bytes_measured"] == r["allreduce_bytes_expected"]
+        assert r["record_bytes"] == r["record_trainable_bytes"]
+        assert len(set(r["allreduce_bytes_expected"])) > 1, "the phases must differ in size"
+
+
+@pytest.mark.distributed
+def test_switches_only_at_gradient_sync_boundaries(ranks: Any) -> None:
+    ga1, ga2 = scenario(ranks, "ga1")[0], scenario(ranks, "ga2")[0]
+    # Alternating({"l0": 2, "l1": 1, "head": 1}) over 6 optimizer steps (+ the switch after the last one).
+    assert ga1["switch_phases"] == ["l0", "l1", "head", "l0", "l1"]
+    assert ga1["switch_steps"] == [0, 2, 3, 4, 6]
+    # With 2 micro-batches per step the schedule still counts optimizer steps, not micro-batches.
+    assert ga2["switch_phases"] == ["head+l1", "head+l0+l1"]
+    assert ga2["switch_steps"] == [0, 2]
+
+
+@pytest.mark.distributed
+def test_model_prepared_once_and_saved_once(ranks: Any) -> None:
+    for name in ("ga1", "ga2"):
+        for r in scenario(ranks, name):
+            assert r["models_registered"] == 1
+            # One DDP constructor (one full-model broadcast) for the run; every switch rebuilt it in place.
+            assert r["ddp_constructions"] == 1 and len(r["switch_phases"]) > 1
+            assert r["ddp_is_wrapper_of_model"]
+            model_files = [f for f in r["checkpoint_files"] if f.startswith(("model", "pytorch_model"))]
+            assert model_files == ["model.safetensors"], r["checkpoint_files"]
+            assert ranks[1][0]["state_file"] in r["checkpoint_files"]
+            assert "prepare" in r["reprepare_error"] and "_models" in r["reprepare_error"]
+    assert scenario(ranks, "bf16")[0]["models_registered"] == 1
+
+
+@pytest.mark.distributed
+def test_switch_records_reach_the_tracker_on_the_main_process(ranks: Any) -> None:
+    main, other = scenario(ranks, "ga1")
+    logs = main["tracker_logs"]
+    assert [log["altparams/phase"] for log in logs] == main["switch_phases"]
+    assert [log["step"] for log in logs] == main["switch_steps"]
+    for log, nbytes in zip(logs, main["record_bytes"]):
+        assert log["altparams/allreduce_bytes_per_step"] == nbytes == log["altparams/trainable_bytes"]
+        assert log["altparams/trainable_params"] * 4 == nbytes
+        assert log["altparams/rss_bytes"] > 0 and log["altparams/seconds"] >= 0
+    assert other["tracker_logs"] == [], "trackers live on the main process only"
+
+
+@pytest.mark.distributed
+def test_find_unused_parameters_false_by_default_and_explained(ranks: Any) -> None:
+    assert all(not r["find_unused_parameters"] for r in scenario(ranks, "ga1"))
+    for r in scenario(ranks, "unused"):
+        assert r["default_find_unused_parameters"] is False
+        assert "spare.weight" in r["default_error"] and "find_unused_parameters=True" in r["default_error"]
+        assert r["true_find_unused_parameters"] is True
+        assert r["true_error"] == "" and r["true_steps"] == 2
+
+
+@pytest.mark.distributed
+def test_comm_hook_from_ddp_kwargs_survives_switches(ranks: Any) -> None:
+    per_rank = scenario(ranks, "comm_hook")
+    for r in per_rank:
+        assert len(set(r["phases"])) == 3
+        assert r["hooks_per_step"] == [["fp16_compress_hook"]] * 6
+        # Gradients came back through the fp16 all-reduce in every phase.
+        assert r["fp16_exact_per_step"] == [True] * 6
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"]
+
+
+@pytest.mark.distributed
+def test_per_task_residency_trains_trunk_and_current_task_only(ranks: Any) -> None:
+    per_rank = scenario(ranks, "per_task")
+    for r in per_rank:
+        assert r["tasks"] == ["t0", "t0", "t1", "t1", "t0", "t0"]
+        assert r["allreduce_bytes_measured"] == r["allreduce_bytes_expected"]
+        assert r["max_abs_diff_vs_reference"] < 1e-6
+        assert "t1" in r["refused"] or "t0" in r["refused"], "a forward through a non-resident head is refused"
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"]
+
+
+@pytest.mark.distributed
+def test_bf16_on_cpu_switches_and_keeps_ranks_equal(ranks: Any) -> None:
+    per_rank = scenario(ranks, "bf16")
+    for r in per_rank:
+        assert r["mixed_precision"] == "bf16" and r["autocast_dtype"] == "torch.bfloat16"
+        assert r["steps"] == 4 and r["phases"] == ["l0", "l1+head", "l0", "l1+head", "l0"]
+        assert r["changed"]
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"]
+
+
+@pytest.mark.distributed
+def test_fp16_one_unscale_and_one_scaler_update_per_step(ranks: Any) -> None:
+    r = scenario(ranks, "fp16_scaler")[0]
+    init = r["init_scale"]
+    # One GroupedOptimizer: one unscale, one update (growth_interval=1 doubles the scale once),
+    # and the update equals an unscaled fp32 step.
+    assert r["grouped"]["scale_after"] == 2 * init
+    assert max(r["grouped"]["max_abs_diff_by_param"].values()) == 0.0
+    # The trap it avoids: two prepared optimizers step the scaler twice and unscale the second twice.
+    assert r["two_optimizers"]["scale_after"] == 4 * init
+    assert r["two_optimizers"]["max_abs_diff_by_param"]["l0.weight"] == 0.0
+    assert r["two_optimizers"]["max_abs_diff_by_param"]["l1.weight"] > 1e-3
+
+
+@pytest.mark.distributed
+def test_resume_mid_phase_equals_uninterrupted_run_bitwise(ranks: Any, resumed: list[dict[str, Any]]) -> None:
+    uninterrupted = scenario(ranks, "resume")
+    assert uninterrupted[0]["saved_phase"] == "l1"  # Alternating({"l0": 3, "l1": 2, "head": 1}) at step 4
+    for r, u in zip(resumed, uninterrupted):
+        assert r["phase_at_prepare"] == "l0"
+        assert r["after_load"]["schedule_step"] == 4 and r["after_load"]["phase"] == "l1"
+        assert r["steps"] == u["steps"] == 9
+        assert r["bitwise_equal_to_uninterrupted"], r["max_abs_diff"]
+        assert r["param_sha256"] == u["param_sha256"]
+        assert r["models_registered"] == 1
+    assert resumed[0]["param_sha256"] == resumed[1]["param_sha256"]
+
+
+@pytest.mark.distributed
+def test_resume_restores_every_group_state_under_its_policy(resumed: list[dict[str, Any]]) -> None:
+    for r in resumed:
+        state = r["after_load"]["optimizer_state"]
+        assert r["after_load"]["active"] == ["l1"]
+        # l1 ("drop" when idle) is active at the resumed step: its state is loaded, not dropped.
+        assert state["l1"]["step"] == 1.0
+        # l0 trained 3 steps and is idle with "offload": its state is loaded and stays off the device
+        # (on a CPU-only run the device is the CPU, so this only shows that it is there).
+        assert state["l0"]["step"] == 3.0 and state["l0"]["devices"] == ["cpu"]
+        assert state["head"]["step"] is None  # never trained yet
+        assert r["after_load"]["param_groups_live"]
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _grouped_sgd(model: nn.Module) -> GroupedOptimizer:
+    groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
+    return GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_bad_arguments_are_refused_before_anything_is_built() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    with pytest.raises(PlanError, match="`schedule`"):
+        PhasedAccelerator(["a", "b"])  # type: ignore[arg-type]
+    groups = ParamGroups(_net(), {"a": "0.*", "b": "2.*"})
+    with pytest.raises(PlanError, match="unknown group"):
+        PhasedAccelerator(Alternating(["a", "c"]), groups=groups)
+    with pytest.raises(PlanError, match="`find_unused_parameters`"):
+        PhasedAccelerator(Alternating(["a", "b"]), find_unused_parameters="auto")  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_count_comm_and_a_ddp_comm_hook_are_refused_together() -> None:
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
+    with pytest.raises(PlanError, match="`count_comm=True`"):
+        PhasedAccelerator(Alternating(["a", "b"]), count_comm=True, kwargs_handlers=[handler], cpu=True)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_one_process_switches_without_ddp_and_matches_a_plain_loop() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    schedule = Alternating({"a": 2, "b": 1})
+    acc = PhasedAccelerator(schedule, cpu=True)
+    model = _net()
+    groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
+    opt = GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))
+    prepared, prepared_opt = acc.prepare(model, opt)
+    assert prepared is model  # one process: no DDP wrapper
+
+    reference = _net()
+    ref_groups = ParamGroups(reference, {"a": "0.*", "b": "2.*"})
+    ref_opts = {g: torch.optim.SGD(ref_groups.params(g), lr=0.1) for g in ("a", "b")}
+    gen = torch.Generator().manual_seed(1)
+    flags = []
+    for step in range(5):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        flags.append((model[0].weight.requires_grad, model[2].weight.requires_grad))
+        acc.backward(nn.functional.mse_loss(prepared(x), y))
+        prepared_opt.step()
+        prepared_opt.zero_grad()
+
+        active = schedule.phase_at(step).trainable
+        for g, params in (("a", ref_groups.params("a")), ("b", ref_groups.params("b"))):
+            for p in params:
+                p.requires_grad_(g in active)
+        nn.functional.mse_loss(reference(x), y).backward()
+        for g in sorted(active):
+            ref_opts[g].step()
+            ref_opts[g].zero_grad(set_to_none=True)
+
+    assert flags == [(True, False), (True, False), (False, True), (True, False), (True, False)]
+    assert acc.schedule_step == 5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_backward_before_zero_grad_after_a_step_is_refused() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = _grouped_sgd(model)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randn(2, 4)
+    acc.backward(model(x).sum())
+    opt.step()
+    with pytest.raises(AltParamsError, match=r"`optimizer.zero_grad\(\)`"):
+        acc.backward(model(x).sum())
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_grouped_optimizer_without_its_model_is_refused() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = _grouped_sgd(model)
+    with pytest.raises(AltParamsError, match="same `prepare` call"):
+        acc.prepare(opt)
+
+
+def _train_steps(acc: Any, model: nn.Module, opt: Any, steps: int, scheduler: Any = None) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_lr_scheduler_on_the_grouped_optimizer_still_acts_after_prepare() -> None:
+    # prepare() reloads the optimizer state onto the device (AcceleratedOptimizer(device_placement=True));
+    # the scheduler must keep changing the rates the inner optimizers use.
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = _grouped_sgd(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    model, prepared_opt, scheduler = acc.prepare(model, opt, scheduler)
+    _train_steps(acc, model, prepared_opt, 2, scheduler)
+    assert [inner.param_groups[0]["lr"] for inner in opt.inner.values()] == [0.1 * 0.25] * 2
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_grouped_lr_scheduler_is_prepared_and_pauses_idle_groups() -> None:
+    from hf_altparams.engine import GroupedLRScheduler
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = _grouped_sgd(model)
+    scheduler = GroupedLRScheduler(opt, lambda inner: torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5))
+    model, prepared_opt, prepared_scheduler = acc.prepare(model, opt, scheduler)
+    assert prepared_scheduler is not scheduler and prepared_scheduler in acc._schedulers  # saved by save_state
+    _train_steps(acc, model, prepared_opt, 3, prepared_scheduler)  # a, b, a
+    assert opt.inner["a"].param_groups[0]["lr"] == 0.1 * 0.5**2
+    assert opt.inner["b"].param_groups[0]["lr"] == 0.1 * 0.5
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_load_state_refuses_a_checkpoint_of_another_schedule(tmp_path: Path) -> None:
+    from hf_altparams.integrations.accelerate import STATE_FILE, PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating({"a": 2, "b": 1}), cpu=True)
+    model = _net()
+    model, opt = acc.prepare(model, _grouped_sgd(model))
+    _train_steps(acc, model, opt, 2)
+    acc.save_state(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / STATE_FILE).is_file()
+    acc.free_memory()
+
+    other = _net()
+    acc = PhasedAccelerator(Alternating({"a": 3, "b": 1}), cpu=True)
+    other, other_opt = acc.prepare(other, _grouped_sgd(other))
+    with pytest.raises(PlanError, match="durations"):
+        acc.load_state(str(tmp_path / "ckpt"))
+
+    (tmp_path / "ckpt" / STATE_FILE).unlink()
+    with pytest.raises(AltParamsError, match=STATE_FILE):
+        acc.load_state(str(tmp_path / "ckpt"))
