@@ -61,8 +61,10 @@ from hf_altparams.engine.memory import malloc_trim, rss_bytes  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 
 SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
-#: ``--diagnose`` adds these: the switcher with the per-switch ``malloc_trim`` disabled.
-DIAGNOSTIC = ("hf_keep_notrim", "hf_drop_notrim")
+#: ``--diagnose`` adds these, to attribute the switch time: the per-switch ``malloc_trim``
+#: disabled (``*_notrim``), or the whole release step (gc, barrier, ``empty_cache``,
+#: ``malloc_trim``) skipped with ``PhaseSwitcher(release=False)`` (``*_norelease``).
+DIAGNOSTIC = ("hf_keep_notrim", "hf_drop_notrim", "hf_drop_norelease")
 HALVES = ("layer1", "layer2")
 MIB = 2**20
 
@@ -256,7 +258,7 @@ def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, 
     return step_s, switch_s, sent, trainable
 
 
-def _hf_loop(policy: str, trim: bool = True) -> Loop:
+def _hf_loop(policy: str, trim: bool = True, release: bool = True) -> Loop:
     def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
              half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
         if not trim:  # diagnosis only: what the switch costs without returning heap pages to the OS
@@ -265,7 +267,7 @@ def _hf_loop(policy: str, trim: bool = True) -> Loop:
             memory.malloc_trim = lambda: None  # type: ignore[assignment]
         groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
         opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt)
+        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release)
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)
@@ -291,6 +293,7 @@ SCENARIO_LOOPS: dict[str, Loop] = {
     "hf_drop": _hf_loop("drop"),
     "hf_keep_notrim": _hf_loop("keep", trim=False),
     "hf_drop_notrim": _hf_loop("drop", trim=False),
+    "hf_drop_norelease": _hf_loop("drop", release=False),
 }
 
 
@@ -434,7 +437,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS + DIAGNOSTIC)
     parser.add_argument("--diagnose", action="store_true",
-                        help=f"also run {', '.join(DIAGNOSTIC)} (the switch without malloc_trim)")
+                        help=f"also run {', '.join(DIAGNOSTIC)} (where the switch time goes)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for JSON and markdown")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per scenario launch")
     parser.add_argument("--worker", choices=SCENARIOS + DIAGNOSTIC, help=argparse.SUPPRESS)

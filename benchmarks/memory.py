@@ -169,6 +169,35 @@ def run_device(device: str, args: argparse.Namespace) -> tuple[str, dict[str, An
     return text, payload
 
 
+PREAMBLE = """\
+Peak memory growth over a baseline taken after the model is built (and, for the two-halves
+model, placed on the device), before DDP is constructed: what training adds (gradients, DDP
+buckets, optimizer state, activations, and whatever a switch leaves behind). CPU: the process's
+peak RSS (`VmHWM`, reset at the baseline) minus the baseline RSS. CUDA: `max_memory_allocated`
+minus the baseline allocation; the absolute `max_memory_allocated` is given too. Every scenario
+runs in fresh processes; each figure is the median of the runs of the larger rank.
+
+What the CPU measurement can and cannot show: on a CPU "the device" and "the offload device"
+are the same RAM, so `offload` and residency move no bytes there. The CPU runs show that the
+alternating run with `drop` costs what one group alone costs (gradients, buckets and optimizer
+state of one group only), and that with per-task residency nothing *else* grows with the number
+of tasks (no gradients, DDP buckets or device-side state for absent tasks): the growth with more
+tasks is their own CPU copies (here: their AdamW state under the `keep` policy; their parameters
+are in the baseline). That device memory stays flat while the absent tasks sit in host memory
+can only be measured on a GPU (the CUDA section).
+"""
+
+NOT_RUN = """\
+### CUDA
+
+Not run: no GPU was available where this file was produced. On one CUDA GPU (NCCL, world size 1)
+`python benchmarks/memory.py --devices cuda` measures a 1 GiB two-halves model (512 MiB per half)
+with `alone_a`/`alone_b`, `naive`, `alt_keep`, `alt_drop`, `alt_offload` (target:
+`max_memory_allocated` <= 1.02 x the larger single group), `alt_offload_prefetch` and
+`alt_offload_auto`, and per-task residency with a 512 MiB trunk and 2 / 8 heads of 256 MiB.
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"])
@@ -196,8 +225,10 @@ def main() -> None:
         payload[device] = data
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "RESULTS.memory.json").write_text(json.dumps(payload, indent=1, default=str))
+    if "cuda" not in devices:
+        sections.append(NOT_RUN)
     (args.out / "RESULTS.memory.md").write_text(
-        "## Memory (benchmarks/memory.py)\n\n" + "\n".join(sections))
+        "## Memory (benchmarks/memory.py)\n\n" + PREAMBLE + "\n" + "\n".join(sections))
 
 
 if __name__ == "__main__":

@@ -26,28 +26,28 @@ Not counted: activations, temporaries of the forward, backward and optimizer
 step, Adam's 0-d ``step`` counters (4 B per tensor, on the host unless the
 optimizer is fused or capturable), and allocator rounding.
 
-``python -m hf_altparams plan`` (:func:`main`) builds the model on ``meta``
-from a transformers config JSON, a checkpoint folder, or ``pkg.module:factory``.
+``python -m hf_altparams plan`` (:func:`main`, in :mod:`hf_altparams._planner_cli`)
+builds the model on ``meta`` from a transformers config JSON, a checkpoint folder,
+or ``pkg.module:factory``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .errors import PlanError
-from .plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, Phase, PhaseSequence,
-                   ProgressiveFreeze, RandomBlocks, Schedule)
+from .plan import ParamGroups, Phase, Schedule
 from .plan.groups import _format_bytes
+
+if TYPE_CHECKING:
+    from ._planner_cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
 
 __all__ = ["CostPlan", "PhaseCost", "SwitchCost", "build_from_argv", "build_model", "main", "plan_cost",
            "plan_from_argv"]
@@ -283,8 +283,8 @@ def plan_cost(
     schedule.validate(groups)
     label, state_fn = _state_bytes_fn(optimizer)
     if steps is None:
-        tail = schedule._tail()
-        steps = _DEFAULT_POSITIONS if tail is None else tail.start + (tail.period or schedule._stride())
+        pattern = schedule.pattern_length()
+        steps = _DEFAULT_POSITIONS if pattern is None else pattern
     segments = schedule.segments(steps)
     size = _group_sizes(groups, state_fn, grad_dtype)
     owners = _buffer_owners(groups)
@@ -487,179 +487,16 @@ def _from_factory(spec: str, device: str) -> nn.Module:
     return built
 
 
-# -- the command line ---------------------------------------------------------------------------
+# -- the command line: hf_altparams._planner_cli, loaded on first use ----------------------------
 
-SCHEDULES = ("alternating", "gradual", "progressive", "per-task", "random-blocks", "sequence")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m hf_altparams plan`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="python -m hf_altparams plan",
-        description="Print what a schedule costs per phase: trainable parameters, bytes all-reduced per "
-                    "step and device memory, against training everything. The model is built on the "
-                    "meta device (no memory).")
-    p.add_argument("--model", required=True, help="config JSON, checkpoint folder, or pkg.module:factory")
-    p.add_argument("--model-class", default="AutoModel", help="transformers class for a config (AutoModel)")
-    p.add_argument("--dtype", choices=list(_DTYPES), help="cast the parameters to this dtype")
-    p.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN...]",
-                   help="a parameter group (repeatable); globs, or 're:' regexes")
-    p.add_argument("--layers", metavar="ATTR.PATH", help="one group per --per layers of this ModuleList")
-    p.add_argument("--per", type=int, default=1, help="layers per group with --layers")
-    p.add_argument("--prefix", default="layer", help="layer group name prefix with --layers")
-    p.add_argument("--ungrouped", choices=["frozen", "trainable", "error"], default="frozen")
-    p.add_argument("--schedule", required=True, choices=SCHEDULES)
-    p.add_argument("--every", type=int, help="positions per phase (alternating: default 1)")
-    p.add_argument("--ratios", help="alternating: a=3,b+c=1 (durations) or a,b+c (each --every long)")
-    p.add_argument("--blocks", help="gradual/progressive/random-blocks: ordered groups (default: all but --always)")
-    p.add_argument("--order", choices=["last_to_first", "first_to_last"], help="gradual/progressive direction")
-    p.add_argument("--always", default="", help="groups that train in every phase (comma list)")
-    p.add_argument("--k", type=int, help="random-blocks: groups drawn per block")
-    p.add_argument("--seed", type=int, default=0, help="random-blocks seed")
-    p.add_argument("--trunk", help="per-task: shared groups (comma list)")
-    p.add_argument("--tasks", help="per-task: tasks, comma list, a+b for a task of several groups "
-                                   "(default: every group not in --trunk)")
-    p.add_argument("--phase", action="append", default=[], metavar="GROUP[+GROUP...]:DURATION",
-                   help="sequence: one phase (repeatable)")
-    p.add_argument("--repeat", action="store_true", help="sequence: cycle the phases")
-    p.add_argument("--unit", choices=["step", "epoch"], default="step")
-    p.add_argument("--steps", type=int, help="positions to list (default: one period or up to the last phase)")
-    p.add_argument("--optimizer", default="adamw",
-                   help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)")
-    p.add_argument("--state-policy", choices=list(POLICIES), default="keep")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--grad-dtype", choices=list(_DTYPES), help="gradient dtype (default: the parameters')")
-    p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
-    p.add_argument("--nonresident-on-device", action="store_true",
-                   help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
-    p.add_argument("--pcie-gbps", type=float, default=DEFAULT_PCIE_GBPS, help="host<->device GB/s assumed")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return p
+_CLI_NAMES = ("SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv")
 
 
-def _names(text: Optional[str]) -> list[str]:
-    return [n.strip() for n in (text or "").split(",") if n.strip()]
+def __getattr__(name: str) -> Any:
+    # Lazy, because _planner_cli imports this module: an eager import at either end
+    # would fail when the other module is the one imported first.
+    if name in _CLI_NAMES:
+        from . import _planner_cli
 
-
-def _entry(text: str) -> Union[str, tuple[str, ...]]:
-    parts = tuple(n.strip() for n in text.split("+"))
-    return parts[0] if len(parts) == 1 else parts
-
-
-def _groups_from_args(args: argparse.Namespace, model: nn.Module) -> ParamGroups:
-    specs: dict[str, list[str]] = {}
-    for item in args.group:
-        name, eq, patterns = item.partition("=")
-        if not eq or not name.strip() or not _names(patterns):
-            raise PlanError(f"`--group` must look like NAME=PATTERN[,PATTERN...], got {item!r}")
-        specs[name.strip()] = _names(patterns)
-    if args.layers:
-        return ParamGroups.from_layers(model, args.layers, per=args.per, prefix=args.prefix,
-                                       extra=specs, ungrouped=args.ungrouped)
-    if not specs:
-        raise PlanError("no groups: pass `--group NAME=PATTERN` (repeatable) and/or `--layers ATTR.PATH`")
-    return ParamGroups(model, specs, ungrouped=args.ungrouped)
-
-
-def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedule:
-    kind, unit, always = args.schedule, args.unit, _names(args.always)
-    blocks = _names(args.blocks) or [g for g in groups.names if g not in always]
-
-    def every() -> int:
-        if args.every is None:
-            raise PlanError(f"`--every` is required for `--schedule {kind}`")
-        return args.every
-
-    if kind == "alternating":
-        items = _names(args.ratios) or list(groups.names)
-        if all("=" in i for i in items):
-            ratios = {}
-            for item in items:
-                name, _, count = item.partition("=")
-                if not count.strip().isdigit():
-                    raise PlanError(f"`--ratios` entry {item!r} must be GROUP[+GROUP]=INT")
-                ratios[_entry(name)] = int(count)
-            return Alternating(ratios, unit=unit)
-        if any("=" in i for i in items):
-            raise PlanError(f"`--ratios` mixes a=N and plain entries: {args.ratios!r}; use one form")
-        return Alternating([_entry(i) for i in items], every=args.every or 1, unit=unit)
-    if kind == "gradual":
-        return GradualUnfreeze(blocks, every=every(), unit=unit, order=args.order or "last_to_first", always=always)
-    if kind == "progressive":
-        return ProgressiveFreeze(blocks, every=every(), unit=unit, order=args.order or "first_to_last",
-                                 always=always)
-    if kind == "random-blocks":
-        if args.k is None:
-            raise PlanError("`--k` (groups drawn per block) is required for `--schedule random-blocks`")
-        return RandomBlocks(blocks, k=args.k, every=every(), seed=args.seed, always=always, unit=unit)
-    if kind == "per-task":
-        trunk = _names(args.trunk)
-        if not trunk:
-            raise PlanError("`--trunk` (the shared groups) is required for `--schedule per-task`")
-        tasks = [_entry(t) for t in _names(args.tasks)] or [g for g in groups.names if g not in trunk]
-        return PerTaskCycle(trunk, tasks, every=every(), unit=unit)
-    if not args.phase:
-        raise PlanError("`--schedule sequence` needs at least one `--phase GROUP[+GROUP]:DURATION`")
-    phases = []
-    for item in args.phase:
-        names, _, count = item.rpartition(":")
-        if not names or not count.strip().isdigit():
-            raise PlanError(f"`--phase` must look like GROUP[+GROUP...]:DURATION, got {item!r}")
-        phases.append(([n.strip() for n in names.split("+")], int(count)))
-    return PhaseSequence(phases, repeat=args.repeat, unit=unit)
-
-
-def _optimizer_arg(text: str) -> OptimizerSpec:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def build_from_argv(argv: Sequence[str], *, device: str = "meta"
-                    ) -> tuple[argparse.Namespace, nn.Module, ParamGroups, Schedule]:
-    """Parse ``plan`` arguments and build the model (on ``device``), its groups and the schedule.
-
-    Raises:
-        PlanError: on any invalid flag value (the message names the flag).
-        SystemExit: on argparse errors (unknown flag, bad choice).
-    """
-    args = build_parser().parse_args(list(argv))
-    model = build_model(args.model, model_class=args.model_class, dtype=args.dtype, device=device)
-    groups = _groups_from_args(args, model)
-    return args, model, groups, _schedule_from_args(args, groups)
-
-
-def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
-    """Parse ``plan`` arguments, build the model on ``meta`` and cost the schedule.
-
-    Example:
-        >>> args, plan = plan_from_argv(["--model", "torch.nn:PReLU", "--group", "slope=weight",
-        ...                               "--schedule", "sequence", "--phase", "slope:10"])
-        >>> [(row.phase, row.ranges, row.allreduce_bytes) for row in plan.phases]
-        [('slope', [(0, 10)], 4)]
-    """
-    args, model, groups, schedule = build_from_argv(argv)
-    plan = plan_cost(model, groups, schedule, optimizer=_optimizer_arg(args.optimizer),
-                     state_policy=args.state_policy, steps=args.steps, world_size=args.world_size,
-                     grad_dtype=_DTYPES[args.grad_dtype] if args.grad_dtype else None,
-                     bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
-                     offload_nonresident=not args.nonresident_on_device)
-    return args, plan
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hf_altparams plan ...``: print the cost table (or JSON); exit 2 on bad input.
-
-    Example::
-
-        python -m hf_altparams plan --model path/to/checkpoint --layers encoder.layer \\
-            --group emb='embeddings.*' --schedule gradual --every 100 --state-policy offload
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args, plan = plan_from_argv(argv)
-    except PlanError as err:
-        build_parser().error(str(err))
-    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
-    return 0
+        return getattr(_planner_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

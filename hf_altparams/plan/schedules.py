@@ -9,19 +9,33 @@ optimizer steps; ``"epoch"``: epochs).
 Kinds: :class:`PhaseSequence`, :class:`Alternating`, :class:`GradualUnfreeze`,
 :class:`ProgressiveFreeze`, :class:`PerTaskCycle`, :class:`RandomBlocks`,
 :class:`FnSchedule`, and :class:`Chain` to run schedules one after another.
+Their base class, :class:`Schedule`, is in :mod:`hf_altparams.plan._schedule_base`;
+:class:`RandomBlocks` and :class:`FnSchedule` are in :mod:`hf_altparams.plan._random_fn`.
+All are importable from here and from :mod:`hf_altparams.plan`.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
-import random
-from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from ..errors import PlanError
+from ._random_fn import FnSchedule, RandomBlocks
+from ._schedule_base import (
+    _UNITS,
+    Schedule,
+    Unit,
+    _as_phase,
+    _check_bool,
+    _check_choice,
+    _check_disjoint,
+    _check_int,
+    _name_list,
+    _ordered_groups,
+    _Tail,
+)
 from .groups import ParamGroups
 from .phase import Phase
 
@@ -38,332 +52,7 @@ __all__ = [
     "Unit",
 ]
 
-#: The position a schedule counts in.
-Unit = Literal["step", "epoch"]
-_UNITS: tuple[str, ...] = ("step", "epoch")
 _ORDERS: tuple[str, ...] = ("last_to_first", "first_to_last")
-_DESCRIBE_SEGMENTS = 8  # segments listed by describe() for schedules with no known pattern
-
-
-class _Tail(NamedTuple):
-    """From position `start` on, the phase repeats every `period` (None: stays constant)."""
-
-    start: int
-    period: int | None
-
-
-# -- argument checks ----------------------------------------------------------------------------
-
-
-def _check_int(value: Any, argument: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlanError(f"`{argument}` must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_bool(value: Any, argument: str) -> bool:
-    if not isinstance(value, bool):
-        raise PlanError(f"`{argument}` must be True or False, got {value!r}")
-    return value
-
-
-def _check_choice(value: Any, argument: str, choices: Sequence[str]) -> Any:
-    if value not in choices:
-        raise PlanError(f"`{argument}` must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _name_list(value: Any, argument: str, *, one_str: bool) -> tuple[str, ...]:
-    """Group names from a str (if `one_str`) or an iterable of non-empty str; no duplicates."""
-    if isinstance(value, str) and one_str:
-        value = [value]
-    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
-        accepted = "a group name or " if one_str else ""
-        raise PlanError(f"`{argument}` must be {accepted}a list of group names, got {value!r}")
-    names = tuple(value)
-    bad = [n for n in names if not isinstance(n, str) or not n]
-    if bad:
-        raise PlanError(f"`{argument}` must hold non-empty str group names, got {bad[0]!r} in {value!r}")
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise PlanError(f"`{argument}` lists group(s) {dups} more than once: {value!r}")
-    return names
-
-
-def _ordered_groups(value: Any, argument: str) -> tuple[str, ...]:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise PlanError(f"`{argument}` must be a list of group names (in order), got {value!r}")
-    names = _name_list(value, argument, one_str=False)
-    if not names:
-        raise PlanError(f"`{argument}` must name at least one group, got {value!r}")
-    return names
-
-
-def _check_disjoint(a: Iterable[str], b: Iterable[str], a_arg: str, b_arg: str) -> None:
-    both = sorted(set(a) & set(b))
-    if both:
-        raise PlanError(f"group(s) {both} appear in both `{a_arg}` and `{b_arg}`; use each group once")
-
-
-def _as_phase(value: Any, argument: str) -> Phase:
-    if isinstance(value, Phase):
-        _name_list(sorted(value.trainable | (value.resident or frozenset()), key=str), argument, one_str=False)
-        return value
-    try:
-        return Phase(trainable=_name_list(value, argument, one_str=True))
-    except PlanError:
-        raise PlanError(
-            f"`{argument}` must be a Phase, a group name or a list of group names, got {value!r}"
-        ) from None
-
-
-def _phase_text(phase: Phase) -> str:
-    text = "trainable " + ("+".join(sorted(phase.trainable)) or "<none>")
-    if phase.resident is not None and phase.resident != phase.trainable:
-        text += " (resident " + "+".join(sorted(phase.resident)) + ")"
-    return text
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value))
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# -- the base class -----------------------------------------------------------------------------
-
-
-class Schedule(ABC):
-    """Maps a position (step or epoch) to a :class:`Phase`; stateless and deterministic.
-
-    Subclasses implement :meth:`phase_at` and :meth:`group_names`; built-in
-    kinds also describe their repeating pattern so that :meth:`segments`,
-    :meth:`next_change` and :meth:`describe` need no scanning of long runs.
-    """
-
-    unit: Unit = "step"
-    allow_empty: bool = False
-    seed: Any = None
-
-    @abstractmethod
-    def phase_at(self, step: int, epoch: int = 0) -> Phase:
-        """The phase at global optimizer `step` (0-based) in `epoch` (0-based)."""
-
-    @abstractmethod
-    def group_names(self) -> frozenset[str]:
-        """Every group the schedule references, trainable or resident."""
-
-    # Hooks with safe defaults; built-in kinds override them.
-    def _config(self) -> dict[str, Any]:
-        return {}
-
-    def _tail(self) -> _Tail | None:
-        return None
-
-    def _stride(self) -> int:
-        """The phase can change only at multiples of this position."""
-        return 1
-
-    def _load_seed(self, seed: Any) -> None:
-        del seed
-
-    @property
-    def kind(self) -> str:
-        """The schedule's kind, e.g. ``"Alternating"``."""
-        return type(self).__name__
-
-    def _position(self, step: int, epoch: int) -> int:
-        _check_int(step, "step", minimum=0)
-        _check_int(epoch, "epoch", minimum=0)
-        return epoch if self.unit == "epoch" else step
-
-    def phase_at_position(self, position: int) -> Phase:
-        """The phase at `position` in the schedule's unit (step or epoch)."""
-        if self.unit == "epoch":
-            return self.phase_at(0, position)
-        return self.phase_at(position, 0)
-
-    def validate(self, groups: ParamGroups | Iterable[str]) -> None:
-        """Check the schedule against the known groups, before training.
-
-        Raises:
-            PlanError: if the schedule names unknown groups, or has a phase that
-                trains no group while ``allow_empty`` is False.
-        """
-        if isinstance(groups, ParamGroups):
-            known = frozenset(groups.names)
-        else:
-            known = frozenset(_name_list(groups, "groups", one_str=True))
-        unknown = sorted(self.group_names() - known)
-        if unknown:
-            raise PlanError(
-                f"`{self.kind}` schedule references unknown group(s) {unknown}; "
-                f"known groups: {sorted(known)}"
-            )
-        self._check_nonempty()
-
-    def _check_nonempty(self) -> None:
-        tail = self._tail()
-        if tail is None or self.allow_empty:
-            return
-        for start, end, phase in self.segments(tail.start + (tail.period or 1)):
-            if not phase.trainable:
-                raise PlanError(
-                    f"`{self.kind}` schedule trains no group at {self.unit}s {start}-{end - 1}; "
-                    "pass `allow_empty=True` to allow phases that train nothing"
-                )
-
-    def segments(self, total: int) -> list[tuple[int, int, Phase]]:
-        """Consecutive ``[start, end)`` ranges of equal phase covering positions ``0..total-1``.
-
-        Example:
-            >>> [(s, e, sorted(p.trainable)) for s, e, p in Alternating({"a": 2, "b": 1}).segments(5)]
-            [(0, 2, ['a']), (2, 3, ['b']), (3, 5, ['a'])]
-        """
-        total = _check_int(total, "total", minimum=0)
-        tail = self._tail()
-        head_end = 0 if tail is None else tail.start + (tail.period or 1)
-        if tail is None or total <= head_end:
-            return self._scan(0, total)
-        if tail.period is None:
-            segs = self._scan(0, head_end)
-            start, _, phase = segs[-1]
-            segs[-1] = (start, total, phase)
-            return segs
-        segs = self._scan(0, tail.start)
-        cycle = self._scan(tail.start, head_end)
-        for shift in itertools.count(0, tail.period):
-            for start, end, phase in cycle:
-                start, end = start + shift, min(end + shift, total)
-                if start >= total:
-                    return segs
-                if segs and segs[-1][2] == phase and segs[-1][1] == start:
-                    segs[-1] = (segs[-1][0], end, phase)
-                else:
-                    segs.append((start, end, phase))
-        raise AssertionError("unreachable: itertools.count never ends")
-
-    def _scan(self, start: int, stop: int) -> list[tuple[int, int, Phase]]:
-        segs: list[tuple[int, int, Phase]] = []
-        stride = self._stride()
-        pos = start
-        while pos < stop:
-            phase = self.phase_at_position(pos)
-            nxt = min(stop, (pos // stride + 1) * stride)
-            if segs and segs[-1][2] == phase:
-                segs[-1] = (segs[-1][0], nxt, phase)
-            else:
-                segs.append((pos, nxt, phase))
-            pos = nxt
-        return segs
-
-    def next_change(self, position: int, horizon: int = 10_000) -> int | None:
-        """The first position after `position` whose phase differs, or None within `horizon`.
-
-        Example:
-            >>> s = Alternating({"a": 3, "b": 1})
-            >>> s.next_change(0), s.next_change(3), GradualUnfreeze(["x", "y"], every=2).next_change(5)
-            (3, 4, None)
-        """
-        position = _check_int(position, "position", minimum=0)
-        horizon = _check_int(horizon, "horizon", minimum=1)
-        current = self.phase_at_position(position)
-        limit = position + horizon
-        tail = self._tail()
-        if tail is not None and position >= tail.start:
-            if tail.period is None:
-                return None
-            limit = min(limit, position + tail.period)
-        stride = self._stride()
-        pos = (position // stride + 1) * stride
-        while pos <= limit:
-            if self.phase_at_position(pos) != current:
-                return pos
-            pos += stride
-        return None
-
-    def describe(self, total: int | None = None) -> str:
-        """A readable list of phases with their ranges.
-
-        Args:
-            total: list positions ``0..total-1`` only; by default one period of a
-                cycling schedule, up to the final phase of a settling one, or the
-                first few phases of a random or user-defined one.
-
-        Example:
-            >>> Alternating({"a": 3, "b": 1}).describe()
-            'steps 0-2: trainable a | steps 3-3: trainable b (repeats every 4 steps)'
-        """
-        word = f"{self.unit}s"
-
-        def span(start: int, end: int | None, phase: Phase) -> str:
-            where = f"{start}+" if end is None else f"{start}-{end - 1}"
-            return f"{word} {where}: {_phase_text(phase)}"
-
-        if total is not None:
-            total = _check_int(total, "total", minimum=1)
-            return " | ".join(span(s, e, p) for s, e, p in self.segments(total))
-        tail = self._tail()
-        if tail is None:
-            parts, pos = [], 0
-            for _ in range(_DESCRIBE_SEGMENTS):
-                nxt = self.next_change(pos)
-                parts.append(span(pos, nxt, self.phase_at_position(pos)))
-                if nxt is None:
-                    parts[-1] += f" (no change within {10_000} {word})"
-                    break
-                pos = nxt
-            else:
-                parts.append("...")
-            return " | ".join(parts)
-        if tail.period is None:
-            segs = self.segments(tail.start + 1)
-            *head, (last_start, _, last) = segs
-            return " | ".join([span(*seg) for seg in head] + [span(last_start, None, last)])
-        text = " | ".join(span(*seg) for seg in self.segments(tail.start + tail.period))
-        if tail.start == 0:
-            return f"{text} (repeats every {tail.period} {word})"
-        return f"{text} (repeats every {tail.period} {word} from {self.unit} {tail.start})"
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"kind", "config", "seed"}``: enough to check that a resumed run uses this schedule."""
-        return {"kind": self.kind, "config": _jsonable(self._config()), "seed": self.seed}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Check a saved :meth:`state_dict` matches this schedule, and restore its seed.
-
-        Raises:
-            PlanError: if the kind or any config field differs (each is named).
-        """
-        if not isinstance(state, Mapping) or "kind" not in state or "config" not in state:
-            raise PlanError(
-                f"`state` must be a mapping with 'kind', 'config' and 'seed' as returned by "
-                f"`Schedule.state_dict()`, got {_short(state)}"
-            )
-        if state["kind"] != self.kind:
-            raise PlanError(
-                f"saved schedule kind {state['kind']!r} differs from this schedule's kind {self.kind!r}"
-            )
-        mine, saved = self.state_dict()["config"], _jsonable(state["config"])
-        missing = object()
-        diffs = [
-            f"`{key}`: saved {_short(saved.get(key, missing))}, here {_short(mine.get(key, missing))}"
-            for key in sorted(set(mine) | set(saved))
-            if mine.get(key, missing) != saved.get(key, missing)
-        ]
-        if diffs:
-            raise PlanError(
-                f"saved `{self.kind}` schedule differs from this one in config field(s): "
-                + "; ".join(diffs)
-            )
-        self._load_seed(state.get("seed"))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
-        return f"{self.kind}({args})"
 
 
 # -- fixed sequences and the kinds built on them ------------------------------------------------
@@ -685,123 +374,7 @@ class PerTaskCycle(_SequenceBacked):
                 "every": self.every, "unit": self.unit, "train_trunk": self.train_trunk}
 
 
-# -- random, user-defined and composed schedules ------------------------------------------------
-
-
-class RandomBlocks(Schedule):
-    """Every `every` positions, train `k` of the groups drawn at random (LISA, BAdam).
-
-    The draw for block ``b = position // every`` is seeded by ``f"{seed}:{b}"``
-    alone: equal on every rank, in every process, and after a resume.
-
-    Example:
-        >>> s = RandomBlocks(["l0", "l1", "l2", "l3"], k=2, every=10, seed=1, always=["head"])
-        >>> s.phase_at(3) == s.phase_at(9), len(s.phase_at(3).trainable)
-        (True, 3)
-    """
-
-    def __init__(
-        self,
-        groups: Sequence[str],
-        *,
-        k: int,
-        every: int,
-        seed: int = 0,
-        always: Iterable[str] = (),
-        unit: Unit = "step",
-    ) -> None:
-        self.groups = _ordered_groups(groups, "groups")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(self.groups):
-            raise PlanError(f"`k` must be an int in [1, {len(self.groups)}] (the number of groups), got {k!r}")
-        self.k = k
-        self.every = _check_int(every, "every", minimum=1)
-        self.seed = self._checked_seed(seed)
-        self.always = frozenset(_name_list(always, "always", one_str=True))
-        _check_disjoint(self.always, self.groups, "always", "groups")
-        self.unit = _check_choice(unit, "unit", _UNITS)
-
-    @staticmethod
-    def _checked_seed(seed: Any) -> int:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise PlanError(f"`seed` must be an int, got {seed!r}")
-        return seed
-
-    def phase_at(self, step: int, epoch: int = 0) -> Phase:
-        block = self._position(step, epoch) // self.every
-        chosen = random.Random(f"{self.seed}:{block}").sample(self.groups, self.k)
-        return Phase(self.always | set(chosen))
-
-    def group_names(self) -> frozenset[str]:
-        return self.always | set(self.groups)
-
-    def _stride(self) -> int:
-        return self.every
-
-    def _load_seed(self, seed: Any) -> None:
-        self.seed = self._checked_seed(seed)
-
-    def _config(self) -> dict[str, Any]:
-        return {"groups": list(self.groups), "k": self.k, "every": self.every,
-                "always": sorted(self.always), "unit": self.unit}
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, seed={self.seed!r})"
-
-
-class FnSchedule(Schedule):
-    """A user function ``fn(step, epoch)`` returning a :class:`Phase` or the trainable group names.
-
-    The function must be pure (same arguments, same answer, on every rank).
-    Its answer is checked at each call against the declared `groups`. Only
-    `name` goes into :meth:`state_dict`, so give each distinct function its own name.
-
-    Example:
-        >>> s = FnSchedule(lambda step, epoch: ["a"] if step < 10 else ["a", "b"], groups=["a", "b"])
-        >>> s.phase_at(3).name, s.phase_at(10).name, s.next_change(0)
-        ('a', 'a+b', 10)
-    """
-
-    def __init__(
-        self,
-        fn: Callable[[int, int], Phase | Iterable[str]],
-        *,
-        groups: Iterable[str],
-        unit: Unit = "step",
-        allow_empty: bool = False,
-        name: str = "fn",
-    ) -> None:
-        if not callable(fn):
-            raise PlanError(f"`fn` must be a callable fn(step, epoch) -> Phase | list of group names, got {fn!r}")
-        self.fn = fn
-        self.groups = frozenset(_name_list(groups, "groups", one_str=True))
-        if not self.groups:
-            raise PlanError(f"`groups` must declare at least one group name, got {groups!r}")
-        self.unit = _check_choice(unit, "unit", _UNITS)
-        self.allow_empty = _check_bool(allow_empty, "allow_empty")
-        if not isinstance(name, str) or not name:
-            raise PlanError(f"`name` must be a non-empty str, got {name!r}")
-        self.name = name
-
-    def phase_at(self, step: int, epoch: int = 0) -> Phase:
-        self._position(step, epoch)
-        value = self.fn(step, epoch)
-        where = f"`FnSchedule` {self.name!r} at step {step}, epoch {epoch} returned {_short(value)}"
-        try:
-            phase = _as_phase(value, "fn result")
-        except PlanError:
-            raise PlanError(f"{where}; expected a Phase or a list of names from {sorted(self.groups)}") from None
-        unknown = sorted((phase.trainable | (phase.resident or frozenset())) - self.groups)
-        if unknown:
-            raise PlanError(f"{where}, naming undeclared group(s) {unknown}; declared `groups`: {sorted(self.groups)}")
-        if not phase.trainable and not self.allow_empty:
-            raise PlanError(f"{where}, which trains no group; pass `allow_empty=True` to allow it")
-        return phase
-
-    def group_names(self) -> frozenset[str]:
-        return self.groups
-
-    def _config(self) -> dict[str, Any]:
-        return {"name": self.name}
+# -- composed schedules -------------------------------------------------------------------------
 
 
 class Chain(Schedule):

@@ -53,6 +53,13 @@ Launcher facts (torch 2.13, accelerate 1.15):
   ``tests/test_smoke_distributed.py``). ``accelerate launch --cpu
   --num_processes N`` silently runs ONE process (world size 1; its "simple"
   launcher ignores the count), so it is never used.
+* Both launchers start each rank in a session of its own, so on a timeout
+  killing the launcher's process group is not enough: :func:`launch` stops the
+  whole process tree, and reads output from a file so an orphaned rank can
+  never block it.
+* A port taken between :func:`free_port` and the launch makes torchrun fail
+  with ``EADDRINUSE`` (retried here once on a new port); ``accelerate launch``
+  notices a busy port itself and falls back to a free one.
 * A developer's ``accelerate config`` default file can still add settings the
   flags here do not name (``gpu_ids`` for instance).
 """

@@ -34,11 +34,10 @@ import copy
 import functools
 import gc
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch._dynamo
@@ -198,7 +197,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("StaticGraph",
          lambda: Alternating(["l2", ("l0", "head")], every=2),
          grouped(ADAM, "keep"), ddp_kwargs={"static_graph": True}),
-    # Rank 1's rebuild raises once at the switch to step 5; the loop retries it.
+    # Rank 1's rebuild raises once at the switch into step 4; the loop retries the switch.
     Case("Rollback",
          lambda: Alternating(["l1", "head"], every=2),
          grouped(ADAM, "keep"), steps=9, fail_switch_at=4),
