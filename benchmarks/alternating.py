@@ -5,6 +5,7 @@ markdown table::
 
     python benchmarks/alternating.py                    # 2 CPU ranks (gloo), + CUDA if present
     python benchmarks/alternating.py --size-mib 8 --steps 12 --devices cpu   # a quick run
+    python benchmarks/alternating.py --diagnose --repeats 2   # + where the switch time goes
 
 The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
 ``--size-mib`` MiB of fp32 weights). Scenarios:
@@ -16,6 +17,8 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
   ``find_unused_parameters=True``; ``requires_grad`` toggled every step; two Adams.
 * ``hf_keep`` / ``hf_offload`` / ``hf_drop``: hf_altparams alternating every step
   (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy).
+* with ``--diagnose``: ``hf_keep_notrim`` / ``hf_drop_notrim`` (``PhaseSwitcher(trim=False)``:
+  no ``malloc_trim`` at the switch) and ``hf_drop_norelease`` (``release=False``).
 
 Each scenario runs in FRESH processes (its own ``torchrun`` launch), so memory
 does not carry over from one to the next. Per scenario and device:
@@ -62,7 +65,7 @@ from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 
 SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
 #: ``--diagnose`` adds these, to attribute the switch time: the per-switch ``malloc_trim``
-#: disabled (``*_notrim``), or the whole release step (gc, barrier, ``empty_cache``,
+#: disabled (``*_notrim``, ``trim=False``), or the whole release step (gc, ``empty_cache``,
 #: ``malloc_trim``) skipped with ``PhaseSwitcher(release=False)`` (``*_norelease``).
 DIAGNOSTIC = ("hf_keep_notrim", "hf_drop_notrim", "hf_drop_norelease")
 HALVES = ("layer1", "layer2")
@@ -261,13 +264,9 @@ def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, 
 def _hf_loop(policy: str, trim: bool = True, release: bool = True) -> Loop:
     def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
              half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
-        if not trim:  # diagnosis only: what the switch costs without returning heap pages to the OS
-            from hf_altparams.engine import memory
-
-            memory.malloc_trim = lambda: None  # type: ignore[assignment]
         groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
         opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release)
+        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release, trim=trim)
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)

@@ -63,9 +63,14 @@ def machine(device: str, nproc: int) -> str:
     return f"{nproc} gloo ranks on {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}"
 
 
+#: Extra environment for the launched ranks (``--malloc-mmap-threshold`` sets glibc's).
+RANK_ENV: dict[str, str] = {}
+
+
 def run_once(scenario: str, device: str, nproc: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(RANK_ENV)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as out:
@@ -134,9 +139,11 @@ def run_device(device: str, args: argparse.Namespace) -> tuple[str, dict[str, An
 
     lines, ratios = halves_table(halves, device)
     group_mib = halves["alone_a"]["rank0"]["group_bytes"] / MIB
+    allocator = (f"; glibc `MALLOC_MMAP_THRESHOLD_={RANK_ENV['MALLOC_MMAP_THRESHOLD_']}`"
+                 if device == "cpu" and RANK_ENV else "")
     title = (f"### {machine(device, nproc)}\n\nTwo halves of {group_mib:.0f} MiB (fp32, AdamW), alternating every "
              f"{args.every} step(s), {args.steps} steps, batch {args.batch}/rank; median of {args.repeat} "
-             "fresh runs, larger rank.\n")
+             f"fresh runs, larger rank{allocator}.\n")
     verdict = []
     if device == "cpu":
         verdict.append(f"- `alt_drop` growth / larger single group: **{ratios['alt_drop']:.3f}x** "
@@ -147,6 +154,9 @@ def run_device(device: str, args: argparse.Namespace) -> tuple[str, dict[str, An
                        f"{ratios['alt_offload']:.3f}x); naive loop: {ratios['naive_abs']:.3f}x; "
                        f"prefetch=True: {ratios['alt_offload_prefetch_abs']:.3f}x; "
                        f"prefetch='auto': {ratios['alt_offload_auto_abs']:.3f}x.")
+    if not tasks:
+        text = "\n".join([title, *lines, "", *verdict, ""])
+        return text, {"machine": machine(device, nproc), "halves": halves, "tasks": {}, "ratios": ratios}
     head_bytes = tasks[("tasks", args.tasks[0])]["rank0"]["head_bytes"]
     lo, hi = min(args.tasks), max(args.tasks)
     grow = tasks[("tasks", hi)]["growth"] - tasks[("tasks", lo)]["growth"]
@@ -205,7 +215,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=float, default=0, help="per half (default 32 on CPU, 512 on CUDA)")
     parser.add_argument("--trunk-mib", type=float, default=0, help="default 32 on CPU, 512 on CUDA")
     parser.add_argument("--head-mib", type=float, default=0, help="default 16 on CPU, 256 on CUDA")
-    parser.add_argument("--tasks", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--tasks", type=int, nargs="*", default=[2, 8],
+                        help="numbers of tasks for the residency scenarios (none: skip them)")
     parser.add_argument("--task-policy", default="keep", choices=["keep", "offload", "drop"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=1)
@@ -213,7 +224,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    parser.add_argument("--name", default="RESULTS.memory", help="file name (without suffix) of the outputs")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
+                        help="CPU: fix glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_=N bytes), "
+                             "so freed large blocks go back to the OS instead of staying in the heap")
     args = parser.parse_args()
+    if args.malloc_mmap_threshold:
+        RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     devices = args.devices
     if devices == ["auto"]:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -224,10 +241,10 @@ def main() -> None:
         sections.append(text)
         payload[device] = data
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "RESULTS.memory.json").write_text(json.dumps(payload, indent=1, default=str))
+    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
     if "cuda" not in devices:
         sections.append(NOT_RUN)
-    (args.out / "RESULTS.memory.md").write_text(
+    (args.out / f"{args.name}.md").write_text(
         "## Memory (benchmarks/memory.py)\n\n" + PREAMBLE + "\n" + "\n".join(sections))
 
 

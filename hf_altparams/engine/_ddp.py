@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,9 @@ __all__ = [
     "check_comm_hooks",
     "check_ddp_supported",
     "ddp_settings",
+    "ignored_before_wrap",
     "is_ddp",
+    "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
     "unwrap",
@@ -75,6 +77,35 @@ def is_ddp(module: object) -> bool:
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (or ``module`` itself)."""
     return module.module if is_ddp(module) else module
+
+
+def ignored_before_wrap(module: nn.Module) -> set[str]:
+    """The names DDP's constructor will ignore for ``module`` (``_ddp_params_and_buffers_to_ignore``)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def mark_ignored_before_wrap(
+    module: nn.Module,
+    ignore: Iterable[str],
+    tensors: Mapping[str, torch.Tensor],
+    keep_tagged: Iterable[str] = (),
+) -> None:
+    """Write the names a *future* DDP constructor must ignore (neither bucket nor broadcast).
+
+    DDP reads ``module._ddp_params_and_buffers_to_ignore`` when it is built and
+    tags those tensors ``_ddp_ignored`` (read by dynamo's DDP optimizer); the
+    tags are set here too. ``tensors`` maps names to the tensors whose tag may
+    change; a tag on a name no longer ignored is removed unless in ``keep_tagged``
+    (the user's own ignore list).
+    """
+    ignore = set(ignore)
+    keep = set(keep_tagged)
+    module._ddp_params_and_buffers_to_ignore = sorted(ignore)
+    for name, tensor in tensors.items():
+        if name in ignore:
+            tensor._ddp_ignored = True  # type: ignore[attr-defined]
+        elif getattr(tensor, "_ddp_ignored", False) and name not in keep:
+            del tensor._ddp_ignored  # type: ignore[attr-defined]
 
 
 def check_ddp_supported(ddp: DistributedDataParallel) -> None:

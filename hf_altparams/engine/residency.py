@@ -47,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import PlanError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
+from . import _ddp
 from ._transfer import (
     HostCopies,
     Prefetcher,
@@ -171,7 +172,7 @@ class ResidencyManager:
                 owned = tuple((n, self._group_of.get(id(p))) for n, p in direct)
                 self._owners.append(_Owner(mname, sub, frozenset(g for _, g in owned), owned))
         # The user's own ignore list, without what an earlier manager wrote there.
-        user_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        user_ignore = _ddp.ignored_before_wrap(module)
         self._written: set[str] = set(getattr(module, _WRITTEN_ATTR, ()))
         self._base_ignore: set[str] = user_ignore - self._written
         self._offloaded: frozenset[str] = frozenset()
@@ -404,26 +405,21 @@ class ResidencyManager:
         """
         module = self.groups.module
         ignore = self.ignore_names()
-        if ignore == self._marked and list(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) \
-                == sorted(ignore):
+        if ignore == self._marked and _ddp.ignored_before_wrap(module) == ignore:
             return
         changed = ignore ^ (self._marked or set())
         self._written = ignore - self._base_ignore
-        module._ddp_params_and_buffers_to_ignore = sorted(ignore)
         setattr(module, _WRITTEN_ATTR, sorted(self._written))
-        # DDP's constructor also tags ignored tensors (dynamo's DDP optimizer reads the tag).
         buffers = {full: (o.module, attr) for o in self._owners for full, attr in o.buffer_names()}
+        tensors: dict[str, torch.Tensor] = {}
         for name in changed:
             tensor: Optional[torch.Tensor] = self._param_named.get(name)
             if tensor is None and name in buffers:
                 owner, attr = buffers[name]
                 tensor = owner._buffers.get(attr)
-            if tensor is None:
-                continue
-            if name in ignore:
-                tensor._ddp_ignored = True  # type: ignore[attr-defined]
-            elif getattr(tensor, "_ddp_ignored", False) and name not in self._base_ignore:
-                del tensor._ddp_ignored  # type: ignore[attr-defined]
+            if tensor is not None:
+                tensors[name] = tensor
+        _ddp.mark_ignored_before_wrap(module, ignore, tensors, keep_tagged=self._base_ignore)
         self._marked = ignore
 
     def attached(self, ignored_at_wrap: Iterable[str], device: Optional[torch.device]) -> None:

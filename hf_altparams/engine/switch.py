@@ -10,7 +10,8 @@ DDP wrapper and optimizer. At a switch it
 4. flips ``requires_grad`` to the new trainable set,
 5. rebuilds the DDP reducer in place (:mod:`hf_altparams.engine._ddp`),
 6. re-applies the optimizer's idle-state policy,
-7. releases memory (gc, barrier, ``empty_cache``), and
+7. releases memory (gc, ``empty_cache``, ``malloc_trim``; the all-reduce
+   that closes step 5 is the barrier), and
 8. records what it did in a :class:`SwitchRecord`.
 
 If step 4 or 5 fails on any rank, every rank restores the previous flags and
@@ -104,11 +105,16 @@ class PhaseSwitcher:
             all parameters needs nothing (torch skips parameters whose grad is None).
         model: the DDP wrapper around ``groups.module``, if already built (else
             call :meth:`attach` once it is).
-        release: after each switch, run a young-generation gc pass, a barrier,
-            ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`).
+        release: after each switch, run a young-generation gc pass,
+            ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`);
+            the ranks are already in step (the transaction ends with an all-reduce).
         full_gc: make that gc pass a full collection (80-300 ms with torch and
             transformers imported; a switch's garbage is freed by reference count,
             so this is only for user-side reference cycles).
+        trim: let that release return freed host heap pages to the OS
+            (``malloc_trim``): host RSS stays at what live tensors need, at
+            10-50 ms per switch plus page faults in the next step. ``False``
+            for fast per-step alternation when host memory is not the limit.
         offload_device: where the groups a phase does not keep resident live
             (``Phase.resident``, e.g. the other tasks of ``PerTaskCycle``): their
             parameters, gradients and optimizer state. Default the CPU; ``None``
@@ -154,6 +160,7 @@ class PhaseSwitcher:
         model: Optional[nn.Module] = None,
         release: bool = True,
         full_gc: bool = False,
+        trim: bool = True,
         offload_device: Optional[DeviceLike] = "cpu",
         device: Optional[DeviceLike] = None,
         guard_offloaded: bool = True,
@@ -180,6 +187,7 @@ class PhaseSwitcher:
         self.optimizer = optimizer
         self.release = release
         self.full_gc = full_gc
+        self.trim = trim
         self.ddp: Optional[DistributedDataParallel] = None
         self.current: Optional[Phase] = None
         self.records: list[SwitchRecord] = []
@@ -309,12 +317,14 @@ class PhaseSwitcher:
 
         synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
         self.residency.install_guards(phase.name)
-        if isinstance(self.optimizer, GroupedOptimizer):
-            self.optimizer.set_active(phase.trainable)
+        grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
+        if isinstance(grouped, GroupedOptimizer):  # also inside an AcceleratedOptimizer
+            grouped.set_active(phase.trainable)
         plan = self.buffer_sync.apply(self.module, trainable, ddp=self.ddp,
                                       ignore=self.residency.ignore_names())
         if self.release:
-            release_memory(barrier=self._distributed(), group=self.process_group, full_gc=self.full_gc)
+            # No barrier: `_any_rank_failed` above is an all-reduce every rank just passed.
+            release_memory(barrier=False, full_gc=self.full_gc, trim=self.trim)
         self.current = phase
         if self.prefetch:
             self._peak_seen = max(self._peak_seen, self._expected_peak(phase))

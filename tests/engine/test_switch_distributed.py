@@ -159,7 +159,8 @@ def test_old_gradient_buckets_are_freed_by_a_switch(ranks: list[dict[str, Any]])
             assert e["n_storages"] >= 1 and e["storage_bytes"] == e["grad_bytes"], e
             # ... which the reducer still held after zero_grad(set_to_none=True) ...
             assert all(e["alive_after_zero_grad"]), e
-            # ... and which the switch released.
+            # ... and which the switch released (gloo's worker thread may hold the last
+            # all-reduced bucket a moment longer; the script waits up to 2 s, no step).
             assert all(e["expired_after_switch"]), e
 
 

@@ -388,12 +388,19 @@ def run_buckets(rank: int, world: int) -> list[dict[str, Any]]:
         opt.zero_grad(set_to_none=True)
         alive_before = [not r.expired() for r in refs]
         record = switcher.step_to(step + 1)
+        expired_at_switch = [r.expired() for r in refs]
+        # gloo's worker thread may drop its reference to the last all-reduced bucket
+        # a moment after the future completed; wait (no training step) up to 2 s.
+        deadline = time.monotonic() + 2.0
+        while not all(r.expired() for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         log.append({
             "switched": record is not None,
             "n_storages": len(refs),
             "grad_bytes": grad_bytes,
             "storage_bytes": storage_bytes,
             "alive_after_zero_grad": alive_before,
+            "expired_at_switch": expired_at_switch,
             "expired_after_switch": [r.expired() for r in refs],
         })
     return log
