@@ -41,7 +41,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
 from hf_altparams.engine.memory import malloc_trim, rss_bytes  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
@@ -375,19 +375,6 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
             f"| {r['bytes_per_step_mib']:.1f} MiB | {bytes_ratio} | {r['step_ms']:.1f} ms "
             f"| {r['step_ratio']:.2f}x | {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |")
     return "\n".join(lines)
-
-
-def machine(device: str, nproc: int) -> str:
-    if device == "cuda":
-        name = torch.cuda.get_device_name(0)
-        return f"{nproc} x {name}, NCCL, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{nproc} gloo ranks on {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}"
 
 
 def run_driver(args: argparse.Namespace) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,24 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.testing.launch import free_port, rank_results, script_path  # noqa: E402
 
 MIB = 2**20
 CPU_HALVES = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop")
 CUDA_HALVES = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop", "alt_offload",
                "alt_offload_prefetch", "alt_offload_auto")
-
-
-def machine(device: str, nproc: int) -> str:
-    if device == "cuda":
-        return f"{nproc} x {torch.cuda.get_device_name(0)}, NCCL, torch {torch.__version__}"
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{nproc} gloo ranks on {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}"
 
 
 #: Extra environment for the launched ranks (``--malloc-mmap-threshold`` sets glibc's).

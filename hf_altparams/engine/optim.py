@@ -193,17 +193,23 @@ class GroupedOptimizer(Optimizer):
         """
         self._offloaded.pop(name, None)
         opt = self.inner[name]
-        groups_of = param_group_map(opt.param_groups)
         nbytes = 0
-        for param, key, tensor in list(self._state_tensors(name)):
-            target = state_target_device(param, key, groups_of.get(id(param)))
-            if target is None or tensor.device == target:
-                continue
+        for param, key, tensor, target in self._misplaced_state(name):
             ready = self._prefetcher.take((id(param), key), tensor)
             opt.state[param][key] = ready if ready is not None else (
                 to_device(tensor, target) if non_blocking else tensor.to(target))
             nbytes += tensor.numel() * tensor.element_size()
         return nbytes
+
+    def _misplaced_state(self, name: str) -> list[tuple[nn.Parameter, str, torch.Tensor, torch.device]]:
+        """Group ``name``'s state tensors not where torch keeps them for their parameter."""
+        groups_of = param_group_map(self.inner[name].param_groups)
+        out = []
+        for param, key, tensor in list(self._state_tensors(name)):
+            target = state_target_device(param, key, groups_of.get(id(param)))
+            if target is not None and tensor.device != target:
+                out.append((param, key, tensor, target))
+        return out
 
     def prefetch(self, name: str, max_bytes: Optional[int] = None) -> int:
         """Start copying idle group ``name``'s offloaded state back, on a CUDA side stream.
@@ -213,13 +219,8 @@ class GroupedOptimizer(Optimizer):
         (that is the trade-off; ``PhaseSwitcher(prefetch=...)`` decides when).
         Returns the bytes started: 0 off CUDA or when nothing is offloaded.
         """
-        opt = self.inner[name]
-        groups_of = param_group_map(opt.param_groups)
         started = 0
-        for param, key, tensor in list(self._state_tensors(name)):
-            target = state_target_device(param, key, groups_of.get(id(param)))
-            if target is None or tensor.device == target:
-                continue
+        for param, key, tensor, target in self._misplaced_state(name):
             if max_bytes is not None and started + tensor.numel() * tensor.element_size() > max_bytes:
                 break
             started += self._prefetcher.start((id(param), key), tensor, target)
