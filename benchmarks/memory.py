@@ -211,8 +211,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
-    parser.add_argument("--name", default="RESULTS.memory", help="file name (without suffix) of the outputs")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--name", default="memory", help="file name (without suffix) of the outputs")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
                         help="CPU: fix glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_=N bytes), "
                              "so freed large blocks go back to the OS instead of staying in the heap")
