@@ -103,7 +103,12 @@ class SwitchCost:
 
 @dataclass
 class CostPlan:
-    """The result of :func:`plan_cost`: per-phase rows, the train-everything row and the switches."""
+    """The result of :func:`plan_cost`: per-phase rows, the train-everything row and the switches.
+
+    Example:
+        >>> # plan = plan_cost(model, groups, Alternating(["a", "b"]), optimizer="adamw")
+        >>> # print(plan.table()); plan.row("a").allreduce_bytes; plan.as_dict()
+    """
 
     model: str
     total_params: int

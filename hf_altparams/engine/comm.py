@@ -58,6 +58,12 @@ def register_comm_counter(ddp: DistributedDataParallel) -> CommCounter:
 
     DDP accepts one comm hook per wrapper, so this replaces DDP's default
     all-reduce (it does the same averaging) and cannot be combined with another hook.
+    The rebuild at a phase switch re-registers it with the same counter.
+
+    Example:
+        >>> # ddp = DistributedDataParallel(model); counter = register_comm_counter(ddp)
+        >>> # loss.backward(); optimizer.step(); optimizer.zero_grad()
+        >>> # counter.end_step()  -> bytes all-reduced in that optimizer step
     """
     counter = CommCounter(process_group=ddp.process_group)
     ddp.register_comm_hook(counter, counting_allreduce_hook)

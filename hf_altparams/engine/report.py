@@ -73,6 +73,17 @@ def _gib(n: float) -> str:
 class MemoryReport:
     """Bytes per device and category, and the phase's expected peak.
 
+    Example:
+        >>> import torch
+        >>> from hf_altparams.engine import PhaseSwitcher, memory_report
+        >>> from hf_altparams.plan import ParamGroups, Alternating
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> switcher = PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]))
+        >>> _ = switcher.step_to(0)
+        >>> report = memory_report(switcher)
+        >>> report.total() == sum(p.numel() * 4 for p in net.parameters())
+        True
+
     Attributes:
         phase: the phase name.
         by_device: ``{device: {category: bytes}}`` (only non-zero entries).

@@ -58,7 +58,16 @@ __all__ = ["PhaseSwitcher", "SwitchRecord"]
 
 @dataclass(frozen=True)
 class SwitchRecord:
-    """What one switch did; ``as_log()`` gives flat metrics for trackers."""
+    """What one switch did; ``as_log()`` gives flat metrics for trackers.
+
+    Example:
+        >>> import torch
+        >>> from hf_altparams.plan import ParamGroups, Alternating
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> record = PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"])).step_to(0)
+        >>> record.phase, record.trainable_params, record.as_log()["altparams/trainable_bytes"]
+        ('a', 6, 24)
+    """
 
     step: Optional[int]
     epoch: Optional[int]

@@ -123,6 +123,14 @@ class Schedule(ABC):
     Subclasses implement :meth:`phase_at` and :meth:`group_names`; built-in
     kinds also describe their repeating pattern so that :meth:`segments`,
     :meth:`next_change` and :meth:`describe` need no scanning of long runs.
+
+    Example:
+        >>> from hf_altparams.plan import GradualUnfreeze
+        >>> schedule = GradualUnfreeze(["l0", "l1", "l2"], every=2, always=["head"])
+        >>> schedule.phase_at(3).name, schedule.next_change(3)
+        ('head+l1+l2', 4)
+        >>> [(start, end, phase.name) for start, end, phase in schedule.segments(6)]
+        [(0, 2, 'head+l2'), (2, 4, 'head+l1+l2'), (4, 6, 'head+l0+l1+l2')]
     """
 
     unit: Unit = "step"
