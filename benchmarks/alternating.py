@@ -62,6 +62,7 @@ from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
 from hf_altparams.engine.memory import malloc_trim, rss_bytes  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
+from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
 SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
 #: ``--diagnose`` adds these, to attribute the switch time: the per-switch ``malloc_trim``
@@ -73,19 +74,6 @@ MIB = 2**20
 
 
 # ============================================================== worker (one rank)
-class TwoHalves(nn.Module):
-    """``layer2(tanh(layer1(x)))``, two square ``Linear`` layers of about ``size_mib`` MiB each."""
-
-    def __init__(self, size_mib: float) -> None:
-        super().__init__()
-        width = int((size_mib * MIB / 4) ** 0.5)
-        self.layer1 = nn.Linear(width, width)
-        self.layer2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer2(torch.tanh(self.layer1(x)))
-
-
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

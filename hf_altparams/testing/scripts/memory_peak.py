@@ -49,23 +49,13 @@ from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
 from hf_altparams.engine.memory import malloc_trim, rss_bytes
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence
 from hf_altparams.testing.launch import write_rank_result
+from hf_altparams.testing.models import TwoHalves
 
 MIB = 2**20
 HALF_SCENARIOS = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop", "alt_offload",
                   "alt_offload_prefetch", "alt_offload_auto")
 TASK_SCENARIOS = ("tasks", "tasks_resident")
 AdamW = functools.partial(torch.optim.AdamW, lr=1e-4)
-
-
-class TwoHalves(nn.Module):
-    def __init__(self, size_mib: float) -> None:
-        super().__init__()
-        width = int((size_mib * MIB / 4) ** 0.5)
-        self.a = nn.Linear(width, width)
-        self.b = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 class MultiTask(nn.Module):
@@ -120,7 +110,7 @@ def _step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, *args: 
 def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any],
                memory: Memory, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = TwoHalves(args.size_mib).to(device)
+    model = TwoHalves(args.size_mib, names=("a", "b")).to(device)
     width = model.a.in_features
     x = torch.randn(args.batch, width, device=device, generator=None)
     memory.mark_baseline()
