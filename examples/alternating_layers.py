@@ -226,6 +226,9 @@ def main() -> None:
         else:
             state.print("bytes all-reduced per step ratio alternating/single: n/a (one process, no DDP)")
     assert all(math.isfinite(v) for res in results.values() for v in res["losses"])
+    # Tear the process group down before the interpreter exits: a live gloo group can
+    # abort the process at exit ("terminate called without an active exception").
+    state.end_training()
 
 
 if __name__ == "__main__":

@@ -140,6 +140,9 @@ def main() -> None:
                           f"{record.trainable_bytes / MiB:>13.3f} {measured:>20}")
     accelerator.print(f"eval accuracy: {correct / max(total, 1):.3f} ({total} sentences); "
                       f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es)")
+    # Tear the process group down before the interpreter exits: a live gloo group can
+    # abort the process at exit ("terminate called without an active exception").
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

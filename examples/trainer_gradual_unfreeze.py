@@ -175,6 +175,10 @@ def main() -> None:
                 print(f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
                       f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}")
         print(f"accuracy after: {after:.3f}")
+    # Tear the process group down before the interpreter exits: a live gloo group can
+    # abort the process at exit ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
