@@ -38,7 +38,6 @@ Targets: bytes ratio 1.00; ``hf_drop`` memory <= 1.02 x ``single``; switch time
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -60,8 +59,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
-from hf_altparams.engine.memory import malloc_trim, rss_bytes  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
+from hf_altparams.testing.meters import PeakMemory  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
 SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
@@ -74,46 +73,6 @@ MIB = 2**20
 
 
 # ============================================================== worker (one rank)
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-class Memory:
-    """Peak growth over a baseline: CUDA allocator stats, or RSS high-water mark on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.baseline = 0
-        self.hwm_reset = False
-
-    def mark_baseline(self) -> None:
-        gc.collect()
-        malloc_trim()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline = torch.cuda.memory_allocated()
-            return
-        try:  # "5" resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-        self.baseline = rss_bytes()
-
-    def peak_growth(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.baseline
-        peak = _status_kib("VmHWM") * 1024 if self.hwm_reset else rss_bytes()
-        return peak - self.baseline
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -152,7 +111,7 @@ def run_worker(args: argparse.Namespace) -> None:
     batches = [torch.randn(args.batch, width, generator=gen, device=device) for _ in range(2)]
     ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
 
-    memory = Memory(device)
+    memory = PeakMemory(device)
     memory.mark_baseline()
     loop = SCENARIO_LOOPS[args.scenario]
     step_s, switch_s, sent, trainable = loop(model, batches, args.steps, ddp_kwargs, half_bytes, device)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import time
 from pathlib import Path
@@ -46,9 +45,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
-from hf_altparams.engine.memory import malloc_trim, rss_bytes
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence
 from hf_altparams.testing.launch import write_rank_result
+from hf_altparams.testing.meters import PeakMemory
 from hf_altparams.testing.models import TwoHalves
 
 MIB = 2**20
@@ -68,35 +67,6 @@ class MultiTask(nn.Module):
 
     def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
         return self.heads[task](torch.tanh(self.trunk(x)))
-
-
-class Memory:
-    """Peak growth over a baseline (CUDA allocator stats, or the RSS high-water mark)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.baseline = 0
-
-    def mark_baseline(self) -> None:
-        gc.collect()
-        malloc_trim()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline = torch.cuda.memory_allocated()
-            return
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        self.baseline = rss_bytes()
-
-    def peak(self) -> int:
-        """Absolute peak (bytes)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        return kib * 1024
 
 
 def _step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, *args: Any,
@@ -209,7 +179,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         ddp_kwargs = {}
     rank, world = dist.get_rank(), dist.get_world_size()
-    memory = Memory(device)
+    memory = PeakMemory(device)
     run: Callable[..., dict[str, Any]] = run_tasks if args.scenario in TASK_SCENARIOS else run_halves
     result = run(args, device, ddp_kwargs, memory, rank)
     peak = memory.peak()
