@@ -140,8 +140,10 @@ def main() -> None:
                           f"{record.trainable_bytes / MiB:>13.3f} {measured:>20}")
     accelerator.print(f"eval accuracy: {correct / max(total, 1):.3f} ({total} sentences); "
                       f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es)")
-    # Tear the process group down before the interpreter exits: a live gloo group can
-    # abort the process at exit ("terminate called without an active exception").
+    # Free the DDP wrapper (its reducer keeps the gloo group and its threads alive), then
+    # tear the group down; left to interpreter shutdown, that teardown can abort the
+    # process ("terminate called without an active exception").
+    model, optimizer = accelerator.free_memory(model, optimizer)
     accelerator.end_training()
 
 

@@ -20,6 +20,7 @@ synthetic sentiment set built from templates with a fixed seed.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 
@@ -175,8 +176,11 @@ def main() -> None:
                 print(f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
                       f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}")
         print(f"accuracy after: {after:.3f}")
-    # Tear the process group down before the interpreter exits: a live gloo group can
-    # abort the process at exit ("terminate called without an active exception").
+    # Free the Trainer's DDP wrapper (its reducer keeps the gloo group and its threads
+    # alive), then tear the group down; left to interpreter shutdown, that teardown can
+    # abort the process ("terminate called without an active exception").
+    del trainer
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
