@@ -1,19 +1,23 @@
 """The engine: phase switches under torch.distributed (DDP re-bucketing, optimizers, memory)."""
 
+from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import release_memory, rss_bytes
 from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
+from .records import SwitchRecord
 from .report import MemoryReport, expected_peak_bytes, memory_report
 from .residency import ResidencyManager, non_resident_groups
-from .switch import PhaseSwitcher, SwitchRecord
+from .switch import PhaseSwitcher
 
 __all__ = [
+    "Backend",
     "BufferPlan",
     "BufferSync",
     "CommCounter",
     "GroupedLRScheduler",
     "GroupedOptimizer",
+    "LocalBackend",
     "MemoryReport",
     "PhaseSwitcher",
     "ResidencyManager",

@@ -13,6 +13,7 @@ phase training keeps the ranks bit-identical, so there is nothing to sync.
 Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
 checked by :func:`check_ddp_supported` together with the torch version, so an
 untested torch fails with a clear message before any state is touched.
+:class:`DDPBackend` is the switch's DDP backend (see :mod:`.backend`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._compat import TESTED_TORCH, torch_version
 from ..errors import SwitchError
+from .backend import Backend
 
 __all__ = [
+    "DDPBackend",
     "PRIVATE_DDP_ATTRIBUTES",
     "STATIC_GRAPH_ATTRIBUTES",
     "check_comm_hooks",
@@ -272,3 +275,56 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False
+
+
+class DDPBackend(Backend):
+    """The switch's DDP backend: re-buckets the same wrapper in place at every switch.
+
+    Example:
+        >>> # backend = DDPBackend(ddp); backend.apply(ignore=set())  # after flipping requires_grad
+    """
+
+    kind = "ddp"
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        check_ddp_supported(ddp)
+        self.wrapper = ddp
+        self.ddp = ddp
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.ddp.process_group
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.ddp.device
+
+    def ignored_at_wrap(self) -> set[str]:
+        return set(self.ddp.parameters_to_ignore)
+
+    def precondition_error(self, *, in_accumulation_window: bool = False) -> str | None:
+        if not in_accumulation_window and not self.ddp.require_backward_grad_sync:
+            return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
+                    "an optimizer-step boundary, after optimizer.step() and zero_grad()")
+        return self.hook_error()
+
+    def hook_error(self) -> str | None:
+        """Why the registered comm hooks forbid a rebuild (checked before anything changes)."""
+        # Failing inside the rebuild would also fail the rollback.
+        try:
+            check_comm_hooks(self.ddp)
+        except SwitchError as exc:
+            return str(exc)
+        return None
+
+    def snapshot(self) -> set[str]:
+        return set(self.ddp.parameters_to_ignore)
+
+    def apply(self, ignore: set[str]) -> None:
+        rebuild_reducer(self.ddp, ignore=ignore)
+
+    def restore(self, snapshot: set[str]) -> None:
+        rebuild_reducer(self.ddp, ignore=snapshot)
+
+    def reduced_bytes_per_step(self) -> int:
+        return sum(p.numel() * p.element_size() for p in reduced_parameters(self.ddp))

@@ -36,18 +36,17 @@ group that owns it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from ..errors import PlanError, SwitchError
+from ..errors import PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from . import _ddp
+from ._owners import ForwardGuards, Owner
 from ._transfer import (
     HostCopies,
     Prefetcher,
@@ -91,24 +90,6 @@ def _as_device(value: DeviceLike, argument: str) -> torch.device:
         ) from exc
 
 
-@dataclass(frozen=True)
-class _Owner:
-    """A module that owns parameters directly, and the groups they belong to."""
-
-    name: str
-    module: nn.Module
-    groups: frozenset[Optional[str]]  # None: an ungrouped parameter (always resident)
-    params: tuple[tuple[str, Optional[str]], ...]  # (full name, group)
-
-    def is_off(self, offloaded: frozenset[str]) -> bool:
-        return None not in self.groups and self.groups <= offloaded  # type: ignore[operator]
-
-    def buffer_names(self) -> list[tuple[str, str]]:
-        """``(full name, attribute name)`` of the module's own buffers."""
-        prefix = f"{self.name}." if self.name else ""
-        return [(prefix + b, b) for b, t in self.module.named_buffers(recurse=False) if t is not None]
-
-
 class ResidencyManager:
     """Keeps non-resident groups off the device, out of DDP and out of forwards.
 
@@ -126,6 +107,7 @@ class ResidencyManager:
 
     Example:
         >>> import torch
+        >>> from hf_altparams.errors import SwitchError
         >>> from hf_altparams.plan import ParamGroups, Phase
         >>> net = torch.nn.ModuleDict({"trunk": torch.nn.Linear(2, 2), "t0": torch.nn.Linear(2, 1),
         ...                            "t1": torch.nn.Linear(2, 1)})
@@ -165,12 +147,12 @@ class ResidencyManager:
             group = self._group_of.get(id(param))
             if group is not None:
                 self._names[group].append(name)
-        self._owners: list[_Owner] = []
+        self._owners: list[Owner] = []
         for mname, sub in module.named_modules():
             direct = [(f"{mname}.{n}" if mname else n, p) for n, p in sub.named_parameters(recurse=False)]
             if direct:
                 owned = tuple((n, self._group_of.get(id(p))) for n, p in direct)
-                self._owners.append(_Owner(mname, sub, frozenset(g for _, g in owned), owned))
+                self._owners.append(Owner(mname, sub, frozenset(g for _, g in owned), owned))
         # The user's own ignore list, without what an earlier manager wrote there.
         user_ignore = _ddp.ignored_before_wrap(module)
         self._written: set[str] = set(getattr(module, _WRITTEN_ATTR, ()))
@@ -180,7 +162,7 @@ class ResidencyManager:
         self._ignore_cache: Optional[tuple[Any, frozenset[str]]] = None
         self._placed = False
         self._home: dict[int, torch.device] = {}
-        self._hooks: list[RemovableHandle] = []
+        self._guards = ForwardGuards(self.offload_device)
         self._phase_name = ""
         self._synced: Optional[set[str]] = None  # groups known equal on every rank (set at attach)
         self._host_copies = HostCopies()
@@ -462,33 +444,11 @@ class ResidencyManager:
     # ------------------------------------------------------------ guards
     def install_guards(self, phase_name: str) -> None:
         """(Re)install the forward pre-hooks on modules whose parameters are all non-resident."""
-        self.remove_guards()
         self._phase_name = phase_name
-        if not self.guard:
-            return
-        for owner in self._owners:
-            if owner.is_off(self._offloaded):
-                self._hooks.append(owner.module.register_forward_pre_hook(self._guard_hook(owner)))
+        self._guards.install(self._owners if self.guard else [], self._offloaded, phase_name)
 
     def remove_guards(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
-    def _guard_hook(self, owner: _Owner) -> Callable[..., None]:
-        param, group = owner.params[0]
-        where = f"lives on {self.offload_device}" if self.offload_device is not None else "is not kept current"
-
-        def refuse_non_resident(module: nn.Module, args: Any) -> None:
-            raise SwitchError(
-                f"module {owner.name or '<root>'!r} ran its forward in phase {self._phase_name!r}, "
-                f"but its parameter {param!r} (group {group!r}) is not resident in that phase: it "
-                f"{where} and DDP does not sync it. Add {group!r} to the "
-                "phase's `resident` groups, route inputs only through the resident tasks, or wrap "
-                f"an evaluation in `switcher.residency.visiting([{group!r}])`"
-            )
-
-        return refuse_non_resident
+        self._guards.remove()
 
     @contextlib.contextmanager
     def visiting(self, groups: Iterable[str]) -> Iterator[None]:

@@ -5,10 +5,12 @@ DDP wrapper and optimizer. At a switch it
 
 1. checks the preconditions (optimizer-step boundary, not inside ``no_sync``),
 2. checks that every rank asks for the same phase (one small all-reduce; a
-   mismatch or a local refusal raises the same error on every rank),
+   mismatch or a local refusal raises the same error on every rank;
+   :mod:`._collective`),
 3. clears every gradient (``None``: bucket views must not pin old buckets),
 4. flips ``requires_grad`` to the new trainable set,
-5. rebuilds the DDP reducer in place (:mod:`hf_altparams.engine._ddp`),
+5. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
+   is rebuilt in place, :mod:`hf_altparams.engine._ddp`),
 6. re-applies the optimizer's idle-state policy,
 7. releases memory (gc, ``empty_cache``, ``malloc_trim``; the all-reduce
    that closes step 5 is the barrier), and
@@ -29,12 +31,9 @@ start copying back during the last step of the current phase.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -45,61 +44,17 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp
+from ._collective import agree, any_rank_failed, is_distributed
+from ._prefetch import PhasePrefetch, PrefetchSetting
 from ._transfer import optimizer_of
+from .backend import Backend, LocalBackend, backend_for
 from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
 from .memory import release_memory
 from .optim import GroupedOptimizer, reapply_state_policy
+from .records import SwitchRecord
 from .residency import DeviceLike, ResidencyManager
 
-PrefetchSetting = Union[bool, int, str]
-
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
-
-
-@dataclass(frozen=True)
-class SwitchRecord:
-    """What one switch did; ``as_log()`` gives flat metrics for trackers.
-
-    Example:
-        >>> import torch
-        >>> from hf_altparams.plan import ParamGroups, Alternating
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-        >>> record = PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"])).step_to(0)
-        >>> record.phase, record.trainable_params, record.as_log()["altparams/trainable_bytes"]
-        ('a', 6, 24)
-    """
-
-    step: Optional[int]
-    epoch: Optional[int]
-    phase: str
-    trainable_groups: tuple[str, ...]
-    trainable_params: int
-    trainable_bytes: int
-    allreduce_bytes_per_step: int
-    rebuilt_ddp: bool
-    seconds: float
-    moved_bytes: Optional[int] = None
-    offloaded_bytes: Optional[int] = None
-    synced_bytes: Optional[int] = None
-    buffer_broadcast_bytes: Optional[int] = None
-    buffer_broadcast_saved_bytes: Optional[int] = None
-
-    def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float, str]]:
-        """Flat ``{name: value}`` metrics (numbers only, plus the phase name)."""
-        data = asdict(self)
-        data["trainable_groups"] = ",".join(self.trainable_groups)
-        data["rebuilt_ddp"] = int(self.rebuilt_ddp)
-        return {f"{prefix}{k}": v for k, v in data.items() if v is not None}
-
-
-def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _digest_int(text: str) -> int:
-    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
 class PhaseSwitcher:
@@ -179,25 +134,18 @@ class PhaseSwitcher:
         buffer_updating_types: tuple[type, ...] = (),
     ) -> None:
         schedule.validate(groups)
-        if not (prefetch in (True, False, "auto") or
-                (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0)):
-            raise SwitchError(
-                f"`prefetch` is {prefetch!r}; accepted: False, True, 'auto' or a byte budget (int >= 0)"
-            )
-        self.prefetch = prefetch
+        self.prefetcher = PhasePrefetch(prefetch)
         self.residency = ResidencyManager(groups, offload_device=offload_device, device=device,
                                           guard=guard_offloaded)
         self.residency.optimizer = optimizer
         self.buffer_sync = BufferSync(buffer_sync, frozen_norms, buffer_updating_types)
-        self._prefetched_for: Optional[int] = None
-        self._peak_seen = 0
         self.groups = groups
         self.schedule = schedule
         self.optimizer = optimizer
         self.release = release
         self.full_gc = full_gc
         self.trim = trim
-        self.ddp: Optional[DistributedDataParallel] = None
+        self.backend: Backend = LocalBackend()
         self.current: Optional[Phase] = None
         self.records: list[SwitchRecord] = []
         self._names = [name for name, _ in groups.all_named_params()]
@@ -237,31 +185,38 @@ class PhaseSwitcher:
                 "`model` is a DistributedDataParallel around a different module than the one "
                 "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
             )
-        _ddp.check_ddp_supported(model)
-        self.ddp = model
-        self.residency.attached(model.parameters_to_ignore, model.device)
+        self.backend = backend_for(model)
+        self.residency.attached(self.backend.ignored_at_wrap(), self.backend.device)
         self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
         if self.current is not None:
             # Accelerate's prepare() and the Trainer move the whole model to the device.
             self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
             self.residency.install_guards(self.current.name)
             if not rebuild:
-                if set(model.parameters_to_ignore) != self.residency.ignore_names():
-                    _ddp.rebuild_reducer(model, ignore=self.residency.ignore_names())
+                if self.backend.ignored_at_wrap() != self.residency.ignore_names():
+                    self.backend.apply(self.residency.ignore_names())
                 self.buffer_sync.apply(self.module, self.trainable_names(self.current), ddp=model,
                                        ignore=self.residency.ignore_names())
         if not rebuild:
             return None
         if self.current is None:
             raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
-        return self._transaction(self.current, None, None, self._hook_error() or self._pending_grads_error())
+        local_error = (self.backend.precondition_error(in_accumulation_window=True)
+                       or self._pending_grads_error())
+        return self._transaction(self.current, None, None, local_error)
+
+    @property
+    def ddp(self) -> Optional[DistributedDataParallel]:
+        """The attached DDP wrapper, or ``None``."""
+        return self.backend.wrapper if self.backend.kind == "ddp" else None  # type: ignore[return-value]
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
-        return self.ddp.process_group if self.ddp is not None else None
+        """The process group of the attached wrapper (``None``: no wrapper)."""
+        return self.backend.process_group
 
     def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        return is_distributed(self.process_group)
 
     # ------------------------------------------------------------ queries
     def phase_at(self, step: int, epoch: int = 0) -> Phase:
@@ -273,9 +228,7 @@ class PhaseSwitcher:
 
     def allreduce_bytes_per_step(self) -> int:
         """Bytes the current reducer all-reduces per optimizer step (0 without DDP)."""
-        if self.ddp is None:
-            return 0
-        return sum(p.numel() * p.element_size() for p in _ddp.reduced_parameters(self.ddp))
+        return self.backend.reduced_bytes_per_step()
 
     # ------------------------------------------------------------ switching
     def step_to(self, step: int, epoch: int = 0) -> Optional[SwitchRecord]:
@@ -288,7 +241,7 @@ class PhaseSwitcher:
         """
         phase = self.phase_at(step, epoch)
         if phase == self.current:
-            self._maybe_prefetch(step, epoch)
+            self.prefetcher.maybe_start(self, step, epoch)
             return None
         return self.switch(phase, step=step, epoch=epoch)
 
@@ -300,24 +253,23 @@ class PhaseSwitcher:
         self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
     ) -> SwitchRecord:
         started = time.perf_counter()
-        self._agree(phase, step, local_error)
+        agree(self.process_group if self._distributed() else None, phase, step, local_error)
 
         trainable = self.trainable_names(phase)
         before = {name: p.requires_grad for name, p in self.groups.all_named_params()}
         offloaded_before = self.residency.offloaded
-        ignore_before = set(self.ddp.parameters_to_ignore) if self.ddp is not None else None
+        snapshot = self.backend.snapshot()
         failure: Optional[BaseException] = None
         moved = 0
         try:
             moved = self.residency.apply(self.residency.non_resident(phase),
                                          keep_state_off=self._state_stays_off(phase))
             self._apply_flags(trainable)
-            if self.ddp is not None:
-                _ddp.rebuild_reducer(self.ddp, ignore=self.residency.ignore_names())
+            self.backend.apply(self.residency.ignore_names())
         except Exception as exc:  # roll back locally, then tell every rank
             failure = exc
-        if self._any_rank_failed(failure is not None):
-            self._rollback(before, offloaded_before, ignore_before)
+        if any_rank_failed(self.process_group if self._distributed() else None, failure is not None):
+            self._rollback(before, offloaded_before, snapshot)
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
             raise SwitchError(
                 f"phase switch to {phase.name!r} at step {step} failed ({reason}); the previous "
@@ -332,12 +284,11 @@ class PhaseSwitcher:
         plan = self.buffer_sync.apply(self.module, trainable, ddp=self.ddp,
                                       ignore=self.residency.ignore_names())
         if self.release:
-            # No barrier: `_any_rank_failed` above is an all-reduce every rank just passed.
+            # No barrier: `any_rank_failed` above is an all-reduce every rank just passed.
             release_memory(barrier=False, full_gc=self.full_gc, trim=self.trim)
         self.current = phase
-        if self.prefetch:
-            self._peak_seen = max(self._peak_seen, self._expected_peak(phase))
-            self._maybe_prefetch(step, epoch)
+        self.prefetcher.switched(self, phase)
+        self.prefetcher.maybe_start(self, step, epoch)
         record = SwitchRecord(
             step=step,
             epoch=epoch,
@@ -360,20 +311,7 @@ class PhaseSwitcher:
 
     # ------------------------------------------------------------ internals
     def _precondition_error(self) -> Optional[str]:
-        if self.ddp is not None and not self.ddp.require_backward_grad_sync:
-            return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
-                    "an optimizer-step boundary, after optimizer.step() and zero_grad()")
-        return self._hook_error() or self._pending_grads_error()
-
-    def _hook_error(self) -> Optional[str]:
-        # Checked before anything changes: failing inside the rebuild would also fail the rollback.
-        if self.ddp is None:
-            return None
-        try:
-            _ddp.check_comm_hooks(self.ddp)
-        except SwitchError as exc:
-            return str(exc)
-        return None
+        return self.backend.precondition_error() or self._pending_grads_error()
 
     def _pending_grads_error(self) -> Optional[str]:
         pending = [n for n, p in self.groups.all_named_params()
@@ -382,42 +320,6 @@ class PhaseSwitcher:
             return (f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
                     "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
         return None
-
-    def _agree(self, phase: Phase, step: Optional[int], local_error: Optional[str]) -> None:
-        if not self._distributed():
-            if local_error:
-                raise SwitchError(f"phase switch at step {step} refused: {local_error}")
-            return
-        group = self.process_group
-        code = _digest_int(phase.digest())
-        flags = torch.tensor([code, -code, int(local_error is not None)], dtype=torch.int64,
-                             device=_collective_device(group))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        if int(flags[0]) == -int(flags[1]) and int(flags[2]) == 0:
-            return
-        # Slow path, taken by every rank alike: gather the details for one clear message.
-        world = dist.get_world_size(group)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (repr(phase), local_error, step), group=group)
-        # Built from gathered data only, so every rank raises the very same message.
-        steps = sorted({s for _, _, s in gathered}, key=str)
-        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-        refusals = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
-        if refusals:
-            raise SwitchError(f"phase switch at {where} refused; " + "; ".join(refusals))
-        asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s) in enumerate(gathered))
-        raise SwitchError(
-            f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
-            "switch with the same step, schedule and seed"
-        )
-
-    def _any_rank_failed(self, failed: bool) -> bool:
-        if not self._distributed():
-            return failed
-        group = self.process_group
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=_collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
 
     def _apply_flags(self, trainable: frozenset[str]) -> None:
         for name, param in self.groups.all_named_params():
@@ -428,7 +330,7 @@ class PhaseSwitcher:
         self,
         before: Mapping[str, bool],
         offloaded: Optional[frozenset[str]] = None,
-        ignore: Optional[set[str]] = None,
+        snapshot: Any = None,
     ) -> None:
         if offloaded is not None:
             try:
@@ -442,15 +344,13 @@ class PhaseSwitcher:
         for name, param in self.groups.all_named_params():
             param.grad = None
             param.requires_grad_(before[name])
-        if self.ddp is not None:
-            try:
-                _ddp.rebuild_reducer(self.ddp, ignore=ignore)
-            except Exception as exc:
-                raise SwitchError(
-                    "phase switch failed and restoring the previous DDP reducer failed too "
-                    f"({type(exc).__name__}: {exc}); the DDP wrapper is unusable, restart from "
-                    "the last checkpoint"
-                ) from exc
+        try:
+            self.backend.restore(snapshot)
+        except Exception as exc:
+            raise SwitchError(
+                f"phase switch failed and restoring the previous {self.backend.kind} wrapper failed too "
+                f"({type(exc).__name__}: {exc}); the wrapper is unusable, restart from the last checkpoint"
+            ) from exc
 
     def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
         """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
@@ -476,37 +376,6 @@ class PhaseSwitcher:
         if self.optimizer is not None:
             moved += reapply_state_policy(self.optimizer)
         return moved
-
-    def _expected_peak(self, phase: Phase) -> int:
-        from .report import expected_peak_bytes  # report imports this module's types
-
-        return expected_peak_bytes(self, phase)[0]
-
-    def _maybe_prefetch(self, step: Optional[int], epoch: Optional[int]) -> int:
-        """During the last step of a phase, start copying the next phase's offloaded tensors back."""
-        if not self.prefetch or step is None or self.current is None or self.schedule.unit != "step":
-            return 0
-        if self._prefetched_for == step + 1:
-            return 0
-        upcoming = self.phase_at(step + 1, epoch or 0)
-        if upcoming == self.current:
-            return 0
-        self._prefetched_for = step + 1
-        if self.prefetch == "auto":
-            upcoming_peak = self._expected_peak(upcoming)
-            budget: Optional[int] = max(0, max(self._peak_seen, upcoming_peak) - self._expected_peak(self.current))
-        elif self.prefetch is True:
-            budget = None
-        else:
-            budget = int(self.prefetch)
-        returning = self.residency.offloaded - self.residency.non_resident(upcoming)
-        started = self.residency.prefetch(returning, budget)
-        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
-        if isinstance(opt, GroupedOptimizer):
-            for group in sorted(upcoming.trainable - opt.active):
-                if group in opt.inner and (budget is None or started < budget):
-                    started += opt.prefetch(group, None if budget is None else budget - started)
-        return started
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

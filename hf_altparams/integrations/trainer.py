@@ -38,147 +38,41 @@ this module only decides *when*, with the Trainer's step and epoch.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import sys
-import weakref
 from typing import Any, Callable, Mapping, Optional, Union
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import Optimizer
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from ..engine.comm import CommCounter, register_comm_counter
-from ..engine.optim import GroupedOptimizer, StatePolicy
-from ..engine.switch import PhaseSwitcher, SwitchRecord
+from ..engine.records import SwitchRecord
+from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
+from ._trainer_optim import grouped_optimizer
+from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
+from ._trainer_support import (
+    FirstCallCatcher,
+    run_before_reporters,
+    unsupported_backend,
+    unwrap_optimizer,
+)
 
-__all__ = ["AlternatingFreeze", "grouped_optimizer"]
+__all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer"]
 
 logger = logging.getLogger(__name__)
 
 #: Groups given to :class:`AlternatingFreeze`: a mapping group -> spec, a
 #: function model -> ParamGroups, or ParamGroups built on the Trainer's model.
 GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamGroups]
-
-#: Key of the callback's record in ``TrainerState.stateful_callbacks`` (saved in
-#: every checkpoint's ``trainer_state.json``). Deliberately not the class name:
-#: the Trainer's ``restore_callback_states_from_checkpoint`` would try to
-#: rebuild the callback from JSON arguments, which a schedule cannot be.
-STATE_KEY = "hf_altparams.AlternatingFreeze"
-
-_DEEPSPEED_MESSAGE = (
-    "AlternatingFreeze does not support DeepSpeed: DeepSpeed fixes the trainable set, its gradient "
-    "partitions and optimizer state at `deepspeed.initialize` and ignores (or crashes on) later "
-    "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
-    "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
-    "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
-    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU."
-)
-_FSDP_MESSAGE = (
-    "AlternatingFreeze does not support FSDP through the Trainer (not verified: FSDP1 reduces whole "
-    "flat parameters, zeros included, and FSDP2 units frozen at the first forward need their "
-    "mixed-precision dtypes re-initialised). Train with plain DDP instead: drop `fsdp=` / "
-    "`fsdp_config=` from TrainingArguments (and any FSDP accelerate config) and launch with "
-    "`torchrun` or `accelerate launch --multi_gpu`."
-)
-_COMPILE_MESSAGE = (
-    "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
-    "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
-    "switch changes. Set `torch_compile=False` (a single-process run may compile)."
-)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _unsupported_backend(args: TrainingArguments) -> Optional[str]:
-    """The refusal message for DeepSpeed / FSDP / compiled DDP in ``args``, or None."""
-    from accelerate.state import AcceleratorState
-
-    shared = AcceleratorState._shared_state  # the Trainer's accelerator exists by on_init_end
-    kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
-    if (
-        kind == "DEEPSPEED"
-        or getattr(args, "deepspeed", None)
-        or getattr(args, "deepspeed_plugin", None) is not None
-        or shared.get("deepspeed_plugin") is not None
-        or shared.get("deepspeed_plugins") is not None
-        or _env_true("ACCELERATE_USE_DEEPSPEED")
-    ):
-        return _DEEPSPEED_MESSAGE
-    if (
-        kind == "FSDP"
-        or getattr(args, "fsdp", None)
-        or getattr(args, "fsdp_plugin_args", None) is not None
-        or shared.get("fsdp_plugin") is not None
-        or _env_true("ACCELERATE_USE_FSDP")
-    ):
-        return _FSDP_MESSAGE
-    if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
-        return _COMPILE_MESSAGE
-    return None
-
-
-def _unwrap_optimizer(optimizer: Optional[Any]) -> Optional[Any]:
-    """The user's optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and seen < 4:
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, Optimizer):
-            break
-        optimizer, seen = inner, seen + 1
-    return optimizer
-
-
-class _FirstCallCatcher:
-    """A one-shot *global* forward pre-hook that finds the wrapper the Trainer built.
-
-    The Trainer keeps its ``DistributedDataParallel`` in a local variable and
-    hands callbacks the bare model. A global pre-hook sees every module call,
-    the wrapper's own included, *before* its ``forward`` runs (a pre-hook on
-    the inner module would run after ``DDP._pre_forward`` has already prepared
-    the old reducer for this iteration). It removes itself at the first call
-    of either the wrapper or, when there is none, the bare model in training.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        on_ddp: Callable[[nn.parallel.DistributedDataParallel], None],
-        on_plain: Callable[[], None],
-    ) -> None:
-        self._module = weakref.ref(module)  # a global hook must not keep the model alive
-        self.on_ddp = on_ddp
-        self.on_plain = on_plain
-        self._handle: Optional[Any] = register_module_forward_pre_hook(self._hook)
-
-    def _hook(self, called: nn.Module, _inputs: Any) -> None:
-        module = self._module()
-        if module is None:
-            self.remove()
-        elif isinstance(called, nn.parallel.DistributedDataParallel) and called.module is module:
-            self.remove()
-            self.on_ddp(called)
-        elif called is module and called.training and torch.is_grad_enabled():
-            self.remove()
-            self.on_plain()
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
 
 # ----------------------------------------------------------------------------- the callback
 
@@ -291,7 +185,7 @@ class AlternatingFreeze(TrainerCallback):
         self.switcher: Optional[PhaseSwitcher] = None
         self.comm: Optional[CommCounter] = None
         self.find_unused_parameters: Optional[bool] = None
-        self._catcher: Optional[_FirstCallCatcher] = None
+        self._catcher: Optional[FirstCallCatcher] = None
         self._is_main = True
         self._logged_records = 0
         self._logged_comm = 0
@@ -340,19 +234,19 @@ class AlternatingFreeze(TrainerCallback):
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: Optional[nn.Module] = None, **kwargs: Any) -> None:
-        refusal = _unsupported_backend(args)
+        refusal = unsupported_backend(args)
         if refusal:
             raise AltParamsError(refusal)
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
         self._make_scheduled_trainable()
-        self._run_before_reporters()
+        run_before_reporters(self, sys._getframe(0))
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
                        **kwargs: Any) -> None:
-        refusal = _unsupported_backend(args)
+        refusal = unsupported_backend(args)
         if refusal:
             raise AltParamsError(refusal)
         if model is not None and (self.groups is None or self.groups.module is not model):
@@ -362,7 +256,7 @@ class AlternatingFreeze(TrainerCallback):
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
         self.switcher = PhaseSwitcher(
-            self.groups, self.schedule, optimizer=_unwrap_optimizer(optimizer), release=self.release,
+            self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer), release=self.release,
             **self.switcher_options,
         )
         self.comm = None
@@ -373,7 +267,7 @@ class AlternatingFreeze(TrainerCallback):
         if self._catcher is not None:
             self._catcher.remove()
         if dist.is_available() and dist.is_initialized():
-            self._catcher = _FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
+            self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
                         self.groups.summary(self.switcher.current.trainable if self.switcher.current else None))
@@ -486,45 +380,14 @@ class AlternatingFreeze(TrainerCallback):
             "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`."
         )
 
-    def _state_record(self) -> dict[str, Any]:
-        assert self.switcher is not None and self.groups is not None
-        current = self.switcher.current
-        return {
-            "schedule": self.schedule.state_dict(),
-            "groups": {g: self.groups.numel(g) for g in self.groups.names},
-            "phase": None if current is None else sorted(current.trainable),
-        }
-
     def _save_state(self, state: TrainerState) -> None:
-        if isinstance(state.stateful_callbacks, dict):
-            record = self._state_record()
-            record["step"] = state.global_step
-            record["epoch"] = self._epoch(state)
-            state.stateful_callbacks[STATE_KEY] = record
+        assert self.switcher is not None and self.groups is not None
+        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state))
 
     def _check_saved_state(self, state: TrainerState) -> None:
-        saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
-        if not saved or not self.check_resume:
-            return
-        assert self.groups is not None
-        how = "pass `check_resume=False` to AlternatingFreeze to continue with the new set-up anyway"
-        try:
-            self.schedule.load_state_dict(saved["schedule"])
-        except PlanError as err:
-            raise PlanError(f"AlternatingFreeze: the checkpoint was saved with another schedule ({err}); {how}") from err
-        mine = {g: self.groups.numel(g) for g in self.groups.names}
-        if saved.get("groups") != mine:
-            raise PlanError(
-                f"AlternatingFreeze: the checkpoint was saved with groups {saved.get('groups')} "
-                f"(name: parameter count), these are {mine}; {how}"
-            )
-        step, epoch = int(saved.get("step", 0)), int(saved.get("epoch", 0))
-        expected = self.schedule.phase_at(step, epoch)
-        if saved.get("phase") is not None and sorted(expected.trainable) != saved["phase"]:
-            raise PlanError(
-                f"AlternatingFreeze: at step {step} the checkpoint trained {saved['phase']}, this "
-                f"schedule gives {sorted(expected.trainable)} (a function schedule that changed?); {how}"
-            )
+        if self.check_resume:
+            assert self.groups is not None
+            check_callback_state(state, self.schedule, self.groups)
 
     def _attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
@@ -563,96 +426,3 @@ class AlternatingFreeze(TrainerCallback):
                 "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
                 "Trainer's default for multi-process runs) is supported."
             )
-
-    def _run_before_reporters(self) -> None:
-        """Move this callback ahead of the reporting callbacks (TensorBoard, W&B, ...).
-
-        The Trainer calls callbacks in list order and puts user callbacks after
-        the reporters, so keys added in ``on_log`` would reach only the progress
-        bar. Callbacks do not get the handler; it is the caller of this event.
-        """
-        frame = sys._getframe(1)
-        for _ in range(4):
-            frame = frame.f_back  # type: ignore[assignment]
-            if frame is None:
-                return
-            handler = frame.f_locals.get("self")
-            if isinstance(handler, CallbackHandler) and self in handler.callbacks:
-                callbacks = handler.callbacks
-                callbacks.remove(self)
-                first = next((i for i, cb in enumerate(callbacks) if not isinstance(cb, DefaultFlowCallback)),
-                             len(callbacks))
-                callbacks.insert(first, self)
-                return
-
-
-# ----------------------------------------------------------------------------- optimizer helper
-
-_NO_DECAY_PATTERNS = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"))
-
-
-def _no_decay_names(model: nn.Module) -> set[str]:
-    """Parameter names the Trainer's default optimizer exempts from weight decay."""
-    names: set[str] = set()
-    for module_name, module in model.named_modules():
-        is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
-        for param_name, _ in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if is_norm or any(p.search(full.lower()) for p in _NO_DECAY_PATTERNS):
-                names.add(full)
-    return names
-
-
-def grouped_optimizer(
-    groups: ParamGroups,
-    optimizer_cls: type[Optimizer] = torch.optim.AdamW,
-    *,
-    weight_decay: float = 0.0,
-    state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
-    **optimizer_kwargs: Any,
-) -> GroupedOptimizer:
-    """One optimizer per group, for ``Trainer(optimizers=(grouped_optimizer(...), None))``.
-
-    Each group's optimizer splits its parameters like the Trainer's default
-    (no weight decay for biases and normalisation weights). Give the same
-    ``groups`` to :class:`AlternatingFreeze`: at every switch it makes the
-    phase's groups the active ones, and idle groups' optimizer state follows
-    ``state_policy`` (``"offload"`` moves it to the CPU while they are frozen).
-
-    Args:
-        groups: ParamGroups built on the model passed to the Trainer.
-        optimizer_cls: a ``torch.optim.Optimizer`` class.
-        weight_decay: weight decay of the decayed parameters.
-        state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group.
-        **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
-
-    Example:
-        >>> import torch
-        >>> from hf_altparams.plan import ParamGroups
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
-        >>> opt = grouped_optimizer(groups, lr=1e-3, weight_decay=0.01, state_policy="offload")
-        >>> [g["weight_decay"] for g in opt.inner["a"].param_groups]
-        [0.01, 0.0]
-    """
-    if not isinstance(groups, ParamGroups):
-        raise PlanError(f"`groups` must be ParamGroups built on the model, got {type(groups).__name__}")
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
-        raise PlanError(f"`optimizer_cls` must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
-    no_decay = _no_decay_names(groups.module)
-
-    def factory_for(group: str) -> Callable[[list[nn.Parameter]], Optimizer]:
-        named = groups.named_params(group)
-
-        def build(_params: list[nn.Parameter]) -> Optimizer:
-            decay = [p for n, p in named if n not in no_decay]
-            plain = [p for n, p in named if n in no_decay]
-            param_groups: list[dict[str, Any]] = [
-                {"params": ps, "weight_decay": wd}
-                for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps
-            ]
-            return optimizer_cls(param_groups, **optimizer_kwargs)
-
-        return build
-
-    return GroupedOptimizer(groups, {g: factory_for(g) for g in groups.names}, state_policy=state_policy)

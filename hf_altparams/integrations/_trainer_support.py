@@ -1,0 +1,155 @@
+"""What the Trainer callback needs around the Trainer: backend refusals, and the DDP wrapper's first call.
+
+Kept apart from :mod:`.trainer` (the callback's events) because these read the
+Trainer's and Accelerate's state from the outside: the refusal messages for
+strategies the callback cannot drive, the optimizer inside Accelerate's
+wrapper, and the one-shot global forward pre-hook that finds the
+``DistributedDataParallel`` the Trainer keeps in a local variable.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from types import FrameType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim import Optimizer
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+from ..engine.optim import GroupedOptimizer
+
+__all__ = ["FirstCallCatcher", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
+
+_DEEPSPEED_MESSAGE = (
+    "AlternatingFreeze does not support DeepSpeed: DeepSpeed fixes the trainable set, its gradient "
+    "partitions and optimizer state at `deepspeed.initialize` and ignores (or crashes on) later "
+    "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
+    "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
+    "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
+    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU."
+)
+_FSDP_MESSAGE = (
+    "AlternatingFreeze does not support FSDP through the Trainer (not verified: FSDP1 reduces whole "
+    "flat parameters, zeros included, and FSDP2 units frozen at the first forward need their "
+    "mixed-precision dtypes re-initialised). Train with plain DDP instead: drop `fsdp=` / "
+    "`fsdp_config=` from TrainingArguments (and any FSDP accelerate config) and launch with "
+    "`torchrun` or `accelerate launch --multi_gpu`."
+)
+_COMPILE_MESSAGE = (
+    "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
+    "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
+    "switch changes. Set `torch_compile=False` (a single-process run may compile)."
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unsupported_backend(args: TrainingArguments) -> Optional[str]:
+    """The refusal message for DeepSpeed / FSDP / compiled DDP in ``args``, or None."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state  # the Trainer's accelerator exists by on_init_end
+    kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
+    if (
+        kind == "DEEPSPEED"
+        or getattr(args, "deepspeed", None)
+        or getattr(args, "deepspeed_plugin", None) is not None
+        or shared.get("deepspeed_plugin") is not None
+        or shared.get("deepspeed_plugins") is not None
+        or _env_true("ACCELERATE_USE_DEEPSPEED")
+    ):
+        return _DEEPSPEED_MESSAGE
+    if (
+        kind == "FSDP"
+        or getattr(args, "fsdp", None)
+        or getattr(args, "fsdp_plugin_args", None) is not None
+        or shared.get("fsdp_plugin") is not None
+        or _env_true("ACCELERATE_USE_FSDP")
+    ):
+        return _FSDP_MESSAGE
+    if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
+        return _COMPILE_MESSAGE
+    return None
+
+
+def unwrap_optimizer(optimizer: Optional[Any]) -> Optional[Any]:
+    """The user's optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and seen < 4:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, Optimizer):
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+class FirstCallCatcher:
+    """A one-shot *global* forward pre-hook that finds the wrapper the Trainer built.
+
+    The Trainer keeps its ``DistributedDataParallel`` in a local variable and
+    hands callbacks the bare model. A global pre-hook sees every module call,
+    the wrapper's own included, *before* its ``forward`` runs (a pre-hook on
+    the inner module would run after ``DDP._pre_forward`` has already prepared
+    the old reducer for this iteration). It removes itself at the first call
+    of either the wrapper or, when there is none, the bare model in training.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        on_ddp: Callable[[nn.parallel.DistributedDataParallel], None],
+        on_plain: Callable[[], None],
+    ) -> None:
+        self._module = weakref.ref(module)  # a global hook must not keep the model alive
+        self.on_ddp = on_ddp
+        self.on_plain = on_plain
+        self._handle: Optional[Any] = register_module_forward_pre_hook(self._hook)
+
+    def _hook(self, called: nn.Module, _inputs: Any) -> None:
+        module = self._module()
+        if module is None:
+            self.remove()
+        elif isinstance(called, nn.parallel.DistributedDataParallel) and called.module is module:
+            self.remove()
+            self.on_ddp(called)
+        elif called is module and called.training and torch.is_grad_enabled():
+            self.remove()
+            self.on_plain()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def run_before_reporters(callback: TrainerCallback, event_frame: Optional[FrameType]) -> None:
+    """Move ``callback`` ahead of the reporting callbacks (TensorBoard, W&B, ...).
+
+    The Trainer calls callbacks in list order and puts user callbacks after
+    the reporters, so keys added in ``on_log`` would reach only the progress
+    bar. Callbacks do not get the handler; it is the caller of the event, found
+    by walking up from ``event_frame`` (the frame of the callback's event method).
+    """
+    frame = event_frame
+    for _ in range(4):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
+            callbacks = handler.callbacks
+            callbacks.remove(callback)
+            first = next((i for i, cb in enumerate(callbacks) if not isinstance(cb, DefaultFlowCallback)),
+                         len(callbacks))
+            callbacks.insert(first, callback)
+            return
