@@ -164,7 +164,7 @@ def test_prefetch_auto_only_uses_headroom() -> None:
 
 # -- CUDA: the bytes really move -------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda
 
 
 @cuda

@@ -188,7 +188,7 @@ def test_offload_of_cpu_state_moves_nothing() -> None:
     assert opt.state_bytes("b") == state_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves state off a CUDA device")
+@pytest.mark.cuda
 def test_offload_policy_moves_idle_state_to_cpu_and_back() -> None:
     model, groups = model_and_groups()
     model.cuda()

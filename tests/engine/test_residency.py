@@ -243,7 +243,7 @@ def test_bad_devices_are_refused() -> None:
 # -- CUDA: the bytes really move -------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_non_resident_groups_live_on_the_host_and_come_back_bit_identical() -> None:
     model, groups = tiny()
     model.cuda()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every CUDA test and every GPU benchmark of hf_altparams, in one command, for a
+# machine with a GPU (CI has none, so none of this runs there):
+#
+#   bash benchmarks/gpu.sh            # results under $OUT (default: ./gpu-results)
+#   GPU_QUICK=1 bash benchmarks/gpu.sh   # the benchmarks' quick modes only
+#
+# It writes few files, so that a remote runner can bring them all back:
+#   $OUT/gpu.log          everything printed, step by step (environment first)
+#   $OUT/cuda_tests.xml   pytest's JUnit report of the tests marked `cuda`
+#   $OUT/results.tgz      every benchmark's JSON / markdown output
+# Each step runs even if an earlier one failed; the exit code is the number of
+# failed steps (0: all passed). Copy the tables from results.tgz into
+# benchmarks/RESULTS.md with the machine named (the log's first lines name it).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-$(pwd)/gpu-results}
+RESULTS="$OUT/results"
+mkdir -p "$RESULTS"
+LOG="$OUT/gpu.log"
+: >"$LOG"
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+QUICK=${GPU_QUICK:-0}
+failed=0
+
+step() {  # step NAME COMMAND...: run, log, count a failure
+    local name=$1; shift
+    echo "=== [$name] $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+    local start=$SECONDS
+    "$@" 2>&1 | tee -a "$LOG"
+    local status=${PIPESTATUS[0]}
+    echo "=== [$name] exit $status after $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$status" -eq 0 ] || failed=$((failed + 1))
+}
+
+step environment "$PY" - <<'PY'
+import platform, torch, accelerate, transformers
+print("python", platform.python_version(), "| torch", torch.__version__, "| accelerate", accelerate.__version__,
+      "| transformers", transformers.__version__)
+print("cuda available:", torch.cuda.is_available(), "| devices:",
+      [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+PY
+command -v nvidia-smi >/dev/null && step nvidia-smi nvidia-smi
+
+# 1. Every test marked `cuda` (setup.cfg's marker); the rest of the suite is CI's.
+step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$OUT/cuda_tests.xml" tests
+
+# 2. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).
+if [ "$QUICK" = 1 ]; then
+    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 --out "$RESULTS"
+    step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
+else
+    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --out "$RESULTS"
+    step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
+fi
+
+tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"
+echo "gpu.sh: $failed step(s) failed; outputs in $OUT" | tee -a "$LOG"
+exit "$failed"
