@@ -30,18 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-import os
 from typing import Any, Mapping, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
-    DistributedType,
     DynamoBackend,
 )
 from torch import nn
@@ -56,49 +51,16 @@ from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
+from ._accelerate_parts import (
+    STATE_FILE,
+    UNSUPPORTED,
+    PhasedOptimizer,
+    PreparedGroupedLRScheduler,
+    read_state,
+    write_state,
+)
 
 __all__ = ["PhasedAccelerator", "STATE_FILE"]
-
-#: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
-STATE_FILE = "hf_altparams_state.json"
-_STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
-_UNSUPPORTED = {
-    DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
-    DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
-    DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
-    DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
-}
-
-
-class _PhasedOptimizer(AcceleratedOptimizer):
-    """The prepared optimizer: reports sync-boundary steps and zero_grads to its accelerator."""
-
-    def __init__(self, optimizer: Optimizer, owner: "PhasedAccelerator", **kwargs: Any) -> None:
-        super().__init__(optimizer, **kwargs)
-        self._owner = owner
-
-    def step(self, closure: Any = None) -> None:
-        at_boundary = self.gradient_state.sync_gradients
-        if at_boundary:
-            self._owner._check_gradients()
-        super().step(closure)
-        if at_boundary:
-            self._owner._count_step()
-
-    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        super().zero_grad(set_to_none)
-        if self.gradient_state.sync_gradients:
-            self._owner._switch_if_due()
-
-
-class _PreparedGroupedLRScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper for a GroupedLRScheduler (which has no ``_step_count``)."""
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.step_with_optimizer and not self.gradient_state.sync_gradients:
-            return  # inside an accumulation window: the optimizer did not step
-        super().step(*args, **kwargs)
-
 
 class PhasedAccelerator(Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
@@ -197,7 +159,7 @@ class PhasedAccelerator(Accelerator):
                        self.register_load_state_pre_hook(self._load_hook)]
 
     def _check_supported(self) -> None:
-        reason = _UNSUPPORTED.get(self.distributed_type)
+        reason = UNSUPPORTED.get(self.distributed_type)
         parallelism = getattr(self, "parallelism_config", None)
         if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
             reason = "tensor/context parallelism shards parameters outside DDP"
@@ -301,13 +263,13 @@ class PhasedAccelerator(Accelerator):
         if optimizer is not self._driving or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         placement = self.device_placement if device_placement is None else device_placement
-        wrapped = _PhasedOptimizer(optimizer, self, device_placement=placement, scaler=self.scaler)
+        wrapped = PhasedOptimizer(optimizer, self, device_placement=placement, scaler=self.scaler)
         self._optimizers.append(wrapped)
         return wrapped
 
-    def _prepare_grouped_scheduler(self, scheduler: GroupedLRScheduler) -> _PreparedGroupedLRScheduler:
+    def _prepare_grouped_scheduler(self, scheduler: GroupedLRScheduler) -> PreparedGroupedLRScheduler:
         optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), self._optimizers)
-        wrapped = _PreparedGroupedLRScheduler(
+        wrapped = PreparedGroupedLRScheduler(
             scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
@@ -415,12 +377,9 @@ class PhasedAccelerator(Accelerator):
         if self.switcher is None:
             return
         on_each_node = self.project_configuration.save_on_each_node
-        writer = self.is_main_process or (on_each_node and self.is_local_main_process)
-        if writer:
-            state = {"format": _STATE_FORMAT, "schedule_step": self.schedule_step,
-                     "schedule_epoch": self.schedule_epoch, "switcher": self.switcher.state_dict()}
-            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
-                json.dump(state, f, indent=1, sort_keys=True)
+        if self.is_main_process or (on_each_node and self.is_local_main_process):
+            write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
+                        switcher=self.switcher.state_dict())
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads."""
@@ -431,16 +390,7 @@ class PhasedAccelerator(Accelerator):
     def _load_hook(self, models: list[nn.Module], input_dir: str) -> None:
         if self.switcher is None:
             return
-        path = os.path.join(input_dir, STATE_FILE)
-        if not os.path.isfile(path):
-            raise AltParamsError(
-                f"`load_state` found no {STATE_FILE} in {input_dir!r}; load a checkpoint written by "
-                "PhasedAccelerator.save_state (it holds the schedule position)"
-            )
-        with open(path) as f:
-            state = json.load(f)
-        if state.get("format") != _STATE_FORMAT:
-            raise AltParamsError(f"{path}: `format` is {state.get('format')!r}, expected {_STATE_FORMAT!r}")
+        state = read_state(input_dir)
         self.switcher.load_state_dict(state["switcher"])
         self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
         self._step_pending = False

@@ -1,0 +1,83 @@
+"""Pieces of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator` that stand alone.
+
+The prepared optimizer and scheduler wrappers (they report sync-boundary steps to
+their accelerator), the distributed types that are refused, and the
+``hf_altparams_state.json`` file that ``save_state`` adds to a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
+from torch.optim import Optimizer
+
+from ..errors import AltParamsError
+
+if TYPE_CHECKING:
+    from .accelerate import PhasedAccelerator
+
+#: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
+STATE_FILE = "hf_altparams_state.json"
+_STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
+UNSUPPORTED = {
+    DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
+    DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
+    DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
+    DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
+}
+
+
+class PhasedOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer: reports sync-boundary steps and zero_grads to its accelerator."""
+
+    def __init__(self, optimizer: Optimizer, owner: PhasedAccelerator, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self._owner = owner
+
+    def step(self, closure: Any = None) -> None:
+        at_boundary = self.gradient_state.sync_gradients
+        if at_boundary:
+            self._owner._check_gradients()
+        super().step(closure)
+        if at_boundary:
+            self._owner._count_step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none)
+        if self.gradient_state.sync_gradients:
+            self._owner._switch_if_due()
+
+
+class PreparedGroupedLRScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper for a GroupedLRScheduler (which has no ``_step_count``)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.step_with_optimizer and not self.gradient_state.sync_gradients:
+            return  # inside an accumulation window: the optimizer did not step
+        super().step(*args, **kwargs)
+
+
+def write_state(output_dir: str, **state: Any) -> None:
+    """Write the schedule position and switcher state into checkpoint folder ``output_dir``."""
+    with open(os.path.join(output_dir, STATE_FILE), "w") as f:
+        json.dump({"format": _STATE_FORMAT, **state}, f, indent=1, sort_keys=True)
+
+
+def read_state(input_dir: str) -> dict[str, Any]:
+    """Read what :func:`write_state` wrote; a clear error when the file is missing or foreign."""
+    path = os.path.join(input_dir, STATE_FILE)
+    if not os.path.isfile(path):
+        raise AltParamsError(
+            f"`load_state` found no {STATE_FILE} in {input_dir!r}; load a checkpoint written by "
+            "PhasedAccelerator.save_state (it holds the schedule position)"
+        )
+    with open(path) as f:
+        state: dict[str, Any] = json.load(f)
+    if state.get("format") != _STATE_FORMAT:
+        raise AltParamsError(f"{path}: `format` is {state.get('format')!r}, expected {_STATE_FORMAT!r}")
+    return state
