@@ -285,6 +285,8 @@ class DDPBackend(Backend):
     """
 
     kind = "ddp"
+    #: The rebuild runs no collective (DDP's constructor syncs; its init helper does not).
+    collective_free_apply = True
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         check_ddp_supported(ddp)

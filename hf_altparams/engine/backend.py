@@ -39,6 +39,12 @@ class Backend:
     kind: str = "local"
     #: The wrapper object (``None`` for a plain module).
     wrapper: Optional[nn.Module] = None
+    #: True when :meth:`apply` and :meth:`restore` run no collective and
+    #: :meth:`restore` can run on a rank that did not apply (it then rebuilds the
+    #: wrapper for the unchanged flags). The switch then applies first and settles
+    #: agreement and outcome in ONE all-reduce; otherwise it agrees before
+    #: applying and checks the outcome after (two). See ``docs/switch.md``.
+    collective_free_apply: bool = False
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -79,6 +85,8 @@ class Backend:
 
 class LocalBackend(Backend):
     """A plain module: nothing to rebuild, nothing synchronised by a wrapper."""
+
+    collective_free_apply = True
 
     def __init__(self, module: Optional[nn.Module] = None) -> None:
         self.wrapper = None

@@ -1,16 +1,23 @@
-"""What a phase switch did: :class:`SwitchRecord`."""
+"""What a phase switch did: :class:`SwitchRecord`, and the bounded :class:`SwitchHistory`."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
-__all__ = ["SwitchRecord"]
+from ..errors import SwitchError
+
+__all__ = ["SwitchHistory", "SwitchRecord"]
 
 
 @dataclass(frozen=True)
 class SwitchRecord:
     """What one switch did; ``as_log()`` gives flat metrics for trackers.
+
+    ``released`` says whether the switch ran the memory release (gc,
+    ``empty_cache``, ``malloc_trim``) and ``release_reason`` why (the
+    ``release="auto"`` decision, see :mod:`hf_altparams.engine._release`).
 
     Example:
         >>> import torch
@@ -36,10 +43,90 @@ class SwitchRecord:
     synced_bytes: Optional[int] = None
     buffer_broadcast_bytes: Optional[int] = None
     buffer_broadcast_saved_bytes: Optional[int] = None
+    released: Optional[bool] = None
+    release_reason: Optional[str] = None
 
     def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float, str]]:
         """Flat ``{name: value}`` metrics (numbers only, plus the phase name)."""
         data = asdict(self)
+        data.pop("release_reason")  # free text: for logs, not for trackers
         data["trainable_groups"] = ",".join(self.trainable_groups)
         data["rebuilt_ddp"] = int(self.rebuilt_ddp)
+        if self.released is not None:
+            data["released"] = int(self.released)
         return {f"{prefix}{k}": v for k, v in data.items() if v is not None}
+
+
+class SwitchHistory:
+    """The most recent :class:`SwitchRecord` s plus running totals over every switch.
+
+    A run that switches every step for a million steps keeps ``window`` records
+    (a few hundred KB at most), not a million; the totals (how many switches,
+    how long they took, how many bytes they moved) cover the whole run.
+
+    Args:
+        window: how many recent records to keep (at least 1).
+
+    Example:
+        >>> history = SwitchHistory(window=2)
+        >>> for step in range(5):
+        ...     history.append(SwitchRecord(step, None, "a", ("a",), 1, 4, 4, False, 0.5, moved_bytes=8))
+        >>> [r.step for r in history.recent], history.count, history.seconds, history.moved_bytes
+        ([3, 4], 5, 2.5, 40)
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise SwitchError(f"`history_window` is {window!r}; accepted: an int >= 1 (records kept)")
+        self.window = window
+        self._recent: deque[SwitchRecord] = deque(maxlen=window)
+        self.count = 0
+        self.seconds = 0.0
+        self.moved_bytes = 0
+        self.synced_bytes = 0
+        self.releases = 0
+
+    def append(self, record: SwitchRecord) -> None:
+        """Add one switch's record (the oldest one leaves the window when it is full)."""
+        self._recent.append(record)
+        self.count += 1
+        self._add(record, +1)
+
+    def replace_last(self, record: SwitchRecord) -> None:
+        """Replace the most recent record (e.g. to fill in what a wrapper built later reduces)."""
+        if not self._recent:
+            raise SwitchError("no switch record to replace: the history is empty")
+        self._add(self._recent[-1], -1)
+        self._recent[-1] = record
+        self._add(record, +1)
+
+    def _add(self, record: SwitchRecord, sign: int) -> None:
+        self.seconds += sign * record.seconds
+        self.moved_bytes += sign * (record.moved_bytes or 0)
+        self.synced_bytes += sign * (record.synced_bytes or 0)
+        self.releases += sign * int(bool(record.released))
+
+    @property
+    def recent(self) -> list[SwitchRecord]:
+        """The records in the window, oldest first (a copy)."""
+        return list(self._recent)
+
+    @property
+    def last(self) -> Optional[SwitchRecord]:
+        """The most recent record, or ``None`` before the first switch."""
+        return self._recent[-1] if self._recent else None
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def __iter__(self) -> Iterator[SwitchRecord]:
+        return iter(list(self._recent))
+
+    def totals(self) -> dict[str, Union[int, float]]:
+        """Running totals over every switch of the run."""
+        return {"switches": self.count, "switch_seconds": self.seconds, "switch_moved_bytes": self.moved_bytes,
+                "switch_synced_bytes": self.synced_bytes, "switch_releases": self.releases}
+
+    def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float]]:
+        """The totals as flat tracker metrics."""
+        return {f"{prefix}{k}": v for k, v in self.totals().items()}

@@ -90,6 +90,8 @@ class MemoryReport:
         expected_peak_bytes: the phase's expected device peak, activations excluded.
         expected_peak_all_bytes: the same for training every group at once.
         prefetched_bytes: device bytes held by prefetched copies for the next phase.
+        switches: the run's switch totals so far (``switches``, ``switch_seconds``,
+            ``switch_moved_bytes``, ...; :meth:`SwitchHistory.totals`).
     """
 
     phase: str
@@ -98,6 +100,7 @@ class MemoryReport:
     expected_peak_all_bytes: int
     prefetched_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
+    switches: Mapping[str, Union[int, float]] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -129,6 +132,7 @@ class MemoryReport:
         out[f"{prefix}expected_peak_all"] = self.expected_peak_all_bytes
         out[f"{prefix}expected_peak_ratio"] = round(self.expected_peak_ratio, 4)
         out[f"{prefix}prefetched"] = self.prefetched_bytes
+        out.update({f"{prefix}{k}": v for k, v in self.switches.items()})
         return out
 
     def table(self) -> str:
@@ -144,6 +148,10 @@ class MemoryReport:
             f"{_gib(self.expected_peak_all_bytes)} training everything "
             f"({self.expected_peak_ratio:.2f}x; activations excluded)"
         )
+        if self.switches:
+            rows.append(f"{self.switches.get('switches', 0)} switches so far: "
+                        f"{self.switches.get('switch_seconds', 0.0):.3f} s, "
+                        f"{_gib(self.switches.get('switch_moved_bytes', 0))} moved")
         return "\n".join(rows)
 
 
@@ -324,4 +332,5 @@ def memory_report(switcher: PhaseSwitcher, phase: Optional[Phase] = None) -> Mem
         expected_peak_bytes=peak,
         expected_peak_all_bytes=everything,
         prefetched_bytes=prefetched,
+        switches=switcher.history.totals(),
     )

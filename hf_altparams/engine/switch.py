@@ -4,20 +4,25 @@
 DDP wrapper and optimizer. At a switch it
 
 1. checks the preconditions (optimizer-step boundary, not inside ``no_sync``),
-2. checks that every rank asks for the same phase (one small all-reduce; a
-   mismatch or a local refusal raises the same error on every rank;
-   :mod:`._collective`),
-3. clears every gradient (``None``: bucket views must not pin old buckets),
-4. flips ``requires_grad`` to the new trainable set,
-5. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
+2. clears every gradient (``None``: bucket views must not pin old buckets),
+3. flips ``requires_grad`` to the new trainable set,
+4. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
    is rebuilt in place, :mod:`hf_altparams.engine._ddp`),
+5. settles, in ONE small all-reduce, that every rank asked for the same phase,
+   none refused and none failed (:func:`._collective.settle`); otherwise every
+   rank restores the previous flags and reducer and raises the same
+   :class:`~hf_altparams.errors.SwitchError`,
 6. re-applies the optimizer's idle-state policy,
-7. releases memory (gc, ``empty_cache``, ``malloc_trim``; the all-reduce
-   that closes step 5 is the barrier), and
-8. records what it did in a :class:`SwitchRecord`.
+7. releases memory when the schedule says it pays (``release="auto"``,
+   :mod:`._release`; the all-reduce of step 5 is the barrier), and
+8. records what it did in a :class:`SwitchRecord` (a bounded
+   :class:`~hf_altparams.engine.records.SwitchHistory` keeps the recent ones
+   and running totals).
 
-If step 4 or 5 fails on any rank, every rank restores the previous flags and
-reducer and raises :class:`~hf_altparams.errors.SwitchError`.
+Steps 2-4 run before the ranks have agreed because they are local (no
+collective) and undone on the slow path; a backend whose apply runs
+collectives (``Backend.collective_free_apply = False``) agrees first and checks
+the outcome after, in two all-reduces. ``docs/switch.md`` explains the choice.
 
 Memory (see :mod:`.residency`, :mod:`.buffers`, :mod:`.report`): before step 4,
 groups the phase does not keep resident (``Phase.resident``) move off the
@@ -32,6 +37,7 @@ start copying back during the last step of the current phase.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
@@ -44,17 +50,29 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp
-from ._collective import agree, any_rank_failed, is_distributed
+from ._collective import agree, any_rank_failed, is_distributed, settle
 from ._prefetch import PhasePrefetch, PrefetchSetting
+from ._release import ReleasePolicy, ReleaseSetting
 from ._transfer import optimizer_of
 from .backend import Backend, LocalBackend, backend_for
 from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
 from .memory import release_memory
 from .optim import GroupedOptimizer, reapply_state_policy
-from .records import SwitchRecord
+from .records import SwitchHistory, SwitchRecord
 from .residency import DeviceLike, ResidencyManager
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a switch needs of a trainable set, computed once (a switch then does little Python work)."""
+
+    trainable: frozenset[str]  # parameter names
+    flags: tuple[bool, ...]  # requires_grad per parameter, in ParamGroups order
+    groups: tuple[str, ...]
+    params: int
+    nbytes: int
 
 
 class PhaseSwitcher:
@@ -69,9 +87,15 @@ class PhaseSwitcher:
             all parameters needs nothing (torch skips parameters whose grad is None).
         model: the DDP wrapper around ``groups.module``, if already built (else
             call :meth:`attach` once it is).
-        release: after each switch, run a young-generation gc pass,
-            ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`);
-            the ranks are already in step (the transaction ends with an all-reduce).
+        release: when to run, after a switch, a young-generation gc pass,
+            ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`;
+            the ranks are already in step: the transaction ends with an all-reduce).
+            ``"auto"`` (default): when the coming phase needs less memory than
+            was held and lasts long enough to amortise it; skipped when the next
+            phase reuses the freed memory at once (equal-sized groups alternating);
+            see :mod:`hf_altparams.engine._release`. ``True``: at every switch;
+            ``False``: never. The decision is in each record (``released``,
+            ``release_reason``).
         full_gc: make that gc pass a full collection (80-300 ms with torch and
             transformers imported; a switch's garbage is freed by reference count,
             so this is only for user-side reference cycles).
@@ -103,6 +127,8 @@ class PhaseSwitcher:
         frozen_norms: ``"train"`` (default) or ``"eval"``: hold norm layers whose
             parameters are frozen in a phase in eval mode (running stats stop drifting).
         buffer_updating_types: module types besides norm layers that update buffers in forward.
+        history_window: how many recent :class:`SwitchRecord` s :attr:`history`
+            keeps (its running totals cover every switch).
 
     Example:
         >>> import torch
@@ -122,7 +148,7 @@ class PhaseSwitcher:
         *,
         optimizer: Optional[Optimizer] = None,
         model: Optional[nn.Module] = None,
-        release: bool = True,
+        release: ReleaseSetting = "auto",
         full_gc: bool = False,
         trim: bool = True,
         offload_device: Optional[DeviceLike] = "cpu",
@@ -132,8 +158,11 @@ class PhaseSwitcher:
         buffer_sync: BufferSyncPolicy = "keep",
         frozen_norms: FrozenNormPolicy = "train",
         buffer_updating_types: tuple[type, ...] = (),
+        history_window: int = 256,
     ) -> None:
         schedule.validate(groups)
+        self.release_policy = ReleasePolicy(release)
+        self.history = SwitchHistory(history_window)
         self.prefetcher = PhasePrefetch(prefetch)
         self.residency = ResidencyManager(groups, offload_device=offload_device, device=device,
                                           guard=guard_offloaded)
@@ -147,12 +176,22 @@ class PhaseSwitcher:
         self.trim = trim
         self.backend: Backend = LocalBackend()
         self.current: Optional[Phase] = None
-        self.records: list[SwitchRecord] = []
-        self._names = [name for name, _ in groups.all_named_params()]
+        named = groups.all_named_params()
+        self._names = [name for name, _ in named]
+        self._params = [param for _, param in named]
+        # Per-phase caches (the groups never change): flags, sizes, reduced bytes.
+        self._layouts: dict[frozenset[str], _Layout] = {}
+        self._reduced_bytes: dict[Phase, int] = {}
+        self._flags: dict[frozenset[str], tuple[bool, ...]] = {}
         if model is not None:
             self.attach(model)
 
     # ------------------------------------------------------------ wiring
+    @property
+    def records(self) -> list[SwitchRecord]:
+        """The recent switch records, oldest first (a copy of :attr:`history`'s window)."""
+        return self.history.recent
+
     @property
     def module(self) -> nn.Module:
         return self.groups.module
@@ -186,6 +225,8 @@ class PhaseSwitcher:
                 "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
             )
         self.backend = backend_for(model)
+        self._reduced_bytes.clear()
+        self.release_policy.forget_footprints()  # DDP adds a gradient copy per trainable byte
         self.residency.attached(self.backend.ignored_at_wrap(), self.backend.device)
         self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
         if self.current is not None:
@@ -253,51 +294,66 @@ class PhaseSwitcher:
         self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
     ) -> SwitchRecord:
         started = time.perf_counter()
-        agree(self.process_group if self._distributed() else None, phase, step, local_error)
-
-        trainable = self.trainable_names(phase)
-        before = {name: p.requires_grad for name, p in self.groups.all_named_params()}
+        group = self.process_group if self._distributed() else None
+        one_collective = self.backend.collective_free_apply
+        if not one_collective:
+            agree(group, phase, step, local_error)
+        layout = self._layout(phase.trainable)
+        before = [param.requires_grad for param in self._params]
         offloaded_before = self.residency.offloaded
         snapshot = self.backend.snapshot()
         failure: Optional[BaseException] = None
-        moved = 0
-        try:
-            moved = self.residency.apply(self.residency.non_resident(phase),
-                                         keep_state_off=self._state_stays_off(phase))
-            self._apply_flags(trainable)
-            self.backend.apply(self.residency.ignore_names())
-        except Exception as exc:  # roll back locally, then tell every rank
-            failure = exc
-        if any_rank_failed(self.process_group if self._distributed() else None, failure is not None):
-            self._rollback(before, offloaded_before, snapshot)
+        applied, moved = False, 0
+        if local_error is None:
+            try:
+                applied = True
+                moved = self.residency.apply(self.residency.non_resident(phase),
+                                             keep_state_off=self._state_stays_off(phase))
+                self._apply_flags(layout.trainable)
+                self.backend.apply(self.residency.ignore_names())
+            except Exception as exc:  # roll back locally, then tell every rank
+                failure = exc
+        if one_collective:
+            reason = f"{type(failure).__name__}: {failure}" if failure else None
+            message, all_refused = settle(group, phase, step, local_error, reason)
+        elif any_rank_failed(group, failure is not None):
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
-            raise SwitchError(
-                f"phase switch to {phase.name!r} at step {step} failed ({reason}); the previous "
-                "trainable set and DDP reducer were restored on every rank"
-            ) from failure
+            message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
+                                    "previous trainable set and DDP reducer were restored on every rank"), False
+        else:
+            message, all_refused = None, False
+        if message is not None:
+            if applied:
+                self._rollback(before, offloaded_before, snapshot)
+            elif group is not None and not all_refused:
+                self._resync_refusing(snapshot)
+            raise SwitchError(message) from failure
 
         synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
         self.residency.install_guards(phase.name)
         grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
         if isinstance(grouped, GroupedOptimizer):  # also inside an AcceleratedOptimizer
             grouped.set_active(phase.trainable)
-        plan = self.buffer_sync.apply(self.module, trainable, ddp=self.ddp,
+        plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
                                       ignore=self.residency.ignore_names())
-        if self.release:
-            # No barrier: `any_rank_failed` above is an all-reduce every rank just passed.
+        released, release_reason = self.release_policy.decide(self, self.current, phase, step, epoch)
+        if released:
+            # No barrier: the settling all-reduce above is one every rank just passed.
             release_memory(barrier=False, full_gc=self.full_gc, trim=self.trim)
         self.current = phase
         self.prefetcher.switched(self, phase)
         self.prefetcher.maybe_start(self, step, epoch)
+        reduced = self._reduced_bytes.get(phase)
+        if reduced is None:
+            reduced = self._reduced_bytes[phase] = self.allreduce_bytes_per_step()
         record = SwitchRecord(
             step=step,
             epoch=epoch,
             phase=phase.name,
-            trainable_groups=tuple(sorted(phase.trainable)),
-            trainable_params=sum(p.numel() for n, p in self.groups.all_named_params() if n in trainable),
-            trainable_bytes=sum(p.numel() * p.element_size()
-                                for n, p in self.groups.all_named_params() if n in trainable),
-            allreduce_bytes_per_step=self.allreduce_bytes_per_step(),
+            trainable_groups=layout.groups,
+            trainable_params=layout.params,
+            trainable_bytes=layout.nbytes,
+            allreduce_bytes_per_step=reduced,
             rebuilt_ddp=self.ddp is not None,
             seconds=time.perf_counter() - started,
             moved_bytes=moved,
@@ -305,9 +361,24 @@ class PhaseSwitcher:
             synced_bytes=synced,
             buffer_broadcast_bytes=plan.bytes_per_forward,
             buffer_broadcast_saved_bytes=plan.saved_bytes_per_forward,
+            released=released,
+            release_reason=release_reason,
         )
-        self.records.append(record)
+        self.history.append(record)
         return record
+
+    def _layout(self, trainable_groups: frozenset[str]) -> _Layout:
+        """The phase's flags and sizes, computed once per trainable set."""
+        layout = self._layouts.get(trainable_groups)
+        if layout is None:
+            names = self.trainable_names(Phase(trainable_groups))
+            flags = tuple(name in names for name in self._names)
+            chosen = [p for p, flag in zip(self._params, flags) if flag]
+            self._flags[names] = flags
+            layout = self._layouts[trainable_groups] = _Layout(
+                trainable=names, flags=flags, groups=tuple(sorted(trainable_groups)),
+                params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen))
+        return layout
 
     # ------------------------------------------------------------ internals
     def _precondition_error(self) -> Optional[str]:
@@ -322,13 +393,35 @@ class PhaseSwitcher:
         return None
 
     def _apply_flags(self, trainable: frozenset[str]) -> None:
-        for name, param in self.groups.all_named_params():
+        flags = self._flags.get(trainable)  # the layout's own frozenset: its hash is cached
+        if flags is None:
+            flags = self._flags[trainable] = tuple(n in trainable for n in self._names)
+        for param, flag in zip(self._params, flags):
             param.grad = None
-            param.requires_grad_(name in trainable)
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
+
+    def _resync_refusing(self, snapshot: Any) -> None:
+        """On a rank that refused while others applied and rolled back: rebuild the wrapper too.
+
+        Every other rank now has a freshly rebuilt wrapper (for DDP: a reducer that
+        will re-bucket, with a broadcast, after its first iteration); this rank must
+        match it, keeping its pending gradients (the refusal changed nothing else).
+        """
+        grads = [param.grad for param in self._params]
+        try:
+            self.backend.restore(snapshot)
+        except Exception as exc:
+            raise SwitchError(
+                f"phase switch refused and re-synchronising this rank's {self.backend.kind} wrapper with the "
+                f"other ranks failed ({type(exc).__name__}: {exc}); restart from the last checkpoint"
+            ) from exc
+        for param, grad in zip(self._params, grads):
+            param.grad = grad
 
     def _rollback(
         self,
-        before: Mapping[str, bool],
+        before: list[bool],
         offloaded: Optional[frozenset[str]] = None,
         snapshot: Any = None,
     ) -> None:
@@ -341,9 +434,9 @@ class PhaseSwitcher:
                     "phase switch failed and moving parameters back to their previous devices "
                     f"failed too ({type(exc).__name__}: {exc}); restart from the last checkpoint"
                 ) from exc
-        for name, param in self.groups.all_named_params():
+        for param, flag in zip(self._params, before):
             param.grad = None
-            param.requires_grad_(before[name])
+            param.requires_grad_(flag)
         try:
             self.backend.restore(snapshot)
         except Exception as exc:

@@ -46,6 +46,8 @@ from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.memory import rss_bytes
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
+from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine.records import SwitchHistory
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
@@ -83,7 +85,10 @@ class PhasedAccelerator(Accelerator):
             a ``comm_hook`` from ``DistributedDataParallelKwargs``.
         log_switches: ``accelerator.log`` a record of every switch (phase, trainable
             params and bytes, bytes all-reduced per step, memory, switch seconds).
-        release: run gc, a barrier and ``empty_cache`` after every switch.
+        release: when a switch frees memory back to the OS / device (gc,
+            ``empty_cache``, ``malloc_trim``): ``"auto"`` (default, decided from
+            the schedule: skipped when the next phase reuses the memory at once),
+            ``True`` (every switch) or ``False`` (never); see ``PhaseSwitcher``.
         switcher_options: more keyword arguments for the
             :class:`~hf_altparams.engine.PhaseSwitcher` (``offload_device``,
             ``prefetch``, ``buffer_sync``, ``frozen_norms``, ``full_gc``, ...).
@@ -109,7 +114,7 @@ class PhasedAccelerator(Accelerator):
         find_unused_parameters: Optional[bool] = None,
         count_comm: bool = False,
         log_switches: bool = True,
-        release: bool = True,
+        release: ReleaseSetting = "auto",
         switcher_options: Optional[Mapping[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
@@ -149,12 +154,13 @@ class PhasedAccelerator(Accelerator):
         self._find_unused = find_unused_parameters
         self._count_comm = bool(count_comm)
         self._log_switches = bool(log_switches)
-        self._release = bool(release)
+        self._release = ReleasePolicy(release).setting  # checked before any training step
         self._switcher_options = options
         self._driving: Optional[Optimizer] = None
         self._grouped: Optional[GroupedOptimizer] = None
         self._step_pending = False
         self._trainable: list[tuple[str, nn.Parameter]] = []
+        self._trainable_by_phase: dict[Phase, list[tuple[str, nn.Parameter]]] = {}
         self._hooks = [self.register_save_state_pre_hook(self._save_hook),
                        self.register_load_state_pre_hook(self._load_hook)]
 
@@ -181,8 +187,17 @@ class PhasedAccelerator(Accelerator):
 
     @property
     def switch_records(self) -> list[SwitchRecord]:
-        """Every switch so far (the first phase applied at ``prepare`` included)."""
-        return [] if self.switcher is None else list(self.switcher.records)
+        """The recent switches (the first phase applied at ``prepare`` included), oldest first.
+
+        At most ``switcher.history.window`` (256 by default) records; the running
+        totals of the whole run are in :attr:`switch_history`.
+        """
+        return [] if self.switcher is None else self.switcher.records
+
+    @property
+    def switch_history(self) -> Optional[SwitchHistory]:
+        """Recent records plus running totals (count, seconds, bytes moved); ``None`` before ``prepare``."""
+        return None if self.switcher is None else self.switcher.history
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
@@ -248,6 +263,7 @@ class PhasedAccelerator(Accelerator):
         self.groups = groups
         self._grouped = driving if isinstance(driving, GroupedOptimizer) else None
         self._driving = driving
+        self._trainable_by_phase = {}
         self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, release=self._release,
                                       **self._switcher_options)
         # The first phase, before DDP's constructor reads the requires_grad flags (logged at _attach).
@@ -291,10 +307,12 @@ class PhasedAccelerator(Accelerator):
         # prepare() moved the whole model to the device and AcceleratedOptimizer(device_placement=True)
         # moved every optimizer state tensor there: back to where the current phase wants them.
         self.switcher.reapply_placement()
-        first = self.switcher.records[-1]  # taken before DDP existed: fill in what its reducer reduces
-        self.switcher.records[-1] = dataclasses.replace(
-            first, allreduce_bytes_per_step=self.switcher.allreduce_bytes_per_step(), rebuilt_ddp=False)
-        self._after_switch(self.switcher.records[-1])
+        history = self.switcher.history
+        first = history.last  # taken before DDP existed: fill in what its reducer reduces
+        assert first is not None
+        history.replace_last(dataclasses.replace(
+            first, allreduce_bytes_per_step=self.switcher.allreduce_bytes_per_step(), rebuilt_ddp=False))
+        self._after_switch(history.last)  # type: ignore[arg-type]
 
     # ------------------------------------------------------- the training loop
     def _check_gradients(self) -> None:
@@ -335,7 +353,13 @@ class PhasedAccelerator(Accelerator):
 
     def _after_switch(self, record: SwitchRecord) -> None:
         assert self.switcher is not None
-        self._trainable = [(n, p) for n, p in self.switcher.groups.all_named_params() if p.requires_grad]
+        phase = self.switcher.current
+        trainable = self._trainable_by_phase.get(phase)
+        if trainable is None:
+            trainable = [(n, p) for n, p in self.switcher.groups.all_named_params() if p.requires_grad]
+            if phase is not None:
+                self._trainable_by_phase[phase] = trainable
+        self._trainable = trainable
         if self._log_switches:
             self.log(self.switch_metrics(record), step=record.step)
 
@@ -357,8 +381,10 @@ class PhasedAccelerator(Accelerator):
         super().backward(loss, **kwargs)
 
     def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
-        """What ``accelerator.log`` receives at a switch: the record plus memory figures."""
+        """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
         metrics: dict[str, Any] = record.as_log(prefix)
+        if self.switcher is not None:
+            metrics.update(self.switcher.history.as_log(prefix))
         if self.device.type == "cuda":
             metrics[f"{prefix}memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             metrics[f"{prefix}max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -403,5 +429,6 @@ class PhasedAccelerator(Accelerator):
         self.switcher, self.comm_counter, self._grouped = None, None, None
         self.groups = self._groups_given
         self._trainable, self._step_pending = [], False
+        self._trainable_by_phase = {}
         self.schedule_step, self.schedule_epoch = 0, 0
         return super().free_memory(*objects)

@@ -52,6 +52,7 @@ from transformers import (
 )
 
 from ..engine.comm import CommCounter, register_comm_counter
+from ..engine._release import ReleasePolicy, ReleaseSetting
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
@@ -100,7 +101,10 @@ class AlternatingFreeze(TrainerCallback):
             the bytes really all-reduced per step (``altparams/allreduce_bytes_measured``).
             It replaces DDP's default all-reduce with the same averaging, and
             cannot be combined with another comm hook.
-        release: free memory after each switch (gc, barrier, ``empty_cache``).
+        release: when a switch frees memory back to the OS / device (gc,
+            ``empty_cache``, ``malloc_trim``): ``"auto"`` (default, decided from
+            the schedule), ``True`` (every switch) or ``False`` (never); see
+            :class:`~hf_altparams.engine.PhaseSwitcher`.
         check_resume: on resume, refuse a checkpoint saved with a different
             schedule or groups.
         log_prefix: prefix of the keys added to the Trainer's logs.
@@ -139,7 +143,7 @@ class AlternatingFreeze(TrainerCallback):
         extra: Optional[Mapping[str, Spec]] = None,
         ungrouped: UngroupedPolicy = "frozen",
         count_comm: bool = False,
-        release: bool = True,
+        release: ReleaseSetting = "auto",
         check_resume: bool = True,
         log_prefix: str = "altparams/",
         switcher_options: Optional[Mapping[str, Any]] = None,
@@ -173,7 +177,7 @@ class AlternatingFreeze(TrainerCallback):
         self._layers = (layers, per, prefix, dict(extra or {}))
         self.ungrouped: UngroupedPolicy = ungrouped
         self.count_comm = bool(count_comm)
-        self.release = bool(release)
+        self.release = ReleasePolicy(release).setting  # checked before any model is built
         self.check_resume = bool(check_resume)
         self.log_prefix = log_prefix
         self.switcher_options = dict(switcher_options or {})
@@ -187,7 +191,7 @@ class AlternatingFreeze(TrainerCallback):
         self.find_unused_parameters: Optional[bool] = None
         self._catcher: Optional[FirstCallCatcher] = None
         self._is_main = True
-        self._logged_records = 0
+        self._logged_seconds = 0.0
         self._logged_comm = 0
         self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
         self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
@@ -260,7 +264,7 @@ class AlternatingFreeze(TrainerCallback):
             **self.switcher_options,
         )
         self.comm = None
-        self._logged_records = self._logged_comm = 0
+        self._logged_seconds, self._logged_comm = 0.0, 0
         self.switcher.step_to(state.global_step, self._epoch(state))
         self._phase_info, self._trained_info = self._describe_phase(), {}
         self._save_state(state)
@@ -305,8 +309,12 @@ class AlternatingFreeze(TrainerCallback):
     # ------------------------------------------------------------------ reporting
     @property
     def records(self) -> list[SwitchRecord]:
-        """What every switch of the current ``train()`` did (the first may be the wrapper's re-bucketing)."""
-        return [] if self.switcher is None else list(self.switcher.records)
+        """What the recent switches of the current ``train()`` did (the first may be the wrapper's re-bucketing).
+
+        At most ``switcher.history.window`` records, oldest first; the totals of
+        the whole run are in ``switcher.history``.
+        """
+        return [] if self.switcher is None else self.switcher.records
 
     def metrics(self) -> dict[str, Union[int, float, str]]:
         """The ``altparams/*`` values :meth:`on_log` adds to the Trainer's logs.
@@ -320,14 +328,14 @@ class AlternatingFreeze(TrainerCallback):
         ``allreduce_bytes_measured`` (mean bytes per step since the previous log).
         """
         assert self.switcher is not None
-        prefix, records = self.log_prefix, self.switcher.records
+        prefix, history = self.log_prefix, self.switcher.history
         info = self._trained_info or self._phase_info
         out: dict[str, Union[int, float, str]] = {f"{prefix}{k}": v for k, v in info.items()}
         out.update({
-            f"{prefix}switches": len(records),
-            f"{prefix}switch_seconds": sum(r.seconds for r in records[self._logged_records:]),
+            f"{prefix}switches": history.count,
+            f"{prefix}switch_seconds": history.seconds - self._logged_seconds,
         })
-        self._logged_records = len(records)
+        self._logged_seconds = history.seconds
         if self.comm is not None:
             recent = self.comm.history[self._logged_comm:]
             self._logged_comm = len(self.comm.history)

@@ -432,7 +432,8 @@ def run_rss(rank: int, world: int, steps: int = 600, warmup: int = 100) -> dict[
             malloc_trim()
             rss[step + 1] = rss_bytes()
     return {"rss_warm": rss[warmup], "rss_end": rss[steps], "warmup": warmup, "steps": steps,
-            "switches": len(switcher.records)}
+            "switches": switcher.history.count, "records_kept": len(switcher.records),
+            "window": switcher.history.window}
 
 
 # ---------------------------------------------------------------- DDP settings
