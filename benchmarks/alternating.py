@@ -16,9 +16,14 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
 * ``find_unused``: one DDP built with both halves trainable and
   ``find_unused_parameters=True``; ``requires_grad`` toggled every step; two Adams.
 * ``hf_keep`` / ``hf_offload`` / ``hf_drop``: hf_altparams alternating every step
-  (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy).
-* with ``--diagnose``: ``hf_keep_notrim`` / ``hf_drop_notrim`` (``PhaseSwitcher(trim=False)``:
-  no ``malloc_trim`` at the switch) and ``hf_drop_norelease`` (``release=False``).
+  (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy), default
+  settings (``release="auto"``, one all-reduce per switch).
+* ``hf_keep_before`` / ``hf_offload_before`` / ``hf_drop_before``: the same with the
+  settings of the previous release: a memory release (gc, ``empty_cache``,
+  ``malloc_trim``) at every switch (``release=True``) and two all-reduces per
+  switch (agree, then "did any rank fail"; ``collective_free_apply=False``).
+* with ``--diagnose``: ``hf_drop_release`` (only ``release=True``) and
+  ``hf_drop_twocoll`` (only the two all-reduces), to attribute the difference.
 
 Each scenario runs in FRESH processes (its own ``torchrun`` launch), so memory
 does not carry over from one to the next. Per scenario and device:
@@ -63,11 +68,11 @@ from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.meters import PeakMemory  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
-SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop")
-#: ``--diagnose`` adds these, to attribute the switch time: the per-switch ``malloc_trim``
-#: disabled (``*_notrim``, ``trim=False``), or the whole release step (gc, ``empty_cache``,
-#: ``malloc_trim``) skipped with ``PhaseSwitcher(release=False)`` (``*_norelease``).
-DIAGNOSTIC = ("hf_keep_notrim", "hf_drop_notrim", "hf_drop_norelease")
+SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
+             "hf_keep_before", "hf_offload_before", "hf_drop_before")
+#: ``--diagnose`` adds these, to attribute the difference between ``hf_drop`` and
+#: ``hf_drop_before``: the release at every switch alone, the two all-reduces alone.
+DIAGNOSTIC = ("hf_drop_release", "hf_drop_twocoll")
 HALVES = ("layer1", "layer2")
 MIB = 2**20
 
@@ -104,10 +109,10 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TwoHalves(args.size_mib).to(device)
+    model = TwoHalves(args.size_mib, layers=args.layers).to(device)
     half_bytes = {h: sum(p.numel() * p.element_size() for p in getattr(model, h).parameters()) for h in HALVES}
     gen = torch.Generator(device=device).manual_seed(rank)
-    width = model.layer1.in_features
+    width = model.width
     batches = [torch.randn(args.batch, width, generator=gen, device=device) for _ in range(2)]
     ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
 
@@ -208,15 +213,17 @@ def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, 
     return step_s, switch_s, sent, trainable
 
 
-def _hf_loop(policy: str, trim: bool = True, release: bool = True) -> Loop:
+def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False) -> Loop:
     def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
              half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
         groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
         opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release, trim=trim)
+        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release)
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)
+        if two_collectives:  # the previous transaction: agree, apply, then "did any rank fail?"
+            switcher.backend.collective_free_apply = False
         counter = register_comm_counter(ddp)
         step_s, switch_s, sent, trainable = [], [], [], []
         for step in range(steps):
@@ -237,9 +244,11 @@ SCENARIO_LOOPS: dict[str, Loop] = {
     "hf_keep": _hf_loop("keep"),
     "hf_offload": _hf_loop("offload"),
     "hf_drop": _hf_loop("drop"),
-    "hf_keep_notrim": _hf_loop("keep", trim=False),
-    "hf_drop_notrim": _hf_loop("drop", trim=False),
-    "hf_drop_norelease": _hf_loop("drop", release=False),
+    "hf_keep_before": _hf_loop("keep", release=True, two_collectives=True),
+    "hf_offload_before": _hf_loop("offload", release=True, two_collectives=True),
+    "hf_drop_before": _hf_loop("drop", release=True, two_collectives=True),
+    "hf_drop_release": _hf_loop("drop", release=True),
+    "hf_drop_twocoll": _hf_loop("drop", two_collectives=True),
 }
 
 
@@ -254,7 +263,7 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            __file__, "--worker", scenario, "--device", device, "--result", str(result),
            "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch), "--layers", str(args.layers)]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     if proc.returncode != 0:
@@ -294,6 +303,9 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
               ("step_s", "switch_s", "bytes_per_step", "trainable_bytes_per_step")}
         mem = memory(repeats)
         ratio = [s / t for s, t in zip(r0["bytes_per_step"], r0["trainable_bytes_per_step"])]
+        # Per repeat, against the `single` run of the same round (side by side in time).
+        per_repeat = [med(ranks[0]["step_s"]) / med(base[0]["step_s"])
+                      for ranks, base in zip(repeats, runs["single"])]
         rows.append({
             "scenario": scenario,
             "peak_growth_mib": mem / MIB,
@@ -303,6 +315,8 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
             "bytes_ratio_max": max(ratio),
             "step_ms": med(r0["step_s"]) * 1e3,
             "step_ratio": med(r0["step_s"]) / base_step,
+            "step_ratio_repeats_min": min(per_repeat),
+            "step_ratio_repeats_median": med(per_repeat),
             "switch_ms": med(r0["switch_s"]) * 1e3,
             "switch_ratio": med(r0["switch_s"]) / base_step,
             "iteration_ratio": (med(r0["step_s"]) + med(r0["switch_s"])) / base_step,
@@ -312,15 +326,16 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
 
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
     head = ("| scenario | peak memory growth | memory / single | all-reduced per step | bytes / trainable "
-            "| step | step / single | switch | switch / single step |")
-    lines = [f"### {title}", "", head, "|" + "---|" * 9]
+            "| step | step / single | per round: min, median | switch | switch / single step |")
+    lines = [f"### {title}", "", head, "|" + "---|" * 10]
     for r in rows:
         lo, hi = r["bytes_ratio_min"], r["bytes_ratio_max"]
         bytes_ratio = f"{lo:.2f}" if abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
         lines.append(
             f"| {r['scenario']} | {r['peak_growth_mib']:.0f} MiB | {r['memory_ratio']:.2f}x "
             f"| {r['bytes_per_step_mib']:.1f} MiB | {bytes_ratio} | {r['step_ms']:.1f} ms "
-            f"| {r['step_ratio']:.2f}x | {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |")
+            f"| {r['step_ratio']:.3f}x | {r['step_ratio_repeats_min']:.3f}x, {r['step_ratio_repeats_median']:.3f}x "
+            f"| {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |")
     return "\n".join(lines)
 
 
@@ -361,6 +376,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=24, help="steps per scenario, warm-up included")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the statistics")
     parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="Linear layers per half (>1: several DDP buckets, to see DESIGN.md fact 3)")
     parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
                         help="auto: cpu, plus cuda when a GPU is visible")
     parser.add_argument("--cpu-ranks", type=int, default=2, help="gloo ranks for the CPU run")

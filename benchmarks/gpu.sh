@@ -49,12 +49,22 @@ command -v nvidia-smi >/dev/null && step nvidia-smi nvidia-smi
 step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$OUT/cuda_tests.xml" tests
 
 # 2. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).
+# alternating.py: `hf_drop` (release="auto": no empty_cache between equal phases) against
+# `hf_drop_release` (empty_cache at every switch) gives what empty_cache at a switch costs in
+# the next step; `hf_*_before` are the previous defaults (release at every switch, two
+# all-reduces). long_run.py: memory_allocated right after every switch must take one value per
+# phase after the warm-up (no leak per switch), and the switch history stays bounded.
 if [ "$QUICK" = 1 ]; then
-    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 --out "$RESULTS"
+    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 \
+        --scenarios single hf_drop hf_drop_release hf_drop_before hf_keep --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
+    step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 500 --warmup 100 --out "$RESULTS"
 else
-    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --out "$RESULTS"
+    step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --repeats 3 --out "$RESULTS"
+    step alternating-layers "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --layers 8 --repeats 3 \
+        --scenarios single hf_keep hf_drop hf_drop_release --out "$RESULTS/layers8"
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
+    step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 5000 --warmup 500 --out "$RESULTS"
 fi
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"

@@ -93,3 +93,31 @@ def test_cached_layouts_set_the_same_flags_as_the_groups(monkeypatch: pytest.Mon
         assert flags == {g: g in active for g in flags}
         assert record.trainable_bytes == sum(p.numel() * 4 for p in net.parameters() if p.requires_grad)
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["keep", "drop", "offload"])
+def test_memory_allocated_returns_to_the_same_value_after_every_switch(policy: str) -> None:
+    from hf_altparams.engine import GroupedOptimizer
+
+    net = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512)).cuda()
+    groups = ParamGroups(net, {"a": "0.*", "b": "2.*"})
+    opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
+    switcher = PhaseSwitcher(groups, Alternating(["a", "b"]), optimizer=opt)
+    x = torch.randn(16, 512, device="cuda")
+    after_switch: dict[str, list[int]] = {"a": [], "b": []}
+    after_step: dict[str, list[int]] = {"a": [], "b": []}
+    for step in range(40):
+        switcher.step_to(step)
+        torch.cuda.synchronize()
+        phase = switcher.current.name  # type: ignore[union-attr]
+        if step >= 4:  # both phases' state exists from step 2 on
+            after_switch[phase].append(torch.cuda.memory_allocated())
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= 4:
+            after_step[phase].append(torch.cuda.memory_allocated())
+    assert all(len(set(values)) == 1 for values in after_switch.values()), after_switch
+    assert all(len(set(values)) == 1 for values in after_step.values()), after_step
