@@ -573,9 +573,16 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
 
     out["pending_all"] = _outcome(lambda: pending((0, 1)))
+    one_step(1)  # two iterations: both reducers have re-bucketed (DESIGN.md fact 3)
+    one_step(2)
     out["pending_rank1"] = _outcome(lambda: pending((1,)))
     out["flags_unchanged"] = flags == {n: p.requires_grad for n, p in model.named_parameters()}
     out["records_after_refusals"] = len(switcher.records)
+    # `pending_rank1`: rank 0 applied and rolled back (its reducer is fresh and re-buckets,
+    # with a broadcast, after its first iteration) while rank 1 refused; rank 1 must have
+    # rebuilt too, or these steps pair mismatched collectives.
+    out["steps_after_refusal"] = _outcome(lambda: [one_step(s) for s in (3, 4, 5)])
+    out["params_after_refusal"] = sha256(list(model.parameters()))
     # After all refusals, the run goes on: a switch and a step work.
     out["recovered"] = _outcome(lambda: (switcher.step_to(1), one_step(1)))
 
