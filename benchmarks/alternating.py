@@ -115,6 +115,7 @@ def run_worker(args: argparse.Namespace) -> None:
     width = model.width
     batches = [torch.randn(args.batch, width, generator=gen, device=device) for _ in range(2)]
     ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    ddp_kwargs["gradient_as_bucket_view"] = args.bucket_view
 
     memory = PeakMemory(device)
     memory.mark_baseline()
@@ -263,7 +264,7 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            __file__, "--worker", scenario, "--device", device, "--result", str(result),
            "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--layers", str(args.layers)]
+           "--batch", str(args.batch), "--layers", str(args.layers)] + (["--bucket-view"] if args.bucket_view else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     if proc.returncode != 0:
@@ -357,7 +358,9 @@ def run_driver(args: argparse.Namespace) -> None:
         load = (load_before[0], os.getloadavg()[0])
         rows = summarize(runs)
         half = runs["single"][0][0]["half_bytes"] / MIB
-        title = (f"{machine(device, nproc)}; two halves of {half:.1f} MiB, batch {args.batch}/rank, "
+        title = (f"{machine(device, nproc)}; two halves of {half:.1f} MiB"
+                 f"{f' ({args.layers} layers each)' if args.layers > 1 else ''}, batch {args.batch}/rank, "
+                 f"gradient_as_bucket_view={args.bucket_view}, "
                  f"{args.repeats} x {args.steps - args.warmup} measured steps after {args.warmup} warm-up; "
                  f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after")
         table = markdown(rows, title)
@@ -376,6 +379,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=24, help="steps per scenario, warm-up included")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the statistics")
     parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="build every DDP with gradient_as_bucket_view=True (gradients are bucket views)")
     parser.add_argument("--layers", type=int, default=1,
                         help="Linear layers per half (>1: several DDP buckets, to see DESIGN.md fact 3)")
     parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],

@@ -19,10 +19,9 @@ DDP wrapper and optimizer. At a switch it
    :class:`~hf_altparams.engine.records.SwitchHistory` keeps the recent ones
    and running totals).
 
-Steps 2-4 run before the ranks have agreed because they are local (no
-collective) and undone on the slow path; a backend whose apply runs
-collectives (``Backend.collective_free_apply = False``) agrees first and checks
-the outcome after, in two all-reduces. ``docs/switch.md`` explains the choice.
+Steps 2-4 are local and undone on the slow path (:mod:`._undo`); a backend
+whose apply runs collectives agrees first and checks the outcome after, in two
+all-reduces. ``docs/switch.md`` explains the choice.
 
 Memory (see :mod:`.residency`, :mod:`.buffers`, :mod:`.report`): before step 4,
 groups the phase does not keep resident (``Phase.resident``) move off the
@@ -37,7 +36,6 @@ start copying back during the last step of the current phase.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
@@ -51,6 +49,8 @@ from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp
 from ._collective import agree, any_rank_failed, is_distributed, settle
+from ._layout import PhaseLayouts
+from ._undo import resync_refusing, rollback
 from ._prefetch import PhasePrefetch, PrefetchSetting
 from ._release import ReleasePolicy, ReleaseSetting
 from ._transfer import optimizer_of
@@ -62,17 +62,6 @@ from .records import SwitchHistory, SwitchRecord
 from .residency import DeviceLike, ResidencyManager
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What a switch needs of a trainable set, computed once (a switch then does little Python work)."""
-
-    trainable: frozenset[str]  # parameter names
-    flags: tuple[bool, ...]  # requires_grad per parameter, in ParamGroups order
-    groups: tuple[str, ...]
-    params: int
-    nbytes: int
 
 
 class PhaseSwitcher:
@@ -176,13 +165,10 @@ class PhaseSwitcher:
         self.trim = trim
         self.backend: Backend = LocalBackend()
         self.current: Optional[Phase] = None
-        named = groups.all_named_params()
-        self._names = [name for name, _ in named]
-        self._params = [param for _, param in named]
         # Per-phase caches (the groups never change): flags, sizes, reduced bytes.
-        self._layouts: dict[frozenset[str], _Layout] = {}
+        self._layouts = PhaseLayouts(groups)
+        self._names, self._params = self._layouts.names, self._layouts.params
         self._reduced_bytes: dict[Phase, int] = {}
-        self._flags: dict[frozenset[str], tuple[bool, ...]] = {}
         if model is not None:
             self.attach(model)
 
@@ -298,7 +284,7 @@ class PhaseSwitcher:
         one_collective = self.backend.collective_free_apply
         if not one_collective:
             agree(group, phase, step, local_error)
-        layout = self._layout(phase.trainable)
+        layout = self._layouts.get(phase.trainable)
         before = [param.requires_grad for param in self._params]
         offloaded_before = self.residency.offloaded
         snapshot = self.backend.snapshot()
@@ -311,7 +297,7 @@ class PhaseSwitcher:
                                              keep_state_off=self._state_stays_off(phase))
                 self._apply_flags(layout.trainable)
                 self.backend.apply(self.residency.ignore_names())
-            except Exception as exc:  # roll back locally, then tell every rank
+            except Exception as exc:  # rolled back below, once every rank has heard of it
                 failure = exc
         if one_collective:
             reason = f"{type(failure).__name__}: {failure}" if failure else None
@@ -367,19 +353,6 @@ class PhaseSwitcher:
         self.history.append(record)
         return record
 
-    def _layout(self, trainable_groups: frozenset[str]) -> _Layout:
-        """The phase's flags and sizes, computed once per trainable set."""
-        layout = self._layouts.get(trainable_groups)
-        if layout is None:
-            names = self.trainable_names(Phase(trainable_groups))
-            flags = tuple(name in names for name in self._names)
-            chosen = [p for p, flag in zip(self._params, flags) if flag]
-            self._flags[names] = flags
-            layout = self._layouts[trainable_groups] = _Layout(
-                trainable=names, flags=flags, groups=tuple(sorted(trainable_groups)),
-                params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen))
-        return layout
-
     # ------------------------------------------------------------ internals
     def _precondition_error(self) -> Optional[str]:
         return self.backend.precondition_error() or self._pending_grads_error()
@@ -393,57 +366,19 @@ class PhaseSwitcher:
         return None
 
     def _apply_flags(self, trainable: frozenset[str]) -> None:
-        flags = self._flags.get(trainable)  # the layout's own frozenset: its hash is cached
-        if flags is None:
-            flags = self._flags[trainable] = tuple(n in trainable for n in self._names)
-        for param, flag in zip(self._params, flags):
+        for param, flag in zip(self._params, self._layouts.flags(trainable)):
             param.grad = None
             if param.requires_grad != flag:
                 param.requires_grad_(flag)
 
     def _resync_refusing(self, snapshot: Any) -> None:
-        """On a rank that refused while others applied and rolled back: rebuild the wrapper too.
+        resync_refusing(self.backend, self._params, snapshot)
 
-        Every other rank now has a freshly rebuilt wrapper (for DDP: a reducer that
-        will re-bucket, with a broadcast, after its first iteration); this rank must
-        match it, keeping its pending gradients (the refusal changed nothing else).
-        """
-        grads = [param.grad for param in self._params]
-        try:
-            self.backend.restore(snapshot)
-        except Exception as exc:
-            raise SwitchError(
-                f"phase switch refused and re-synchronising this rank's {self.backend.kind} wrapper with the "
-                f"other ranks failed ({type(exc).__name__}: {exc}); restart from the last checkpoint"
-            ) from exc
-        for param, grad in zip(self._params, grads):
-            param.grad = grad
-
-    def _rollback(
-        self,
-        before: list[bool],
-        offloaded: Optional[frozenset[str]] = None,
-        snapshot: Any = None,
-    ) -> None:
-        if offloaded is not None:
-            try:
-                keep_off = self._state_stays_off(self.current) if self.current is not None else None
-                self.residency.apply(offloaded, keep_state_off=keep_off or (lambda group: False))
-            except Exception as exc:
-                raise SwitchError(
-                    "phase switch failed and moving parameters back to their previous devices "
-                    f"failed too ({type(exc).__name__}: {exc}); restart from the last checkpoint"
-                ) from exc
-        for param, flag in zip(self._params, before):
-            param.grad = None
-            param.requires_grad_(flag)
-        try:
-            self.backend.restore(snapshot)
-        except Exception as exc:
-            raise SwitchError(
-                f"phase switch failed and restoring the previous {self.backend.kind} wrapper failed too "
-                f"({type(exc).__name__}: {exc}); the wrapper is unusable, restart from the last checkpoint"
-            ) from exc
+    def _rollback(self, before: list[bool], offloaded: Optional[frozenset[str]] = None,
+                  snapshot: Any = None) -> None:
+        keep_off = self._state_stays_off(self.current) if self.current is not None else None
+        rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
+                 keep_off or (lambda group: False))
 
     def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
         """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
