@@ -354,7 +354,7 @@ class PhasedAccelerator(Accelerator):
     def _after_switch(self, record: SwitchRecord) -> None:
         assert self.switcher is not None
         phase = self.switcher.current
-        trainable = self._trainable_by_phase.get(phase)
+        trainable = self._trainable_by_phase.get(phase) if phase is not None else None
         if trainable is None:
             trainable = [(n, p) for n, p in self.switcher.groups.all_named_params() if p.requires_grad]
             if phase is not None:
