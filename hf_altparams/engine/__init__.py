@@ -5,7 +5,7 @@ from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import release_memory, rss_bytes
 from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
-from .records import SwitchRecord
+from .records import SwitchHistory, SwitchRecord
 from .report import MemoryReport, expected_peak_bytes, memory_report
 from .residency import ResidencyManager, non_resident_groups
 from .switch import PhaseSwitcher
@@ -21,6 +21,7 @@ __all__ = [
     "MemoryReport",
     "PhaseSwitcher",
     "ResidencyManager",
+    "SwitchHistory",
     "SwitchRecord",
     "counting_allreduce_hook",
     "expected_peak_bytes",
