@@ -66,6 +66,8 @@ else
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 5000 --warmup 500 --out "$RESULTS"
 fi
+# Where a switch's time goes on the GPU (one process, no all-reduce): printed into gpu.log.
+step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"
 echo "gpu.sh: $failed step(s) failed; outputs in $OUT" | tee -a "$LOG"
