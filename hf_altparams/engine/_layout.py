@@ -9,11 +9,35 @@ the first switch into a phase and a later switch only looks them up.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 
-__all__ = ["Layout", "PhaseLayouts"]
+__all__ = ["CACHED_PHASES", "Layout", "PhaseLayouts", "remember"]
+
+#: How many phases the per-phase caches hold: a random schedule (``RandomBlocks``)
+#: can visit thousands of distinct phases, and the caches must stay bounded.
+CACHED_PHASES = 64
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def remember(cache: dict[K, V], key: K, value: V, limit: int = CACHED_PHASES) -> V:
+    """Store ``value`` under ``key``, dropping the oldest entry past ``limit``; return ``value``.
+
+    Example:
+        >>> cache: dict[int, int] = {}
+        >>> for i in range(5):
+        ...     _ = remember(cache, i, i * i, limit=3)
+        >>> cache
+        {2: 4, 3: 9, 4: 16}
+    """
+    if key not in cache and len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
 
 
 @dataclass(frozen=True)
@@ -55,14 +79,14 @@ class PhaseLayouts:
             names = self.groups.trainable_param_names(Phase(trainable_groups).trainable)
             flags = self.flags(names)
             chosen = [p for p, flag in zip(self.params, flags) if flag]
-            layout = self._by_groups[trainable_groups] = Layout(
+            layout = remember(self._by_groups, trainable_groups, Layout(
                 trainable=names, flags=flags, groups=tuple(sorted(trainable_groups)),
-                params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen))
+                params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen)))
         return layout
 
     def flags(self, trainable_names: frozenset[str]) -> tuple[bool, ...]:
         """``requires_grad`` per parameter for a set of trainable parameter names."""
         flags = self._flags.get(trainable_names)  # a layout's own frozenset: its hash is cached
         if flags is None:
-            flags = self._flags[trainable_names] = tuple(n in trainable_names for n in self.names)
+            flags = remember(self._flags, trainable_names, tuple(n in trainable_names for n in self.names))
         return flags

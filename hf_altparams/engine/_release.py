@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ..errors import SwitchError
 from ..plan.phase import Phase
+from ._layout import remember
 
 if TYPE_CHECKING:
     from .switch import PhaseSwitcher
@@ -75,7 +76,7 @@ class ReleasePolicy:
         if cached is None:
             from .report import expected_peak_bytes  # report imports the switcher's types
 
-            cached = self._footprints[phase] = expected_peak_bytes(switcher, phase)[0]
+            cached = remember(self._footprints, phase, expected_peak_bytes(switcher, phase)[0])
         return cached
 
     def decide(self, switcher: PhaseSwitcher, previous: Optional[Phase], phase: Phase,

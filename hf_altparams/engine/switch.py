@@ -49,7 +49,7 @@ from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp
 from ._collective import agree, any_rank_failed, is_distributed, settle
-from ._layout import PhaseLayouts
+from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
 from ._prefetch import PhasePrefetch, PrefetchSetting
 from ._release import ReleasePolicy, ReleaseSetting
@@ -331,7 +331,7 @@ class PhaseSwitcher:
         self.prefetcher.maybe_start(self, step, epoch)
         reduced = self._reduced_bytes.get(phase)
         if reduced is None:
-            reduced = self._reduced_bytes[phase] = self.allreduce_bytes_per_step()
+            reduced = remember(self._reduced_bytes, phase, self.allreduce_bytes_per_step())
         record = SwitchRecord(
             step=step,
             epoch=epoch,

@@ -46,6 +46,7 @@ from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.memory import rss_bytes
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
+from ..engine._layout import remember
 from ..engine._release import ReleasePolicy, ReleaseSetting
 from ..engine.records import SwitchHistory
 from ..engine.switch import PhaseSwitcher, SwitchRecord
@@ -358,7 +359,7 @@ class PhasedAccelerator(Accelerator):
         if trainable is None:
             trainable = [(n, p) for n, p in self.switcher.groups.all_named_params() if p.requires_grad]
             if phase is not None:
-                self._trainable_by_phase[phase] = trainable
+                remember(self._trainable_by_phase, phase, trainable)
         self._trainable = trainable
         if self._log_switches:
             self.log(self.switch_metrics(record), step=record.step)

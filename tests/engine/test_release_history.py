@@ -121,3 +121,22 @@ def test_memory_allocated_returns_to_the_same_value_after_every_switch(policy: s
             after_step[phase].append(torch.cuda.memory_allocated())
     assert all(len(set(values)) == 1 for values in after_switch.values()), after_switch
     assert all(len(set(values)) == 1 for values in after_step.values()), after_step
+
+
+def test_per_phase_caches_stay_bounded_under_a_random_schedule() -> None:
+    from hf_altparams.engine._layout import CACHED_PHASES
+    from hf_altparams.plan import RandomBlocks
+
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    groups = ParamGroups(net, {f"g{i}": f"{i}.*" for i in range(10)})
+    switcher = PhaseSwitcher(groups, RandomBlocks([f"g{i}" for i in range(10)], k=3, every=1, seed=0))
+    seen = set()
+    for step in range(400):  # 120 possible phases, far more than the caches hold
+        switcher.step_to(step)
+        active = switcher.current.trainable  # type: ignore[union-attr]
+        seen.add(active)
+        assert all(p.requires_grad == (f"g{i}" in active) for i, layer in enumerate(net) for p in layer.parameters())
+    assert len(seen) > CACHED_PHASES
+    caches = (switcher._layouts._by_groups, switcher._layouts._flags, switcher._reduced_bytes,
+              switcher.release_policy._footprints)
+    assert all(len(cache) <= CACHED_PHASES for cache in caches)
