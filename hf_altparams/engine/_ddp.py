@@ -38,6 +38,7 @@ __all__ = [
     "check_comm_hooks",
     "check_ddp_supported",
     "ddp_settings",
+    "free_reducer",
     "ignored_before_wrap",
     "is_ddp",
     "mark_ignored_before_wrap",
@@ -275,6 +276,18 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False
+
+
+def free_reducer(ddp: DistributedDataParallel) -> None:
+    """Drop ``ddp``'s reducer and logger (the logger holds the reducer): the end of its training life.
+
+    The wrapper's forward no longer works afterwards (a later
+    :func:`rebuild_reducer` makes it usable again). Used at the end of a run so
+    the reducer, its buckets and its reference to the process group go before
+    the group does.
+    """
+    ddp.reducer = None
+    ddp.logger = None
 
 
 class DDPBackend(Backend):

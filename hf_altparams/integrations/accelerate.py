@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.memory import rss_bytes
+from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError
@@ -397,6 +398,23 @@ class PhasedAccelerator(Accelerator):
         for _, param in self.switcher.groups.all_named_params():
             param.grad = None  # loading replaces the run: in-flight gradients are void
         self._advance()  # before the optimizer state loads: idle groups keep their policy
+
+    def end_training(self) -> None:
+        """``Accelerator.end_training`` (trackers finish, the process group goes), exiting cleanly.
+
+        Before the group is destroyed, the DDP wrapper's reducer is freed (the
+        prepared model cannot train afterwards) and the gloo threads finish their
+        pending work (:mod:`hf_altparams.engine.shutdown`: a script whose last
+        backward ran just before exit could otherwise abort with "terminate
+        called without an active exception"). A script that never calls it is
+        covered by the exit hook installed when the wrapper was attached.
+        """
+        ddp = None if self.switcher is None else self.switcher.ddp
+        if ddp is not None:
+            _ddp.free_reducer(ddp)
+        quiesce_comm_threads()
+        super().end_training()
+        quiesce_comm_threads()
 
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
