@@ -44,6 +44,7 @@ __all__ = [
     "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
+    "reducer_parameter_names",
     "unwrap",
 ]
 
@@ -174,6 +175,27 @@ def reduced_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
             seen.add(id(param))
             params.append(param)
     return params
+
+
+def reducer_parameter_names(ddp: DistributedDataParallel) -> set[str] | None:
+    """The names of the parameters the reducer *actually* buckets (``None``: cannot tell).
+
+    :func:`reduced_parameters` says what a reducer built now would cover; this
+    reads the live reducer's buckets (private ``Reducer._get_zeros_like_grad_buckets``,
+    which allocates one zero-filled copy of the buckets while it runs), so it
+    tells whether the wrapper was built for other ``requires_grad`` flags.
+    """
+    if ddp._delay_all_reduce_all_params or ddp.reducer is None:
+        return set()
+    read = getattr(ddp.reducer, "_get_zeros_like_grad_buckets", None)
+    if read is None:
+        return None
+    try:
+        buckets = read()
+        ids = {id(p) for bucket in buckets for p in bucket.parameters()}
+    except (RuntimeError, TypeError):
+        return None
+    return {name for name, p in ddp.module.named_parameters() if id(p) in ids}
 
 
 def ddp_settings(ddp: DistributedDataParallel) -> dict[str, object]:

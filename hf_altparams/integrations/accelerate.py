@@ -60,6 +60,7 @@ from ._accelerate_parts import (
     read_state,
     write_state,
 )
+from ._loop_guard import LoopGuard
 
 __all__ = ["PhasedAccelerator", "STATE_FILE"]
 
@@ -156,6 +157,7 @@ class PhasedAccelerator(Accelerator):
         self._grouped: Optional[GroupedOptimizer] = None
         self._step_pending = False
         self._trainable: list[tuple[str, nn.Parameter]] = []
+        self._loop_guard = LoopGuard()  # unwrapped training forward, epoch never set (at step())
         self._hooks = [self.register_save_state_pre_hook(self._save_hook),
                        self.register_load_state_pre_hook(self._load_hook)]
 
@@ -282,6 +284,7 @@ class PhasedAccelerator(Accelerator):
         assert self.switcher is not None
         if _ddp.is_ddp(prepared):
             self.switcher.attach(prepared)
+            self._loop_guard.watch(prepared)
             if self._count_comm:
                 self.comm_counter = register_comm_counter(prepared)
         elif prepared is not self.switcher.module:
@@ -299,6 +302,7 @@ class PhasedAccelerator(Accelerator):
 
     # ------------------------------------------------------- the training loop
     def _check_gradients(self) -> None:
+        self._loop_guard.check(self)
         ddp = None if self.switcher is None else self.switcher.ddp
         if ddp is None or ddp.find_unused_parameters:
             return
@@ -343,6 +347,7 @@ class PhasedAccelerator(Accelerator):
     def set_epoch(self, epoch: int) -> Optional[SwitchRecord]:
         """Tell an epoch-unit schedule the epoch; call at the top of each epoch, on every rank."""
         self.schedule_epoch = int(epoch)
+        self._loop_guard.epoch_set(self.schedule_step)
         if self.switcher is None or self._step_pending:
             return None
         return self._advance()
@@ -419,6 +424,8 @@ class PhasedAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
         self.switcher, self.comm_counter, self._grouped = None, None, None
+        self._loop_guard.close()
+        self._loop_guard = LoopGuard()
         self.groups = self._groups_given
         self._trainable, self._step_pending = [], False
         self.schedule_step, self.schedule_epoch = 0, 0

@@ -10,13 +10,8 @@ check; ``benchmarks/exit_stress.py`` repeats it 200 times under load.
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
 
-from hf_altparams.engine import shutdown
-from hf_altparams.engine.shutdown import quiesce_comm_threads
 from hf_altparams.testing.exits import repeat_exits
 
 
@@ -26,9 +21,3 @@ def test_phased_accelerator_runs_exit_cleanly_without_teardown() -> None:
     assert tally.failed == 0, tally.failures
     assert tally.aborted == 0, f"{tally.aborted} of {tally.runs} 2-rank runs aborted at interpreter exit"
 
-
-def test_shutdown_and_quiesce_without_a_process_group_do_nothing() -> None:
-    started = time.perf_counter()
-    assert quiesce_comm_threads() == 0.0
-    shutdown(torch.nn.Linear(2, 2))  # not a DDP wrapper, no group: nothing to free or destroy
-    assert time.perf_counter() - started < 0.5
