@@ -31,7 +31,7 @@ from .launch import _launch_env, free_port, script_path
 __all__ = ["MODES", "ExitTally", "repeat_exits"]
 
 #: What a rank of ``scripts/exit_check.py`` does before returning without teardown.
-MODES = ("phased", "plain", "shutdown")
+MODES = ("phased", "trainer", "plain", "shutdown")
 
 
 @dataclass
@@ -80,7 +80,7 @@ def repeat_exits(mode: str, runs: int, *, load: int = 0, timeout: float = 120.0)
     """Run ``runs`` 2-rank jobs of ``mode`` one after another; count SIGABRT exits.
 
     Args:
-        mode: ``"phased"``, ``"plain"`` or ``"shutdown"`` (see the module docstring).
+        mode: ``"phased"``, ``"trainer"``, ``"plain"`` or ``"shutdown"`` (see ``scripts/exit_check.py``).
         runs: how many 2-rank jobs (each ends in two interpreter exits).
         load: busy-loop processes kept running meanwhile (CPU load).
         timeout: seconds allowed per job.
