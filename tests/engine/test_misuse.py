@@ -61,3 +61,9 @@ def test_epoch_schedule_without_set_epoch_fails_at_the_first_step_of_the_next_ep
     for case in (r["epoch_set"] for r in ranks):
         assert case["error"] == ""
         assert case["phases"] == ["a"] * case["per_epoch"] + ["b"] * case["per_epoch"]
+
+
+@pytest.mark.distributed
+def test_end_training_frees_the_reducer_then_destroys_the_group(ranks: list[dict[str, Any]]) -> None:
+    for case in (r["end_training"] for r in ranks):
+        assert case == {"reducer_freed": True, "group_destroyed": True}

@@ -11,6 +11,8 @@ Launched by ``tests/engine/test_misuse.py`` under ``accelerate launch`` (CPU,
   ``accelerator.unwrap_model(model)``: refused at ``step()``, nothing applied.
 * ``epoch_never_set`` / ``epoch_set`` (PhasedAccelerator): an epoch-unit
   schedule without / with ``accelerator.set_epoch``.
+* ``end_training``: ``PhasedAccelerator.end_training`` frees the reducer and
+  destroys the process group.
 """
 
 from __future__ import annotations
@@ -148,6 +150,18 @@ def epochs(set_epoch: bool) -> dict[str, Any]:
     return _accelerate_run(Alternating(["a", "b"], unit="epoch"), loop)
 
 
+def end_training() -> dict[str, Any]:
+    """Last: ``PhasedAccelerator.end_training`` frees the reducer, then destroys the group."""
+    acc = PhasedAccelerator(Alternating(["a", "b"]), log_switches=False)
+    model = net()
+    ddp, opt = acc.prepare(model, sgd(ParamGroups(model, SPECS)))
+    acc.backward(ddp(batch(0)).square().mean())
+    opt.step()
+    opt.zero_grad()
+    acc.end_training()
+    return {"reducer_freed": ddp.reducer is None, "group_destroyed": not dist.is_initialized()}
+
+
 def main() -> None:
     out = sys.argv[1]
     PartialState(cpu=True)  # two gloo ranks (ACCELERATE_USE_CPU=1 under accelerate launch)
@@ -158,6 +172,7 @@ def main() -> None:
         "epoch_never_set": epochs(set_epoch=False),
         "epoch_set": epochs(set_epoch=True),
     }
+    results["end_training"] = end_training()
     write_rank_result(out, results, rank=int(os.environ.get("RANK", "0")))
 
 
