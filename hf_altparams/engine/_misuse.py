@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _ddp
 from ._collective import any_rank_failed, is_distributed
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["unattached_error", "wrapper_mismatch"]
 
 
-def wrapper_mismatch(ddp: object, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why ``ddp``'s reducer does not match the current ``requires_grad`` flags on some rank, or ``None``.
 
     Collective when ``group`` spans several ranks (one small all-reduce), so
@@ -33,9 +35,10 @@ def wrapper_mismatch(ddp: object, group: Optional[dist.ProcessGroup]) -> Optiona
     """
     if not _ddp.is_ddp(ddp):
         return None
-    actual = _ddp.reducer_parameter_names(ddp)  # type: ignore[arg-type]
-    names = {id(p): n for n, p in ddp.module.named_parameters()}  # type: ignore[union-attr]
-    wanted = {names[id(p)] for p in _ddp.reduced_parameters(ddp)}  # type: ignore[arg-type]
+    assert isinstance(ddp, DistributedDataParallel)
+    actual = _ddp.reducer_parameter_names(ddp)
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    wanted = {names[id(p)] for p in _ddp.reduced_parameters(ddp)}
     local = None
     if actual is not None and actual != wanted:
         extra, missing = sorted(actual - wanted), sorted(wanted - actual)
