@@ -87,6 +87,10 @@ def quiesce_comm_threads(min_wait: float = 0.02, timeout: float = 2.0) -> float:
     """
     if not _comm_started():
         return 0.0
+    return _wait_idle(min_wait, timeout)
+
+
+def _wait_idle(min_wait: float = 0.02, timeout: float = 2.0) -> float:
     started = time.monotonic()
     time.sleep(min_wait)
     idle_checks = 0
@@ -123,7 +127,7 @@ def shutdown(*wrappers: nn.Module, destroy: bool = True) -> None:
     quiesce_comm_threads()
     if destroy and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        quiesce_comm_threads()
+        _wait_idle()  # the gloo threads outlive the group
 
 
 def _at_exit() -> None:
