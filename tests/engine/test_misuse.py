@@ -59,8 +59,11 @@ def test_epoch_schedule_without_set_epoch_fails_at_the_first_step_of_the_next_ep
         assert case["steps"] == case["per_epoch"]  # epoch 0 trained, nothing of epoch 1
         assert case["phases"] == ["a"] * case["per_epoch"] + ["a"]
     for case in (r["epoch_set"] for r in ranks):
-        assert case["error"] == ""
+        assert case["error"] == "" and case["warnings"] == []
         assert case["phases"] == ["a"] * case["per_epoch"] + ["b"] * case["per_epoch"]
+    for case in (r["epoch_set_once"] for r in ranks):  # called once: maybe a long "epoch"; warned once
+        assert case["error"] == "" and len(case["warnings"]) == 1
+        assert "accelerator.set_epoch(epoch)" in case["warnings"][0]
 
 
 @pytest.mark.distributed

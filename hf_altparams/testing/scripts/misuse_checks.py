@@ -10,7 +10,8 @@ Launched by ``tests/engine/test_misuse.py`` under ``accelerate launch`` (CPU,
 * ``unwrapped_forward`` (PhasedAccelerator): a training forward through
   ``accelerator.unwrap_model(model)``: refused at ``step()``, nothing applied.
 * ``epoch_never_set`` / ``epoch_set`` (PhasedAccelerator): an epoch-unit
-  schedule without / with ``accelerator.set_epoch``.
+  schedule without / with ``accelerator.set_epoch`` (``epoch_set_once``: called
+  for the first epoch only: a warning).
 * ``end_training``: ``PhasedAccelerator.end_training`` frees the reducer and
   destroys the process group.
 """
@@ -131,21 +132,24 @@ def unwrapped_forward() -> dict[str, Any]:
     return _accelerate_run(Alternating(["a", "b"]), loop)
 
 
-def epochs(set_epoch: bool) -> dict[str, Any]:
+def epochs(set_epoch: bool, only_first: bool = False) -> dict[str, Any]:
     def loop(acc: PhasedAccelerator, model: nn.Module, opt: Any, loader: Any) -> dict[str, Any]:
         phases, error = [], ""
-        try:
-            for epoch in range(2):
-                if set_epoch:
-                    acc.set_epoch(epoch)
-                for (x,) in loader:
-                    phases.append(acc.phase.name if acc.phase else None)
-                    acc.backward(model(x).square().mean())
-                    opt.step()
-                    opt.zero_grad()
-        except AltParamsError as exc:
-            error = str(exc)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                for epoch in range(2):
+                    if set_epoch and (epoch == 0 or not only_first):
+                        acc.set_epoch(epoch)
+                    for (x,) in loader:
+                        phases.append(acc.phase.name if acc.phase else None)
+                        acc.backward(model(x).square().mean())
+                        opt.step()
+                        opt.zero_grad()
+            except AltParamsError as exc:
+                error = str(exc)
         return {"error": error, "phases": phases, "steps": acc.schedule_step, "per_epoch": len(loader),
+                "warnings": [str(w.message) for w in seen if "set_epoch" in str(w.message)],
                 "sha": sha(acc.unwrap_model(model))}
     return _accelerate_run(Alternating(["a", "b"], unit="epoch"), loop)
 
@@ -171,6 +175,7 @@ def main() -> None:
         "unwrapped_forward": unwrapped_forward(),
         "epoch_never_set": epochs(set_epoch=False),
         "epoch_set": epochs(set_epoch=True),
+        "epoch_set_once": epochs(set_epoch=True, only_first=True),
     }
     results["end_training"] = end_training()
     write_rank_result(out, results, rank=int(os.environ.get("RANK", "0")))
