@@ -14,6 +14,10 @@ adds, and where:
 * ``optimizer.step()`` at a gradient-sync boundary (``accelerator.sync_gradients``)
   counts one schedule step; the ``optimizer.zero_grad()`` that follows switches
   phase if the schedule says so. Micro-steps inside ``accumulate`` never switch.
+* the same ``step()`` refuses, before the update, a step whose gradients never
+  went through the DDP wrapper and an epoch-unit schedule whose epoch is never
+  set (:mod:`._loop_guard`); ``end_training`` frees the reducer before the
+  process group goes (:mod:`hf_altparams.engine.shutdown`).
 * ``save_state`` / ``load_state`` also save and restore the schedule position
   (``hf_altparams_state.json``) and switch to the saved phase *before* the
   optimizer state is loaded, so idle groups keep their state policy; a barrier
