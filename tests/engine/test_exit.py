@@ -2,10 +2,10 @@
 
 The abort ("terminate called without an active exception", SIGABRT) is a race
 between a gloo worker thread and Python's finalization
-(:mod:`hf_altparams.engine.shutdown`). Without the fix, the plain-DDP version of
-this run aborted in about 1 run in 3 to 1 in 4 on the 2-core dev box (and the
-``PhasedAccelerator`` one in about 1 in 10), so 8 clean runs in a row is a real
-check; ``benchmarks/exit_stress.py`` repeats it 200 times under load.
+(:mod:`hf_altparams.engine.shutdown`). Plain DDP without the fix aborted in 11 of
+20 such runs on the quiet 2-core dev box (1 of 20 under load: load makes the
+race rarer), so 8 clean runs in a row is a real check on a quiet CI machine;
+``benchmarks/exit_stress.py`` repeats it hundreds of times (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
