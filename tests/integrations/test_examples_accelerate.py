@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.distributed
-def test_alternating_layers_compares_four_loops_side_by_side() -> None:
+def test_alternating_layers_compares_the_loops_side_by_side() -> None:
     width = 256
     out = launch(EXAMPLES / "alternating_layers.py", "--width", str(width), "--max-steps", "4",
                  "--warmup-steps", "1", "--batch-size", "8", nproc=2, launcher="accelerate", timeout=300).stdout
