@@ -64,6 +64,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
+from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.meters import PeakMemory  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
@@ -142,7 +143,7 @@ def run_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps(gathered))
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 Loop = Callable[..., tuple[list[float], list[float], list[int], list[int]]]

@@ -1,38 +1,55 @@
-"""Train two big layers in turn under DDP, and compare with training one of them alone.
+"""Train two big layers in turn under DDP, four ways side by side, and see what each costs.
 
 Run it (two CPU processes; on GPUs drop ACCELERATE_USE_CPU and pick the count)::
 
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/alternating_layers.py
 
 The network has two layers, ``layer1`` and ``layer2`` (16 MiB of weights each by
-default; ``--width`` changes that). The script trains it twice, one run after
+default; ``--width`` changes that), each with its own AdamW, trained in turn:
+one layer per optimizer step. The script trains it four times, one run after
 the other, on the same random regression data:
 
-1. ``alternating``: :class:`PhasedAccelerator` with ``Alternating(["layer1",
-   "layer2"])``: one layer trains per optimizer step, each with its own AdamW
-   inside one :class:`GroupedOptimizer`. Only the active layer is in DDP's
-   reducer, so only its gradients are all-reduced.
-2. ``single``: a stock ``Accelerator`` training ``layer1`` alone (``layer2``
-   frozen before ``prepare``): the figures the alternating run should match.
+1. ``naive``: the loop people write first: every step, unwrap the DDP, flip
+   ``requires_grad``, wrap a new ``DistributedDataParallel`` (DDP picks the
+   parameters it reduces in its constructor), step that layer's AdamW.
+2. ``find_unused``: one DDP over both layers with ``find_unused_parameters=True``,
+   ``requires_grad`` flipped every step: it works, but DDP keeps buckets for
+   both layers and all-reduces both every step (zeros for the frozen one).
+3. ``hf_altparams``: :class:`PhasedAccelerator` with ``Alternating(["layer1",
+   "layer2"])`` and one :class:`GroupedOptimizer` holding the two AdamWs: the
+   same DDP wrapper is re-bucketed in place at each switch, so only the active
+   layer is in DDP's reducer and all-reduced.
+4. ``hf_drop``: the same with ``state_policy="drop"``: the idle layer's AdamW
+   state is freed (so that layer's Adam restarts at each of its phases).
+5. ``single``: a stock ``Accelerator`` training ``layer1`` alone (``layer2``
+   frozen before ``prepare``): the floor every other run is compared with.
 
-It prints, for both runs, the peak memory (CUDA: ``max_memory_allocated``; CPU:
+It prints, for each run, the peak memory (CUDA: ``max_memory_allocated``; CPU:
 the growth of the process RSS over the run, sampled after every backward and
-step) and the bytes DDP all-reduced per step, counted by a comm hook.
+step), its ratio to ``single``, the bytes DDP all-reduced per step (counted by
+a comm hook), the bytes DDP's constructor broadcast over the run (counted by a
+spy on its broadcast: once at ``prepare``, but the naive loop re-sends the
+whole model at every re-wrap), and the time per step.
 
-Both runs share one process, so on CPU two things would blur RSS: the first
+What to expect on CPU: every loop all-reduces one layer per step except
+``find_unused`` (both); the three loops that keep both AdamWs lose the same
+loss curve; ``naive`` also broadcasts the whole model every step; memory above
+``single`` is mostly the idle layer's AdamW moments, which ``naive``,
+``find_unused`` and ``hf_altparams`` all hold (``hf_drop`` frees them).
+
+The idle layer's AdamW state: ``--state-policy auto`` (default) keeps it where
+it is on CPU (host memory *is* the device there, so "offloading" it would only
+copy it within the same RAM and cost time) and offloads it to host memory on a
+GPU, where that takes two layer-sized moments off the device. ``drop`` frees it
+(the layer's Adam restarts at each of its phases).
+
+All runs share one process, so on CPU two things would blur RSS: the first
 training run in a process pays one-time costs (gloo buffers, autograd threads),
 and glibc keeps freed blocks of one run for the next (it raises its mmap
 threshold after a big block is freed). So the script pins that threshold to
 1 MiB (big tensors are mmapped and returned to the OS when freed, and RSS
 follows live memory; the order of the runs then no longer matters) and starts
 with a short, unreported warm-up run of the baseline.
-
-What to expect: the same bytes per step as training one layer (a ratio of 1.00;
-a DDP over both layers would all-reduce 2x). Memory: the idle layer's AdamW
-state is extra. With ``--state-policy offload`` (default) it moves to host
-memory, so on a GPU the peak is close to the single-layer run; on CPU, host
-memory *is* the device, so expect about two extra copies of a layer (its AdamW
-moments) over the single-layer figure.
 """
 
 from __future__ import annotations
@@ -46,15 +63,20 @@ import time
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
-from hf_altparams.engine import GroupedOptimizer, register_comm_counter
+from hf_altparams.engine import CommCounter, GroupedOptimizer, counting_allreduce_hook, register_comm_counter
 from hf_altparams.engine.memory import malloc_trim, rss_bytes
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 
 MiB = 2**20
+RUNS = ("naive", "find_unused", "hf_altparams", "hf_drop", "single")
+LAYERS = ("layer1", "layer2")
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,12 +84,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=2048,
                         help="layer width (2048: 16 MiB of fp32 weights per layer)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
-    parser.add_argument("--max-steps", type=int, default=30, help="optimizer steps of each run")
+    parser.add_argument("--max-steps", type=int, default=20, help="optimizer steps of each run")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps of the unreported warm-up run")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--state-policy", choices=["keep", "offload", "drop"], default="offload",
-                        help="what happens to the idle layer's AdamW state")
-    parser.add_argument("--mode", choices=["both", "alternating", "single"], default="both")
+    parser.add_argument("--state-policy", choices=["auto", "keep", "offload", "drop"], default="auto",
+                        help="what happens to the idle layer's AdamW state in hf_altparams "
+                             "(auto: keep on CPU, offload on a GPU)")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs, in this order")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -127,41 +150,100 @@ class PeakMemory:
         return self.peak / MiB, "RSS growth"
 
 
+class BroadcastSpy:
+    """Counts the bytes ``torch.distributed._broadcast_coalesced`` sends (DDP's constructor uses it)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._original: Any = None
+
+    def __enter__(self) -> "BroadcastSpy":
+        self._original = dist._broadcast_coalesced
+
+        def spy(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            self.sent += sum(t.numel() * t.element_size() for t in tensors)
+            return self._original(group, tensors, *args, **kwargs)
+
+        dist._broadcast_coalesced = spy
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist._broadcast_coalesced = self._original
+
+
+def make_accelerator(mode: str, policy: str) -> Accelerator:
+    if mode in ("hf_altparams", "hf_drop"):
+        return PhasedAccelerator(Alternating(list(LAYERS)), count_comm=True)
+    if mode == "find_unused":
+        return Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    return Accelerator()
+
+
 def run(mode: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     """Train for `steps` optimizer steps; return peak memory, bytes per step and losses."""
-    if mode == "alternating":
-        accelerator: Accelerator = PhasedAccelerator(Alternating(["layer1", "layer2"]), count_comm=True)
-    else:
-        accelerator = Accelerator()
+    accelerator = make_accelerator(mode, args.state_policy)
+    policy = args.state_policy
+    if policy == "auto":
+        policy = "offload" if accelerator.device.type == "cuda" else "keep"
+    if mode == "hf_drop":
+        policy = "drop"
     memory = PeakMemory(accelerator.device)
+    distributed = accelerator.num_processes > 1
 
     torch.manual_seed(args.seed)
     model = TwoLayerNet(args.width)
-    if mode == "alternating":
-        groups = ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"})
-        adamw = functools.partial(torch.optim.AdamW, lr=args.lr)
-        optimizer: torch.optim.Optimizer = GroupedOptimizer(groups, adamw, state_policy=args.state_policy)
-    else:
-        model.layer2.requires_grad_(False)  # the baseline: layer1 alone, frozen layer2 left out of DDP
-        optimizer = torch.optim.AdamW(model.layer1.parameters(), lr=args.lr)
-
+    adamw = functools.partial(torch.optim.AdamW, lr=args.lr)
     data = RandomRegression(steps * args.batch_size * accelerator.num_processes, args.width, args.seed)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-
-    counter = getattr(accelerator, "comm_counter", None)
-    if mode == "single" and isinstance(model, nn.parallel.DistributedDataParallel):
-        counter = register_comm_counter(model)
+    counter: Optional[CommCounter] = None
+    wrapped: nn.Module
+    spy = BroadcastSpy()
+    if mode in ("hf_altparams", "hf_drop"):
+        groups = ParamGroups(model, {name: f"{name}.*" for name in LAYERS})
+        grouped = GroupedOptimizer(groups, adamw, state_policy=policy)
+        with spy:
+            wrapped, optimizer, loader = accelerator.prepare(model, grouped, loader)
+        counter = accelerator.comm_counter  # type: ignore[attr-defined]
+        optimizers = {name: optimizer for name in LAYERS}  # one optimizer; it steps the active layer
+    elif mode == "single":
+        model.layer2.requires_grad_(False)  # layer1 alone, frozen layer2 left out of DDP
+        with spy:
+            wrapped, opt1, loader = accelerator.prepare(model, adamw(model.layer1.parameters()), loader)
+        optimizers = {"layer1": opt1}
+        if distributed:
+            counter = register_comm_counter(wrapped)  # type: ignore[arg-type]
+    else:  # the user's two optimizers, one per layer
+        opt1, opt2 = adamw(model.layer1.parameters()), adamw(model.layer2.parameters())
+        if mode == "find_unused":
+            with spy:
+                wrapped, opt1, opt2, loader = accelerator.prepare(model, opt1, opt2, loader)
+            if distributed:
+                counter = register_comm_counter(wrapped)  # type: ignore[arg-type]
+        else:  # naive: the model is wrapped anew at every step below
+            opt1, opt2, loader = accelerator.prepare(opt1, opt2, loader)
+            model.to(accelerator.device)
+            counter = CommCounter() if distributed else None
+        optimizers = {"layer1": opt1, "layer2": opt2}
 
     losses, started = [], time.perf_counter()
     for step, (x, y) in enumerate(loader):
-        loss = nn.functional.mse_loss(model(x), y)
+        active = LAYERS[step % 2] if mode != "single" else "layer1"
+        if mode in ("naive", "find_unused"):
+            for name in LAYERS:
+                getattr(model, name).requires_grad_(name == active)
+        if mode == "naive" and distributed:
+            with spy:  # a new reducer for this step's layer; the constructor broadcasts the whole model
+                wrapped = nn.parallel.DistributedDataParallel(model)
+            wrapped.register_comm_hook(counter, counting_allreduce_hook)
+        elif mode == "naive":
+            wrapped = model
+        loss = nn.functional.mse_loss(wrapped(x), y)
         accelerator.backward(loss)
         memory.sample()
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizers[active].step()
+        optimizers[active].zero_grad()
         memory.sample()
-        if mode == "single" and counter is not None:
+        if mode not in ("hf_altparams", "hf_drop") and counter is not None:
             counter.end_step()  # PhasedAccelerator closes its counter's steps itself
         losses.append(loss.item())
         if step + 1 >= steps:
@@ -171,10 +253,11 @@ def run(mode: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     peak, kind = memory.result()
     history = list(counter.history) if counter is not None else []
     result = {"peak_mib": peak, "memory_kind": kind, "bytes_per_step": history, "losses": losses,
-              "step_seconds": seconds / max(len(losses), 1),
+              "broadcast_bytes": spy.sent,
+              "step_seconds": seconds / max(len(losses), 1), "policy": policy,
               "switch_ms": [1000 * r.seconds for r in getattr(accelerator, "switch_records", [])[1:]]}
     accelerator.free_memory()
-    del model, optimizer, loader, accelerator
+    del model, wrapped, optimizers, loader, accelerator
     return result
 
 
@@ -182,53 +265,60 @@ def mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "n/a"
+
+
 def main() -> None:
     args = parse_args()
     pin_mmap_threshold()
-    modes = ["alternating", "single"] if args.mode == "both" else [args.mode]
     if args.warmup_steps > 0:
         run("single", args, args.warmup_steps)  # pays the process's one-time costs; not reported
-    results = {mode: run(mode, args, args.max_steps) for mode in modes}
+    results = {mode: run(mode, args, args.max_steps) for mode in args.runs}
 
-    state = Accelerator()  # the process-wide state both runs used: for printing on one process only
+    state = Accelerator()  # the process-wide state every run used: for printing on one process only
     layer_mib = args.width * (args.width + 1) * 4 / MiB
-    state.print(f"\n{state.num_processes} process(es) on {state.device.type}; two layers of {layer_mib:.2f} MiB; "
-                f"{args.max_steps} steps per run; idle state policy: {args.state_policy}")
-    state.print(f"{'run':<12} {'peak memory (MiB)':>18} {'all-reduced/step (MiB)':>23} {'s/step':>7}"
-                "   loss first -> last")
+    policy = results["hf_altparams"]["policy"] if "hf_altparams" in results else args.state_policy
+    kind = next(iter(results.values()))["memory_kind"]
+    single = results.get("single")
+    state.print(f"\n{state.num_processes} process(es) on {state.device.type}; two layers of {layer_mib:.2f} MiB, "
+                f"one AdamW each, trained in turn; {args.max_steps} steps per run; hf_altparams idle-state "
+                f"policy: {policy}")
+    state.print(f"{'run':<13} {'peak memory (MiB, ' + kind + ')':>30} {'vs single':>9} "
+                f"{'all-reduced/step (MiB)':>23} {'wrap broadcasts (MiB)':>22} {'s/step':>7}   loss first -> last")
     for mode, res in results.items():
         per_step = mean(res["bytes_per_step"])
         shown = f"{per_step / MiB:.2f}" if per_step is not None else "n/a"
-        state.print(f"{mode:<12} {res['peak_mib']:>18.1f} {shown:>23} {res['step_seconds']:>7.3f}   "
+        versus = ratio(res["peak_mib"], single["peak_mib"]) if single else "n/a"
+        state.print(f"{mode:<13} {res['peak_mib']:>30.1f} {versus:>9} {shown:>23} "
+                    f"{res['broadcast_bytes'] / MiB:>22.2f} {res['step_seconds']:>7.3f}   "
                     f"{res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}")
-    if "alternating" in results:
-        alt = results["alternating"]
-        by_layer = {name: mean(alt["bytes_per_step"][i::2]) for i, name in enumerate(["layer1", "layer2"])}
+    hf = results.get("hf_altparams")
+    if hf is not None:
+        by_layer = {name: mean(hf["bytes_per_step"][i::2]) for i, name in enumerate(LAYERS)}
         shown = [f"{name} {value / MiB:.2f} MiB" if value is not None else f"{name} n/a"
                  for name, value in by_layer.items()]
-        state.print("alternating, all-reduced per step by active layer: " + ", ".join(shown))
-        if alt["switch_ms"]:
-            state.print(f"phase switch time: median {sorted(alt['switch_ms'])[len(alt['switch_ms']) // 2]:.2f} ms "
-                        f"over {len(alt['switch_ms'])} switches")
-    if len(results) == 2:
-        alt, single = results["alternating"], results["single"]
-        ratio = f"{alt['peak_mib'] / single['peak_mib']:.2f}" if single["peak_mib"] > 0 else "n/a"
-        state.print(f"peak memory ratio alternating/single ({alt['memory_kind']}): {ratio}")
-        if state.device.type == "cpu" and args.state_policy != "drop":
-            # Why the ratio is above 1 here: the idle layer's AdamW moments are kept
-            # ("keep"), or moved to host memory ("offload"), which on CPU is the device.
-            state.print(f"  (on CPU the idle layer's optimizer state under --state-policy {args.state_policy} "
-                        "stays in the same RAM; on a GPU offload takes it off the device, and "
-                        "--state-policy drop frees it here)")
-        alt_bytes, single_bytes = mean(alt["bytes_per_step"]), mean(single["bytes_per_step"])
-        if alt_bytes is not None and single_bytes:
-            state.print(f"bytes all-reduced per step ratio alternating/single: {alt_bytes / single_bytes:.2f}")
-        else:
-            state.print("bytes all-reduced per step ratio alternating/single: n/a (one process, no DDP)")
+        state.print("hf_altparams, all-reduced per step by active layer: " + ", ".join(shown))
+        if hf["switch_ms"]:
+            state.print(f"hf_altparams phase switch: median {sorted(hf['switch_ms'])[len(hf['switch_ms']) // 2]:.2f} ms "
+                        f"over {len(hf['switch_ms'])} switches")
+        for other in ("naive", "find_unused", "single"):
+            if other in results:
+                res = results[other]
+                state.print(f"hf_altparams / {other}: peak memory {ratio(hf['peak_mib'], res['peak_mib'])}, "
+                            f"bytes all-reduced per step {ratio(mean(hf['bytes_per_step']), mean(res['bytes_per_step']))}, "
+                            f"time per step {ratio(hf['step_seconds'], res['step_seconds'])}")
+    if hf is not None and single is not None:
+        idle_state = 2 * layer_mib  # AdamW's exp_avg and exp_avg_sq of the idle layer
+        state.print(f"hf_altparams above single: {hf['peak_mib'] - single['peak_mib']:.1f} MiB, of which "
+                    f"{idle_state:.1f} MiB is the idle layer's AdamW moments (policy {policy}; hf_drop frees them)")
+    if state.device.type == "cpu":
+        state.print("On a GPU: the same bytes per step; `--state-policy auto` offloads the idle layer's AdamW "
+                    "moments to host memory (here they would stay in the same RAM), so the device peak of "
+                    "hf_altparams comes close to single's.")
     assert all(math.isfinite(v) for res in results.values() for v in res["losses"])
-    # Tear the process group down before the interpreter exits: a live gloo group can
-    # abort the process at exit ("terminate called without an active exception").
-    state.end_training()
+    # Exit cleanly: let the gloo threads finish, then destroy the group (hf_altparams.engine.shutdown).
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ synthetic sentiment set built from templates with a fixed seed.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import tempfile
 
@@ -28,6 +27,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
+from hf_altparams.engine import shutdown
 from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan import PhaseSequence
 
@@ -176,13 +176,10 @@ def main() -> None:
                 print(f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
                       f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}")
         print(f"accuracy after: {after:.3f}")
-    # Free the Trainer's DDP wrapper (its reducer keeps the gloo group and its threads
-    # alive), then tear the group down; left to interpreter shutdown, that teardown can
-    # abort the process ("terminate called without an active exception").
-    del trainer
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # Let the gloo threads finish, then destroy the group: a gloo thread still freeing the
+    # last all-reduce while Python finalizes aborts the process ("terminate called without
+    # an active exception"; hf_altparams.engine.shutdown explains why).
+    shutdown()
 
 
 if __name__ == "__main__":

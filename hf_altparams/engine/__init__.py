@@ -8,6 +8,7 @@ from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
 from .report import MemoryReport, expected_peak_bytes, memory_report
 from .residency import ResidencyManager, non_resident_groups
+from .shutdown import shutdown
 from .switch import PhaseSwitcher
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "register_comm_counter",
     "release_memory",
     "rss_bytes",
+    "shutdown",
 ]

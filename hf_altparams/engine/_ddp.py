@@ -38,11 +38,13 @@ __all__ = [
     "check_comm_hooks",
     "check_ddp_supported",
     "ddp_settings",
+    "free_reducer",
     "ignored_before_wrap",
     "is_ddp",
     "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
+    "reducer_parameter_names",
     "unwrap",
 ]
 
@@ -175,6 +177,27 @@ def reduced_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
     return params
 
 
+def reducer_parameter_names(ddp: DistributedDataParallel) -> set[str] | None:
+    """The names of the parameters the reducer *actually* buckets (``None``: cannot tell).
+
+    :func:`reduced_parameters` says what a reducer built now would cover; this
+    reads the live reducer's buckets (private ``Reducer._get_zeros_like_grad_buckets``,
+    which allocates one zero-filled copy of the buckets while it runs), so it
+    tells whether the wrapper was built for other ``requires_grad`` flags.
+    """
+    if ddp._delay_all_reduce_all_params or ddp.reducer is None:
+        return set()
+    read = getattr(ddp.reducer, "_get_zeros_like_grad_buckets", None)
+    if read is None:
+        return None
+    try:
+        buckets = read()
+        ids = {id(p) for bucket in buckets for p in bucket.parameters()}
+    except (RuntimeError, TypeError):
+        return None
+    return {name for name, p in ddp.module.named_parameters() if id(p) in ids}
+
+
 def ddp_settings(ddp: DistributedDataParallel) -> dict[str, object]:
     """The user's DDP settings that a rebuild keeps (for logs and checks)."""
     return {
@@ -275,6 +298,18 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False
+
+
+def free_reducer(ddp: DistributedDataParallel) -> None:
+    """Drop ``ddp``'s reducer and logger (the logger holds the reducer): the end of its training life.
+
+    The wrapper's forward no longer works afterwards (a later
+    :func:`rebuild_reducer` makes it usable again). Used at the end of a run so
+    the reducer, its buckets and its reference to the process group go before
+    the group does.
+    """
+    ddp.reducer = None
+    ddp.logger = None
 
 
 class DDPBackend(Backend):

@@ -36,6 +36,7 @@ start copying back during the last step of the current phase.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from ..errors import AltParamsError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from . import _ddp
+from . import _ddp, _misuse
 from ._collective import agree, any_rank_failed, is_distributed, settle
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
@@ -204,6 +205,7 @@ class PhaseSwitcher:
                     f"`model` ({type(model).__name__}) is neither the grouped module nor a "
                     "DistributedDataParallel around it; build ParamGroups on the model you train"
                 )
+            self._plain_attached = True  # trained without a wrapper on purpose
             return None
         if model.module is not self.module:
             raise SwitchError(
@@ -213,6 +215,15 @@ class PhaseSwitcher:
         self.backend = backend_for(model)
         self._reduced_bytes.clear()
         self.release_policy.forget_footprints()  # DDP adds a gradient copy per trainable byte
+        if self.current is not None and not rebuild:
+            mismatch = _misuse.wrapper_mismatch(model, self.process_group if self._distributed() else None)
+            if mismatch:
+                warnings.warn(
+                    f"hf_altparams: the DDP wrapper passed to `attach` was built before phase "
+                    f"{self.current.name!r} was applied: its reducer {mismatch}, so the ranks would diverge. "
+                    "Re-bucketing it now for the current phase; build DDP after `switcher.step_to(0)` "
+                    "(or pass `attach(ddp, rebuild=True)`) to skip this.", stacklevel=2)
+                rebuild = True
         self.residency.attached(self.backend.ignored_at_wrap(), self.backend.device)
         self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
         if self.current is not None:
@@ -355,7 +366,8 @@ class PhaseSwitcher:
 
     # ------------------------------------------------------------ internals
     def _precondition_error(self) -> Optional[str]:
-        return self.backend.precondition_error() or self._pending_grads_error()
+        return (self.backend.precondition_error() or self._pending_grads_error()
+                or _misuse.unattached_error(self))
 
     def _pending_grads_error(self) -> Optional[str]:
         pending = [n for n, p in self.groups.all_named_params()

@@ -14,6 +14,10 @@ adds, and where:
 * ``optimizer.step()`` at a gradient-sync boundary (``accelerator.sync_gradients``)
   counts one schedule step; the ``optimizer.zero_grad()`` that follows switches
   phase if the schedule says so. Micro-steps inside ``accumulate`` never switch.
+* the same ``step()`` refuses, before the update, a step whose gradients never
+  went through the DDP wrapper and an epoch-unit schedule whose epoch is never
+  set (:mod:`._loop_guard`); ``end_training`` frees the reducer before the
+  process group goes (:mod:`hf_altparams.engine.shutdown`).
 * ``save_state`` / ``load_state`` also save and restore the schedule position
   (``hf_altparams_state.json``) and switch to the saved phase *before* the
   optimizer state is loaded, so idle groups keep their state policy; a barrier
@@ -45,6 +49,7 @@ from torch.optim import Optimizer
 from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.memory import rss_bytes
+from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
 from ..engine._layout import remember
 from ..engine._release import ReleasePolicy, ReleaseSetting
@@ -62,6 +67,7 @@ from ._accelerate_parts import (
     read_state,
     write_state,
 )
+from ._loop_guard import LoopGuard
 
 __all__ = ["PhasedAccelerator", "STATE_FILE"]
 
@@ -162,6 +168,7 @@ class PhasedAccelerator(Accelerator):
         self._step_pending = False
         self._trainable: list[tuple[str, nn.Parameter]] = []
         self._trainable_by_phase: dict[Phase, list[tuple[str, nn.Parameter]]] = {}
+        self._loop_guard = LoopGuard()  # unwrapped training forward, epoch never set (at step())
         self._hooks = [self.register_save_state_pre_hook(self._save_hook),
                        self.register_load_state_pre_hook(self._load_hook)]
 
@@ -298,6 +305,7 @@ class PhasedAccelerator(Accelerator):
         assert self.switcher is not None
         if _ddp.is_ddp(prepared):
             self.switcher.attach(prepared)
+            self._loop_guard.watch(prepared)
             if self._count_comm:
                 self.comm_counter = register_comm_counter(prepared)
         elif prepared is not self.switcher.module:
@@ -317,6 +325,7 @@ class PhasedAccelerator(Accelerator):
 
     # ------------------------------------------------------- the training loop
     def _check_gradients(self) -> None:
+        self._loop_guard.check(self)
         ddp = None if self.switcher is None else self.switcher.ddp
         if ddp is None or ddp.find_unused_parameters:
             return
@@ -367,6 +376,7 @@ class PhasedAccelerator(Accelerator):
     def set_epoch(self, epoch: int) -> Optional[SwitchRecord]:
         """Tell an epoch-unit schedule the epoch; call at the top of each epoch, on every rank."""
         self.schedule_epoch = int(epoch)
+        self._loop_guard.epoch_set(self.schedule_step)
         if self.switcher is None or self._step_pending:
             return None
         return self._advance()
@@ -420,14 +430,34 @@ class PhasedAccelerator(Accelerator):
         state = read_state(input_dir)
         self.switcher.load_state_dict(state["switcher"])
         self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
+        self._loop_guard.epoch_set_at = self.schedule_step  # the saved epoch counts as set here
         self._step_pending = False
         for _, param in self.switcher.groups.all_named_params():
             param.grad = None  # loading replaces the run: in-flight gradients are void
         self._advance()  # before the optimizer state loads: idle groups keep their policy
 
+    def end_training(self) -> None:
+        """``Accelerator.end_training`` (trackers finish, the process group goes), exiting cleanly.
+
+        Before the group is destroyed, the DDP wrapper's reducer is freed (the
+        prepared model cannot train afterwards) and the gloo threads finish their
+        pending work (:mod:`hf_altparams.engine.shutdown`: a script whose last
+        backward ran just before exit could otherwise abort with "terminate
+        called without an active exception"). A script that never calls it is
+        covered by the exit hook installed when the wrapper was attached.
+        """
+        ddp = None if self.switcher is None else self.switcher.ddp
+        if ddp is not None:
+            _ddp.free_reducer(ddp)
+        quiesce_comm_threads()
+        super().end_training()
+        quiesce_comm_threads()
+
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
         self.switcher, self.comm_counter, self._grouped = None, None, None
+        self._loop_guard.close()
+        self._loop_guard = LoopGuard()
         self.groups = self._groups_given
         self._trainable, self._step_pending = [], False
         self._trainable_by_phase = {}

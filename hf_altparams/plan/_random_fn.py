@@ -7,7 +7,7 @@ there or from :mod:`hf_altparams.plan`.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..errors import PlanError
 from ._schedule_base import (
@@ -24,6 +24,9 @@ from ._schedule_base import (
     _short,
 )
 from .phase import Phase
+
+if TYPE_CHECKING:
+    from .groups import ParamGroups
 
 __all__ = ["FnSchedule", "RandomBlocks"]
 
@@ -92,8 +95,11 @@ class FnSchedule(Schedule):
     """A user function ``fn(step, epoch)`` returning a :class:`Phase` or the trainable group names.
 
     The function must be pure (same arguments, same answer, on every rank).
-    Its answer is checked at each call against the declared `groups`. Only
-    `name` goes into :meth:`state_dict`, so give each distinct function its own name.
+    Its answer is checked at each call against the declared `groups`, and
+    :meth:`validate` (run before training) already calls it on the first
+    `probe` positions of its unit (steps at epoch 0, or epochs at step 0), so
+    an undeclared or unknown group there fails before any step. Only `name`
+    goes into :meth:`state_dict`, so give each distinct function its own name.
 
     Example:
         >>> s = FnSchedule(lambda step, epoch: ["a"] if step < 10 else ["a", "b"], groups=["a", "b"])
@@ -109,6 +115,7 @@ class FnSchedule(Schedule):
         unit: Unit = "step",
         allow_empty: bool = False,
         name: str = "fn",
+        probe: int = 1000,
     ) -> None:
         if not callable(fn):
             raise PlanError(f"`fn` must be a callable fn(step, epoch) -> Phase | list of group names, got {fn!r}")
@@ -121,6 +128,27 @@ class FnSchedule(Schedule):
         if not isinstance(name, str) or not name:
             raise PlanError(f"`name` must be a non-empty str, got {name!r}")
         self.name = name
+        if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
+            raise PlanError(f"`probe` must be an int >= 0 (positions validate() checks), got {probe!r}")
+        self.probe = probe
+
+    def validate(self, groups: ParamGroups | Iterable[str]) -> None:
+        """Check the declared groups, then call `fn` on the first `probe` positions.
+
+        Example:
+            >>> FnSchedule(lambda step, epoch: ["a"] if step < 5 else ["c"], groups=["a", "b"]).validate(["a", "b"])
+            Traceback (most recent call last):
+            ...
+            hf_altparams.errors.PlanError: `FnSchedule` 'fn' at step 5, epoch 0 returned ['c'], naming undeclared group(s) ['c']; declared `groups`: ['a', 'b'] (found by validate(), which calls `fn` on steps 0..999 before training; `probe=` sets how many)
+        """
+        super().validate(groups)
+        for position in range(self.probe):
+            step, epoch = (0, position) if self.unit == "epoch" else (position, 0)
+            try:
+                self.phase_at(step, epoch)
+            except PlanError as exc:
+                raise PlanError(f"{exc} (found by validate(), which calls `fn` on {self.unit}s "
+                                f"0..{self.probe - 1} before training; `probe=` sets how many)") from None
 
     def phase_at(self, step: int, epoch: int = 0) -> Phase:
         self._position(step, epoch)

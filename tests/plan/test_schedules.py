@@ -541,3 +541,27 @@ def test_repr_names_kind_and_arguments() -> None:
         "GradualUnfreeze(groups=['a', 'b'], every=2, unit='step', order='last_to_first', always=[])"
     )
     assert repr(RandomBlocks(["a", "b"], k=1, every=2, seed=3)).endswith("seed=3)")
+
+
+@pytest.mark.parametrize(
+    ("fn", "unit", "where"),
+    [
+        (lambda s, e: ["a"] if s < 700 else ["a", "zz"], "step", "step 700, epoch 0"),
+        (lambda s, e: ["b"] if e < 3 else ["q"], "epoch", "step 0, epoch 3"),
+        (lambda s, e: ["a"] if s < 10 else [], "step", "step 10"),
+    ],
+)
+def test_fn_schedule_validate_probes_before_training(fn, unit: str, where: str) -> None:
+    schedule = FnSchedule(fn, groups=["a", "b"], unit=unit)
+    with pytest.raises(PlanError) as err:
+        schedule.validate(["a", "b"])
+    assert where in str(err.value) and "validate()" in str(err.value) and "`probe=`" in str(err.value)
+
+
+def test_fn_schedule_probe_sets_the_horizon() -> None:
+    late = FnSchedule(lambda s, e: ["a"] if s < 50 else ["zz"], groups=["a", "b"], probe=50)
+    late.validate(["a", "b"])  # the mistake lies beyond the probed horizon: found at its step
+    with pytest.raises(PlanError, match="step 50"):
+        late.phase_at(50)
+    with pytest.raises(PlanError, match="`probe`"):
+        FnSchedule(lambda s, e: ["a"], groups=["a"], probe=-1)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hf_altparams.engine import GroupedOptimizer
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
@@ -90,7 +91,6 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # A gloo group still alive at interpreter exit can abort the process
-        # ("terminate called without an active exception").
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        # Let the gloo threads finish before interpreter exit, then destroy the group
+        # (hf_altparams.engine.shutdown explains the "terminate called" abort it prevents).
+        shutdown()

@@ -51,6 +51,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter, rss_bytes
 from hf_altparams.engine import _ddp
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.engine.memory import malloc_trim
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import (
@@ -638,7 +639,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             result["seconds"][name] = time.perf_counter() - started
     write_rank_result(args.out_dir, result, rank=rank)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence, Schedule
 
@@ -286,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             result[name] = fn(rank, world)
     write_rank_result(args.out_dir, result, rank=rank)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

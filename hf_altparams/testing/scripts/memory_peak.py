@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence
 from hf_altparams.testing.launch import write_rank_result
 from hf_altparams.testing.meters import PeakMemory
@@ -192,7 +193,7 @@ def main() -> None:
     })
     write_rank_result(args.out_dir, result, rank=rank)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

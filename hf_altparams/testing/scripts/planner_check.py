@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import CommCounter, GroupedOptimizer, PhaseSwitcher, counting_allreduce_hook
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.plan import Phase
 from hf_altparams.planner import build_from_argv
 from hf_altparams.testing import write_rank_result
@@ -128,7 +129,7 @@ def main() -> None:
     results = {name: run_scenario(argv, rank) for name, argv in scenarios.items()}
     write_rank_result(out_dir, {"world_size": dist.get_world_size(), "pid": os.getpid(), "scenarios": results})
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

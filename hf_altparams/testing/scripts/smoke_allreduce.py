@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from hf_altparams.engine.shutdown import shutdown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -94,7 +95,7 @@ def main() -> None:
         rank=rank,
     )
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

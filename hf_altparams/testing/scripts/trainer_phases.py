@@ -45,6 +45,7 @@ import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 from hf_altparams.errors import SwitchError
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.trainer import AlternatingFreeze, grouped_optimizer
 from hf_altparams.plan.groups import ParamGroups
 from hf_altparams.plan.schedules import Alternating, PhaseSequence
@@ -215,7 +216,7 @@ def main() -> None:
     write_rank_result(out_dir, {"world_size": dist.get_world_size(), "scenarios": results,
                                 "pid": os.getpid()}, rank=dist.get_rank())
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""Engine-side checks for wiring mistakes that would otherwise let ranks drift apart silently.
+
+* :func:`wrapper_mismatch`: a DDP wrapper attached without ``rebuild`` whose
+  reducer buckets other parameters than the current phase trains (DDP built
+  before ``switcher.step_to(0)``): :meth:`PhaseSwitcher.attach` then warns and
+  re-buckets it, as one collective transaction.
+* :func:`unattached_error`: a switch after the first phase in a multi-rank run
+  while no wrapper was ever attached (``switcher.attach(ddp)`` forgotten): the
+  new phase's gradients would never be all-reduced, so the switch is refused on
+  every rank, naming ``attach``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import _ddp
+from ._collective import any_rank_failed, is_distributed
+
+if TYPE_CHECKING:
+    from .switch import PhaseSwitcher
+
+__all__ = ["unattached_error", "wrapper_mismatch"]
+
+
+def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """Why ``ddp``'s reducer does not match the current ``requires_grad`` flags on some rank, or ``None``.
+
+    Collective when ``group`` spans several ranks (one small all-reduce), so
+    every rank takes the same decision.
+    """
+    if not _ddp.is_ddp(ddp):
+        return None
+    assert isinstance(ddp, DistributedDataParallel)
+    actual = _ddp.reducer_parameter_names(ddp)
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    wanted = {names[id(p)] for p in _ddp.reduced_parameters(ddp)}
+    local = None
+    if actual is not None and actual != wanted:
+        extra, missing = sorted(actual - wanted), sorted(wanted - actual)
+        local = (f"buckets {len(extra)} parameter(s) the phase freezes (e.g. {extra[:3]}) and misses "
+                 f"{len(missing)} it trains (e.g. {missing[:3]})")
+    if is_distributed(group):
+        if any_rank_failed(group, local is not None) and local is None:
+            local = "matches here but not on another rank"
+    return local
+
+
+def unattached_error(switcher: PhaseSwitcher) -> Optional[str]:
+    """The refusal for a switch in a multi-rank run that never attached its wrapper, or ``None``."""
+    if switcher.current is None or switcher.backend.kind != "local":
+        return None  # the first phase comes before DDP is built; a wrapper is attached
+    if getattr(switcher, "_plain_attached", False) or not is_distributed(None):
+        return None
+    return (f"this run has {dist.get_world_size()} ranks but no DDP wrapper was attached to the switcher, "
+            "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "
+            "built with). Call `switcher.attach(ddp)` right after building the wrapper (or "
+            "`switcher.attach(module)` if this run trains the module without a wrapper on purpose)")

@@ -1,0 +1,128 @@
+"""Loop mistakes that :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator` catches at ``step()``.
+
+Both would train without any error while the ranks drift apart or a group never
+trains; both are checked at a gradient-sync boundary, before the optimizer
+applies the step:
+
+* **the training forward bypassed the DDP wrapper** (e.g.
+  ``accelerator.unwrap_model(model)(x)``): the trainable parameters hold
+  gradients, but no forward of the wrapper that would all-reduce them
+  (gradients enabled, outside ``no_sync``) ran since the previous step, so the
+  reducer never saw them. A forward pre-hook on the wrapper counts those
+  forwards. Raised on every rank (each rank runs the same loop).
+* **an epoch-unit schedule whose epoch is never set**: more optimizer steps
+  than one pass over the longest prepared dataloader went by since the last
+  ``accelerator.set_epoch(...)`` (or the start) and the schedule's phase for
+  the epoch the loop must be in differs from the current one. Raised when
+  ``set_epoch`` was never called; a warning (once) when it was called before
+  (an "epoch" longer than a pass is legitimate, if unusual).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from ..errors import AltParamsError
+
+if TYPE_CHECKING:
+    from .accelerate import PhasedAccelerator
+
+__all__ = ["LoopGuard"]
+
+
+class LoopGuard:
+    """Per-run state of the two checks; :meth:`check` runs at every sync-boundary ``step()``."""
+
+    def __init__(self) -> None:
+        self.syncing_forwards = 0
+        self.epoch_set_at: int = 0
+        self.epoch_calls = 0
+        self.warned_epoch = False
+        self._handle: Optional[Any] = None
+
+    # ------------------------------------------------------------ wiring
+    def watch(self, ddp: nn.Module) -> None:
+        """Count ``ddp``'s forwards that will all-reduce their gradients."""
+        self.close()
+        self._handle = ddp.register_forward_pre_hook(self._seen)
+
+    def _seen(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
+            self.syncing_forwards += 1
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def epoch_set(self, schedule_step: int) -> None:
+        self.epoch_set_at = schedule_step
+        self.epoch_calls += 1
+
+    # ------------------------------------------------------------ checks
+    def check(self, acc: PhasedAccelerator) -> None:
+        """Raise (or warn) before the optimizer applies a step the loop got wrong."""
+        try:
+            self._check_forward(acc)
+            self._check_epoch(acc)
+        finally:
+            self.syncing_forwards = 0
+
+    def _check_forward(self, acc: PhasedAccelerator) -> None:
+        if self._handle is None:
+            return
+        with_grad = [name for name, p in acc._trainable if p.grad is not None]
+        if with_grad and self.syncing_forwards == 0:
+            raise AltParamsError(
+                f"{len(with_grad)} trainable parameter(s) (e.g. {with_grad[:3]}) hold gradients, but no "
+                "forward of the prepared DDP model ran since the last optimizer step, so DDP never "
+                "all-reduced them and each rank would apply its own gradients (the ranks would diverge). "
+                "Run the training forward through the object `accelerator.prepare` returned "
+                "(`model(x)`), not `accelerator.unwrap_model(model)(x)` or the original module; use the "
+                "unwrapped model only under `torch.no_grad()` (evaluation)."
+            )
+
+    def _check_epoch(self, acc: PhasedAccelerator) -> None:
+        switcher = acc.switcher
+        if acc.schedule.unit != "epoch" or switcher is None or switcher.current is None:
+            return
+        per_epoch = steps_per_epoch(acc)
+        if not per_epoch:
+            return
+        passed = (acc.schedule_step - self.epoch_set_at) // per_epoch
+        if passed < 1:
+            return
+        implied = acc.schedule_epoch + passed
+        due = acc.schedule.phase_at(acc.schedule_step, implied)
+        if due == switcher.current:
+            return
+        what = (f"{acc.schedule_step - self.epoch_set_at} optimizer steps went by since "
+                f"{'the last `accelerator.set_epoch(...)`' if self.epoch_calls else 'the start'}, more "
+                f"than one pass over the prepared dataloader ({per_epoch} steps), but the epoch-unit "
+                f"schedule is still at epoch {acc.schedule_epoch} (phase {switcher.current.name!r}); at "
+                f"epoch {implied} it trains {due.name!r}.")
+        fix = "Call `accelerator.set_epoch(epoch)` at the top of every epoch, on every rank."
+        if self.epoch_calls == 0:
+            raise AltParamsError(f"{what} {fix}")
+        if not self.warned_epoch:
+            self.warned_epoch = True
+            warnings.warn(f"hf_altparams: {what} If an epoch is meant to span several passes, ignore "
+                          f"this; otherwise: {fix}", stacklevel=4)
+
+
+def steps_per_epoch(acc: PhasedAccelerator) -> int:
+    """Optimizer steps in one pass over the longest prepared dataloader (0: unknown)."""
+    lengths = []
+    for loader in getattr(acc, "_dataloaders", []):
+        try:
+            lengths.append(len(loader))
+        except TypeError:  # an iterable dataset has no length
+            continue
+    if not lengths:
+        return 0
+    return math.ceil(max(lengths) / max(1, int(acc.gradient_accumulation_steps)))
