@@ -541,3 +541,10 @@ def test_repr_names_kind_and_arguments() -> None:
         "GradualUnfreeze(groups=['a', 'b'], every=2, unit='step', order='last_to_first', always=[])"
     )
     assert repr(RandomBlocks(["a", "b"], k=1, every=2, seed=3)).endswith("seed=3)")
+
+
+def test_per_task_phases_are_labelled_by_the_task_groups_and_carry_the_task() -> None:
+    schedule = PerTaskCycle(["trunk"], ["x", ["y", "z"]], every=2)
+    seen = [(p.name, p.task) for p in (schedule.phase_at(s) for s in range(6))]
+    assert seen == [("x", "x"), ("x", "x"), ("y+z", "y+z"), ("y+z", "y+z"), ("x", "x"), ("x", "x")]
+    assert Phase("x").task is None and Phase("x", task="x") == Phase("x")  # the task is not part of equality
