@@ -74,5 +74,20 @@ class Phase:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
-        res = "all" if self.resident is None else sorted(self.resident)
-        return f"Phase(trainable={sorted(self.trainable)}, resident={res})"
+        # Written as the frozensets the fields are, members sorted so every rank prints the same text.
+        res = "all" if self.resident is None else _frozenset_repr(self.resident)
+        return f"Phase(trainable={_frozenset_repr(self.trainable)}, resident={res})"
+
+
+def _frozenset_repr(names: frozenset[str]) -> str:
+    """``frozenset({'a', 'b'})`` with sorted members (``frozenset()`` when empty).
+
+    Example:
+        >>> Phase(["b", "a"], resident=["t"])
+        Phase(trainable=frozenset({'a', 'b'}), resident=frozenset({'a', 'b', 't'}))
+        >>> eval(repr(Phase(["b", "a"]).trainable)) == eval(_frozenset_repr(frozenset({"a", "b"})))
+        True
+    """
+    if not names:
+        return "frozenset()"
+    return "frozenset({" + ", ".join(repr(n) for n in sorted(names)) + "})"
