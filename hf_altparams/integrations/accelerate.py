@@ -57,6 +57,7 @@ from ._accelerate_parts import (
     PhasedOptimizer,
     PreparedGroupedLRScheduler,
     read_state,
+    refuse_without_groups,
     write_state,
 )
 
@@ -217,6 +218,8 @@ class PhasedAccelerator(Accelerator):
         if groups is None and grouped:
             groups = grouped[0].groups
         if groups is None:
+            if self.switcher is None and optimizers:
+                refuse_without_groups(optimizers)
             return None, None, None
         model_index = next((i for i, a in enumerate(args) if a is groups.module), None)
         if model_index is None:
