@@ -91,3 +91,12 @@ def refuse_without_groups(optimizers: list[Optimizer]) -> None:
         "`phase` None); pass `groups=ParamGroups(model, ...)` to PhasedAccelerator, or use a "
         "GroupedOptimizer(groups, ...)"
     )
+
+
+def refuse_user_ddp() -> None:
+    """`prepare` got a DistributedDataParallel the user built around the grouped model."""
+    raise AltParamsError(
+        "`prepare` got a DistributedDataParallel you built around the grouped model; pass the model itself "
+        "(`groups.module`): PhasedAccelerator applies the first phase before it builds DDP, and rebuilds "
+        "DDP's reducer at each switch, which a wrapper built earlier (over every parameter) would miss"
+    )
