@@ -129,7 +129,7 @@ def test_per_task_residency_moves_other_tasks_off_the_device(offload_nonresident
     buffers = sum(b.numel() * b.element_size() for b in net["t1"].buffers())  # BatchNorm running stats
     plan = plan_cost(net, groups, PerTaskCycle(["trunk"], ["t0", "t1"], every=2), steps=8, state_policy="keep",
                      offload_nonresident=offload_nonresident)
-    t0, t1 = plan.row("task0"), plan.row("task1")
+    t0, t1 = plan.row("t0"), plan.row("t1")
     state = {g: 2 * groups.nbytes(g) for g in groups.names}
     if not offload_nonresident:  # everything stays; `keep` holds every task's state
         assert t0.param_bytes == plan.everything.param_bytes and t0.host_bytes == 0
@@ -142,9 +142,9 @@ def test_per_task_residency_moves_other_tasks_off_the_device(offload_nonresident
     assert t1.buffer_bytes == buffers
     moves = {(s.from_phase, s.count, s.bytes_to_host, s.bytes_to_device) for s in plan.switches}
     assert moves == {  # the first switch finds no state of t1 yet
-        ("task0", 1, groups.nbytes("t0") + state["t0"], groups.nbytes("t1") + buffers),
-        ("task1", 1, groups.nbytes("t1") + buffers + state["t1"], groups.nbytes("t0") + state["t0"]),
-        ("task0", 1, groups.nbytes("t0") + state["t0"], groups.nbytes("t1") + buffers + state["t1"]),
+        ("t0", 1, groups.nbytes("t0") + state["t0"], groups.nbytes("t1") + buffers),
+        ("t1", 1, groups.nbytes("t1") + buffers + state["t1"], groups.nbytes("t0") + state["t0"]),
+        ("t0", 1, groups.nbytes("t0") + state["t0"], groups.nbytes("t1") + buffers + state["t1"]),
     }
 
 

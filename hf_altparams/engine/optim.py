@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
+from ._built_optim import as_factories, check_groups_argument
 from ._transfer import HostCopies, Prefetcher, optimizer_of, param_group_map, state_target_device, to_device, to_host
 
 __all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory", "reapply_state_policy"]
@@ -51,7 +52,9 @@ class GroupedOptimizer(Optimizer):
         groups: the :class:`~hf_altparams.plan.ParamGroups` to optimize.
         optimizers: a factory ``params -> Optimizer`` (e.g.
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``) used for every group,
-            or a mapping from group name to factory (one per group).
+            or a mapping from group name to factory (one per group), or a mapping
+            from group name to an optimizer already built on exactly that group's
+            parameters (checked: missing or extra parameters are named).
         state_policy: what happens to an idle group's optimizer state:
             ``"keep"``, ``"offload"`` or ``"drop"``; one value or one per group.
         active: the groups that step at first (default: all). The phase switcher
@@ -74,13 +77,13 @@ class GroupedOptimizer(Optimizer):
     def __init__(
         self,
         groups: ParamGroups,
-        optimizers: Union[OptimizerFactory, Mapping[str, OptimizerFactory]],
+        optimizers: Union[OptimizerFactory, Mapping[str, Union[OptimizerFactory, Optimizer]]],
         *,
         state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
         active: Optional[Iterable[str]] = None,
     ) -> None:
-        self.groups = groups
-        factories = _per_group(optimizers, groups.names, "optimizers")
+        self.groups = check_groups_argument(groups)
+        factories = as_factories(groups, optimizers)
         policies = _per_group(state_policy, groups.names, "state_policy")
         for name, policy in policies.items():
             if policy not in POLICIES:

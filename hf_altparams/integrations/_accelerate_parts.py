@@ -81,3 +81,22 @@ def read_state(input_dir: str) -> dict[str, Any]:
     if state.get("format") != _STATE_FORMAT:
         raise AltParamsError(f"{path}: `format` is {state.get('format')!r}, expected {_STATE_FORMAT!r}")
     return state
+
+
+def refuse_without_groups(optimizers: list[Optimizer]) -> None:
+    """`prepare` got optimizers but no groups are known: the schedule could never apply."""
+    raise AltParamsError(
+        f"`prepare` got {[type(o).__name__ for o in optimizers]} but PhasedAccelerator does not know "
+        "the parameter groups, so its schedule would never apply (everything would train, "
+        "`phase` None); pass `groups=ParamGroups(model, ...)` to PhasedAccelerator, or use a "
+        "GroupedOptimizer(groups, ...)"
+    )
+
+
+def refuse_user_ddp() -> None:
+    """`prepare` got a DistributedDataParallel the user built around the grouped model."""
+    raise AltParamsError(
+        "`prepare` got a DistributedDataParallel you built around the grouped model; pass the model itself "
+        "(`groups.module`): PhasedAccelerator applies the first phase before it builds DDP, and rebuilds "
+        "DDP's reducer at each switch, which a wrapper built earlier (over every parameter) would miss"
+    )

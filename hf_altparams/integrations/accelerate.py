@@ -65,6 +65,8 @@ from ._accelerate_parts import (
     PhasedOptimizer,
     PreparedGroupedLRScheduler,
     read_state,
+    refuse_user_ddp,
+    refuse_without_groups,
     write_state,
 )
 from ._loop_guard import LoopGuard
@@ -240,8 +242,12 @@ class PhasedAccelerator(Accelerator):
         if groups is None and grouped:
             groups = grouped[0].groups
         if groups is None:
+            if self.switcher is None and optimizers:
+                refuse_without_groups(optimizers)
             return None, None, None
         model_index = next((i for i, a in enumerate(args) if a is groups.module), None)
+        if model_index is None and any(_ddp.is_ddp(a) and a.module is groups.module for a in args):
+            refuse_user_ddp()
         if model_index is None:
             if self.switcher is None and grouped:
                 raise AltParamsError(

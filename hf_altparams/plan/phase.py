@@ -26,6 +26,9 @@ class Phase:
         resident: names of the groups that must stay on the device. ``None``
             means every group (the default); trainable groups are always resident.
         label: a short human-readable name used in logs ("" = derived).
+        task: for a per-task schedule, the name of the task this phase trains
+            (``PerTaskCycle`` sets it to the task's group names joined by ``+``);
+            ``None`` otherwise. Not part of equality.
 
     Example:
         >>> p = Phase(trainable={"head"})
@@ -38,12 +41,14 @@ class Phase:
     trainable: frozenset[str]
     resident: Optional[frozenset[str]] = None
     label: str = field(default="", compare=False)
+    task: Optional[str] = field(default=None, compare=False)
 
     def __init__(
         self,
         trainable: Iterable[str] | str,
         resident: Iterable[str] | str | None = None,
         label: str = "",
+        task: Optional[str] = None,
     ) -> None:
         t = _as_names(trainable)
         r = _as_names(resident)
@@ -53,6 +58,7 @@ class Phase:
         object.__setattr__(self, "trainable", t)
         object.__setattr__(self, "resident", r)
         object.__setattr__(self, "label", label)
+        object.__setattr__(self, "task", task)
 
     @property
     def name(self) -> str:
@@ -68,5 +74,20 @@ class Phase:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
-        res = "all" if self.resident is None else sorted(self.resident)
-        return f"Phase(trainable={sorted(self.trainable)}, resident={res})"
+        # Written as the frozensets the fields are, members sorted so every rank prints the same text.
+        res = "all" if self.resident is None else _frozenset_repr(self.resident)
+        return f"Phase(trainable={_frozenset_repr(self.trainable)}, resident={res})"
+
+
+def _frozenset_repr(names: frozenset[str]) -> str:
+    """``frozenset({'a', 'b'})`` with sorted members (``frozenset()`` when empty).
+
+    Example:
+        >>> Phase(["b", "a"], resident=["t"])
+        Phase(trainable=frozenset({'a', 'b'}), resident=frozenset({'a', 'b', 't'}))
+        >>> eval(repr(Phase(["b", "a"]).trainable)) == eval(_frozenset_repr(frozenset({"a", "b"})))
+        True
+    """
+    if not names:
+        return "frozenset()"
+    return "frozenset({" + ", ".join(repr(n) for n in sorted(names)) + "})"

@@ -335,6 +335,8 @@ class PerTaskCycle(_SequenceBacked):
         >>> p = s.phase_at(2)
         >>> sorted(p.trainable), sorted(p.resident)
         (['t1a', 't1b', 'trunk'], ['t1a', 't1b', 'trunk'])
+        >>> p.task, p.name  # the current task, by its group names
+        ('t1a+t1b', 't1a+t1b')
     """
 
     def __init__(
@@ -364,8 +366,9 @@ class PerTaskCycle(_SequenceBacked):
         self.train_trunk = _check_bool(train_trunk, "train_trunk")
         trained = self.trunk if train_trunk else frozenset()
         phases = [
-            (Phase(trained | set(t), resident=self.trunk | set(t), label=f"task{i}"), self.every)
-            for i, t in enumerate(self.tasks)
+            (Phase(trained | set(t), resident=self.trunk | set(t), label="+".join(t), task="+".join(t)),
+             self.every)
+            for t in self.tasks
         ]
         self._seq = PhaseSequence(phases, repeat=True, unit=unit)
 

@@ -306,3 +306,34 @@ def test_bad_arguments_raise_plan_error_naming_value_and_accepted(kwargs: dict[s
     _, groups = model_and_groups()
     with pytest.raises(PlanError, match=pattern):
         GroupedOptimizer(groups, **kwargs)
+
+
+def test_already_built_optimizers_one_per_group_step_like_factories() -> None:
+    model, groups = model_and_groups()
+    built = GroupedOptimizer(groups, {n: SGD(groups.params(n), lr=0.1) for n in groups.names})
+    reference_model, reference_groups = model_and_groups()  # same seed: same weights
+    reference = GroupedOptimizer(reference_groups, functools.partial(SGD, lr=0.1))
+    for m, opt in ((model, built), (reference_model, reference)):
+        backward(m, 0)
+        opt.step()
+    assert not torch.equal(model[0].weight, model_and_groups()[0][0].weight)  # it did step
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_model.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda m, g: (g, {"a": SGD(g.params("b"), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
+         r"`optimizers\['a'\]` \(SGD\) must be built on exactly group 'a''s parameters; missing: \['0\.weight'"),
+        (lambda m, g: (g, {"a": SGD(list(m.parameters()), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
+         r"missing: \[\]; extra \(not in group 'a'\): \['2\.bias', '2\.weight'\]"),
+        (lambda m, g: (g, SGD(m.parameters(), lr=0.1)), r"`optimizers` got one built SGD for all groups \['a', 'b'\]"),
+        (lambda m, g: (g, {"a": SGD, "b": 3}), r"`optimizers\['b'\]` is a int; accepted: a factory"),
+        (lambda m, g: (g, "adam"), r"`optimizers` is a str; accepted: a factory"),
+        (lambda m, g: (m, SGD), r"`groups` must be a ParamGroups, got Sequential"),
+    ],
+)
+def test_wrong_optimizer_forms_raise_plan_error_naming_them(make: Any, pattern: str) -> None:
+    model, groups = model_and_groups()
+    with pytest.raises(PlanError, match=pattern):
+        GroupedOptimizer(*make(model, groups))

@@ -177,7 +177,7 @@ def test_guard_follows_the_phase_and_visiting_lifts_it() -> None:
     switcher.step_to(0)
     x = torch.ones(2, check.DIM)
     model(x, 0)
-    with pytest.raises(SwitchError, match=r"'heads\.1\.weight' \(group 't1'\).*phase 'task0'|phase 'task0'.*'heads\.1\.weight'"):
+    with pytest.raises(SwitchError, match=r"'heads\.1\.weight' \(group 't1'\).*phase 't0'|phase 't0'.*'heads\.1\.weight'"):
         model(x, 1)
     with switcher.residency.visiting(["t1"]):
         assert model(x, 1).shape == (2, 1)

@@ -357,3 +357,33 @@ def test_load_state_refuses_a_checkpoint_of_another_schedule(tmp_path: Path) -> 
     (tmp_path / "ckpt" / STATE_FILE).unlink()
     with pytest.raises(AltParamsError, match=STATE_FILE):
         acc.load_state(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_plain_optimizer_without_groups_is_refused_at_prepare() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AltParamsError, match=r"\['SGD'\].*`groups=ParamGroups\(model, \.\.\.\)`"):
+        acc.prepare(model, opt)
+    assert acc.phase is None and not acc._models  # nothing half-applied
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_user_built_ddp_is_refused_with_a_message_that_says_so() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
+    model = _net()
+    opt = _grouped_sgd(model)
+    # What a user's DistributedDataParallel(model) looks like to `prepare`, without a process group.
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)
+    nn.Module.__init__(ddp)
+    ddp.module = model
+    with pytest.raises(AltParamsError, match=r"DistributedDataParallel you built around the grouped model"):
+        acc.prepare(ddp, opt)
+    assert acc.phase is None and not acc._models

@@ -565,3 +565,18 @@ def test_fn_schedule_probe_sets_the_horizon() -> None:
         late.phase_at(50)
     with pytest.raises(PlanError, match="`probe`"):
         FnSchedule(lambda s, e: ["a"], groups=["a"], probe=-1)
+
+
+def test_per_task_phases_are_labelled_by_the_task_groups_and_carry_the_task() -> None:
+    schedule = PerTaskCycle(["trunk"], ["x", ["y", "z"]], every=2)
+    seen = [(p.name, p.task) for p in (schedule.phase_at(s) for s in range(6))]
+    assert seen == [("x", "x"), ("x", "x"), ("y+z", "y+z"), ("y+z", "y+z"), ("x", "x"), ("x", "x")]
+    assert Phase("x").task is None and Phase("x", task="x") == Phase("x")  # the task is not part of equality
+
+
+def test_phase_repr_shows_the_frozensets_it_holds() -> None:
+    phase = Phase(["b", "a"], resident=["t"])
+    shown = repr(phase)
+    assert shown == "Phase(trainable=frozenset({'a', 'b'}), resident=frozenset({'a', 'b', 't'}))"
+    assert eval(shown.split("trainable=")[1].split(", resident")[0]) == phase.trainable
+    assert repr(Phase([])) == "Phase(trainable=frozenset(), resident=all)"

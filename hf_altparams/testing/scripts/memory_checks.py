@@ -99,7 +99,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def task_of(switcher: PhaseSwitcher) -> int:
     assert switcher.current is not None
-    return int(switcher.current.name.removeprefix("task"))
+    assert switcher.current.task is not None  # PerTaskCycle names the task: "t0", "t1", ...
+    return int(switcher.current.task.removeprefix("t"))
 
 
 def digest(tensors: list[torch.Tensor]) -> str:

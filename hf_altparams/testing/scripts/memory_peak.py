@@ -141,7 +141,7 @@ def run_tasks(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[s
     switcher.attach(ddp)
     started = time.perf_counter()
     for step in range(args.steps):
-        task = int(switcher.current.name.removeprefix("task")) if args.scenario == "tasks" else \
+        task = names.index(switcher.current.task) if args.scenario == "tasks" else \
             names.index(sorted(switcher.current.trainable - {"trunk"})[0])
         _step(ddp, x, opt, task)
         switcher.step_to(step + 1)
