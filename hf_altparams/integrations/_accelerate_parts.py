@@ -2,14 +2,17 @@
 
 The prepared optimizer and scheduler wrappers (they report sync-boundary steps to
 their accelerator), the distributed types that are refused, and the
-``hf_altparams_state.json`` file that ``save_state`` adds to a checkpoint.
+``hf_altparams_state.json`` file that ``save_state`` adds to a checkpoint, and the
+completion marker written after everything else (a save killed part-way leaves a
+folder without it, which loading refuses and automatic resume skips).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING, Any, Callable
 
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
@@ -24,6 +27,13 @@ if TYPE_CHECKING:
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
 _STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
+#: File written last by ``save_state``, once every rank has written its part.
+COMPLETE_MARKER = "hf_altparams_complete.json"
+#: Fault-injection hook for tests: the process exits at once at the save stage this names
+#: (``state_tmp``, ``state_file``, ``before_marker``).
+FAULT_ENV = "HF_ALTPARAMS_FAULT_AT"
+FAULT_EXIT_CODE = 17
+_hard_exit: Callable[[int], Any] = os._exit  # replaced in tests, which cannot lose their process
 UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
     DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
@@ -62,10 +72,57 @@ class PreparedGroupedLRScheduler(AcceleratedScheduler):
         super().step(*args, **kwargs)
 
 
+def fault_point(stage: str) -> None:
+    """Exit the process at once (no cleanup) when ``$HF_ALTPARAMS_FAULT_AT`` names ``stage``."""
+    if os.environ.get(FAULT_ENV) == stage:
+        _hard_exit(FAULT_EXIT_CODE)
+
+
+def _write_atomically(path: str, payload: dict[str, Any], stage: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fault_point(f"{stage}_tmp")
+    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
+    fault_point(stage)
+
+
 def write_state(output_dir: str, **state: Any) -> None:
     """Write the schedule position and switcher state into checkpoint folder ``output_dir``."""
-    with open(os.path.join(output_dir, STATE_FILE), "w") as f:
-        json.dump({"format": _STATE_FORMAT, **state}, f, indent=1, sort_keys=True)
+    _write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state}, "state_file")
+
+
+def mark_complete(output_dir: str) -> None:
+    """Write the completion marker: call after every rank finished writing ``output_dir``."""
+    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT}, "marker")
+
+
+def check_complete(input_dir: str) -> None:
+    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end."""
+    if not os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER)):
+        raise AltParamsError(
+            f"`load_state` refuses {input_dir!r}: it has no {COMPLETE_MARKER}, so its save was "
+            "interrupted (or it was not written by PhasedAccelerator.save_state) and it may hold "
+            "another phase's files or half of the groups' optimizer state; load an earlier checkpoint"
+        )
+
+
+def latest_complete_checkpoint(checkpoints_dir: str) -> str:
+    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+    found = []
+    for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
+        match = re.fullmatch(r"checkpoint_([0-9]+)", name)
+        path = os.path.join(checkpoints_dir, name)
+        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            found.append((int(match.group(1)), path))
+    if not found:
+        raise AltParamsError(
+            f"`load_state()` found no complete checkpoint_<n> folder in {checkpoints_dir!r} "
+            "(automatic resume skips folders whose save was interrupted); start from scratch"
+        )
+    return max(found)[1]
 
 
 def read_state(input_dir: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from typing import Any, Mapping, Optional
 
 import torch
@@ -64,6 +65,10 @@ from ._accelerate_parts import (
     UNSUPPORTED,
     PhasedOptimizer,
     PreparedGroupedLRScheduler,
+    check_complete,
+    fault_point,
+    latest_complete_checkpoint,
+    mark_complete,
     read_state,
     refuse_user_ddp,
     refuse_without_groups,
@@ -411,21 +416,43 @@ class PhasedAccelerator(Accelerator):
 
     # ------------------------------------------------------------- checkpoints
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        """``Accelerator.save_state`` plus ``hf_altparams_state.json``, then a barrier on every rank."""
+        """``Accelerator.save_state`` plus ``hf_altparams_state.json``; a completion marker goes last.
+
+        The marker is written once every rank has written its part (a barrier before
+        and after it): a save killed part-way leaves a folder without it, which
+        :meth:`load_state` refuses and automatic resume (``load_state()``) skips.
+        """
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        fault_point("before_marker")
+        self.wait_for_everyone()
+        if self.switcher is not None and self._writes_state_files():
+            mark_complete(location)
         self.wait_for_everyone()
         return location
+
+    def _writes_state_files(self) -> bool:
+        on_each_node = self.project_configuration.save_on_each_node
+        return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
 
     def _save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         if self.switcher is None:
             return
-        on_each_node = self.project_configuration.save_on_each_node
-        if self.is_main_process or (on_each_node and self.is_local_main_process):
+        if self._writes_state_files():
             write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
                         switcher=self.switcher.state_dict())
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
-        """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads."""
+        """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
+
+        A folder whose save did not complete is refused before anything loads; with
+        automatic checkpoint naming and no ``input_dir``, the latest *complete*
+        ``checkpoint_<n>`` is loaded (interrupted saves are skipped).
+        """
+        if self.switcher is not None:
+            if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+                input_dir = latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
+            if input_dir is not None:
+                check_complete(os.path.expanduser(str(input_dir)))
         super().load_state(input_dir, **kwargs)
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device

@@ -387,3 +387,50 @@ def test_user_built_ddp_is_refused_with_a_message_that_says_so() -> None:
     with pytest.raises(AltParamsError, match=r"DistributedDataParallel you built around the grouped model"):
         acc.prepare(ddp, opt)
     assert acc.phase is None and not acc._models
+
+
+class _Killed(Exception):
+    """Stands for the process dying at a fault point (a test cannot lose its own process)."""
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("stage", ["state_file_tmp", "state_file", "before_marker", "marker_tmp"])
+def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    from accelerate.utils import ProjectConfiguration
+
+    from hf_altparams.integrations import _accelerate_parts
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    def killed(code: int) -> None:
+        raise _Killed(code)
+
+    monkeypatch.setattr(_accelerate_parts, "_hard_exit", killed)
+
+    def make() -> tuple[Any, Any, Any]:
+        config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+        acc = PhasedAccelerator(Alternating({"a": 2, "b": 1}), cpu=True, project_config=config)
+        model = _net()
+        model, opt = acc.prepare(model, _grouped_sgd(model))
+        return acc, model, opt
+
+    acc, model, opt = make()
+    _train_steps(acc, model, opt, 2)
+    acc.save_state()  # checkpoint_0, complete: step 2 trains "b"
+    _train_steps(acc, model, opt, 1)  # step 3 trains "a"
+    monkeypatch.setenv(_accelerate_parts.FAULT_ENV, stage)
+    with pytest.raises(_Killed):
+        acc.save_state()  # checkpoint_1, torn at `stage`
+    monkeypatch.delenv(_accelerate_parts.FAULT_ENV)
+    torn = tmp_path / "checkpoints" / "checkpoint_1"
+    assert torn.is_dir()
+    acc.free_memory()
+
+    acc, model, opt = make()
+    with pytest.raises(AltParamsError, match="interrupted"):
+        acc.load_state(str(torn))
+    assert acc.schedule_step == 0  # refused before anything loaded
+    acc.load_state()  # automatic resume: skips checkpoint_1
+    assert acc.schedule_step == 2
+    assert (model[0].weight.requires_grad, model[2].weight.requires_grad) == (False, True)
