@@ -5,6 +5,7 @@ from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import release_memory, rss_bytes
 from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
+from .precision import DynamicLossScale, PrecisionOptimizer
 from .records import SwitchRecord
 from .report import MemoryReport, expected_peak_bytes, memory_report
 from .residency import ResidencyManager, non_resident_groups
@@ -15,11 +16,13 @@ __all__ = [
     "BufferPlan",
     "BufferSync",
     "CommCounter",
+    "DynamicLossScale",
     "GroupedLRScheduler",
     "GroupedOptimizer",
     "LocalBackend",
     "MemoryReport",
     "PhaseSwitcher",
+    "PrecisionOptimizer",
     "ResidencyManager",
     "SwitchRecord",
     "counting_allreduce_hook",
