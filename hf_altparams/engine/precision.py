@@ -33,8 +33,8 @@ schedulers, checkpoints) keeps working. Masters are saved in
 :meth:`PrecisionOptimizer.state_dict` (``"masters"``), so a resumed run is exact.
 
 fp16 storage needs loss scaling: pass ``loss_scale="dynamic"`` (or a number)
-and multiply the loss by :meth:`PrecisionOptimizer.scale_loss` (or call
-``optimizer.scale_loss(loss).backward()``). Gradients are unscaled in fp32;
+and back-propagate ``optimizer.scale_loss(loss)``. (Accelerate's and the
+Trainer's fp16 ``GradScaler`` refuse fp16 gradients; use bf16 storage there.) Gradients are unscaled in fp32;
 a step with a non-finite gradient is skipped on every rank (the gradients are
 all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
 
@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from ..errors import PlanError
+from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ._transfer import HostCopies, to_device, to_host
 from .optim import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
@@ -140,8 +140,10 @@ class PrecisionOptimizer(GroupedOptimizer):
             (default, exact), ``"drop"`` (re-created from the stored weights) or
             ``"keep"``; one value or one per group.
         state_policy: idle groups' optimizer state, as for :class:`GroupedOptimizer`.
-        loss_scale: ``None`` (default for bf16), ``"dynamic"`` (default for
-            fp16) or a fixed number.
+        loss_scale: ``None`` (default; right for bf16), ``"dynamic"`` (for fp16)
+            or a fixed number. With a loss scale the loop must back-propagate
+            ``optimizer.scale_loss(loss)``; ``step()`` refuses gradients of an
+            unscaled loss.
         active: the groups that step at first (default all).
 
     Example:
@@ -166,7 +168,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         storage_dtype: Optional[torch.dtype] = torch.bfloat16,
         master_policy: Union[MasterPolicy, Mapping[str, MasterPolicy]] = "offload",
         state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
-        loss_scale: Union[None, str, float] = "auto",
+        loss_scale: Union[None, str, float] = None,
         active: Optional[Iterable[str]] = None,
     ) -> None:
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
@@ -180,20 +182,18 @@ class PrecisionOptimizer(GroupedOptimizer):
                 for param in groups.params(name):
                     if param.is_floating_point() and param.dtype != storage_dtype:
                         param.data = param.data.to(storage_dtype)
-        dtypes = {p.dtype for n in groups.names for p in groups.params(n) if p.is_floating_point()}
-        if loss_scale == "auto":
-            loss_scale = "dynamic" if torch.float16 in dtypes else None
         self.loss_scale: Optional[DynamicLossScale] = None
         if loss_scale == "dynamic":
             self.loss_scale = DynamicLossScale()
         elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
             self.loss_scale = DynamicLossScale(float(loss_scale), dynamic=False)
         elif loss_scale is not None:
-            raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic', 'auto' or a positive number")
+            raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic' or a positive number")
         self.master_policies: dict[str, str] = policies
         self.masters: dict[str, dict[str, torch.Tensor]] = {n: {} for n in groups.names}
         self._master_copies = HostCopies()
         self.skipped_steps = 0
+        self._loss_scaled = False
         super().__init__(groups, optimizers, state_policy=state_policy, active=active)
 
     # ---------------------------------------------------------------- masters
@@ -246,7 +246,10 @@ class PrecisionOptimizer(GroupedOptimizer):
     # ------------------------------------------------------------------- step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (unchanged without loss scaling)."""
-        return loss if self.loss_scale is None else loss * self.loss_scale.scale
+        if self.loss_scale is None:
+            return loss
+        self._loss_scaled = True
+        return loss * self.loss_scale.scale
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -259,6 +262,12 @@ class PrecisionOptimizer(GroupedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.loss_scale is not None and not self._loss_scaled:
+            raise AltParamsError(
+                "PrecisionOptimizer.step: `loss_scale` is set but no loss was scaled since the last step; "
+                "back-propagate `optimizer.scale_loss(loss)`, or build the optimizer with loss_scale=None"
+            )
+        self._loss_scaled = False
         inv = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
         pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (stored param, its fp32 master)
         found_inf = False

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_altparams import ParamGroups, PlanError, PrecisionOptimizer
+from hf_altparams import AltParamsError, ParamGroups, PlanError, PrecisionOptimizer
 from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.plan import Alternating
 
@@ -75,13 +75,16 @@ def test_bf16_storage_with_masters_beats_bf16_updates_without_them() -> None:
 
 
 def test_fp16_dynamic_loss_scale_skips_non_finite_steps() -> None:
-    model, opt = _train("offload", steps=6, dtype=torch.float16)
+    model, opt = _train("offload", steps=6, dtype=torch.float16, loss_scale="dynamic")
     assert opt.loss_scale is not None
     skipped = opt.skipped_steps  # 2**16 overflows fp16 here at first: the scale halves until it fits
     assert skipped < 6 and opt.loss_scale.scale == 2.0 ** (16 - skipped)
     before = copy.deepcopy(model.state_dict())
     scale = opt.loss_scale.scale
     model[4].weight.grad = torch.full_like(model[4].weight, float("inf"))  # group "c" is active
+    with pytest.raises(AltParamsError, match="scale_loss"):
+        opt.step()  # gradients of an unscaled loss would be divided by the scale
+    opt.scale_loss(torch.zeros(()))
     opt.step()
     assert opt.skipped_steps == skipped + 1 and opt.loss_scale.scale == scale / 2
     for name, value in model.state_dict().items():

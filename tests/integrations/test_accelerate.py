@@ -357,3 +357,41 @@ def test_load_state_refuses_a_checkpoint_of_another_schedule(tmp_path: Path) -> 
     (tmp_path / "ckpt" / STATE_FILE).unlink()
     with pytest.raises(AltParamsError, match=STATE_FILE):
         acc.load_state(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() -> None:
+    """A model loaded in bf16 + `mixed_precision="bf16"`: a PrecisionOptimizer goes through `prepare`."""
+    from hf_altparams.engine import PhaseSwitcher, PrecisionOptimizer
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    def build() -> tuple[nn.Module, ParamGroups, PrecisionOptimizer]:
+        model = _net().to(torch.bfloat16)
+        groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
+        return model, groups, PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
+                                                 master_policy="drop")
+
+    schedule = Alternating({"a": 2, "b": 1})
+    acc = PhasedAccelerator(schedule, cpu=True, mixed_precision="bf16")
+    model, _, opt = build()
+    prepared, prepared_opt = acc.prepare(model, opt)
+    reference, ref_groups, ref_opt = build()
+    switcher = PhaseSwitcher(ref_groups, schedule, optimizer=ref_opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        with acc.autocast():
+            loss = nn.functional.mse_loss(prepared(x), y)
+        acc.backward(loss)
+        prepared_opt.step()
+        prepared_opt.zero_grad()
+
+        switcher.step_to(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    switcher.step_to(5)  # the accelerator switched after the last step: group "b" trains next
+    assert opt.master_bytes() == ref_opt.master_bytes() == {"cpu": 4 * sum(p.numel() for p in model[2].parameters())}
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)

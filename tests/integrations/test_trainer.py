@@ -326,3 +326,33 @@ def test_example_runs_under_accelerate_launch_and_reports_accuracy(tmp_path: Pat
     after = re.findall(r"^accuracy after: (\d\.\d+)$", result.stdout, re.MULTILINE)
     assert len(before) == 1 and len(after) == 1, "printed once, by the main process"
     assert "world size 2" in result.stdout
+
+
+def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exactly(tmp_path: Path) -> None:
+    """A model loaded in bf16 (`torch_dtype=torch.bfloat16`): `grouped_optimizer` keeps fp32 masters."""
+    from transformers import Trainer
+
+    from hf_altparams.engine import PrecisionOptimizer
+
+    def run(out: Path, max_steps: int, resume: bool = False) -> tuple[torch.nn.Module, PrecisionOptimizer]:
+        model = S.tiny_bert().to(torch.bfloat16)
+        groups = S.groups_of(model)
+        optimizer = grouped_optimizer(groups, lr=1e-3, master_policy="drop", state_policy="drop")
+        assert isinstance(optimizer, PrecisionOptimizer)
+        freeze = AlternatingFreeze(groups, Alternating({"head": 2, "layer1": 2}))
+        args = S.arguments(out, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps",
+                           save_steps=3)
+        trainer = Trainer(model=model, args=args, train_dataset=S.TokenDataset(64), callbacks=[freeze],
+                          optimizers=(optimizer, None))
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
+        return model, optimizer
+
+    model, optimizer = run(tmp_path / "plain", 5)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    head = sum(p.numel() for p in optimizer.groups.params("head"))  # the phase of step 4
+    assert optimizer.master_bytes() == {"cpu": 4 * head}
+    for state in optimizer.inner["head"].state.values():
+        assert state["exp_avg"].dtype == torch.float32
+    resumed, _ = run(tmp_path / "plain", 5, resume=True)  # from step 3, mid-phase (layer1 at 2-3)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
