@@ -46,6 +46,8 @@ from .plan import (
     ProgressiveFreeze,
     RandomBlocks,
     Schedule,
+    badam,
+    lisa,
 )
 
 _LAZY = {
@@ -91,7 +93,9 @@ __all__ = [
     "SwitchError",
     "SwitchRecord",
     "__version__",
+    "badam",
     "grouped_optimizer",
+    "lisa",
     "memory_report",
     "plan_cost",
     "reapply_state_policy",
