@@ -285,7 +285,9 @@ def plan_cost(
             parameters and gradients in it, fp32 optimizer state, and an fp32
             master (4 B per parameter) for each group that has trained, placed by
             ``master_policy`` when idle (``"keep"``: device, ``"offload"``: host,
-            ``"drop"``: nowhere). The train-everything row then keeps masters for all.
+            ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
+            the storage-dtype gradients are freed as they are cast) plus DDP's bucket
+            in the storage dtype. The train-everything row keeps masters for all.
 
     Example:
         >>> from torch import nn
@@ -337,15 +339,16 @@ def plan_cost(
         return _Layout(off, state, buffers_off, masters)
 
     def cost(name: str, active: set[str], where: _Layout) -> PhaseCost:
-        grads = total(active, "grad")
+        grads, reduced = total(active, "grad"), total(active, "bucket")
         return PhaseCost(
             phase=name, trainable_groups=tuple(sorted(active - {_UNGROUPED})), ranges=[],
-            trainable_params=total(active, "numel"), allreduce_bytes=grads,
-            wire_bytes=(2 * (world_size - 1) * grads) // world_size,
+            trainable_params=total(active, "numel"), allreduce_bytes=reduced,
+            wire_bytes=(2 * (world_size - 1) * reduced) // world_size,
             param_bytes=total(set(size) - where.off, "param"),
             buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
             optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
-            bucket_bytes=0 if bucket_as_view else grads,
+            # with storage_dtype the bucket outlives the cast gradients even as their view
+            bucket_bytes=reduced if storage_dtype is not None or not bucket_as_view else 0,
             host_bytes=total(where.off, "param") + where.buffers_off
             + total([g for g, at in where.state.items() if at == "host"], "state")
             + total([g for g, at in where.masters.items() if at == "host"], "master"),
@@ -426,10 +429,15 @@ def _group_sizes(groups: ParamGroups, state_fn: Callable[[str, nn.Parameter], in
             masters = sum(p.numel() * 4 for _, p in params if p.is_floating_point() and storage_dtype != torch.float32)
         else:
             stored, fp32, masters = params, params, 0
+        fp32_grads = {n for n, p in params if storage_dtype is not None and p.is_floating_point()}
         size[key] = {
             "numel": sum(p.numel() for _, p in params),
             "param": sum(p.numel() * p.element_size() for _, p in stored),
-            "grad": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in stored),
+            "bucket": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in stored),
+            # storage mode: the step casts each gradient to fp32 on its master and frees it
+            "grad": sum(p.numel() * (4 if n in fp32_grads else
+                                     (grad_dtype.itemsize if grad_dtype else p.element_size()))
+                        for n, p in stored),
             "state": sum(state_fn(n, p) for n, p in fp32),
             "master": masters,
         }

@@ -390,8 +390,8 @@ def test_7b_shape_fits_16_gib_of_model_state_with_bf16_storage_and_fp32_masters_
         plan = _llama_7b_plan(storage_dtype=torch.bfloat16, master_policy=policy)
         peak = max(plan.phases, key=lambda r: r.device_bytes)
         n = plan.total_params
-        # 2 B per stored parameter + per active parameter: grad 2, bucket 2, master 4, Adam 8
-        assert peak.device_bytes == 2 * n + 16 * peak.trainable_params + peak.buffer_bytes
+        # 2 B per stored parameter + per active parameter: fp32 grad 4, bf16 bucket 2, master 4, Adam 8
+        assert peak.device_bytes == 2 * n + 18 * peak.trainable_params + peak.buffer_bytes
         assert peak.device_bytes <= 16 * gib
         assert peak.allreduce_bytes == 2 * peak.trainable_params
         host = max(r.host_bytes for r in plan.phases)
@@ -405,7 +405,8 @@ def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str])
                                  "sequence", "--phase", "slope:2", "--storage-dtype", "bfloat16",
                                  "--master-policy", "drop"])
     row = plan.row("slope")
-    assert (row.param_bytes, row.grad_bytes, row.master_bytes, row.optimizer_bytes) == (2, 2, 4, 8)
+    assert (row.param_bytes, row.grad_bytes, row.bucket_bytes, row.master_bytes, row.optimizer_bytes) == (2, 4, 2, 4, 8)
+    assert row.allreduce_bytes == 2
     assert "storage: bfloat16" in plan.table() and plan.master_policy == "drop"
     prelu = nn.PReLU()
     with pytest.raises(PlanError, match="`master_policy` .* got 'swap'"):

@@ -24,8 +24,10 @@ parameter. A group that goes idle keeps its master according to
 * ``"keep"``: the master stays where it is (device memory: 4 bytes per
   parameter, idle or not).
 
-Model state per rank is then ``2 x all parameters + (4 master + optimizer
-state) x active parameters`` (+ the idle groups' state per ``state_policy``).
+Model state per rank at the step is then ``2 x all parameters + (4 master +
+4 fp32 gradient + 2 DDP bucket + optimizer state) x active parameters`` (+ the
+idle groups' state and masters per policy); ``python -m hf_altparams plan
+--storage-dtype bfloat16`` computes it.
 
 The swap is done on ``param.data`` for the duration of the inner step only, so
 everything that knows a parameter by identity (DDP, ``state_dict`` names, LR
@@ -255,8 +257,12 @@ class PrecisionOptimizer(GroupedOptimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """Step the active groups on their fp32 masters; write the rounded values back.
 
-        With loss scaling, gradients are unscaled in fp32 and a step whose
-        gradients are not all finite is skipped (``skipped_steps`` counts them).
+        The stored parameters' gradients are consumed: cast to fp32 onto the
+        masters one by one and released (``None`` after the step, as after
+        ``zero_grad()``), so the step holds 4 bytes of gradient per trainable
+        parameter (plus DDP's bucket in the storage dtype), not 6. With loss
+        scaling, gradients are unscaled in fp32 and a step whose gradients are
+        not all finite is skipped (``skipped_steps`` counts them).
         """
         loss = None
         if closure is not None:
@@ -277,6 +283,7 @@ class PrecisionOptimizer(GroupedOptimizer):
                 if master is None or param.grad is None:
                     continue
                 master.grad = param.grad.to(torch.float32)
+                param.grad = None  # released at once: never both copies of every gradient
                 if inv != 1.0:
                     master.grad.mul_(inv)
                 if self.loss_scale is not None and not bool(torch.isfinite(master.grad).all()):
