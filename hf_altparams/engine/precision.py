@@ -155,11 +155,13 @@ class PrecisionOptimizer(GroupedOptimizer):
         >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
         >>> opt = PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
         ...                          storage_dtype=torch.bfloat16, master_policy="drop", active={"a"})
-        >>> net[0].weight.dtype, opt.master_bytes()
-        (torch.bfloat16, {'cpu': 24})
+        >>> net[0].weight.dtype, opt.master_bytes()  # masters appear at a group's first step
+        (torch.bfloat16, {})
         >>> net(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward(); opt.step(); opt.zero_grad()
-        >>> opt.set_active({"b"}); opt.master_bytes()
-        {'cpu': 12}
+        >>> opt.master_bytes()
+        {'cpu': 24}
+        >>> opt.set_active({"b"}); opt.master_bytes()  # "drop": group a's master is gone
+        {}
     """
 
     def __init__(
@@ -204,8 +206,9 @@ class PrecisionOptimizer(GroupedOptimizer):
         return param.is_floating_point() and param.dtype != torch.float32
 
     def set_active(self, names: Iterable[str]) -> None:
-        """Make ``names`` the groups that step: their masters exist on the parameters' device;
-        idle groups' masters follow ``master_policy``; then the optimizer-state policy applies."""
+        """Make ``names`` the groups that step (their offloaded masters come back to the
+        parameters' device); idle groups' masters follow ``master_policy``; then the
+        optimizer-state policy applies."""
         new_active = frozenset(n for n in names if n in self.inner)
         for name in self.groups.names:
             if name in new_active:
@@ -215,15 +218,20 @@ class PrecisionOptimizer(GroupedOptimizer):
         super().set_active(new_active)
 
     def _materialize(self, name: str) -> None:
+        """Bring group ``name``'s offloaded masters back; missing ones are created at its next step."""
         masters = self.masters[name]
         for pname, param in self.groups.named_params(name):
-            if not self._needs_master(param):
-                continue
             master = masters.get(pname)
-            if master is None:  # first time, or dropped: from the stored (rounded) weights
-                masters[pname] = param.detach().to(dtype=torch.float32, copy=True)
-            elif master.device != param.device:
+            if master is not None and master.device != param.device:
                 masters[pname] = to_device(master, param.device)
+
+    def _master(self, name: str, pname: str, param: nn.Parameter) -> torch.Tensor:
+        """Group ``name``'s master of ``param``: created at its first step (or after a drop)
+        from the stored (rounded) weights, so only groups that train ever hold one."""
+        master = self.masters[name].get(pname)
+        if master is None:
+            master = self.masters[name][pname] = param.detach().to(dtype=torch.float32, copy=True)
+        return master
 
     def _idle_master(self, name: str) -> None:
         policy = self.master_policies[name]
@@ -279,9 +287,9 @@ class PrecisionOptimizer(GroupedOptimizer):
         found_inf = False
         for name in self.active:
             for pname, param in self.groups.named_params(name):
-                master = self.masters[name].get(pname)
-                if master is None or param.grad is None:
+                if param.grad is None or not self._needs_master(param):
                     continue
+                master = self._master(name, pname, param)
                 master.grad = param.grad.to(torch.float32)
                 param.grad = None  # released at once: never both copies of every gradient
                 if inv != 1.0:

@@ -332,13 +332,12 @@ def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exa
     """A model loaded in bf16 (`torch_dtype=torch.bfloat16`): `grouped_optimizer` keeps fp32 masters."""
     from transformers import Trainer
 
-    from hf_altparams.engine import PrecisionOptimizer
-
-    def run(out: Path, max_steps: int, resume: bool = False) -> tuple[torch.nn.Module, PrecisionOptimizer]:
+    def run(out: Path, max_steps: int, resume: bool = False) -> tuple[torch.nn.Module, Any]:
         model = S.tiny_bert().to(torch.bfloat16)
         groups = S.groups_of(model)
         optimizer = grouped_optimizer(groups, lr=1e-3, master_policy="drop", state_policy="drop")
-        assert isinstance(optimizer, PrecisionOptimizer)
+        # by name: pytest's --doctest-modules may import the module a second time
+        assert type(optimizer).__name__ == "PrecisionOptimizer"
         freeze = AlternatingFreeze(groups, Alternating({"head": 2, "layer1": 2}))
         args = S.arguments(out, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps",
                            save_steps=3)
