@@ -52,9 +52,12 @@ step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$
 if [ "$QUICK" = 1 ]; then
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
+    step large-model "$PY" benchmarks/large_model.py --device cuda --quick --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
+    # Llama-2-7B shape, 24 GB emulated (set_per_process_memory_fraction), seq 512, batch 1, checkpointing
+    step large-model "$PY" benchmarks/large_model.py --device cuda --out "$RESULTS"
 fi
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"

@@ -55,6 +55,11 @@ def llama_decoder(layers: int = 2, hidden: int = 64, intermediate: int = 172, he
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                          max_position_embeddings=max_positions, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype` directly: no transient fp32 copy
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model
