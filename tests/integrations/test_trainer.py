@@ -355,3 +355,18 @@ def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exa
     resumed, _ = run(tmp_path / "plain", 5, resume=True)  # from step 3, mid-phase (layer1 at 2-3)
     for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_minilm_bf16_lisa_example_reports_accuracy_for_both_storages(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm_bf16_lisa.py"), "--max-steps", "3",
+                             "--train-size", "48", "--eval-size", "16"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"^(\w+) storage \((\w+)\): before (\d\.\d+) after (\d\.\d+)$", result.stdout, re.MULTILINE)
+    assert [(name, kind) for name, kind, _, _ in lines] == [("bfloat16", "PrecisionOptimizer"),
+                                                            ("float32", "GroupedOptimizer")]
