@@ -121,3 +121,29 @@ def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
     opt = PrecisionOptimizer(groups, ADAMW)
     with pytest.raises(PlanError, match="precision"):
         opt.load_state_dict({k: v for k, v in opt.state_dict().items() if k != "precision"})
+
+
+@pytest.mark.cuda
+def test_cuda_idle_masters_go_to_pinned_host_memory_and_the_run_equals_keep() -> None:
+    def run(policy: str) -> tuple[nn.Module, PrecisionOptimizer, list[dict[str, int]]]:
+        model = _model().cuda()
+        groups = ParamGroups(model, GROUPS)
+        opt = PrecisionOptimizer(groups, ADAMW, master_policy=policy)  # type: ignore[arg-type]
+        switcher = PhaseSwitcher(groups, Alternating(["a", "b", "c"], every=2), optimizer=opt)
+        where = []
+        for step in range(9):
+            switcher.step_to(step)
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            where.append(opt.master_bytes())
+        return model, opt, where
+
+    kept, _, _ = run("keep")
+    offloaded, opt, where = run("offload")
+    # step 8 trains "b" (every=2: a a b b c c a a b); "a" and "c" are idle, their masters pinned on the host
+    assert all(m.is_pinned() for masters in (opt.masters["a"], opt.masters["c"]) for m in masters.values())
+    assert where[-1]["cuda"] == 4 * sum(p.numel() for p in offloaded[2].parameters())
+    for k, o in zip(kept.parameters(), offloaded.parameters()):
+        assert torch.equal(k, o)
