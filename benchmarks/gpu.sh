@@ -59,12 +59,15 @@ if [ "$QUICK" = 1 ]; then
         --scenarios single hf_drop hf_drop_release hf_drop_before hf_keep --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 500 --warmup 100 --out "$RESULTS"
+    step large-model "$PY" benchmarks/large_model.py --device cuda --quick --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --repeats 3 --out "$RESULTS"
     step alternating-layers "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --layers 8 --repeats 3 \
         --scenarios single hf_keep hf_drop hf_drop_release --out "$RESULTS/layers8"
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 5000 --warmup 500 --out "$RESULTS"
+    # Llama-2-7B shape, 24 GB emulated (set_per_process_memory_fraction), seq 512, batch 1, checkpointing
+    step large-model "$PY" benchmarks/large_model.py --device cuda --out "$RESULTS"
 fi
 # Where a switch's time goes on the GPU (one process, no all-reduce): printed into gpu.log.
 step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25

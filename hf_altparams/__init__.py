@@ -28,6 +28,7 @@ from .engine import (
     MemoryReport,
     PhaseSwitcher,
     SwitchHistory,
+    PrecisionOptimizer,
     SwitchRecord,
     memory_report,
     reapply_state_policy,
@@ -46,6 +47,8 @@ from .plan import (
     ProgressiveFreeze,
     RandomBlocks,
     Schedule,
+    badam,
+    lisa,
 )
 
 _LAZY = {
@@ -84,6 +87,7 @@ __all__ = [
     "PhaseSwitcher",
     "PhasedAccelerator",
     "PlanError",
+    "PrecisionOptimizer",
     "ProgressiveFreeze",
     "RandomBlocks",
     "Schedule",
@@ -91,7 +95,9 @@ __all__ = [
     "SwitchHistory",
     "SwitchRecord",
     "__version__",
+    "badam",
     "grouped_optimizer",
+    "lisa",
     "memory_report",
     "plan_cost",
     "reapply_state_policy",

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-policy", choices=list(POLICIES), default="keep")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--grad-dtype", choices=list(_DTYPES), help="gradient dtype (default: the parameters')")
+    p.add_argument("--storage-dtype", choices=list(_DTYPES),
+                   help="low-precision storage (PrecisionOptimizer): params and grads in this dtype, fp32 "
+                        "masters and optimizer state for the groups that train")
+    p.add_argument("--master-policy", choices=list(POLICIES), default="offload",
+                   help="with --storage-dtype: where an idle group's fp32 master goes (default offload)")
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     p.add_argument("--nonresident-on-device", action="store_true",
                    help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
@@ -178,7 +183,9 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
                      state_policy=args.state_policy, steps=args.steps, world_size=args.world_size,
                      grad_dtype=_DTYPES[args.grad_dtype] if args.grad_dtype else None,
                      bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
-                     offload_nonresident=not args.nonresident_on_device)
+                     offload_nonresident=not args.nonresident_on_device,
+                     storage_dtype=_DTYPES[args.storage_dtype] if args.storage_dtype else None,
+                     master_policy=args.master_policy)
     return args, plan
 
 

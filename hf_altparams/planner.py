@@ -80,12 +80,14 @@ class PhaseCost:
     grad_bytes: int
     optimizer_bytes: int  # optimizer state on the device
     bucket_bytes: int  # DDP bucket memory beyond the gradients
-    host_bytes: int  # off the device: non-resident parameters and buffers, offloaded optimizer state
+    host_bytes: int  # off the device: non-resident parameters and buffers, offloaded optimizer state and masters
+    master_bytes: int = 0  # fp32 master weights on the device (low-precision storage only)
 
     @property
     def device_bytes(self) -> int:
-        """Estimated device memory: parameters, buffers, gradients, optimizer state and DDP buckets."""
-        return self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.bucket_bytes
+        """Estimated device memory: parameters, buffers, gradients, optimizer state, masters and DDP buckets."""
+        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.bucket_bytes
+                + self.master_bytes)
 
 
 @dataclass
@@ -125,6 +127,8 @@ class CostPlan:
     everything: PhaseCost
     switches: list[SwitchCost]
     policies: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> peak / moved bytes
+    storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
+    master_policy: Optional[str] = None
 
     def row(self, phase: str) -> PhaseCost:
         """The row of the phase named ``phase``."""
@@ -144,7 +148,7 @@ class CostPlan:
         """A readable report: one row per phase, the train-everything row, then the switch cost."""
         host = any(r.host_bytes for r in self.phases)
         head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
-                "grads", "optimizer", "buckets", "device", "vs all"] + (["host"] if host else [])
+                "grads", "optimizer" if self.storage_dtype is None else "optim+master", "buckets", "device", "vs all"] + (["host"] if host else [])
         full = self.everything.device_bytes or 1
 
         def cells(row: PhaseCost, where: str) -> list[str]:
@@ -152,7 +156,8 @@ class CostPlan:
             values = [row.phase, where, f"{row.trainable_params:,} ({share:.1f}%)",
                       _format_bytes(row.allreduce_bytes), _format_bytes(row.wire_bytes)]
             values += [_format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
-                                                  row.optimizer_bytes, row.bucket_bytes, row.device_bytes)]
+                                                  row.optimizer_bytes + row.master_bytes, row.bucket_bytes,
+                                                  row.device_bytes)]
             values.append(f"{100.0 * row.device_bytes / full:.0f}%")
             return values + ([_format_bytes(row.host_bytes)] if host else [])
 
@@ -169,7 +174,9 @@ class CostPlan:
             f"model: {self.model}, {self.total_params:,} params | {self.unit}s 0-{self.positions - 1} listed",
             f"optimizer: {self.optimizer} | state policy: {self.state_policy} | world size: "
             f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
-            + ("" if self.offload_nonresident else " | non-resident groups stay on the device"),
+            + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
+            + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
+               f"(idle: {self.master_policy}) and fp32 optimizer state"),
             rule, fmt(head), rule, *map(fmt, body[:-1]), rule, fmt(body[-1]), rule,
         ]
         moved = sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in self.switches)
@@ -247,6 +254,8 @@ def plan_cost(
     bucket_as_view: bool = False,
     offload_nonresident: bool = True,
     pcie_gbps: float = DEFAULT_PCIE_GBPS,
+    storage_dtype: Optional[torch.dtype] = None,
+    master_policy: str = "offload",
 ) -> CostPlan:
     """Cost every phase of ``schedule`` over the first ``steps`` positions (see the module docstring).
 
@@ -271,6 +280,14 @@ def plan_cost(
             buffers and optimizer state, as ``PhaseSwitcher(offload_device="cpu")`` (its
             default) does; ``False`` for ``offload_device=None``.
         pcie_gbps: host<->device bandwidth assumed for offload times, in GB/s.
+        storage_dtype: ``torch.bfloat16`` / ``torch.float16``: the model is stored in
+            that dtype with a :class:`~hf_altparams.engine.PrecisionOptimizer`:
+            parameters and gradients in it, fp32 optimizer state, and an fp32
+            master (4 B per parameter) for each group that has trained, placed by
+            ``master_policy`` when idle (``"keep"``: device, ``"offload"``: host,
+            ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
+            the storage-dtype gradients are freed as they are cast) plus DDP's bucket
+            in the storage dtype. The train-everything row keeps masters for all.
 
     Example:
         >>> from torch import nn
@@ -285,13 +302,18 @@ def plan_cost(
     if groups.module is not (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model):
         raise PlanError("`groups` was built on another module than `model`; build ParamGroups on `model`")
     _check_args(state_policy, steps, world_size, pcie_gbps, grad_dtype)
+    if storage_dtype is not None and storage_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise PlanError(f"`storage_dtype` (--storage-dtype) must be bfloat16, float16, float32 or None, "
+                        f"got {storage_dtype!r}")
+    if master_policy not in POLICIES:
+        raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
     schedule.validate(groups)
     label, state_fn = _state_bytes_fn(optimizer)
     if steps is None:
         pattern = schedule.pattern_length()
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
     segments = schedule.segments(steps)
-    size = _group_sizes(groups, state_fn, grad_dtype)
+    size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype)
     owners = _buffer_owners(groups)
     always = {_UNGROUPED} if groups.ungrouped == "trainable" and size[_UNGROUPED]["numel"] else set()
 
@@ -308,20 +330,29 @@ def plan_cost(
             elif policy != "drop":
                 state[g] = "host"
         buffers_off = sum(n for owned, n in owners if None not in owned and owned <= off)
-        return _Layout(off, state, buffers_off)
+        masters = {}
+        for g in stepped:  # masters: created when a group first trains, then placed by master_policy
+            if g in active or master_policy == "keep":
+                masters[g] = "device"
+            elif master_policy == "offload":
+                masters[g] = "host"
+        return _Layout(off, state, buffers_off, masters)
 
     def cost(name: str, active: set[str], where: _Layout) -> PhaseCost:
-        grads = total(active, "grad")
+        grads, reduced = total(active, "grad"), total(active, "bucket")
         return PhaseCost(
             phase=name, trainable_groups=tuple(sorted(active - {_UNGROUPED})), ranges=[],
-            trainable_params=total(active, "numel"), allreduce_bytes=grads,
-            wire_bytes=(2 * (world_size - 1) * grads) // world_size,
+            trainable_params=total(active, "numel"), allreduce_bytes=reduced,
+            wire_bytes=(2 * (world_size - 1) * reduced) // world_size,
             param_bytes=total(set(size) - where.off, "param"),
             buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
             optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
-            bucket_bytes=0 if bucket_as_view else grads,
+            # with storage_dtype the bucket outlives the cast gradients even as their view
+            bucket_bytes=reduced if storage_dtype is not None or not bucket_as_view else 0,
             host_bytes=total(where.off, "param") + where.buffers_off
-            + total([g for g, at in where.state.items() if at == "host"], "state"))
+            + total([g for g, at in where.state.items() if at == "host"], "state")
+            + total([g for g, at in where.masters.items() if at == "host"], "master"),
+            master_bytes=total([g for g, at in where.masters.items() if at == "device"], "master"))
 
     def walk(policy: str) -> tuple[list[PhaseCost], list[SwitchCost]]:
         rows: dict[Phase, PhaseCost] = {}
@@ -350,7 +381,8 @@ def plan_cost(
 
     results = {p: walk(p) for p in POLICIES}
     rows, switches = results[state_policy]
-    everything = cost("train everything", set(size), _Layout(frozenset(), dict.fromkeys(size, "device"), 0))
+    everything = cost("train everything", set(size),
+                      _Layout(frozenset(), dict.fromkeys(size, "device"), 0, dict.fromkeys(size, "device")))
     everything.trainable_groups = tuple(groups.names)
     return CostPlan(
         model=type(model).__name__, total_params=total(size, "numel"), unit=schedule.unit, positions=steps,
@@ -361,6 +393,8 @@ def plan_cost(
         policies={p: {"peak_device_bytes": max((r.device_bytes for r in res[0]), default=0),
                       "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1])}
                   for p, res in results.items()},
+        storage_dtype=None if storage_dtype is None else str(storage_dtype).replace("torch.", ""),
+        master_policy=None if storage_dtype is None else master_policy,
     )
 
 
@@ -371,24 +405,50 @@ class _Layout:
     off: frozenset[str]
     state: dict[str, str]  # group -> "device" | "host" (absent: no state)
     buffers_off: int
+    masters: dict[str, str] = field(default_factory=dict)  # group -> "device" | "host" (absent: none)
 
 
 def _group_sizes(groups: ParamGroups, state_fn: Callable[[str, nn.Parameter], int],
-                 grad_dtype: Optional[torch.dtype]) -> dict[str, dict[str, int]]:
-    """Per group (and ``<ungrouped>``): elements, parameter, gradient and optimizer state bytes."""
+                 grad_dtype: Optional[torch.dtype],
+                 storage_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
+    """Per group (and ``<ungrouped>``): elements, parameter, gradient, optimizer state and master bytes.
+
+    With ``storage_dtype``, floating parameters are counted in it, their gradients too
+    (unless ``grad_dtype``), their optimizer state in fp32 (it lives on the masters)
+    and each has a 4-byte master.
+    """
     by_name = dict(groups.all_named_params())
     members = {g: groups.param_names(g) for g in groups.names}
     members[_UNGROUPED] = groups.ungrouped_names()
     size = {}
     for key, names in members.items():
         params = [(n, by_name[n]) for n in names]
+        if storage_dtype is not None:
+            stored = [(n, _as_dtype(p, storage_dtype)) for n, p in params]
+            fp32 = [(n, _as_dtype(p, torch.float32)) for n, p in params]
+            masters = sum(p.numel() * 4 for _, p in params if p.is_floating_point() and storage_dtype != torch.float32)
+        else:
+            stored, fp32, masters = params, params, 0
+        fp32_grads = {n for n, p in params if storage_dtype is not None and p.is_floating_point()}
         size[key] = {
             "numel": sum(p.numel() for _, p in params),
-            "param": sum(p.numel() * p.element_size() for _, p in params),
-            "grad": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in params),
-            "state": sum(state_fn(n, p) for n, p in params),
+            "param": sum(p.numel() * p.element_size() for _, p in stored),
+            "bucket": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in stored),
+            # storage mode: the step casts each gradient to fp32 on its master and frees it
+            "grad": sum(p.numel() * (4 if n in fp32_grads else
+                                     (grad_dtype.itemsize if grad_dtype else p.element_size()))
+                        for n, p in stored),
+            "state": sum(state_fn(n, p) for n, p in fp32),
+            "master": masters,
         }
     return size
+
+
+def _as_dtype(param: nn.Parameter, dtype: torch.dtype) -> Any:
+    """A stand-in of ``param``'s shape in ``dtype`` on ``meta`` (no memory), for floating parameters."""
+    if not param.is_floating_point() or param.dtype == dtype:
+        return param
+    return nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
 def _buffer_owners(groups: ParamGroups) -> list[tuple[frozenset[Optional[str]], int]]:
@@ -419,6 +479,10 @@ def _moves(before: _Layout, after: _Layout, size: dict[str, dict[str, int]],
         now_at = after.state.get(g)
         to_host += size[g]["state"] if (at, now_at) == ("device", "host") else 0
         to_device += size[g]["state"] if (at, now_at) == ("host", "device") else 0
+    for g, at in before.masters.items():
+        now_at = after.masters.get(g)
+        to_host += size[g]["master"] if (at, now_at) == ("device", "host") else 0
+        to_device += size[g]["master"] if (at, now_at) == ("host", "device") else 0
     return to_host, to_device
 
 

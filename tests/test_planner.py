@@ -368,3 +368,46 @@ def test_memory_matches_the_measured_census(measured: Any, scenario: str) -> Non
         want = (row.param_bytes, row.buffer_bytes, row.grad_bytes, row.bucket_bytes, row.optimizer_bytes)
         assert got == want, (phase, peak)
         assert abs(peak["total"] - row.device_bytes) <= MEMORY_TOLERANCE * row.device_bytes, (phase, peak)
+
+
+# ------------------------------------------------------------- low-precision storage
+def _llama_7b_plan(**kwargs: Any) -> CostPlan:
+    from hf_altparams.testing.models import LLAMA_7B, llama_decoder
+
+    model = llama_decoder(**LLAMA_7B, device="meta")
+    groups = ParamGroups.from_layers(model, "model.layers",
+                                     extra={"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]})
+    blocks = [n for n in groups.names if n.startswith("layer")]
+    return plan_cost(model, groups, Alternating([*blocks, "emb", "head"]), optimizer="adamw",
+                     state_policy="drop", world_size=8, **kwargs)
+
+
+def test_7b_shape_fits_16_gib_of_model_state_with_bf16_storage_and_fp32_masters_of_one_block() -> None:
+    fp32 = _llama_7b_plan()
+    gib = 2**30
+    assert fp32.policies["drop"]["peak_device_bytes"] > 24 * gib  # today: does not fit a 24 GB card
+    for policy in ("offload", "drop"):
+        plan = _llama_7b_plan(storage_dtype=torch.bfloat16, master_policy=policy)
+        peak = max(plan.phases, key=lambda r: r.device_bytes)
+        n = plan.total_params
+        # 2 B per stored parameter + per active parameter: fp32 grad 4, bf16 bucket 2, master 4, Adam 8
+        assert peak.device_bytes == 2 * n + 18 * peak.trainable_params + peak.buffer_bytes
+        assert peak.device_bytes <= 16 * gib
+        assert peak.allreduce_bytes == 2 * peak.trainable_params
+        host = max(r.host_bytes for r in plan.phases)
+        assert (host > 0) == (policy == "offload")  # offloaded masters of the idle blocks
+    keep = _llama_7b_plan(storage_dtype=torch.bfloat16, master_policy="keep")
+    assert max(r.device_bytes for r in keep.phases) > 24 * gib  # every master on the device
+
+
+def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    args, plan = plan_from_argv(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule",
+                                 "sequence", "--phase", "slope:2", "--storage-dtype", "bfloat16",
+                                 "--master-policy", "drop"])
+    row = plan.row("slope")
+    assert (row.param_bytes, row.grad_bytes, row.bucket_bytes, row.master_bytes, row.optimizer_bytes) == (2, 4, 2, 4, 8)
+    assert row.allreduce_bytes == 2
+    assert "storage: bfloat16" in plan.table() and plan.master_policy == "drop"
+    prelu = nn.PReLU()
+    with pytest.raises(PlanError, match="`master_policy` .* got 'swap'"):
+        plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), master_policy="swap")

@@ -6,6 +6,8 @@ from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import release_memory, rss_bytes
 from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
+from .precision import DynamicLossScale, PrecisionOptimizer
+
 from .report import MemoryReport, expected_peak_bytes, memory_report
 from .residency import ResidencyManager, non_resident_groups
 from .shutdown import shutdown
@@ -16,11 +18,13 @@ __all__ = [
     "BufferPlan",
     "BufferSync",
     "CommCounter",
+    "DynamicLossScale",
     "GroupedLRScheduler",
     "GroupedOptimizer",
     "LocalBackend",
     "MemoryReport",
     "PhaseSwitcher",
+    "PrecisionOptimizer",
     "ResidencyManager",
     "SwitchHistory",
     "SwitchRecord",

@@ -7,13 +7,14 @@ For ``Trainer(optimizers=(grouped_optimizer(groups, ...), None))`` next to
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.optim import GroupedOptimizer, StatePolicy
+from ..engine.precision import MasterPolicy, PrecisionOptimizer
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 
@@ -40,6 +41,7 @@ def grouped_optimizer(
     *,
     weight_decay: float = 0.0,
     state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+    master_policy: Optional[Union[MasterPolicy, Mapping[str, MasterPolicy]]] = None,
     **optimizer_kwargs: Any,
 ) -> GroupedOptimizer:
     """One optimizer per group, for ``Trainer(optimizers=(grouped_optimizer(...), None))``.
@@ -55,6 +57,13 @@ def grouped_optimizer(
         optimizer_cls: a ``torch.optim.Optimizer`` class.
         weight_decay: weight decay of the decayed parameters.
         state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group.
+        master_policy: for a model stored in bf16/fp16 (e.g. loaded with
+            ``torch_dtype=torch.bfloat16``) the result is a
+            :class:`~hf_altparams.engine.PrecisionOptimizer`: fp32 masters and
+            optimizer state for the training groups only; this is what an idle
+            group's master does (``"offload"``, the default for such a model,
+            ``"drop"`` or ``"keep"``). Giving it for an fp32 model also returns a
+            PrecisionOptimizer (with no masters: nothing to do).
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Example:
@@ -86,4 +95,9 @@ def grouped_optimizer(
 
         return build
 
-    return GroupedOptimizer(groups, {g: factory_for(g) for g in groups.names}, state_policy=state_policy)
+    factories = {g: factory_for(g) for g in groups.names}
+    low = {p.dtype for n in groups.names for p in groups.params(n)} & {torch.bfloat16, torch.float16}
+    if master_policy is not None or low:
+        return PrecisionOptimizer(groups, factories, storage_dtype=None, state_policy=state_policy,
+                                  master_policy=master_policy or "offload")
+    return GroupedOptimizer(groups, factories, state_policy=state_policy)

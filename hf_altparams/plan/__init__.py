@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .groups import ParamGroups
 from .phase import Phase
+from .recipes import badam, lisa
 from .schedules import (
     Alternating,
     Chain,
@@ -39,4 +40,6 @@ __all__ = [
     "ProgressiveFreeze",
     "RandomBlocks",
     "Schedule",
+    "badam",
+    "lisa",
 ]

@@ -7,7 +7,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["TwoHalves"]
+__all__ = ["TwoHalves", "llama_decoder", "LLAMA_7B"]
+
+#: The Llama-2-7B shape (random weights; nothing is downloaded).
+LLAMA_7B: dict[str, int] = {"layers": 32, "hidden": 4096, "intermediate": 11008, "heads": 32, "vocab": 32000}
 
 
 class TwoHalves(nn.Module):
@@ -40,3 +43,34 @@ class TwoHalves(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         first, second = (getattr(self, name) for name in self.names)
         return second(torch.tanh(first(x)))
+
+
+def llama_decoder(layers: int = 2, hidden: int = 64, intermediate: int = 172, heads: int = 4, vocab: int = 256,
+                  *, max_positions: int = 4096, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  seed: int = 0) -> nn.Module:
+    """A Llama-style causal decoder from a transformers ``LlamaConfig`` (random weights).
+
+    ``device="meta"`` builds it without memory (for the planner); ``**LLAMA_7B``
+    gives the Llama-2-7B shape. Group it one layer per group with
+    ``ParamGroups.from_layers(model, "model.layers", extra={"emb": "model.embed_tokens.*",
+    "head": ["model.norm.*", "lm_head.*"]})``.
+
+    Example:
+        >>> net = llama_decoder(**LLAMA_7B, device="meta")
+        >>> round(sum(p.numel() for p in net.parameters()) / 1e9, 2)
+        6.74
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype` directly: no transient fp32 copy
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model

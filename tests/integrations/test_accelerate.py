@@ -434,3 +434,41 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
     acc.load_state()  # automatic resume: skips checkpoint_1
     assert acc.schedule_step == 2
     assert (model[0].weight.requires_grad, model[2].weight.requires_grad) == (False, True)
+def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() -> None:
+    """A model loaded in bf16 + `mixed_precision="bf16"`: a PrecisionOptimizer goes through `prepare`."""
+    from hf_altparams.engine import PhaseSwitcher, PrecisionOptimizer
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    def build() -> tuple[nn.Module, ParamGroups, PrecisionOptimizer]:
+        model = _net().to(torch.bfloat16)
+        groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
+        return model, groups, PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
+                                                 master_policy="drop")
+
+    schedule = Alternating({"a": 2, "b": 1})
+    acc = PhasedAccelerator(schedule, cpu=True, mixed_precision="bf16")
+    model, _, opt = build()
+    prepared, prepared_opt = acc.prepare(model, opt)
+    reference, ref_groups, ref_opt = build()
+    switcher = PhaseSwitcher(ref_groups, schedule, optimizer=ref_opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        with acc.autocast():
+            loss = nn.functional.mse_loss(prepared(x), y)
+        acc.backward(loss)
+        prepared_opt.step()
+        prepared_opt.zero_grad()
+
+        switcher.step_to(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # after step 4 ("a"): a's master, then the accelerator switched to "b" for step 5 (drop: a's is gone,
+    # b's was dropped at step 3 and comes back from the bf16 weights at its next step)
+    assert opt.master_bytes() == {}
+    switcher.step_to(5)
+    assert ref_opt.master_bytes() == {}
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)

@@ -326,3 +326,47 @@ def test_example_runs_under_accelerate_launch_and_reports_accuracy(tmp_path: Pat
     after = re.findall(r"^accuracy after: (\d\.\d+)$", result.stdout, re.MULTILINE)
     assert len(before) == 1 and len(after) == 1, "printed once, by the main process"
     assert "world size 2" in result.stdout
+
+
+def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exactly(tmp_path: Path) -> None:
+    """A model loaded in bf16 (`torch_dtype=torch.bfloat16`): `grouped_optimizer` keeps fp32 masters."""
+    from transformers import Trainer
+
+    def run(out: Path, max_steps: int, resume: bool = False) -> tuple[torch.nn.Module, Any]:
+        model = S.tiny_bert().to(torch.bfloat16)
+        groups = S.groups_of(model)
+        optimizer = grouped_optimizer(groups, lr=1e-3, master_policy="drop", state_policy="drop")
+        # by name: pytest's --doctest-modules may import the module a second time
+        assert type(optimizer).__name__ == "PrecisionOptimizer"
+        freeze = AlternatingFreeze(groups, Alternating({"head": 2, "layer1": 2}))
+        args = S.arguments(out, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps",
+                           save_steps=3)
+        trainer = Trainer(model=model, args=args, train_dataset=S.TokenDataset(64), callbacks=[freeze],
+                          optimizers=(optimizer, None))
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
+        return model, optimizer
+
+    model, optimizer = run(tmp_path / "plain", 5)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    head = sum(p.numel() for p in optimizer.groups.params("head"))  # the phase of step 4
+    assert optimizer.master_bytes() == {"cpu": 4 * head}
+    for state in optimizer.inner["head"].state.values():
+        assert state["exp_avg"].dtype == torch.float32
+    resumed, _ = run(tmp_path / "plain", 5, resume=True)  # from step 3, mid-phase (layer1 at 2-3)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_minilm_bf16_lisa_example_reports_accuracy_for_both_storages(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm_bf16_lisa.py"), "--max-steps", "3",
+                             "--train-size", "48", "--eval-size", "16"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"^(\w+) storage \((\w+)\): before (\d\.\d+) after (\d\.\d+)$", result.stdout, re.MULTILINE)
+    assert [(name, kind) for name, kind, _, _ in lines] == [("bfloat16", "PrecisionOptimizer"),
+                                                            ("float32", "GroupedOptimizer")]

@@ -1,0 +1,309 @@
+"""Large models: plain DDP vs hf_altparams fp32 storage vs bf16 storage + fp32 masters, side by side.
+
+A Llama-style decoder built from a transformers ``LlamaConfig`` (random
+weights, nothing downloaded), one group per decoder layer plus ``emb`` and
+``head``, trained BAdam-style (one block at a time, in order) with AdamW.
+Scenarios, each in a fresh ``torchrun`` launch:
+
+* ``ddp_full``: plain DDP, fp32, AdamW over every parameter (full fine-tuning).
+* ``alt_fp32``: hf_altparams, fp32 parameters, ``state_policy="drop"``.
+* ``bf16_offload`` / ``bf16_drop``: parameters stored in bf16,
+  :class:`~hf_altparams.engine.PrecisionOptimizer` with fp32 masters and
+  optimizer state for the active block only, idle masters offloaded / dropped.
+
+Per scenario: peak memory per rank (CPU: peak RSS growth over the process
+after ``init_process_group``; CUDA: ``max_memory_allocated``), bytes DDP
+all-reduced per step (comm hook), median step time, and the planner's model
+state for the same run (``plan_cost`` with ``storage_dtype``) next to the
+measured peak. Then the planner's figures for the Llama-2-7B shape (8 ranks)
+and the largest square-ish model (layers x hidden) whose model state fits a
+budget per scenario.
+
+    python benchmarks/large_model.py                   # CPU: 2 gloo ranks, a scaled-down model
+    python benchmarks/large_model.py --quick           # fewer steps (smoke)
+    python benchmarks/large_model.py --device cuda     # 1 GPU: 7B shape, 24 GB emulated (see --help)
+
+On CPU AdamW runs with ``foreach=False`` (per-parameter temporaries only), so
+the measured peak is the model state plus small activations: that is what the
+planner is compared with. On CUDA the 7B shape runs with
+``torch.cuda.set_per_process_memory_fraction`` emulating a 24 GB card,
+sequence 512, batch 1, gradient checkpointing; ``ddp_full`` and ``alt_fp32``
+are expected to run out of memory there (reported as such).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SCENARIOS = ("ddp_full", "alt_fp32", "bf16_offload", "bf16_drop")
+MIB, GIB = 2**20, 2**30
+CPU_SHAPE = {"layers": 8, "hidden": 512, "intermediate": 1376, "heads": 8, "vocab": 4096}
+EXTRA = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
+
+
+def _groups(model: torch.nn.Module) -> Any:
+    from hf_altparams.plan import ParamGroups
+
+    return ParamGroups.from_layers(model, "model.layers", extra=EXTRA)
+
+
+def _schedule(groups: Any, steps_per_block: int) -> Any:
+    from hf_altparams.plan import badam
+
+    return badam([*[n for n in groups.names if n.startswith("layer")], "emb", "head"],
+                 steps_per_block=steps_per_block)
+
+
+def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: int = 1,
+             bucket_as_view: bool = False, steps: int | None = None) -> Any:
+    """The planner's view of ``scenario`` for a model of ``shape`` (built on meta)."""
+    from hf_altparams.planner import plan_cost
+    from hf_altparams.testing.models import llama_decoder
+
+    model = llama_decoder(**shape, device="meta")
+    groups = _groups(model)
+    storage = torch.bfloat16 if scenario.startswith("bf16") else None
+    master = scenario.split("_")[1] if storage is not None else "offload"
+    return plan_cost(model, groups, _schedule(groups, steps_per_block), optimizer="adamw", state_policy="drop",
+                     world_size=world, storage_dtype=storage, master_policy=master,
+                     bucket_as_view=bucket_as_view, steps=steps)
+
+
+def planned_peak(scenario: str, shape: dict[str, int], world: int, steps: int | None = None,
+                 host_too: bool = False) -> int:
+    """The planner's peak model state per rank; ``host_too``: device + host (on CPU both are RAM)."""
+    plan = plan_for(scenario, shape, world, steps=steps)
+    if scenario == "ddp_full":
+        return plan.everything.device_bytes
+    return max(r.device_bytes + (r.host_bytes if host_too else 0) for r in plan.phases)
+
+
+# ----------------------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer, register_comm_counter
+    from hf_altparams.testing.launch import write_rank_result
+    from hf_altparams.testing.meters import PeakMemory
+    from hf_altparams.testing.models import llama_decoder
+
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        if args.memory_gb:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gb * 1e9 / total), device)
+    shape = json.loads(args.shape)
+    # Warm-up on a tiny model of the same kind: imports, kernels and autograd's threads are
+    # in the baseline, so the peak growth is the model state plus activations.
+    tiny = llama_decoder(layers=1, hidden=64, intermediate=128, heads=2, vocab=64, device=str(device))
+    tiny(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device)).logits.float().sum().backward()
+    del tiny
+    meter = PeakMemory(device)
+    meter.mark_baseline()
+    result: dict[str, Any] = {"scenario": args.scenario, "world_size": world}
+    try:
+        bf16 = args.scenario.startswith("bf16")
+        model = llama_decoder(**shape, max_positions=max(args.seq, 64), device=str(device),
+                              dtype=torch.bfloat16 if bf16 else torch.float32)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-5, foreach=cuda)
+        groups = _groups(model)
+        switcher = None
+        if args.scenario == "ddp_full":
+            optimizer: torch.optim.Optimizer = adamw(model.parameters())
+        else:
+            if bf16:
+                optimizer = PrecisionOptimizer(groups, adamw, storage_dtype=torch.bfloat16,
+                                               master_policy=args.scenario.split("_")[1], state_policy="drop")
+            else:
+                optimizer = GroupedOptimizer(groups, adamw, state_policy="drop")
+            switcher = PhaseSwitcher(groups, _schedule(groups, args.steps_per_block), optimizer=optimizer)
+            switcher.step_to(0)
+        ddp = DDP(model, device_ids=[device.index] if cuda else None, init_sync=False)
+        if switcher is not None:
+            switcher.attach(ddp)
+        counter = register_comm_counter(ddp)
+        gen = torch.Generator().manual_seed(rank)
+        times, sent = [], []
+        for step in range(args.steps):
+            ids = torch.randint(0, shape["vocab"], (args.batch, args.seq), generator=gen).to(device)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            logits = ddp(input_ids=ids).logits
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+            del logits
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            sent.append(counter.end_step())
+            if switcher is not None:
+                switcher.step_to(step + 1)
+        result.update(
+            peak_growth_bytes=meter.peak_growth(), peak_bytes=meter.peak(),
+            step_seconds=statistics.median(times[1:] or times), allreduce_bytes=max(sent),
+            params=sum(p.numel() for p in model.parameters()), oom=False,
+        )
+        del ddp, switcher
+    except torch.cuda.OutOfMemoryError as err:
+        result.update(oom=True, error=str(err).splitlines()[0], peak_bytes=meter.peak(),
+                      peak_growth_bytes=meter.peak_growth())
+    write_rank_result(args.out, result, rank=rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- driver
+def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc: int) -> list[dict[str, Any]]:
+    from hf_altparams.testing.launch import free_port, rank_results
+
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # glibc's dynamic mmap threshold otherwise serves large tensors from a fragmenting heap
+        # (see RESULTS.md, "Reading the CPU figures"): RSS would measure the allocator, not the state
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--worker",
+               "--scenario", scenario, "--out", out, "--device", args.device, "--shape", json.dumps(shape),
+               "--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps-per-block", str(args.steps_per_block), "--memory-gb", str(args.memory_gb)]
+        cmd += ["--checkpointing"] if args.checkpointing else []
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{scenario} failed:\n{proc.stdout[-4000:]}")
+        return rank_results(out, nproc)
+
+
+def largest_fitting(scenario: str, budget: int, world: int) -> tuple[int, int, int]:
+    """Largest (layers, hidden) of a Llama-style shape (layers = hidden / 128) whose model state fits."""
+    best = (0, 0, 0)
+    for hidden in range(1024, 16385, 512):
+        layers = hidden // 128
+        shape = {"layers": layers, "hidden": hidden, "intermediate": int(hidden * 2.6875) // 64 * 64,
+                 "heads": hidden // 128, "vocab": 32000}
+        if planned_peak(scenario, shape, world) > budget:
+            break
+        best = (layers, hidden, sum(_numel(shape).values()))
+    return best
+
+
+def _numel(shape: dict[str, int]) -> dict[str, int]:
+    h, i, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+    return {"layers": shape["layers"] * (4 * h * h + 3 * h * i + 2 * h), "emb": v * h, "head": v * h + h}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", choices=SCENARIOS)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", help="JSON LlamaConfig shape (default: CPU scaled-down / CUDA 7B)")
+    parser.add_argument("--nproc", type=int, help="ranks (CPU default 2, CUDA 1)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps-per-block", type=int, default=1)
+    parser.add_argument("--memory-gb", type=float, default=0.0, help="CUDA: emulate a card of this size")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--budget-gib", type=float, default=16.0, help="model-state budget for 'largest fitting'")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    from _machine import machine
+    from hf_altparams.testing.models import LLAMA_7B
+
+    cuda = args.device == "cuda"
+    if cuda:
+        args.memory_gb = args.memory_gb or 24.0
+        args.checkpointing = True
+    shape = json.loads(args.shape) if args.shape else (dict(LLAMA_7B) if cuda else dict(CPU_SHAPE))
+    nproc = args.nproc or (1 if cuda else 2)
+    args.steps = args.steps or (4 if args.quick else (2 * (shape["layers"] + 2) if not cuda else 8))
+    args.seq = args.seq or (512 if cuda else 32)
+    where = machine(args.device, nproc)
+    print(where, flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for scenario in SCENARIOS:
+        ranks = launch(scenario, args, shape, nproc)
+        worst = max(ranks, key=lambda r: r.get("peak_growth_bytes", 0))
+        worst["planned_bytes"] = planned_peak(scenario, shape, nproc, steps=args.steps, host_too=not cuda)
+        rows[scenario] = worst
+        print(f"  {scenario}: {json.dumps({k: v for k, v in worst.items() if k != 'error'})}", flush=True)
+
+    lines = [f"### Large model, {where}", "",
+             f"Llama-style decoder {shape}, {nproc} rank(s), batch {args.batch} x seq {args.seq}, {args.steps} "
+             f"steps, one block at a time (BAdam order, {args.steps_per_block} step(s) per block), AdamW"
+             + (f", {args.memory_gb:g} GB emulated, gradient checkpointing" if cuda
+                else ", foreach=False, glibc MALLOC_MMAP_THRESHOLD_=1048576") + ".",
+             "", "| scenario | peak per rank | planner: model state" + (" (device + host)" if not cuda else "") + " | measured / planner | all-reduced per step "
+             "| step time | vs ddp_full step |", "|---|---|---|---|---|---|---|"]
+    base_time = rows["ddp_full"].get("step_seconds")
+    for name, row in rows.items():
+        if row.get("oom"):
+            lines.append(f"| {name} | out of memory | {row['planned_bytes'] / MIB:.0f} MiB | - | - | - | - |")
+            continue
+        growth = row["peak_growth_bytes"] if not cuda else row["peak_bytes"]
+        ratio = f"{growth / row['planned_bytes']:.3f}" if row["planned_bytes"] else "-"
+        rel = f"{row['step_seconds'] / base_time:.2f}x" if base_time else "-"
+        lines.append(f"| {name} | {growth / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
+                     f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |")
+    lines += ["", "Planner, Llama-2-7B shape, 8 ranks (model state per rank, before activations):", "",
+              "| scenario | model state per rank | all-reduced per step |", "|---|---|---|"]
+    for name in SCENARIOS:
+        plan = plan_for(name, dict(LLAMA_7B), 8)
+        row = plan.everything if name == "ddp_full" else max(plan.phases, key=lambda r: r.device_bytes)
+        lines.append(f"| {name} | {row.device_bytes / GIB:.1f} GiB | {row.allreduce_bytes / GIB:.2f} GiB |")
+    budget = int(args.budget_gib * GIB)
+    lines += ["", f"Largest Llama-style model whose model state fits {args.budget_gib:g} GiB per rank (planner, "
+              "layers = hidden / 128, vocab 32000, 8 ranks):", "", "| scenario | layers x hidden | params |",
+              "|---|---|---|"]
+    for name in SCENARIOS:
+        layers, hidden, params = largest_fitting(name, budget, 8)
+        lines.append(f"| {name} | {layers} x {hidden} | {params / 1e9:.2f} B |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"large_model_{args.device}"
+    (out / f"{stem}.md").write_text(report)
+    (out / f"{stem}.json").write_text(json.dumps({"machine": where, "shape": shape, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""Low-precision storage: parameters in bf16/fp16, fp32 masters only for the groups that train.
+
+:class:`PrecisionOptimizer` is a :class:`~hf_altparams.engine.GroupedOptimizer`
+for a model whose parameters are *stored* in a low-precision dtype (bf16 or
+fp16). Forward and backward run in the storage dtype, so gradients are
+produced, bucketed and all-reduced by DDP in that dtype: the bytes on the wire
+per step are ``trainable parameters x 2``. A group that trains has an fp32
+*master* copy of its parameters; ``step()`` hands the inner optimizer the
+master (and the gradient cast to fp32), so the optimizer state is created and
+updated in fp32, and writes the rounded result back into the stored
+parameter. A group that goes idle keeps its master according to
+``master_policy``:
+
+* ``"offload"``: the master moves to host memory (pinned from CUDA) and comes
+  back when the group trains again. Exact: the run equals one that kept every
+  master on the device.
+* ``"drop"``: the master is freed and re-created from the stored (rounded)
+  weights when the group returns, as BAdam does. Cost: whatever the master
+  held below the storage precision is lost at every re-entry; each re-entry
+  rounds the group's weights once to bf16 (relative error up to 2**-9) or
+  fp16 (2**-12), i.e. updates smaller than half a storage ulp that had
+  accumulated in the master during the group's last active stretch are
+  forgotten. Saves 4 bytes per idle parameter of host memory.
+* ``"keep"``: the master stays where it is (device memory: 4 bytes per
+  parameter, idle or not).
+
+Model state per rank at the step is then ``2 x all parameters + (4 master +
+4 fp32 gradient + 2 DDP bucket + optimizer state) x active parameters`` (+ the
+idle groups' state and masters per policy); ``python -m hf_altparams plan
+--storage-dtype bfloat16`` computes it.
+
+The swap is done on ``param.data`` for the duration of the inner step only, so
+everything that knows a parameter by identity (DDP, ``state_dict`` names, LR
+schedulers, checkpoints) keeps working. Masters are saved in
+:meth:`PrecisionOptimizer.state_dict` (``"masters"``), so a resumed run is exact.
+
+fp16 storage needs loss scaling: pass ``loss_scale="dynamic"`` (or a number)
+and back-propagate ``optimizer.scale_loss(loss)``. (Accelerate's and the
+Trainer's fp16 ``GradScaler`` refuse fp16 gradients; use bf16 storage there.) Gradients are unscaled in fp32;
+a step with a non-finite gradient is skipped on every rank (the gradients are
+all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
+
+Not done here: gradient accumulation in fp32 (with accumulation > 1 the
+gradients accumulate in the storage dtype inside ``param.grad``), and an
+all-reduce dtype other than the storage dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from ..errors import AltParamsError, PlanError
+from ..plan.groups import ParamGroups
+from ._transfer import HostCopies, to_device, to_host
+from .optim import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
+
+__all__ = ["MasterPolicy", "PrecisionOptimizer", "DynamicLossScale"]
+
+MasterPolicy = Literal["keep", "offload", "drop"]
+MASTER_POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
+STORAGE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+PRECISION_FORMAT = "hf_altparams.PrecisionOptimizer/1"
+
+
+class DynamicLossScale:
+    """A loss scale that halves on a non-finite gradient and doubles after ``growth_interval`` clean steps.
+
+    Example:
+        >>> s = DynamicLossScale(init_scale=8.0, growth_interval=2)
+        >>> s.update(found_inf=True); s.scale
+        4.0
+        >>> s.update(False); s.update(False); s.scale
+        8.0
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, dynamic: bool = True) -> None:
+        if not init_scale > 0:
+            raise PlanError(f"`loss_scale` must be positive; got {init_scale!r}")
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.dynamic = dynamic
+        self._clean = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a step (skipped if ``found_inf``)."""
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self._clean = 0
+        else:
+            self._clean += 1
+            if self._clean >= self.growth_interval:
+                self.scale *= 2.0
+                self._clean = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "clean": self._clean}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._clean = int(state["clean"])
+
+
+class _masters_in_place:
+    """Within the block, each master replaces its parameter in the optimizers' groups and state."""
+
+    def __init__(self, optimizer: GroupedOptimizer, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        self.optimizer = optimizer
+        self.master_of = {id(p): m for p, m in pairs}
+        self.pairs = pairs
+
+    def _swap(self, forward: bool) -> None:
+        lookup = self.master_of if forward else {id(m): p for p, m in self.pairs}
+        for opt in self.optimizer.inner.values():
+            for group in opt.param_groups:
+                group["params"] = [lookup.get(id(t), t) for t in group["params"]]
+            for old in [t for t in opt.state if id(t) in lookup]:
+                opt.state[lookup[id(old)]] = opt.state.pop(old)
+
+    def __enter__(self) -> None:
+        self._swap(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._swap(False)
+
+
+class PrecisionOptimizer(GroupedOptimizer):
+    """A :class:`GroupedOptimizer` over low-precision parameters with fp32 masters for active groups.
+
+    Args:
+        groups: the parameter groups (of a model stored in ``storage_dtype``).
+        optimizers: factory (or one per group), as for :class:`GroupedOptimizer`.
+        storage_dtype: ``torch.bfloat16`` or ``torch.float16``; floating-point
+            parameters of the groups in another dtype are cast to it in place
+            (do this before wrapping the model in DDP). ``None``: keep the dtype
+            the parameters have.
+        master_policy: what an idle group's fp32 master does: ``"offload"``
+            (default, exact), ``"drop"`` (re-created from the stored weights) or
+            ``"keep"``; one value or one per group.
+        state_policy: idle groups' optimizer state, as for :class:`GroupedOptimizer`.
+        loss_scale: ``None`` (default; right for bf16), ``"dynamic"`` (for fp16)
+            or a fixed number. With a loss scale the loop must back-propagate
+            ``optimizer.scale_loss(loss)``; ``step()`` refuses gradients of an
+            unscaled loss.
+        active: the groups that step at first (default all).
+
+    Example:
+        >>> import functools, torch
+        >>> from hf_altparams.plan import ParamGroups
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> opt = PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
+        ...                          storage_dtype=torch.bfloat16, master_policy="drop", active={"a"})
+        >>> net[0].weight.dtype, opt.master_bytes()  # masters appear at a group's first step
+        (torch.bfloat16, {})
+        >>> net(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> opt.master_bytes()
+        {'cpu': 24}
+        >>> opt.set_active({"b"}); opt.master_bytes()  # "drop": group a's master is gone
+        {}
+    """
+
+    def __init__(
+        self,
+        groups: ParamGroups,
+        optimizers: Union[OptimizerFactory, Mapping[str, OptimizerFactory]],
+        *,
+        storage_dtype: Optional[torch.dtype] = torch.bfloat16,
+        master_policy: Union[MasterPolicy, Mapping[str, MasterPolicy]] = "offload",
+        state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+        loss_scale: Union[None, str, float] = None,
+        active: Optional[Iterable[str]] = None,
+    ) -> None:
+        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
+            raise PlanError(f"`storage_dtype` is {storage_dtype!r}; accepted: {list(STORAGE_DTYPES)} or None")
+        policies = _per_group(master_policy, groups.names, "master_policy")
+        for name, policy in policies.items():
+            if policy not in MASTER_POLICIES:
+                raise PlanError(f"`master_policy` for group {name!r} is {policy!r}; accepted: {list(MASTER_POLICIES)}")
+        if storage_dtype is not None:
+            for name in groups.names:
+                for param in groups.params(name):
+                    if param.is_floating_point() and param.dtype != storage_dtype:
+                        param.data = param.data.to(storage_dtype)
+        self.loss_scale: Optional[DynamicLossScale] = None
+        if loss_scale == "dynamic":
+            self.loss_scale = DynamicLossScale()
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            self.loss_scale = DynamicLossScale(float(loss_scale), dynamic=False)
+        elif loss_scale is not None:
+            raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic' or a positive number")
+        self.master_policies: dict[str, str] = policies
+        self.masters: dict[str, dict[str, torch.Tensor]] = {n: {} for n in groups.names}
+        self._master_copies = HostCopies()
+        self.skipped_steps = 0
+        self._loss_scaled = False
+        super().__init__(groups, optimizers, state_policy=state_policy, active=active)
+
+    # ---------------------------------------------------------------- masters
+    @staticmethod
+    def _needs_master(param: nn.Parameter) -> bool:
+        return param.is_floating_point() and param.dtype != torch.float32
+
+    def set_active(self, names: Iterable[str]) -> None:
+        """Make ``names`` the groups that step (their offloaded masters come back to the
+        parameters' device); idle groups' masters follow ``master_policy``; then the
+        optimizer-state policy applies."""
+        new_active = frozenset(n for n in names if n in self.inner)
+        for name in self.groups.names:
+            if name in new_active:
+                self._materialize(name)
+            else:
+                self._idle_master(name)
+        super().set_active(new_active)
+
+    def _materialize(self, name: str) -> None:
+        """Bring group ``name``'s offloaded masters back; missing ones are created at its next step."""
+        masters = self.masters[name]
+        for pname, param in self.groups.named_params(name):
+            master = masters.get(pname)
+            if master is not None and master.device != param.device:
+                masters[pname] = to_device(master, param.device)
+
+    def _master(self, name: str, pname: str, param: nn.Parameter) -> torch.Tensor:
+        """Group ``name``'s master of ``param``: created at its first step (or after a drop)
+        from the stored (rounded) weights, so only groups that train ever hold one."""
+        master = self.masters[name].get(pname)
+        if master is None:
+            master = self.masters[name][pname] = param.detach().to(dtype=torch.float32, copy=True)
+        return master
+
+    def _idle_master(self, name: str) -> None:
+        policy = self.master_policies[name]
+        if policy == "drop":
+            self.masters[name].clear()
+        elif policy == "offload":
+            host = torch.device("cpu")
+            for pname, master in list(self.masters[name].items()):
+                if master.device.type != "cpu":
+                    self.masters[name][pname] = to_host(master, host)
+                    self._master_copies.note(master.device)
+            self._master_copies.record()
+
+    def master_bytes(self) -> dict[str, int]:
+        """Bytes held by fp32 masters, by device type."""
+        out: dict[str, int] = {}
+        for masters in self.masters.values():
+            for tensor in masters.values():
+                out[tensor.device.type] = out.get(tensor.device.type, 0) + tensor.nbytes
+        return out
+
+    # ------------------------------------------------------------------- step
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (unchanged without loss scaling)."""
+        if self.loss_scale is None:
+            return loss
+        self._loss_scaled = True
+        return loss * self.loss_scale.scale
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Step the active groups on their fp32 masters; write the rounded values back.
+
+        The stored parameters' gradients are consumed: cast to fp32 onto the
+        masters one by one and released (``None`` after the step, as after
+        ``zero_grad()``), so the step holds 4 bytes of gradient per trainable
+        parameter (plus DDP's bucket in the storage dtype), not 6. With loss
+        scaling, gradients are unscaled in fp32 and a step whose gradients are
+        not all finite is skipped (``skipped_steps`` counts them).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.loss_scale is not None and not self._loss_scaled:
+            raise AltParamsError(
+                "PrecisionOptimizer.step: `loss_scale` is set but no loss was scaled since the last step; "
+                "back-propagate `optimizer.scale_loss(loss)`, or build the optimizer with loss_scale=None"
+            )
+        self._loss_scaled = False
+        inv = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
+        pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (stored param, its fp32 master)
+        found_inf = False
+        for name in self.active:
+            for pname, param in self.groups.named_params(name):
+                if param.grad is None or not self._needs_master(param):
+                    continue
+                master = self._master(name, pname, param)
+                master.grad = param.grad.to(torch.float32)
+                param.grad = None  # released at once: never both copies of every gradient
+                if inv != 1.0:
+                    master.grad.mul_(inv)
+                if self.loss_scale is not None and not bool(torch.isfinite(master.grad).all()):
+                    found_inf = True
+                pairs.append((param, master))
+        if found_inf:
+            self.skipped_steps += 1
+        else:
+            # The inner optimizers step the masters: they stand in for their parameters in
+            # `param_groups` and `state` for the step (Python lists and dicts only; the stored
+            # parameters are never touched, so DDP's autograd hooks on them stay valid).
+            with _masters_in_place(self, pairs):
+                for name in self.groups.names:
+                    if name in self.active:
+                        self.inner[name].step()
+            for param, master in pairs:
+                param.detach().copy_(master)
+        for _, master in pairs:
+            master.grad = None
+        if self.loss_scale is not None:
+            self.loss_scale.update(found_inf)
+        return loss
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The :class:`GroupedOptimizer` state plus every existing fp32 master (on CPU) and the loss scale."""
+        out = super().state_dict()
+        self._master_copies.wait()
+        out["precision"] = {
+            "format": PRECISION_FORMAT,
+            "master_policies": dict(self.master_policies),
+            "masters": {n: {p: t.detach().to("cpu", copy=True) for p, t in m.items()}
+                        for n, m in self.masters.items()},
+            "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`: the optimizer state, then the masters (placed per policy)."""
+        precision = state_dict.get("precision")
+        if not isinstance(precision, Mapping) or precision.get("format") != PRECISION_FORMAT:
+            raise PlanError(
+                "PrecisionOptimizer.load_state_dict: the dict has no `precision` entry of format "
+                f"{PRECISION_FORMAT!r} (it was not saved by PrecisionOptimizer.state_dict(); "
+                "without the masters a resumed run would not be exact)"
+            )
+        saved = precision["masters"]
+        if set(saved) != set(self.masters):
+            raise PlanError(f"PrecisionOptimizer.load_state_dict: saved groups {sorted(saved)} "
+                            f"differ from this optimizer's groups {sorted(self.masters)}")
+        params = {n: dict(self.groups.named_params(n)) for n in self.groups.names}
+        for name, masters in saved.items():
+            unknown = sorted(set(masters) - set(params[name]))
+            if unknown:
+                raise PlanError(f"PrecisionOptimizer.load_state_dict: group {name!r} has masters "
+                                f"for unknown parameters {unknown[:5]}")
+            self.masters[name] = {p: t.to(device=params[name][p].device, dtype=torch.float32, copy=True)
+                                  for p, t in masters.items()}
+        if self.loss_scale is not None and precision.get("loss_scale") is not None:
+            self.loss_scale.load_state_dict(precision["loss_scale"])
+        self.skipped_steps = int(precision.get("skipped_steps", 0))
+        super().load_state_dict(state_dict)
+        # Torch casts loaded optimizer state to its parameter's dtype (the storage dtype):
+        # put the saved fp32 values back.
+        for name in self.groups.names:
+            opt, saved_state = self.inner[name], state_dict["groups"][name]["state"]
+            for pname, param in self.groups.named_params(name):
+                for key, value in saved_state.get(pname, {}).items():
+                    current = opt.state.get(param, {}).get(key)
+                    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
+                            and value.is_floating_point() and current.dtype != value.dtype:
+                        opt.state[param][key] = value.to(device=current.device, copy=True)
+        self.set_active(self.active)  # masters and state placed per policy

@@ -1,0 +1,106 @@
+"""Named recipes over the schedules: LISA and BAdam (block-coordinate fine-tuning).
+
+Both train a few blocks (layers) of a large model at a time. Combined with
+:class:`~hf_altparams.engine.PrecisionOptimizer` (model stored in bf16, fp32
+masters and optimizer state only for the blocks that train, ``master_policy``
+and ``state_policy`` ``"drop"``) they give the memory these methods are used
+for, under DDP, with only the active blocks' gradients all-reduced.
+
+* :func:`lisa`: embeddings and head always train; ``k`` of the layers, drawn
+  at random, train for ``every`` steps, then a new draw (Pan et al., 2024,
+  "LISA: Layerwise Importance Sampling").
+* :func:`badam`: one block at a time for ``steps_per_block`` steps, in order
+  (``"ascending"`` or ``"descending"``) or in a fresh random order each sweep
+  (``"random"``) (Luo et al., 2024, "BAdam: a memory efficient full parameter
+  optimization method"). BAdam drops a block's Adam state when it leaves:
+  use ``state_policy="drop"``.
+
+The draws are seeded by the step alone: every rank and a resumed run agree.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterable, Literal, Sequence
+
+from ..errors import PlanError
+from ._random_fn import FnSchedule, RandomBlocks
+from ._schedule_base import Schedule
+from .schedules import Alternating
+
+__all__ = ["badam", "lisa"]
+
+Order = Literal["ascending", "descending", "random"]
+ORDERS: tuple[str, ...] = ("ascending", "descending", "random")
+
+
+def _names(value: Sequence[str], argument: str) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value) or not value:
+        raise PlanError(f"`{argument}` must be a non-empty list of group names, got {value!r}")
+    return list(value)
+
+
+def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable[str] = ("emb", "head"),
+         seed: int = 0) -> Schedule:
+    """LISA: ``always`` groups train every step; ``k`` random ``layers`` re-drawn every ``every`` steps.
+
+    Args:
+        layers: the layer groups to sample from (e.g. ``groups.names`` minus
+            the embeddings and head of ``ParamGroups.from_layers``).
+        k: layers trained at a time (LISA's gamma; the paper uses 2 to 8).
+        every: steps between draws (LISA's sampling period K).
+        always: groups trained in every phase (embeddings and head in LISA).
+        seed: draws are ``random.Random(f"{seed}:{block}")``: equal on every rank.
+
+    Example:
+        >>> s = lisa(["l0", "l1", "l2", "l3"], k=1, every=2, always=["emb", "head"])
+        >>> phase = s.phase_at(0); sorted(phase.trainable - {"emb", "head"}) == sorted(s.phase_at(1).trainable - {"emb", "head"})
+        True
+        >>> len(phase.trainable)
+        3
+    """
+    return RandomBlocks(_names(layers, "layers"), k=k, every=every, seed=seed, always=always)
+
+
+def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "ascending",
+          always: Iterable[str] = (), seed: int = 0) -> Schedule:
+    """BAdam: one block trains at a time for ``steps_per_block`` steps; blocks in ``order``.
+
+    Args:
+        blocks: the block groups, in model order (e.g. one group per layer).
+        steps_per_block: optimizer steps per block (BAdam's K).
+        order: ``"ascending"``, ``"descending"``, or ``"random"`` (a new
+            permutation of all blocks every sweep, so each sweep trains each
+            block once).
+        always: groups trained with every block (none in BAdam itself).
+        seed: seeds the ``"random"`` permutations.
+
+    Example:
+        >>> s = badam(["l0", "l1", "l2"], steps_per_block=2, order="descending")
+        >>> [s.phase_at(i).name for i in range(6)]
+        ['l2', 'l2', 'l1', 'l1', 'l0', 'l0']
+        >>> r = badam(["l0", "l1", "l2"], steps_per_block=1, order="random")
+        >>> sorted(r.phase_at(i).name for i in range(3))
+        ['l0', 'l1', 'l2']
+    """
+    names = _names(blocks, "blocks")
+    if order not in ORDERS:
+        raise PlanError(f"`order` is {order!r}; accepted: {list(ORDERS)}")
+    if isinstance(steps_per_block, bool) or not isinstance(steps_per_block, int) or steps_per_block < 1:
+        raise PlanError(f"`steps_per_block` must be an int >= 1, got {steps_per_block!r}")
+    extra = tuple(always) if not isinstance(always, str) else (always,)
+    overlap = sorted(set(extra) & set(names))
+    if overlap:
+        raise PlanError(f"`always` groups {overlap} are also in `blocks`; a group is one or the other")
+    if order != "random":
+        ordered = names if order == "ascending" else names[::-1]
+        return Alternating([(b, *extra) if extra else b for b in ordered], every=steps_per_block)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"`seed` must be an int, got {seed!r}")
+
+    def sweep(step: int, epoch: int) -> list[str]:
+        block = step // steps_per_block
+        permutation = random.Random(f"{seed}:{block // len(names)}").sample(names, len(names))
+        return [permutation[block % len(names)], *extra]
+
+    return FnSchedule(sweep, groups=[*names, *extra], name=f"badam-random-{seed}-{steps_per_block}-{len(names)}")

@@ -1,0 +1,149 @@
+"""PrecisionOptimizer in one process: masters only for active groups, policies, fp16 loss scaling, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from hf_altparams import AltParamsError, ParamGroups, PlanError, PrecisionOptimizer
+from hf_altparams.engine import PhaseSwitcher
+from hf_altparams.plan import Alternating
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+
+
+GROUPS = {"a": "0.*", "b": "2.*", "c": "4.*"}
+
+
+def _train(policy: str, steps: int = 8, dtype: torch.dtype = torch.bfloat16, **kw: object) -> tuple[nn.Module, PrecisionOptimizer]:
+    model = _model()
+    groups = ParamGroups(model, GROUPS)
+    opt = PrecisionOptimizer(groups, ADAMW, storage_dtype=dtype, master_policy=policy, **kw)  # type: ignore[arg-type]
+    switcher = PhaseSwitcher(groups, Alternating(["a", "b", "c"], every=2), optimizer=opt)
+    for step in range(steps):
+        switcher.step_to(step)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).to(dtype)
+        opt.scale_loss(model(x).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_parameters_are_stored_low_precision_with_fp32_masters_and_state_for_active_groups_only() -> None:
+    model, opt = _train("drop", steps=3)  # phase "b" at step 3
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    active = sum(p.numel() for p in model[2].parameters())
+    assert opt.master_bytes() == {"cpu": 4 * active}
+    for tensor in opt.inner["b"].state[model[2].weight].values():
+        if tensor.is_floating_point() and tensor.dim() > 0:
+            assert tensor.dtype == torch.float32
+
+
+def test_offload_equals_keep_and_drop_rounds_on_reentry() -> None:
+    kept, _ = _train("keep", steps=9)
+    offloaded, _ = _train("offload", steps=9)
+    dropped, _ = _train("drop", steps=9)
+    for k, o in zip(kept.parameters(), offloaded.parameters()):
+        assert torch.equal(k, o)
+    # group "a" re-entered at step 6 from its rounded weights: it may differ, by a few bf16 ulps at most
+    diffs = [(k.float() - d.float()).abs().max().item() for k, d in zip(kept.parameters(), dropped.parameters())]
+    assert max(diffs) < 0.05
+
+
+def test_bf16_storage_with_masters_beats_bf16_updates_without_them() -> None:
+    """Small updates vanish when written straight into bf16; the master keeps them."""
+    param = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    holder = nn.Module()
+    holder.w = param
+    opt = PrecisionOptimizer(ParamGroups(holder, {"w": "w"}), functools.partial(torch.optim.SGD, lr=1e-4))
+    naive = torch.ones(64, dtype=torch.bfloat16)
+    for _ in range(100):
+        param.grad = torch.ones_like(param)
+        opt.step()
+        naive -= 1e-4  # bf16 ulp at 1.0 is 2**-7: every update rounds away
+    assert torch.equal(naive, torch.ones(64, dtype=torch.bfloat16))
+    assert param.float().mean().item() == pytest.approx(0.99, abs=2 ** -8)
+
+
+def test_fp16_dynamic_loss_scale_skips_non_finite_steps() -> None:
+    model, opt = _train("offload", steps=6, dtype=torch.float16, loss_scale="dynamic")
+    assert opt.loss_scale is not None
+    skipped = opt.skipped_steps  # 2**16 overflows fp16 here at first: the scale halves until it fits
+    assert skipped < 6 and opt.loss_scale.scale == 2.0 ** (16 - skipped)
+    before = copy.deepcopy(model.state_dict())
+    scale = opt.loss_scale.scale
+    model[4].weight.grad = torch.full_like(model[4].weight, float("inf"))  # group "c" is active
+    with pytest.raises(AltParamsError, match="scale_loss"):
+        opt.step()  # gradients of an unscaled loss would be divided by the scale
+    opt.scale_loss(torch.zeros(()))
+    opt.step()
+    assert opt.skipped_steps == skipped + 1 and opt.loss_scale.scale == scale / 2
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_state_dict_round_trip_restores_masters_and_fp32_state_exactly() -> None:
+    model, opt = _train("offload", steps=5)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = _model()
+    fresh.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    opt2 = PrecisionOptimizer(ParamGroups(fresh, GROUPS), ADAMW, master_policy="offload", active=opt.active)
+    opt2.load_state_dict(saved)
+    assert opt2.master_bytes() == opt.master_bytes()
+    for name in GROUPS:
+        for pname, master in opt.masters[name].items():
+            assert torch.equal(opt2.masters[name][pname], master)
+    again = opt2.state_dict()
+    for name in GROUPS:
+        for pname, state in saved["groups"][name]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(again["groups"][name]["state"][pname][key], value), (name, pname, key)
+                assert again["groups"][name]["state"][pname][key].dtype == value.dtype
+
+
+def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
+    groups = ParamGroups(_model(), GROUPS)
+    with pytest.raises(PlanError, match="`master_policy` for group 'a' is 'swap'"):
+        PrecisionOptimizer(groups, ADAMW, master_policy="swap")  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="`storage_dtype`"):
+        PrecisionOptimizer(groups, ADAMW, storage_dtype=torch.int8)
+    with pytest.raises(PlanError, match="`loss_scale`"):
+        PrecisionOptimizer(groups, ADAMW, loss_scale="always")
+    opt = PrecisionOptimizer(groups, ADAMW)
+    with pytest.raises(PlanError, match="precision"):
+        opt.load_state_dict({k: v for k, v in opt.state_dict().items() if k != "precision"})
+
+
+@pytest.mark.cuda
+def test_cuda_idle_masters_go_to_pinned_host_memory_and_the_run_equals_keep() -> None:
+    def run(policy: str) -> tuple[nn.Module, PrecisionOptimizer, list[dict[str, int]]]:
+        model = _model().cuda()
+        groups = ParamGroups(model, GROUPS)
+        opt = PrecisionOptimizer(groups, ADAMW, master_policy=policy)  # type: ignore[arg-type]
+        switcher = PhaseSwitcher(groups, Alternating(["a", "b", "c"], every=2), optimizer=opt)
+        where = []
+        for step in range(9):
+            switcher.step_to(step)
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            where.append(opt.master_bytes())
+        return model, opt, where
+
+    kept, _, _ = run("keep")
+    offloaded, opt, where = run("offload")
+    # step 8 trains "b" (every=2: a a b b c c a a b); "a" and "c" are idle, their masters pinned on the host
+    assert all(m.is_pinned() for masters in (opt.masters["a"], opt.masters["c"]) for m in masters.values())
+    assert where[-1]["cuda"] == 4 * sum(p.numel() for p in offloaded[2].parameters())
+    for k, o in zip(kept.parameters(), offloaded.parameters()):
+        assert torch.equal(k, o)
