@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from accelerate import Accelerator
@@ -46,6 +46,7 @@ from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.memory import rss_bytes
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
+from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
@@ -87,6 +88,11 @@ class PhasedAccelerator(Accelerator):
         switcher_options: more keyword arguments for the
             :class:`~hf_altparams.engine.PhaseSwitcher` (``offload_device``,
             ``prefetch``, ``buffer_sync``, ``frozen_norms``, ``full_gc``, ...).
+        frozen_prefix: ``True`` or a :class:`~hf_altparams.engine.prefix.FrozenPrefix`:
+            run the frozen leading layers in eval mode and start the forward from
+            their cached output per sample (the loop passes ``sample_index=`` to the
+            model); ``accelerator.frozen_prefix`` reports, and switch logs carry
+            ``altparams/prefix_*`` (hit rate, bytes held, seconds saved).
         **kwargs: passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -111,6 +117,7 @@ class PhasedAccelerator(Accelerator):
         log_switches: bool = True,
         release: bool = True,
         switcher_options: Optional[Mapping[str, Any]] = None,
+        frozen_prefix: Union[None, bool, FrozenPrefix] = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(schedule, Schedule):
@@ -125,6 +132,8 @@ class PhasedAccelerator(Accelerator):
             raise PlanError(
                 f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
             )
+        self._prefix_option = as_frozen_prefix(frozen_prefix)
+        self.frozen_prefix: Optional[FrozenPrefixCache] = None
         options = dict(switcher_options or {})
         accepted = sorted(set(inspect.signature(PhaseSwitcher.__init__).parameters)
                           - {"self", "groups", "schedule", "optimizer", "model", "release"})
@@ -294,6 +303,8 @@ class PhasedAccelerator(Accelerator):
         first = self.switcher.records[-1]  # taken before DDP existed: fill in what its reducer reduces
         self.switcher.records[-1] = dataclasses.replace(
             first, allreduce_bytes_per_step=self.switcher.allreduce_bytes_per_step(), rebuilt_ddp=False)
+        if self._prefix_option is not None:
+            self.frozen_prefix = FrozenPrefixCache(self.switcher.module, self._prefix_option).attach()
         self._after_switch(self.switcher.records[-1])
 
     # ------------------------------------------------------- the training loop
@@ -364,6 +375,8 @@ class PhasedAccelerator(Accelerator):
             metrics[f"{prefix}max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
             metrics[f"{prefix}rss_bytes"] = rss_bytes()
+        if self.frozen_prefix is not None:  # what the cache did for the prefix that just ended
+            metrics.update(self.frozen_prefix.metrics(prefix))
         return metrics
 
     # ------------------------------------------------------------- checkpoints
@@ -400,7 +413,9 @@ class PhasedAccelerator(Accelerator):
 
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
-        self.switcher, self.comm_counter, self._grouped = None, None, None
+        if self.frozen_prefix is not None:
+            self.frozen_prefix.detach()
+        self.switcher, self.comm_counter, self._grouped, self.frozen_prefix = None, None, None, None
         self.groups = self._groups_given
         self._trainable, self._step_pending = [], False
         self.schedule_step, self.schedule_epoch = 0, 0
