@@ -52,9 +52,11 @@ step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$
 if [ "$QUICK" = 1 ]; then
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
+    step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 512 --seq 128 --batch 32 --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
+    step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 4096 --seq 128 --batch 64 --out "$RESULTS"
 fi
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"
