@@ -74,7 +74,7 @@ class ActivationStore:
         for j, index in enumerate(indices):
             if index in self:
                 continue
-            row = rows[j].detach().to("cpu", copy=True).contiguous()
+            row = rows[j].detach().to("cpu").clone()  # not a view: the batch tensor is freed
             size = row.numel() * row.element_size()
             budget = self.memory_budget_bytes
             if budget is None or self.memory_bytes + size <= budget:

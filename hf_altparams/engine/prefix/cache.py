@@ -338,7 +338,8 @@ class FrozenPrefixCache:
     def _store(self, hidden: torch.Tensor) -> None:
         missing = [j for j, idx in enumerate(self._indices) if idx not in self.store]
         if missing:
-            self.store.put([self._indices[j] for j in missing], hidden.detach()[missing])
+            rows = hidden.detach()[missing].to("cpu")  # one device-to-host copy per batch
+            self.store.put([self._indices[j] for j in missing], rows)
         self.record.prefix_seconds += time.perf_counter() - self._started
         self.record.miss_batches += 1
         self.record.miss_samples += len(self._indices)
