@@ -168,6 +168,22 @@ def test_layout_the_cache_cannot_replay_is_refused() -> None:
         model(torch.randint(0, 50, (2, SEQ)), sample_index=torch.arange(2))
 
 
+def test_prefix_fed_by_a_trainable_tensor_is_refused() -> None:
+    model = TinyEncoder(layers=2, dropout=0.0)
+    model.embeddings.requires_grad_(False)
+    model.layers[0].requires_grad_(False)
+    prompt = nn.Parameter(torch.zeros(16))
+    table = model.embeddings.tok
+    model.embeddings.forward = lambda ids: table(ids) + prompt  # type: ignore[method-assign]
+    cache = FrozenPrefixCache(model, FrozenPrefix()).attach()
+    with pytest.raises(AltParamsError, match="input 0 of the frozen stage 'layers.0' requires grad"):
+        model(torch.randint(0, 50, (2, SEQ)), sample_index=torch.arange(2))
+    model.layers[0].requires_grad_(True)  # the prefix is the embeddings alone: its output is checked
+    with pytest.raises(AltParamsError, match="the 'output' of the frozen stage 'embeddings' requires grad"):
+        model(torch.randint(0, 50, (2, SEQ)), sample_index=torch.arange(2))
+    assert len(cache.store) == 0
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"augmentation": True}, "augmentation=True"),
     ({"missing_index": "skip"}, "`missing_index` must be"),

@@ -168,7 +168,7 @@ class FrozenPrefixCache:
         self.records: list[PrefixRecord] = []
         self.record = PrefixRecord(0, ())
         self._fingerprint: tuple[Any, ...] = ()
-        self._installed: list[nn.Module] = []
+        self._installed: list[tuple[nn.Module, Any]] = []
         self._mode: Optional[str] = None
         self._rows: Optional[torch.Tensor] = None
         self._indices: list[int] = []
@@ -233,8 +233,11 @@ class FrozenPrefixCache:
         return tuple((id(p), p.data_ptr(), p._version) for params in self._stage_params[: self.depth] for p in params)
 
     def _set_depth(self, depth: int) -> None:
-        for module in self._installed:
-            module.__dict__.pop("forward", None)
+        for module, previous in self._installed:  # back to the forward each stage had before
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]
         self._installed = []
         if self.config.eval_frozen:  # stages leaving the prefix train again with the model
             for stage in self.stages[depth: self.depth]:
@@ -249,8 +252,8 @@ class FrozenPrefixCache:
         self._fingerprint = self._weights_fingerprint()
         if depth and self.config.cache:
             for i, stage in enumerate(self.stages[:depth]):
+                self._installed.append((stage, stage.__dict__.get("forward")))
                 stage.forward = self._stage_forward(i, stage.forward)  # type: ignore[method-assign]
-                self._installed.append(stage)
 
     def _refresh(self) -> None:
         depth = self._frozen_depth()
@@ -322,6 +325,8 @@ class FrozenPrefixCache:
                 return _like(self._formats[i], _hidden_in(args, kwargs))
             if self._mode != _MISS:
                 return original(*args, **kwargs)
+            self._refuse_trainable([k for k, v in (*enumerate(args), *kwargs.items())
+                                    if isinstance(v, torch.Tensor) and v.requires_grad], f"input {{}} of", i)
             if i == 0:
                 self._started = time.perf_counter()
             elif self._checking:
@@ -330,10 +335,19 @@ class FrozenPrefixCache:
             self._formats[i] = None if isinstance(out, torch.Tensor) else len(out)
             self._expected = _hidden_out(out)
             if last:
+                self._refuse_trainable(["output"] if _hidden_out(out).requires_grad else [], "the {} of", i)
                 self._store(_hidden_out(out))
             return out
 
         return run
+
+    def _refuse_trainable(self, found: list[Any], what: str, i: int) -> None:
+        if found:
+            raise AltParamsError(
+                f"frozen-prefix cache: {what.format(repr(found[0]))} the frozen stage {self.stage_names[i]!r} "
+                "requires grad: it comes from trainable parameters outside the stages (a soft prompt, a trainable "
+                "input projection), so a cached output would go stale. Pass `cache=False`"
+            )
 
     def _store(self, hidden: torch.Tensor) -> None:
         missing = [j for j, idx in enumerate(self._indices) if idx not in self.store]
