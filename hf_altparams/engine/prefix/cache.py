@@ -326,7 +326,7 @@ class FrozenPrefixCache:
             if self._mode != _MISS:
                 return original(*args, **kwargs)
             self._refuse_trainable([k for k, v in (*enumerate(args), *kwargs.items())
-                                    if isinstance(v, torch.Tensor) and v.requires_grad], f"input {{}} of", i)
+                                    if isinstance(v, torch.Tensor) and v.requires_grad], "input {} of", i)
             if i == 0:
                 self._started = time.perf_counter()
             elif self._checking:
