@@ -39,7 +39,17 @@ _HIT, _MISS, _RUN = "hit", "miss", "run"
 
 @dataclass
 class PrefixRecord:
-    """What the cache did while one prefix stayed frozen (one record per prefix)."""
+    """What the cache did while one prefix stayed frozen (one record per prefix).
+
+    ``depth`` counts stages (the embeddings, then blocks); samples and batches
+    that hit or missed; ``compute_seconds`` ran the prefix on missing batches,
+    ``load_seconds`` gathered cached rows; bytes held in memory and on disk.
+
+    Example:
+        >>> r = PrefixRecord(2, ("emb", "layers.0"), hit_samples=30, miss_samples=10, compute_seconds=1.0)
+        >>> r.hit_rate, r.seconds_saved, r.as_log()["altparams/prefix_hit_rate"]
+        (0.75, 3.0, 0.75)
+    """
 
     depth: int
     stages: tuple[str, ...]
@@ -47,7 +57,7 @@ class PrefixRecord:
     miss_samples: int = 0
     hit_batches: int = 0
     miss_batches: int = 0
-    prefix_seconds: float = 0.0  # spent running the prefix on computing batches
+    compute_seconds: float = 0.0  # spent running the prefix on computing batches
     load_seconds: float = 0.0  # spent gathering cached rows
     memory_bytes: int = 0
     disk_bytes: int = 0
@@ -62,7 +72,7 @@ class PrefixRecord:
         """Estimated prefix time avoided on hits (per-sample cost of misses), less the load time."""
         if not self.miss_samples:
             return 0.0
-        return self.hit_samples * self.prefix_seconds / self.miss_samples - self.load_seconds
+        return self.hit_samples * self.compute_seconds / self.miss_samples - self.load_seconds
 
     def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float]]:
         data = {k: v for k, v in asdict(self).items() if k != "stages"}
@@ -354,7 +364,7 @@ class FrozenPrefixCache:
         if missing:
             rows = hidden.detach()[missing].to("cpu")  # one device-to-host copy per batch
             self.store.put([self._indices[j] for j in missing], rows)
-        self.record.prefix_seconds += time.perf_counter() - self._started
+        self.record.compute_seconds += time.perf_counter() - self._started
         self.record.miss_batches += 1
         self.record.miss_samples += len(self._indices)
         self.record.memory_bytes, self.record.disk_bytes = self.store.memory_bytes, self.store.disk_bytes
