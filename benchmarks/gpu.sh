@@ -60,6 +60,7 @@ if [ "$QUICK" = 1 ]; then
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 500 --warmup 100 --out "$RESULTS"
     step large-model "$PY" benchmarks/large_model.py --device cuda --quick --out "$RESULTS"
+    step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 512 --seq 128 --batch 32 --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --repeats 3 --out "$RESULTS"
     step alternating-layers "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --layers 8 --repeats 3 \
@@ -68,6 +69,7 @@ else
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 5000 --warmup 500 --out "$RESULTS"
     # Llama-2-7B shape, 24 GB emulated (set_per_process_memory_fraction), seq 512, batch 1, checkpointing
     step large-model "$PY" benchmarks/large_model.py --device cuda --out "$RESULTS"
+    step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 4096 --seq 128 --batch 64 --out "$RESULTS"
 fi
 # Where a switch's time goes on the GPU (one process, no all-reduce): printed into gpu.log.
 step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from accelerate import Accelerator
@@ -54,6 +54,7 @@ from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
 from ..engine._layout import remember
 from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError
@@ -106,6 +107,11 @@ class PhasedAccelerator(Accelerator):
         switcher_options: more keyword arguments for the
             :class:`~hf_altparams.engine.PhaseSwitcher` (``offload_device``,
             ``prefetch``, ``buffer_sync``, ``frozen_norms``, ``full_gc``, ...).
+        frozen_prefix: ``True`` or a :class:`~hf_altparams.engine.prefix.FrozenPrefix`:
+            run the frozen leading layers in eval mode and start the forward from
+            their cached output per sample (the loop passes ``sample_index=`` to the
+            model); ``accelerator.frozen_prefix`` reports, and switch logs carry
+            ``altparams/prefix_*`` (hit rate, bytes held, seconds saved).
         **kwargs: passed to ``accelerate.Accelerator``.
 
     Raises:
@@ -130,6 +136,7 @@ class PhasedAccelerator(Accelerator):
         log_switches: bool = True,
         release: ReleaseSetting = "auto",
         switcher_options: Optional[Mapping[str, Any]] = None,
+        frozen_prefix: Union[None, bool, FrozenPrefix] = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(schedule, Schedule):
@@ -144,6 +151,8 @@ class PhasedAccelerator(Accelerator):
             raise PlanError(
                 f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
             )
+        self._prefix_option = as_frozen_prefix(frozen_prefix)
+        self.frozen_prefix: Optional[FrozenPrefixCache] = None
         options = dict(switcher_options or {})
         accepted = sorted(set(inspect.signature(PhaseSwitcher.__init__).parameters)
                           - {"self", "groups", "schedule", "optimizer", "model", "release"})
@@ -332,6 +341,8 @@ class PhasedAccelerator(Accelerator):
         assert first is not None
         history.replace_last(dataclasses.replace(
             first, allreduce_bytes_per_step=self.switcher.allreduce_bytes_per_step(), rebuilt_ddp=False))
+        if self._prefix_option is not None:
+            self.frozen_prefix = FrozenPrefixCache(self.switcher.module, self._prefix_option).attach()
         self._after_switch(history.last)  # type: ignore[arg-type]
 
     # ------------------------------------------------------- the training loop
@@ -412,6 +423,8 @@ class PhasedAccelerator(Accelerator):
             metrics[f"{prefix}max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
             metrics[f"{prefix}rss_bytes"] = rss_bytes()
+        if self.frozen_prefix is not None:  # what the cache did for the prefix that just ended
+            metrics.update(self.frozen_prefix.metrics(prefix))
         return metrics
 
     # ------------------------------------------------------------- checkpoints
@@ -488,7 +501,9 @@ class PhasedAccelerator(Accelerator):
 
     def free_memory(self, *objects: Any) -> Any:
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
-        self.switcher, self.comm_counter, self._grouped = None, None, None
+        if self.frozen_prefix is not None:
+            self.frozen_prefix.detach()
+        self.switcher, self.comm_counter, self._grouped, self.frozen_prefix = None, None, None, None
         self._loop_guard.close()
         self._loop_guard = LoopGuard()
         self.groups = self._groups_given

@@ -37,6 +37,7 @@ this module only decides *when*, with the Trainer's step and epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable, Mapping, Optional, Union
@@ -53,6 +54,7 @@ from transformers import (
 
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
@@ -111,6 +113,11 @@ class AlternatingFreeze(TrainerCallback):
         switcher_options: more keyword arguments for the engine's
             :class:`~hf_altparams.engine.PhaseSwitcher` (e.g.
             ``{"buffer_sync": "auto", "frozen_norms": "eval"}``).
+        frozen_prefix: ``True`` or a :class:`~hf_altparams.engine.prefix.FrozenPrefix`:
+            the frozen leading layers run in eval mode and, cached per sample,
+            not at all. The dataset needs an index column (``sample_index`` by
+            default; the model's forward signature shows it so the Trainer keeps
+            it); ``blocks`` defaults to ``layers``. Logs carry ``altparams/prefix_*``.
 
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from
@@ -147,6 +154,7 @@ class AlternatingFreeze(TrainerCallback):
         check_resume: bool = True,
         log_prefix: str = "altparams/",
         switcher_options: Optional[Mapping[str, Any]] = None,
+        frozen_prefix: Union[None, bool, FrozenPrefix] = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PlanError(
@@ -185,6 +193,11 @@ class AlternatingFreeze(TrainerCallback):
         if clash:
             raise PlanError(f"`switcher_options` may not set {clash}: AlternatingFreeze sets them")
 
+        prefix_option = as_frozen_prefix(frozen_prefix)
+        if prefix_option is not None and prefix_option.blocks is None and layers is not None:
+            prefix_option = dataclasses.replace(prefix_option, blocks=layers)
+        self._prefix_option = prefix_option
+        self.frozen_prefix: Optional[FrozenPrefixCache] = None
         self.groups: Optional[ParamGroups] = None
         self.switcher: Optional[PhaseSwitcher] = None
         self.comm: Optional[CommCounter] = None
@@ -245,6 +258,7 @@ class AlternatingFreeze(TrainerCallback):
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
         self._make_scheduled_trainable()
+        self._attach_prefix(model)
         run_before_reporters(self, sys._getframe(0))
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -256,6 +270,7 @@ class AlternatingFreeze(TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
+        self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
@@ -340,9 +355,21 @@ class AlternatingFreeze(TrainerCallback):
             recent = self.comm.history[self._logged_comm:]
             self._logged_comm = len(self.comm.history)
             out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
+        if self.frozen_prefix is not None:
+            out.update(self.frozen_prefix.metrics(prefix))
         return out
 
     # ------------------------------------------------------------------ internals
+    def _attach_prefix(self, model: nn.Module) -> None:
+        if self._prefix_option is None:
+            return
+        if self.frozen_prefix is not None and self.frozen_prefix.model is model:
+            self.frozen_prefix.reset()  # a new train() (or a resume): rows of the last one are void
+            return
+        if self.frozen_prefix is not None:
+            self.frozen_prefix.detach()
+        self.frozen_prefix = FrozenPrefixCache(model, self._prefix_option).attach()
+
     def _describe_phase(self) -> dict[str, Union[int, str]]:
         assert self.switcher is not None
         phase = self.switcher.current

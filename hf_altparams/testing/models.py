@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["TwoHalves", "llama_decoder", "LLAMA_7B"]
+__all__ = ["LLAMA_7B", "TinyEncoder", "TwoHalves", "llama_decoder"]
 
 #: The Llama-2-7B shape (random weights; nothing is downloaded).
 LLAMA_7B: dict[str, int] = {"layers": 32, "hidden": 4096, "intermediate": 11008, "heads": 32, "vocab": 32000}
@@ -74,3 +74,56 @@ def llama_decoder(layers: int = 2, hidden: int = 64, intermediate: int = 172, he
     finally:
         torch.set_default_dtype(default)
     return model
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, vocab: int, width: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.tok(input_ids)))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.norm = nn.LayerNorm(width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        out = self.norm(hidden_states + self.drop(self.ff(hidden_states)))
+        return (out if mask is None else out * mask, None)  # a tuple, as Hugging Face blocks return
+
+
+class TinyEncoder(nn.Module):
+    """A token encoder shaped like a Hugging Face one: ``embeddings``, blocks in ``layers``, a ``head``.
+
+    ``forward(input_ids, labels=None)`` returns the logits, or the cross-entropy
+    loss of the mean-pooled sequence when ``labels`` is given. Dropout everywhere.
+
+    Example:
+        >>> net = TinyEncoder(layers=2)
+        >>> net(torch.zeros(3, 5, dtype=torch.long)).shape
+        torch.Size([3, 4])
+    """
+
+    def __init__(self, layers: int = 4, width: int = 16, vocab: int = 50, classes: int = 4,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embeddings = _Embeddings(vocab, width, dropout)
+        self.layers = nn.ModuleList(_Block(width, dropout) for _ in range(layers))
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(width, classes))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embeddings.tok
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embeddings(input_ids)
+        for block in self.layers:
+            hidden = block(hidden)[0]
+        logits = self.head(hidden.mean(dim=1))
+        return logits if labels is None else nn.functional.cross_entropy(logits, labels)
