@@ -94,9 +94,11 @@ class LocalBackend(Backend):
 
 def backend_for(model: nn.Module) -> Backend:
     """The backend for ``model``: DDP wrappers get ``DDPBackend``, anything else :class:`LocalBackend`."""
-    from . import _ddp  # the DDP backend imports this module
+    from . import _ddp, _fsdp2  # the backends import this module
     from .shutdown import install_exit_hook
 
+    if _fsdp2.is_fsdp2(model):
+        return _fsdp2.FSDP2Backend(model)
     if _ddp.is_ddp(model):
         install_exit_hook()  # a wrapper's last all-reduce must not race interpreter exit
         return _ddp.DDPBackend(model)  # type: ignore[arg-type]

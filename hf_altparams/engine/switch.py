@@ -205,7 +205,13 @@ class PhaseSwitcher:
                     f"`model` ({type(model).__name__}) is neither the grouped module nor a "
                     "DistributedDataParallel around it; build ParamGroups on the model you train"
                 )
-            self._plain_attached = True  # trained without a wrapper on purpose
+            self._plain_attached = True  # no DDP wrapper, on purpose
+            backend = backend_for(model)
+            if backend.kind == "local":
+                return None
+            self.backend = backend  # fully_shard changed the module in place (FSDP2)
+            if self.current is not None:
+                self.backend.apply(self.residency.ignore_names())
             return None
         if model.module is not self.module:
             raise SwitchError(
