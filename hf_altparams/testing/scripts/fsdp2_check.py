@@ -50,6 +50,8 @@ SCHEDULES = {
 def train(model, steps, sharded, rank, world, schedule="alternating"):
     groups = ParamGroups(model, {"a": "0.*", "b": "2.*", "c": "4.*"})
     switcher = PhaseSwitcher(groups, SCHEDULES[schedule](), model=model if sharded else None)
+    if not sharded:
+        switcher.attach(model)  # the reference trains in this process alone, on purpose
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counted, expected = [], []
     for step, x in enumerate(batches(steps)):
