@@ -47,7 +47,7 @@ from .plan import ParamGroups, Phase, Schedule
 from .plan.groups import _format_bytes
 
 if TYPE_CHECKING:
-    from ._planner_cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
+    from ._planner_cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv  # noqa: F401
 
 __all__ = ["CostPlan", "PhaseCost", "SwitchCost", "build_from_argv", "build_model", "main", "plan_cost",
            "plan_from_argv"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
-import torch
+import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parallel import DistributedDataParallel

@@ -1,39 +1,27 @@
 """Pieces of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator` that stand alone.
 
 The prepared optimizer and scheduler wrappers (they report sync-boundary steps to
-their accelerator), the distributed types that are refused, and the
-``hf_altparams_state.json`` file that ``save_state`` adds to a checkpoint, and the
-completion marker written after everything else (a save killed part-way leaves a
-folder without it, which loading refuses and automatic resume skips).
+their accelerator), the distributed types that are refused, and the refusals
+``prepare`` raises. Checkpoints live in :mod:`._accelerate_checkpoints`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.optim import Optimizer
 
+from ..engine import _ddp
+from ..engine.optim import GroupedOptimizer
 from ..errors import AltParamsError
+from ..plan.groups import ParamGroups
 
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-#: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
-STATE_FILE = "hf_altparams_state.json"
-_STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
-#: File written last by ``save_state``, once every rank has written its part.
-COMPLETE_MARKER = "hf_altparams_complete.json"
-#: Fault-injection hook for tests: the process exits at once at the save stage this names
-#: (``state_tmp``, ``state_file``, ``before_marker``).
-FAULT_ENV = "HF_ALTPARAMS_FAULT_AT"
-FAULT_EXIT_CODE = 17
-_hard_exit: Callable[[int], Any] = os._exit  # replaced in tests, which cannot lose their process
 UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
     DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
@@ -72,74 +60,6 @@ class PreparedGroupedLRScheduler(AcceleratedScheduler):
         super().step(*args, **kwargs)
 
 
-def fault_point(stage: str) -> None:
-    """Exit the process at once (no cleanup) when ``$HF_ALTPARAMS_FAULT_AT`` names ``stage``."""
-    if os.environ.get(FAULT_ENV) == stage:
-        _hard_exit(FAULT_EXIT_CODE)
-
-
-def _write_atomically(path: str, payload: dict[str, Any], stage: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fault_point(f"{stage}_tmp")
-    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
-    fault_point(stage)
-
-
-def write_state(output_dir: str, **state: Any) -> None:
-    """Write the schedule position and switcher state into checkpoint folder ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state}, "state_file")
-
-
-def mark_complete(output_dir: str) -> None:
-    """Write the completion marker: call after every rank finished writing ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT}, "marker")
-
-
-def check_complete(input_dir: str) -> None:
-    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end."""
-    if not os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER)):
-        raise AltParamsError(
-            f"`load_state` refuses {input_dir!r}: it has no {COMPLETE_MARKER}, so its save was "
-            "interrupted (or it was not written by PhasedAccelerator.save_state) and it may hold "
-            "another phase's files or half of the groups' optimizer state; load an earlier checkpoint"
-        )
-
-
-def latest_complete_checkpoint(checkpoints_dir: str) -> str:
-    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
-    found = []
-    for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
-        match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            found.append((int(match.group(1)), path))
-    if not found:
-        raise AltParamsError(
-            f"`load_state()` found no complete checkpoint_<n> folder in {checkpoints_dir!r} "
-            "(automatic resume skips folders whose save was interrupted); start from scratch"
-        )
-    return max(found)[1]
-
-
-def read_state(input_dir: str) -> dict[str, Any]:
-    """Read what :func:`write_state` wrote; a clear error when the file is missing or foreign."""
-    path = os.path.join(input_dir, STATE_FILE)
-    if not os.path.isfile(path):
-        raise AltParamsError(
-            f"`load_state` found no {STATE_FILE} in {input_dir!r}; load a checkpoint written by "
-            "PhasedAccelerator.save_state (it holds the schedule position)"
-        )
-    with open(path) as f:
-        state: dict[str, Any] = json.load(f)
-    if state.get("format") != _STATE_FORMAT:
-        raise AltParamsError(f"{path}: `format` is {state.get('format')!r}, expected {_STATE_FORMAT!r}")
-    return state
-
-
 def refuse_without_groups(optimizers: list[Optimizer]) -> None:
     """`prepare` got optimizers but no groups are known: the schedule could never apply."""
     raise AltParamsError(
@@ -157,3 +77,49 @@ def refuse_user_ddp() -> None:
         "(`groups.module`): PhasedAccelerator applies the first phase before it builds DDP, and rebuilds "
         "DDP's reducer at each switch, which a wrapper built earlier (over every parameter) would miss"
     )
+
+
+def find_grouped(
+    args: tuple[Any, ...], groups: Optional[ParamGroups], *, started: bool
+) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
+    """The grouped model's groups, its index in ``prepare``'s ``args`` and the optimizer driving the schedule.
+
+    ``groups`` are the accelerator's (``None`` when only a GroupedOptimizer can tell);
+    ``started``: a grouped model was prepared already. Refuses, before anything is
+    prepared, the forms the schedule could not drive.
+    """
+    optimizers = [a for a in args if isinstance(a, Optimizer)]
+    grouped = [o for o in optimizers if isinstance(o, GroupedOptimizer)]
+    if groups is None and grouped:
+        groups = grouped[0].groups
+    if groups is None:
+        if not started and optimizers:
+            refuse_without_groups(optimizers)
+        return None, None, None
+    model_index = next((i for i, a in enumerate(args) if a is groups.module), None)
+    if model_index is None and any(_ddp.is_ddp(a) and a.module is groups.module for a in args):
+        refuse_user_ddp()
+    if model_index is None:
+        if not started and grouped:
+            raise AltParamsError(
+                "`prepare` got a GroupedOptimizer without its model; pass the model and the optimizer that "
+                "drives the schedule to the same `prepare` call (the first phase must be applied before "
+                "DDP wraps the model)"
+            )
+        return groups, None, None
+    if started:
+        raise AltParamsError(
+            "`prepare` got the grouped model a second time. Preparing the raw module again would add it "
+            "to `accelerator._models` twice (two model files in save_state) and wrap its autocast forward "
+            "twice; keep using the object the first `prepare` returned: switches rebuild it in place."
+        )
+    mine = [o for o in grouped if o.groups.module is groups.module]
+    driving = mine[0] if len(mine) == 1 else (optimizers[0] if not mine and len(optimizers) == 1 else None)
+    if driving is None:
+        raise AltParamsError(
+            f"`prepare` got the grouped model with {len(optimizers)} optimizer(s) "
+            f"({[type(o).__name__ for o in optimizers]}); pass exactly one optimizer for it in the same "
+            "call: a GroupedOptimizer over its groups (one optimizer for all groups, which also keeps "
+            "fp16 loss scaling to one unscale per step), or a single plain optimizer with `groups=` given"
+        )
+    return groups, model_index, driving

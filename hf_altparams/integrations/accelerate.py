@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -61,25 +60,18 @@ from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
+from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
 from ._accelerate_parts import (
-    STATE_FILE,
     UNSUPPORTED,
     PhasedOptimizer,
     PreparedGroupedLRScheduler,
-    check_complete,
-    fault_point,
-    latest_complete_checkpoint,
-    mark_complete,
-    read_state,
-    refuse_user_ddp,
-    refuse_without_groups,
-    write_state,
+    find_grouped,
 )
 from ._loop_guard import LoopGuard
 
 __all__ = ["PhasedAccelerator", "STATE_FILE"]
 
-class PhasedAccelerator(Accelerator):
+class PhasedAccelerator(CheckpointMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:
@@ -250,42 +242,7 @@ class PhasedAccelerator(Accelerator):
     def _find_grouped(
         self, args: tuple[Any, ...]
     ) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
-        optimizers = [a for a in args if isinstance(a, Optimizer)]
-        grouped = [o for o in optimizers if isinstance(o, GroupedOptimizer)]
-        groups = self.groups
-        if groups is None and grouped:
-            groups = grouped[0].groups
-        if groups is None:
-            if self.switcher is None and optimizers:
-                refuse_without_groups(optimizers)
-            return None, None, None
-        model_index = next((i for i, a in enumerate(args) if a is groups.module), None)
-        if model_index is None and any(_ddp.is_ddp(a) and a.module is groups.module for a in args):
-            refuse_user_ddp()
-        if model_index is None:
-            if self.switcher is None and grouped:
-                raise AltParamsError(
-                    "`prepare` got a GroupedOptimizer without its model; pass the model and the optimizer that "
-                    "drives the schedule to the same `prepare` call (the first phase must be applied before "
-                    "DDP wraps the model)"
-                )
-            return groups, None, None
-        if self.switcher is not None:
-            raise AltParamsError(
-                "`prepare` got the grouped model a second time. Preparing the raw module again would add it "
-                "to `accelerator._models` twice (two model files in save_state) and wrap its autocast forward "
-                "twice; keep using the object the first `prepare` returned: switches rebuild it in place."
-            )
-        mine = [o for o in grouped if o.groups.module is groups.module]
-        driving = mine[0] if len(mine) == 1 else (optimizers[0] if not mine and len(optimizers) == 1 else None)
-        if driving is None:
-            raise AltParamsError(
-                f"`prepare` got the grouped model with {len(optimizers)} optimizer(s) "
-                f"({[type(o).__name__ for o in optimizers]}); pass exactly one optimizer for it in the same "
-                "call: a GroupedOptimizer over its groups (one optimizer for all groups, which also keeps "
-                "fp16 loss scaling to one unscale per step), or a single plain optimizer with `groups=` given"
-            )
-        return groups, model_index, driving
+        return find_grouped(args, self.groups, started=self.switcher is not None)
 
     def _start_phases(self, groups: ParamGroups, driving: Optimizer) -> None:
         self.groups = groups
@@ -426,61 +383,6 @@ class PhasedAccelerator(Accelerator):
         if self.frozen_prefix is not None:  # what the cache did for the prefix that just ended
             metrics.update(self.frozen_prefix.metrics(prefix))
         return metrics
-
-    # ------------------------------------------------------------- checkpoints
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        """``Accelerator.save_state`` plus ``hf_altparams_state.json``; a completion marker goes last.
-
-        The marker is written once every rank has written its part (a barrier before
-        and after it): a save killed part-way leaves a folder without it, which
-        :meth:`load_state` refuses and automatic resume (``load_state()``) skips.
-        """
-        location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        fault_point("before_marker")
-        self.wait_for_everyone()
-        if self.switcher is not None and self._writes_state_files():
-            mark_complete(location)
-        self.wait_for_everyone()
-        return location
-
-    def _writes_state_files(self) -> bool:
-        on_each_node = self.project_configuration.save_on_each_node
-        return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
-
-    def _save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
-        if self.switcher is None:
-            return
-        if self._writes_state_files():
-            write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
-                        switcher=self.switcher.state_dict())
-
-    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
-        """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
-
-        A folder whose save did not complete is refused before anything loads; with
-        automatic checkpoint naming and no ``input_dir``, the latest *complete*
-        ``checkpoint_<n>`` is loaded (interrupted saves are skipped).
-        """
-        if self.switcher is not None:
-            if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-                input_dir = latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
-            if input_dir is not None:
-                check_complete(os.path.expanduser(str(input_dir)))
-        super().load_state(input_dir, **kwargs)
-        if self.switcher is not None:
-            self.switcher.reapply_placement()  # load_state put optimizer state on the device
-
-    def _load_hook(self, models: list[nn.Module], input_dir: str) -> None:
-        if self.switcher is None:
-            return
-        state = read_state(input_dir)
-        self.switcher.load_state_dict(state["switcher"])
-        self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
-        self._loop_guard.epoch_set_at = self.schedule_step  # the saved epoch counts as set here
-        self._step_pending = False
-        for _, param in self.switcher.groups.all_named_params():
-            param.grad = None  # loading replaces the run: in-flight gradients are void
-        self._advance()  # before the optimizer state loads: idle groups keep their policy
 
     def end_training(self) -> None:
         """``Accelerator.end_training`` (trackers finish, the process group goes), exiting cleanly.

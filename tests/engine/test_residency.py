@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 

@@ -400,7 +400,7 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
 ) -> None:
     from accelerate.utils import ProjectConfiguration
 
-    from hf_altparams.integrations import _accelerate_parts
+    from hf_altparams.integrations import _accelerate_checkpoints as _accelerate_parts
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
     def killed(code: int) -> None:

@@ -591,7 +591,7 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
     mp_ddp = DDP(mp_model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
     out["mixed_precision"] = _outcome(
         lambda: PhaseSwitcher(make_groups(mp_model), Alternating(["l0", "head"]), model=mp_ddp))
-    del mp_ddp
+    mp_ddp = None  # freed before the next check
 
     saved = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = "python_reducer"

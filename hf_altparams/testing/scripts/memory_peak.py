@@ -79,7 +79,7 @@ def _step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, *args: 
 
 
 def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any],
-               memory: Memory, rank: int) -> dict[str, Any]:
+               memory: PeakMemory, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TwoHalves(args.size_mib, names=("a", "b")).to(device)
     width = model.a.in_features
@@ -121,7 +121,7 @@ def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[
 
 
 def run_tasks(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any],
-              memory: Memory, rank: int) -> dict[str, Any]:
+              memory: PeakMemory, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = MultiTask(args.trunk_mib, args.head_mib, args.tasks)  # built on the CPU
     width = model.trunk.in_features
