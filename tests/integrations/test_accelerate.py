@@ -2,8 +2,8 @@
 
 The two-rank scenarios run in two launches shared by every test here
 (imports and start-up cost more than the training):
-``accelerate_checks.py`` (equivalence, bytes, comm hooks, bf16, fp16 scaler,
-the uninterrupted run with its mid-phase checkpoint) and then
+``accelerate_checks.py`` (equivalence, bytes, comm hooks, the seed user's own two
+optimizers, bf16, fp16 scaler, the uninterrupted run with its mid-phase checkpoint) and then
 ``accelerate_resume.py`` (new processes resuming from that checkpoint).
 """
 
@@ -153,10 +153,25 @@ def test_fp16_one_unscale_and_one_scaler_update_per_step(ranks: Any) -> None:
     # and the update equals an unscaled fp32 step.
     assert r["grouped"]["scale_after"] == 2 * init
     assert max(r["grouped"]["max_abs_diff_by_param"].values()) == 0.0
+    # The user's own optimizers, one per group, each stepped: the same single unscale and update.
+    assert r["own_optimizers"]["scale_after"] == 2 * init
+    assert max(r["own_optimizers"]["max_abs_diff_by_param"].values()) == 0.0
     # The trap it avoids: two prepared optimizers step the scaler twice and unscale the second twice.
     assert r["two_optimizers"]["scale_after"] == 4 * init
     assert r["two_optimizers"]["max_abs_diff_by_param"]["l0.weight"] == 0.0
     assert r["two_optimizers"]["max_abs_diff_by_param"]["l1.weight"] > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("style", ["step_both", "active_only"])
+def test_seed_users_two_adams_train_like_their_own_loop_and_ranks_match(ranks: Any, style: str) -> None:
+    per_rank = [r[style] for r in scenario(ranks, "own_optimizers")]
+    for r in per_rank:
+        assert r["steps"] == r["windows"] == 6, "one schedule step per iteration, not one per handle"
+        assert r["optimizers_prepared"] == 1  # one GroupedOptimizer built from the two Adams
+        assert r["adam_steps"] == r["reference_adam_steps"] and sum(r["adam_steps"]) == 6
+        assert r["max_abs_diff_vs_reference"] < 1e-6, r["max_abs_diff_vs_reference"]
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"], "ranks must stay bit-identical"
 
 
 @pytest.mark.distributed
