@@ -207,15 +207,15 @@ def _touches(opt: Optimizer, module: nn.Module, ids: set[int]) -> bool:
     return any(id(p) in ids for p in _held(opt))
 
 
-def _check_coverage(groups: ParamGroups, schedule: Schedule, index: int, opt: Optimizer) -> None:
-    """Case 6: a parameter the schedule trains that the driving optimizer does not hold."""
+def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Optimizer) -> None:
+    """Case 6: a parameter the schedule trains that the driving optimizer (``what``) does not hold."""
     missing = uncovered(groups, schedule.group_names(), [opt])
     if not missing:
         return
     left = sorted({g or "<ungrouped>" for _, g in missing})
     names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
     raise PlanError(
-        f"{_label(index)} ({type(opt).__name__}) leaves out {len(missing)} parameter(s) that the schedule "
+        f"{what} leaves out {len(missing)} parameter(s) that the schedule "
         f"trains (group(s) {left}: {names}); they would never be updated, and the first switch would fail on "
         "their pending gradients. Build it over every parameter the schedule trains, whether frozen now or not "
         "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
@@ -277,13 +277,14 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
         )
     if len(mine) == 1:
         index, driving = mine[0]
-        _check_coverage(groups, schedule, index, driving)
+        _check_coverage(groups, schedule, f"{_label(index)} ({type(driving).__name__})", driving)
         return Found(groups, model_index, driving)
     matched = match_to_groups(groups, [(_label(i), o) for i, o in mine], forms=FORMS)
     group_of = {id(opt): name for name, opt in matched.items()}
     user = {i: group_of[id(o)] for i, o in mine}
     driving = GroupedOptimizer(groups, matched)
-    _check_coverage(groups, schedule, min(user), driving)  # ungrouped parameters under ungrouped="trainable"
+    # what no group holds: ungrouped parameters under ungrouped="trainable"
+    _check_coverage(groups, schedule, "the optimizers passed, one per group,", driving)
     found = Found(groups, None, driving, user)
     call_args, _ = found.arguments(args, None)
     found.model_index = next(i for i, a in enumerate(call_args) if a is module)

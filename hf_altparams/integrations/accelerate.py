@@ -226,7 +226,8 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
         if device_placement is not None and len(device_placement) != len(args):
-            raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects")
+            raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
+                            "give one bool (or None) per object")
         found = find_grouped(args, self.groups, self.schedule, started=self.switcher is not None)
         if found.model_index is not None:
             self._start_phases(found.groups, found.driving)  # type: ignore[arg-type]

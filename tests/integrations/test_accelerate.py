@@ -635,6 +635,23 @@ def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: 
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("form", ["own_optimizers", "grouped"])
+def test_trainable_ungrouped_parameters_without_an_optimizer_are_refused_at_prepare(form: str) -> None:
+    # Before: they got gradients every step, were never updated, and the first switch failed on them.
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model = _Seed()
+    groups = ParamGroups(model, SEED_SPECS, ungrouped="trainable")
+    acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=groups, cpu=True)
+    passed = ([_adam(model.layer1.parameters()), _adam(model.layer2.parameters())] if form == "own_optimizers"
+              else [GroupedOptimizer(groups, _adam)])
+    message = _refused(acc, model, *passed)
+    assert re.search(r"leaves out 2 parameter\(s\) .*\['<ungrouped>'\]: 'extra.weight', 'extra.bias'", message)
+    who = "the optimizers passed, one per group," if form == "own_optimizers" else "argument #2 (GroupedOptimizer)"
+    assert who in message, message
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_optimizers_of_the_grouped_model_without_it_are_refused_and_others_pass_through() -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
