@@ -175,6 +175,16 @@ def test_seed_users_two_adams_train_like_their_own_loop_and_ranks_match(ranks: A
 
 
 @pytest.mark.distributed
+def test_an_optimizer_set_leaving_a_group_out_is_refused_at_prepare_on_every_rank(ranks: Any) -> None:
+    for r in scenario(ranks, "own_optimizers"):
+        assert "leaves out 2 parameter(s) that the schedule trains (group(s) ['layer2']" in r["leaves_out"]["error"]
+        assert "holds parameters of groups ['layer1', 'layer2']" in r["spans"]["error"]
+        for refused in (r["leaves_out"], r["spans"]):  # nothing half-applied
+            assert refused["phase"] is None and refused["models"] == refused["optimizers"] == 0
+            assert all(refused["requires_grad"])
+
+
+@pytest.mark.distributed
 def test_resume_mid_phase_equals_uninterrupted_run_bitwise(ranks: Any, resumed: list[dict[str, Any]]) -> None:
     uninterrupted = scenario(ranks, "resume")
     assert uninterrupted[0]["saved_phase"] == "l1"  # Alternating({"l0": 3, "l1": 2, "head": 1}) at step 4

@@ -33,7 +33,8 @@ Scenarios:
   ``opt2 = Adam(layer2)`` passed to ``prepare`` with the model, stepping both
   every iteration (no accumulation) or only the active one (accumulation 2),
   against the seed user's own one-process loop (``requires_grad`` toggled, the
-  active group's Adam stepped).
+  active group's Adam stepped); then ``prepare`` with only ``opt1`` (leaves
+  ``layer2`` out) and with an optimizer spanning both groups, refused on every rank.
 """
 
 from __future__ import annotations
@@ -420,6 +421,17 @@ def own_optimizers_scenario() -> dict[str, Any]:
             "max_abs_diff_vs_reference": max_diff(model, ref), "param_sha256": sha(model),
         }
         acc.free_memory()
+    # Case 6 on every rank: an optimizer set that leaves a group out is refused at `prepare`, before anything.
+    model, opt1, opt2 = seed_pair()
+    acc = PhasedAccelerator(schedule, groups=ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"}))
+    for name, passed in (("leaves_out", (opt1,)), ("spans", (torch.optim.Adam(model.parameters()), opt2))):
+        try:
+            acc.prepare(model, *passed)
+            result[name] = {"error": ""}
+        except AltParamsError as exc:
+            result[name] = {"error": str(exc)}
+        result[name].update(phase=None if acc.phase is None else acc.phase.name, models=len(acc._models),
+                            optimizers=len(acc._optimizers), requires_grad=[p.requires_grad for p in model.parameters()])
     return result
 
 
