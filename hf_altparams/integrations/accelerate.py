@@ -62,10 +62,10 @@ from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
 from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
-from ._user_optimizers import GradientArrivals, find_grouped
+from ._user_optimizers import GradientArrivals, OptimizerHandle, find_grouped
 from ._loop_guard import LoopGuard
 
-__all__ = ["PhasedAccelerator", "STATE_FILE"]
+__all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
 class PhasedAccelerator(CheckpointMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
@@ -221,7 +221,7 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         The grouped model (``groups.module``) and the optimizer(s) whose steps drive
         the schedule must be passed in the same call: a GroupedOptimizer, one
         optimizer over every parameter the schedule trains, or one optimizer per group
-        (each handed back as an :class:`._user_optimizers.OptimizerHandle`); other
+        (each handed back as an :class:`OptimizerHandle`); other
         forms are refused before anything is prepared. The first phase is applied
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
