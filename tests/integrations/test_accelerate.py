@@ -542,7 +542,8 @@ def _grouped_reference(steps: int) -> nn.Module:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("style", ["step_all_then_zero_all", "step_zero_each", "active_only", "reversed"])
+@pytest.mark.parametrize("style", ["step_all_then_zero_all", "step_zero_each", "active_only", "reversed",
+                                   "zero_first"])
 def test_own_optimizers_one_per_group_train_like_a_grouped_optimizer(style: str) -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
@@ -558,8 +559,12 @@ def test_own_optimizers_one_per_group_train_like_a_grouped_optimizer(style: str)
     assert (h1.group, h1.optimizer, h2.group, h2.optimizer) == ("layer1", opt1, "layer2", opt2)
     assert len(acc._optimizers) == 1 and isinstance(acc._optimizers[0].optimizer, GroupedOptimizer)
     for x, y in _seed_batches(steps):
+        if style == "zero_first":  # zero_grad(); backward(); step()
+            h1.zero_grad(); h2.zero_grad()  # noqa: E702
         acc.backward(nn.functional.mse_loss(model(x), y))
-        if style == "step_zero_each":
+        if style == "zero_first":
+            h1.step(); h2.step()  # noqa: E702
+        elif style == "step_zero_each":
             h1.step(); h1.zero_grad(); h2.step(); h2.zero_grad()  # noqa: E702
         elif style == "active_only":
             active = h1 if acc.phase is not None and "layer1" in acc.phase.trainable else h2
