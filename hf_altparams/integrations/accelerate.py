@@ -69,7 +69,7 @@ from ._accelerate_parts import (
     PreparedGroupedLRScheduler,
     find_grouped,
 )
-from ._loop_guard import LoopGuard
+from ._loop_guard import LoopGuard, mid_window_switch_error
 from ._phase_queries import PhaseQueries
 
 __all__ = ["PhasedAccelerator", "STATE_FILE"]
@@ -341,12 +341,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         due = self.switcher.phase_at(self.schedule_step, self.schedule_epoch)
         if due != self.switcher.current:
             if self._backward_since_step:
-                raise AltParamsError(
-                    f"the schedule switches to phase {due.name!r} now (step {self.schedule_step}, epoch "
-                    f"{self.schedule_epoch}), but gradients of a backward still wait for `optimizer.step()` (a "
-                    "gradient-accumulation window is open); switching would drop them. Call "
-                    "`accelerator.set_epoch(epoch)` at the top of the epoch, before its first forward."
-                )
+                raise mid_window_switch_error(due.name, self.schedule_step, self.schedule_epoch)
             # The gradients left are the ones the step that just ran applied: the switch clears them,
             # so nothing of the previous phase reaches the next step, whatever the loop's order.
             for _, param in self.switcher.groups.all_named_params():
