@@ -29,7 +29,12 @@ UNSUPPORTED = {
 
 
 class PhasedOptimizer(AcceleratedOptimizer):
-    """The prepared optimizer: reports sync-boundary steps and zero_grads to its accelerator."""
+    """The prepared optimizer: a sync-boundary ``step()`` is checked first, then drives the schedule.
+
+    Before the update, the loop guards run (:mod:`._loop_guard`); after it, the
+    accelerator counts the step and switches phase when the schedule says so,
+    so the next iteration, whatever its order, starts in the right phase.
+    """
 
     def __init__(self, optimizer: Optimizer, owner: PhasedAccelerator, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -41,12 +46,7 @@ class PhasedOptimizer(AcceleratedOptimizer):
             self._owner._check_gradients()
         super().step(closure)
         if at_boundary:
-            self._owner._count_step()
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(set_to_none)
-        if self.gradient_state.sync_gradients:
-            self._owner._switch_if_due()
+            self._owner._sync_step_done()
 
 
 class PreparedGroupedLRScheduler(AcceleratedScheduler):

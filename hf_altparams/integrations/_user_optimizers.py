@@ -105,8 +105,9 @@ class OptimizerHandle(AcceleratedOptimizer):
       backward does it; the other handles' ``step()`` do nothing until the next
       backward. Inside an accumulation window ``step()`` does nothing, as in
       Accelerate.
-    * ``zero_grad()`` clears the gradients of every group and switches phase when the
-      schedule says so (calling it on every handle is harmless).
+    * ``zero_grad()`` clears the gradients of every group (calling it on every handle
+      is harmless). The phase switches at the end of that one sync-boundary step,
+      when the schedule says so, as with the other forms.
     * ``optimizer``, ``param_groups``, ``state_dict()`` are the user's optimizer's
       own (an LR scheduler built on it acts on its group only). ``save_state`` saves
       the grouped optimizer, keyed by group and parameter name.

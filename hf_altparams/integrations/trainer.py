@@ -61,6 +61,7 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
+from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
 from ._trainer_support import (
@@ -81,7 +82,7 @@ GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamG
 # ----------------------------------------------------------------------------- the callback
 
 
-class AlternatingFreeze(TrainerCallback):
+class AlternatingFreeze(PhaseQueries, TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
     Args:
@@ -120,6 +121,10 @@ class AlternatingFreeze(TrainerCallback):
             default; the model's forward signature shows it so the Trainer keeps
             it); ``blocks`` defaults to ``layers``. Logs carry ``altparams/prefix_*``.
 
+    ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
+    ``visiting(groups)`` (evaluate a non-resident group) answer from
+    ``trainer.train()`` on; see :class:`~._phase_queries.PhaseQueries`.
+
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from
     ``trainer.train()`` on, ``requires_grad`` follows the schedule, and after
@@ -139,6 +144,8 @@ class AlternatingFreeze(TrainerCallback):
         ...     schedule=GradualUnfreeze(["layer0", "layer1"], every=10, always=["head"]))
         >>> # Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
     """
+
+    _started_by = "`trainer.train()`"
 
     def __init__(
         self,

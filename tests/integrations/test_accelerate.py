@@ -295,7 +295,9 @@ def test_one_process_switches_without_ddp_and_matches_a_plain_loop() -> None:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-def test_backward_before_zero_grad_after_a_step_is_refused() -> None:
+def test_backward_without_zero_grad_after_a_switching_step_applies_no_stale_gradient() -> None:
+    # The switch runs at the end of step(): the previous phase's gradients are gone before any
+    # later backward, so even a loop that forgets zero_grad never applies them to the next phase.
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
     acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
@@ -304,9 +306,15 @@ def test_backward_before_zero_grad_after_a_step_is_refused() -> None:
     model, opt = acc.prepare(model, opt)
     x = torch.randn(2, 4)
     acc.backward(model(x).sum())
+    opt.step()  # phase "a" done: "b" trains next
+    assert acc.phase is not None and acc.phase.trainable == {"b"}
+    assert all(p.grad is None for p in model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    acc.backward(model(x).sum())  # no zero_grad in between
+    expected_grad = model[2].weight.grad.clone()
     opt.step()
-    with pytest.raises(AltParamsError, match=r"`optimizer.zero_grad\(\)`"):
-        acc.backward(model(x).sum())
+    assert torch.equal(model[0].weight, before["0.weight"])  # "a" is idle: untouched
+    assert torch.equal(model[2].weight, before["2.weight"].add(expected_grad, alpha=-0.1))
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
