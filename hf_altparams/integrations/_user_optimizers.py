@@ -217,8 +217,7 @@ def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Opt
     names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
     raise PlanError(
         f"{what} leaves out {len(missing)} parameter(s) that the schedule "
-        f"trains (group(s) {left}: {names}); they would never be updated, and the first switch would fail on "
-        "their pending gradients. Build it over every parameter the schedule trains, whether frozen now or not "
+        f"trains (group(s) {left}: {names}); they would never be updated. Build it over every parameter the schedule trains, whether frozen now or not "
         "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
         f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}"
     )
