@@ -39,7 +39,7 @@ from ._accelerate_parts import refuse_user_ddp, refuse_without_groups
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "find_grouped"]
+__all__ = ["FORMS", "Found", "GradientArrivals", "HandleUnscaleMixin", "OptimizerHandle", "find_grouped"]
 
 FORMS = (
     "Accepted next to the grouped model, in the same `prepare` call: one GroupedOptimizer(groups, ...); "
@@ -59,17 +59,21 @@ def _label(index: int) -> str:
 
 
 class GradientArrivals:
-    """Notes whether a backward put gradients on the groups' parameters since the last grouped step.
+    """What the handles share: did a backward put gradients on the groups since the last grouped step?
 
-    A post-accumulate-grad hook on every parameter of the groups (public torch
-    API; it fires however the backward was called, inside DDP's ``no_sync`` too).
-    Torch registers such a hook only on a tensor that requires grad, so frozen
-    parameters are unfrozen for the registration and frozen again at once; the hook
-    stays through later switches.
+    ``fresh`` is set by a post-accumulate-grad hook on every parameter of the
+    groups (public torch API; it fires however the backward was called, inside
+    DDP's ``no_sync`` too). Torch registers such a hook only on a tensor that
+    requires grad, so frozen parameters are unfrozen for the registration and
+    frozen again at once; the hook stays through later switches. ``driving`` is
+    the prepared grouped optimizer; ``unscaled`` notes that the loss scaler
+    unscaled it since its last step (:class:`HandleUnscaleMixin`).
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], driving: AcceleratedOptimizer) -> None:
         self.fresh = False
+        self.unscaled = False
+        self.driving = driving
         self._handles: list[Any] = []
         for param in params:
             frozen = not param.requires_grad
@@ -133,7 +137,7 @@ class OptimizerHandle(AcceleratedOptimizer):
         if not self.gradient_state.sync_gradients or not self._arrivals.fresh:
             return
         self.driving.step(closure)
-        self._arrivals.fresh = False
+        self._arrivals.fresh = self._arrivals.unscaled = False
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         self.driving.zero_grad(set_to_none)
@@ -155,6 +159,39 @@ class OptimizerHandle(AcceleratedOptimizer):
             f"OptimizerHandle.add_param_group: the optimizer of group {self.group!r} holds exactly that group's "
             "parameters; define a new group in ParamGroups (and its optimizer) before `prepare` instead"
         )
+
+
+class HandleUnscaleMixin:
+    """``accelerator.unscale_gradients`` for the handles: the one grouped optimizer, unscaled once per step.
+
+    Accelerate unwraps ``unscale_gradients(optimizer=opt1)`` to the user's own
+    ``opt1`` and unscales its gradients; the grouped step would then unscale
+    them a second time (an update about ``scale`` times too small). Here a handle
+    stands for the grouped optimizer it drives, and a grouped optimizer already
+    unscaled since its last step (by a handle, or by ``clip_grad_norm_``) is not
+    unscaled again, so ``unscale_gradients(opt1)``, ``unscale_gradients(opt2)``
+    and ``clip_grad_norm_`` may all run in one iteration.
+    """
+
+    _arrivals: Optional[GradientArrivals]
+    _optimizers: list[Any]
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        arrivals = self._arrivals
+        if arrivals is None:
+            super().unscale_gradients(optimizer)  # type: ignore[misc]
+            return
+        listed = (list(self._optimizers) if optimizer is None
+                  else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        chosen: list[Any] = []
+        for opt in listed:
+            opt = opt.driving if isinstance(opt, OptimizerHandle) else opt
+            if opt is arrivals.driving:
+                if arrivals.unscaled:
+                    continue
+                arrivals.unscaled = True
+            chosen.append(opt)
+        super().unscale_gradients(chosen)  # type: ignore[misc]
 
 
 @dataclasses.dataclass
@@ -189,7 +226,7 @@ class Found:
         assert self.groups is not None
         first = min(self.user)
         prepared = items[sum(1 for i in range(first) if i not in self.user)]
-        arrivals = GradientArrivals([p for g in self.groups.names for p in self.groups.params(g)])
+        arrivals = GradientArrivals([p for g in self.groups.names for p in self.groups.params(g)], prepared)
         accelerator._arrivals = arrivals
         rest = iter(items)
         out = []

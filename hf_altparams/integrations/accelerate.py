@@ -66,11 +66,11 @@ from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
 from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
 from ._loop_guard import LoopGuard, mid_window_switch_error
 from ._phase_queries import PhaseQueries
-from ._user_optimizers import GradientArrivals, OptimizerHandle, find_grouped
+from ._user_optimizers import GradientArrivals, HandleUnscaleMixin, OptimizerHandle, find_grouped
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
-class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
+class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:

@@ -692,3 +692,41 @@ def test_optimizers_of_the_grouped_model_without_it_are_refused_and_others_pass_
     with pytest.raises(AltParamsError, match="after the model was prepared"):
         acc.prepare(_adam(model.layer1.parameters()))
     assert acc.prepare(h1) is h1  # a handle is prepared already
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_fp16_unscale_through_each_handle_unscales_the_grouped_optimizer_once() -> None:
+    """`unscale_gradients(opt1)`, `(opt2)` and `clip_grad_norm_` in one iteration: one unscale, exact updates.
+
+    The CPU stand-in for CUDA fp16 of the two-rank ``fp16_scaler`` scenario: a CPU GradScaler
+    handed over before ``prepare``, ``native_amp`` on after it, a power-of-two scale (exact).
+    """
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+    from hf_altparams.plan import PhaseSequence
+
+    def sgd(params: Any) -> torch.optim.SGD:
+        return torch.optim.SGD(params, lr=0.1)
+
+    model, reference = _Seed(), _Seed()
+    groups = ParamGroups(model, SEED_SPECS)
+    acc = PhasedAccelerator(PhaseSequence([(("layer1", "layer2"), 1)]), groups=groups, mixed_precision="fp16",
+                            cpu=True)
+    init_scale = 2.0**10
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
+    model, h1, h2 = acc.prepare(model, sgd(model.layer1.parameters()), sgd(model.layer2.parameters()))
+    acc.native_amp = True
+    ref_opt = sgd([*reference.layer1.parameters(), *reference.layer2.parameters()])
+    for x, y in _seed_batches(2):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        acc.unscale_gradients(optimizer=h1)  # the user's per-optimizer unscale, as in many GAN loops
+        acc.unscale_gradients(optimizer=h2)
+        acc.clip_grad_norm_(model.parameters(), 1e6)  # unscales every prepared optimizer; clips nothing
+        h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    acc.native_amp = False
+    assert acc.scaler.get_scale() == init_scale * 2**2, "one scaler update per iteration"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if name.startswith("layer"):
+            assert torch.equal(p, q), name
