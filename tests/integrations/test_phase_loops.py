@@ -131,6 +131,7 @@ def _multitask(schedule: Schedule) -> tuple[Any, TwoTasks, Any, GroupedOptimizer
 def _train_tasks(acc: Any, prepared: Any, opt: Any, steps: int, order: str) -> list[Optional[str]]:
     tasks = []
     for x, y in _batches(steps):
+        x, y = x.to(acc.device), y.to(acc.device)
         tasks.append(acc.task)  # the loop picks its data and head by the task
         if order == "zero_grad_first":
             opt.zero_grad()
