@@ -63,16 +63,12 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
-from ._accelerate_parts import (
-    UNSUPPORTED,
-    PhasedOptimizer,
-    PreparedGroupedLRScheduler,
-    find_grouped,
-)
+from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
 from ._loop_guard import LoopGuard, mid_window_switch_error
 from ._phase_queries import PhaseQueries
+from ._user_optimizers import GradientArrivals, OptimizerHandle, find_grouped
 
-__all__ = ["PhasedAccelerator", "STATE_FILE"]
+__all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
 class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
@@ -119,6 +115,8 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         >>> # optimizer = GroupedOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-3))
         >>> # model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         >>> # ... the stock loop: accumulate / backward / optimizer.step() / optimizer.zero_grad()
+        >>> # or your own optimizers, one per group (PhasedAccelerator(schedule, groups=groups)):
+        >>> # model, opt1, opt2, loader = accelerator.prepare(model, opt1, opt2, loader)
     """
 
     def __init__(
@@ -176,6 +174,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         self._switcher_options = options
         self._driving: Optional[Optimizer] = None
         self._grouped: Optional[GroupedOptimizer] = None
+        self._arrivals: Optional[GradientArrivals] = None  # one optimizer per group (_user_optimizers)
         self._backward_since_step = False  # gradients wait for a sync-boundary step()
         self._trainable: list[tuple[str, nn.Parameter]] = []
         self._trainable_by_phase: dict[Phase, list[tuple[str, nn.Parameter]]] = {}
@@ -220,30 +219,32 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """``Accelerator.prepare``, plus the phase set-up for the grouped model.
 
-        The grouped model (``groups.module``) and the optimizer whose steps drive
-        the schedule must be passed in the same call. The first phase is applied
+        The grouped model (``groups.module``) and the optimizer(s) whose steps drive
+        the schedule must be passed in the same call: a GroupedOptimizer, one
+        optimizer over every parameter the schedule trains, or one optimizer per group
+        (each handed back as an :class:`OptimizerHandle`); other
+        forms are refused before anything is prepared. The first phase is applied
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
-        groups, model_index, driving = self._find_grouped(args)
-        if model_index is not None:
-            self._start_phases(groups, driving)  # type: ignore[arg-type]
+        if device_placement is not None and len(device_placement) != len(args):
+            raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
+                            "give one bool (or None) per object")
+        found = find_grouped(args, self.groups, self.schedule, started=self.switcher is not None)
+        if found.model_index is not None:
+            self._start_phases(found.groups, found.driving)  # type: ignore[arg-type]
+        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         try:
-            result = super().prepare(*args, device_placement=device_placement)
+            result = super().prepare(*call_args, device_placement=placement)
         finally:
             self._driving = None
-        single = len(args) == 1
-        items = [result] if single else list(result)
+        items = [result] if len(call_args) == 1 else list(result)
         for i, obj in enumerate(items):
             if isinstance(obj, GroupedLRScheduler):
                 items[i] = self._prepare_grouped_scheduler(obj)
-        if model_index is not None:
-            self._attach(items[model_index])
-        return items[0] if single else tuple(items)
-
-    def _find_grouped(
-        self, args: tuple[Any, ...]
-    ) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
-        return find_grouped(args, self.groups, started=self.switcher is not None)
+        if found.model_index is not None:
+            self._attach(items[found.model_index])
+        items = found.hand_back(args, items, self)
+        return items[0] if len(args) == 1 else tuple(items)
 
     def _start_phases(self, groups: ParamGroups, driving: Optimizer) -> None:
         self.groups = groups
@@ -414,6 +415,9 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         self.switcher, self.comm_counter, self._grouped, self.frozen_prefix = None, None, None, None
         self._loop_guard.close()
         self._loop_guard = LoopGuard()
+        if self._arrivals is not None:
+            self._arrivals.close()
+        self._arrivals = None
         self.groups = self._groups_given
         self._trainable, self._backward_since_step = [], False
         self._trainable_by_phase = {}

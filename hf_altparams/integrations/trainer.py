@@ -54,6 +54,7 @@ from transformers import (
 
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine._built_optim import uncovered
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
@@ -403,11 +404,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
     def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
         if optimizer is None:
             return
-        covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
         assert self.groups is not None
-        wanted = self.scheduled_param_names()
-        missing = [(n, self.groups.group_of(n)) for n, p in self.groups.all_named_params()
-                   if n in wanted and id(p) not in covered]
+        missing = uncovered(self.groups, self.schedule.group_names(), [optimizer])  # shared with PhasedAccelerator
         if not missing:
             return
         groups = sorted({g or "<ungrouped>" for _, g in missing})
