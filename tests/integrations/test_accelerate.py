@@ -730,3 +730,13 @@ def test_fp16_unscale_through_each_handle_unscales_the_grouped_optimizer_once() 
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if name.startswith("layer"):
             assert torch.equal(p, q), name
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_own_optimizers_without_groups_are_refused_naming_the_way_out() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model = _Seed()
+    acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), cpu=True)
+    message = _refused(acc, model, _adam(model.layer1.parameters()), _adam(model.layer2.parameters()))
+    assert "['Adam', 'Adam']" in message and "`groups=ParamGroups(model, ...)`" in message
