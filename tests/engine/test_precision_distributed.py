@@ -4,7 +4,8 @@ One launch of ``hf_altparams/testing/scripts/precision_check.py`` per world
 size (2 and 4 gloo ranks on CPU); the single-process reference is the same
 script's :func:`train` run here without a process group, doing the same
 arithmetic (per-shard bf16 forward/backward, DDP's gradient average, fp32
-master update).
+master update), with gradient accumulation (micro-steps summed in fp32) and
+an fp32 all-reduce of the bf16 buckets in some cases.
 """
 
 from __future__ import annotations
@@ -61,13 +62,21 @@ def test_ranks_equal_single_process_reference(name: str, launched: tuple[int, Pa
         # tiny gradient into an update of up to `lr`. Bound the difference against the training's
         # own movement instead (a missing master or unsynced gradient moves it by far more).
         start = check.build_model()
+        lr = check.ADAMW.keywords["lr"]
         for rank in range(nproc):
             got = torch.load(out / f"{name}_rank{rank}.pt")
             diff = torch.cat([(got[n].float() - p.detach().float()).abs().flatten()
                               for n, p in reference.named_parameters()])
             moved = torch.cat([(got[n].float() - p.detach().float()).abs().flatten()
                                for n, p in start.named_parameters()])
-            assert diff.max() <= 2 * check.ADAMW.keywords["lr"], f"{name}, rank {rank}"
+            if check.CASES[name].accumulation == 1:
+                assert diff.max() <= 2 * lr, f"{name}, rank {rank}"
+            else:
+                # Each rank's fp32 sum is rounded to bf16 before gloo's bf16 ring sum: one more
+                # rounding per element, which LISA's dropped masters carry on. A few elements
+                # (2 of 867 here) end up to one bf16 ulp beyond 2 x lr from the fixed-order reference.
+                assert diff.max() <= 4 * lr, f"{name}, rank {rank}"
+                assert (diff > 2 * lr).float().mean() <= 0.01, f"{name}, rank {rank}"
             assert diff.mean() <= 0.01 * moved.mean(), f"{name}, rank {rank}: {diff.mean()} vs {moved.mean()}"
 
 
@@ -91,7 +100,12 @@ def test_ranks_bit_identical_and_resume_exact(name: str, launched: tuple[int, Pa
 
 
 @pytest.mark.parametrize("name", list(check.CASES))
-def test_bytes_on_the_wire_are_trainable_params_times_two(name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
+def test_bytes_on_the_wire_are_trainable_params_times_the_allreduce_itemsize(
+        name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
+    # bf16 buckets (default): trainable x 2 bytes per step; allreduce_dtype=torch.float32: x 4
     _, _, ranks = launched
-    for step in ranks[0]["cases"][name]["steps"]:
-        assert step["bytes"] == 2 * step["trainable_numel"] > 0
+    case = ranks[0]["cases"][name]
+    assert case["wire_itemsize"] == check.CASES[name].wire_dtype.itemsize
+    for rank in ranks:
+        for step in rank["cases"][name]["steps"]:
+            assert step["bytes"] == case["wire_itemsize"] * step["trainable_numel"] > 0

@@ -314,6 +314,14 @@ def test_grouped_optimizer_splits_weight_decay_like_the_trainer() -> None:
         assert {id(p) for g in inner.param_groups for p in g["params"]} == {id(p) for p in groups.params(group)}
 
 
+def test_grouped_optimizer_passes_the_allreduce_dtype_to_a_precision_optimizer() -> None:
+    model = S.tiny_bert().to(torch.bfloat16)
+    groups = ParamGroups.from_layers(model, "bert.encoder.layer", extra=S.EXTRA_GROUPS)
+    opt = grouped_optimizer(groups, lr=1e-3, allreduce_dtype=torch.float32)
+    # by name: pytest's --doctest-modules may import the module a second time
+    assert type(opt).__name__ == "PrecisionOptimizer" and opt.allreduce_dtype == torch.float32  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------------- the example
 
 
