@@ -48,11 +48,10 @@ unrounded (DDP's bf16 copy in ``param.grad`` is discarded at the step).
 
 Gradient accumulation (several backward passes per step, e.g. inside
 ``ddp.no_sync()``) sums the micro-steps' gradients in fp32 (see
-:mod:`hf_altparams.engine._grad32`): before each forward pass the gradient the
-last micro-step left in ``param.grad`` is added to an fp32 buffer and
-released; under DDP the comm hook adds those sums to the bucket before the
-all-reduce. Cost: 4 bytes per trainable parameter from the second micro-step
-to the step. Both need the comm hook on the DDP wrapper:
+:mod:`hf_altparams.engine._grad32`); ``param.grad`` holds the sum rounded to
+the storage dtype (what DDP reduces in bf16, what clipping sees). Cost: 4
+bytes per trainable parameter from the second micro-step to the step. The
+fp32 all-reduce needs a comm hook on the DDP wrapper:
 :meth:`PrecisionOptimizer.attach_ddp`, which ``PhaseSwitcher.attach`` (and so
 ``PhasedAccelerator`` and ``AlternatingFreeze``) calls.
 """
@@ -201,24 +200,23 @@ class PrecisionOptimizer(GroupedOptimizer):
         return [p for n in self.active for p in self.groups.params(n) if self._needs_master(p)]
 
     def attach_ddp(self, ddp: DistributedDataParallel) -> Optional[CommCounter]:
-        """Register the comm hook that all-reduces in ``allreduce_dtype`` and adds fp32 accumulated sums.
+        """With ``allreduce_dtype``: register the comm hook that all-reduces ``ddp``'s buckets in it.
 
         ``PhaseSwitcher.attach`` calls it; call it yourself when you wrap the
         model in DDP without a switcher. Returns the hook's byte counter
-        (shared with ``register_comm_counter``). If ``ddp`` has another comm hook
-        (DDP takes one), gradient accumulation stays in the storage dtype, and
-        an ``allreduce_dtype`` is refused with :class:`SwitchError`.
+        (shared with ``register_comm_counter``), or ``None`` without
+        ``allreduce_dtype`` (DDP's own all-reduce, in the storage dtype). A
+        wrapper with another comm hook (DDP takes one) is refused with
+        :class:`SwitchError`.
         """
+        if self.allreduce_dtype is None:
+            return None
         others = [type(s).__name__ for s in _ddp.comm_hook_states(ddp) if not isinstance(s, CommCounter)]
         if others:
-            if self.allreduce_dtype is not None:
-                raise SwitchError(f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
-                                  f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
-                                  "one hook per wrapper: drop the other hook or `allreduce_dtype`")
-            return None
-        counter = register_comm_counter(ddp, dtype=self.allreduce_dtype, grads=self._grads32)
-        self._grads32.ddp_attached = True
-        return counter
+            raise SwitchError(f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
+                              f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
+                              "one hook per wrapper: drop the other hook or `allreduce_dtype`")
+        return register_comm_counter(ddp, dtype=self.allreduce_dtype, grads=self._grads32)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, the fp32 accumulated sums included."""
@@ -314,7 +312,7 @@ class PrecisionOptimizer(GroupedOptimizer):
             for pname, param in self.groups.named_params(name):
                 if not self._needs_master(param):
                     continue
-                # fp32: all-reduced in fp32, or the accumulated sum plus the last micro-step's gradient
+                # fp32: all-reduced in fp32, or the accumulated sum, or param.grad cast up
                 grad32 = self._grads32.take(param)  # param.grad released at once
                 if grad32 is None:
                     continue
