@@ -238,3 +238,49 @@ def test_ddp_attach_shares_one_counting_hook_and_refuses_an_fp32_wire_beside_ano
     ddp.register_comm_hook(dist.group.WORLD, fp16_compress_hook)
     switcher.attach(ddp)
     assert len(ddp._comm_hooks) == 1
+
+
+@pytest.mark.parametrize("storage, policy", [(torch.bfloat16, "offload"), (torch.bfloat16, "drop"),
+                                             (torch.float32, "drop")])
+def test_planner_equals_the_model_state_measured_on_the_rank(gloo_world_1: object, storage: torch.dtype,
+                                                             policy: str) -> None:
+    """plan_cost's peak (device + host: one RAM on CPU) against the storages counted after each step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from hf_altparams.engine import CommCounter, GroupedOptimizer
+    from hf_altparams.engine.comm import counting_allreduce_hook
+    from hf_altparams.planner import plan_cost
+    from hf_altparams.testing.meters import ModelStateMeter, total_state
+
+    model = _model(storage)
+    groups = ParamGroups(model, GROUPS)
+    schedule = Alternating(["a", "b", "c"], every=2)
+    if storage == torch.float32:
+        opt: GroupedOptimizer = GroupedOptimizer(groups, ADAMW, state_policy=policy)
+    else:
+        opt = PrecisionOptimizer(groups, ADAMW, master_policy=policy, state_policy=policy)  # type: ignore[arg-type]
+    switcher = PhaseSwitcher(groups, schedule, optimizer=opt)
+    switcher.step_to(0)
+    ddp = DDP(model)
+    switcher.attach(ddp)
+    meter = ModelStateMeter(model, opt)
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # no annotations: DDP checks real types
+        meter.note_bucket(bucket.buffer())
+        return counting_allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(CommCounter(), hook)
+    handle = register_optimizer_step_post_hook(lambda *_: meter.sample())
+    try:
+        for step in range(8):
+            ddp(torch.randn(5, 4).to(storage)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            meter.forget_buckets()
+            switcher.step_to(step + 1)
+    finally:
+        handle.remove()
+    plan = plan_cost(model, groups, schedule, state_policy=policy, world_size=1, steps=8,
+                     storage_dtype=None if storage == torch.float32 else storage, master_policy=policy)
+    assert total_state(meter.peak) == max(r.device_bytes + r.host_bytes for r in plan.phases) > 0
