@@ -202,7 +202,8 @@ def worker(args: argparse.Namespace) -> None:
         sampling.remove()
         result.update(
             peak_growth_bytes=(rss_peak if not cuda else meter.peak()) - meter.baseline,
-            peak_bytes=rss_peak if not cuda else meter.peak(), rss_after_bytes=rss_bytes() - meter.baseline,
+            peak_bytes=rss_peak if not cuda else meter.peak(),
+            rss_after_bytes=rss_bytes() - meter.baseline if not cuda else None,
             fwd_bwd_extra_bytes=fwd_bwd_extra, step_extra_bytes=step_extra,
             model_state=state.peak, model_state_bytes=total_state(state.peak),
             step_seconds=statistics.median(times[1:] or times), allreduce_bytes=max(sent),

@@ -40,20 +40,14 @@ Trainer's fp16 ``GradScaler`` refuse fp16 gradients; use bf16 storage there.) Gr
 a step with a non-finite gradient is skipped on every rank (the gradients are
 all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
 
-The all-reduce dtype is a setting: ``allreduce_dtype=None`` (default) reduces
-the storage-dtype buckets as they are (``trainable x 2`` bytes per step for
-bf16); ``allreduce_dtype=torch.float32`` casts each bucket up, reduces it in
-fp32 (``trainable x 4`` bytes) and hands the fp32 result to the masters
-unrounded (DDP's bf16 copy in ``param.grad`` is discarded at the step).
-
-Gradient accumulation (several backward passes per step, e.g. inside
-``ddp.no_sync()``) sums the micro-steps' gradients in fp32 (see
-:mod:`hf_altparams.engine._grad32`); ``param.grad`` holds the sum rounded to
-the storage dtype (what DDP reduces in bf16, what clipping sees). Cost: 4
-bytes per trainable parameter from the second micro-step to the step. The
-fp32 all-reduce needs a comm hook on the DDP wrapper:
-:meth:`PrecisionOptimizer.attach_ddp`, which ``PhaseSwitcher.attach`` (and so
-``PhasedAccelerator`` and ``AlternatingFreeze``) calls.
+``allreduce_dtype=torch.float32`` all-reduces the bf16 buckets in fp32
+(``trainable x 4`` bytes, default ``x 2``) with a comm hook that
+:meth:`PrecisionOptimizer.attach_ddp` registers (``PhaseSwitcher.attach``
+calls it); the masters get the fp32 sum. Gradient accumulation sums the
+micro-steps in fp32 (4 bytes per trainable parameter from the second
+micro-step; :mod:`hf_altparams.engine._grad32`), ``param.grad`` holding the
+sum rounded to the storage dtype; a gradient changed before the step (clipped)
+is taken as changed.
 """
 
 from __future__ import annotations
