@@ -48,6 +48,8 @@ def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("name", list(check.CASES))
 def test_ranks_equal_single_process_reference(name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
     nproc, out, _ = launched
+    if name not in check.CASES_AT[nproc]:
+        pytest.skip(f"{name}: run with 2 ranks only (CI time)")
     reference = check.reference(check.CASES[name], world=nproc)
     for rank in range(nproc):
         got = torch.load(out / f"{name}_rank{rank}.pt")
@@ -69,20 +71,15 @@ def test_ranks_equal_single_process_reference(name: str, launched: tuple[int, Pa
                               for n, p in reference.named_parameters()])
             moved = torch.cat([(got[n].float() - p.detach().float()).abs().flatten()
                                for n, p in start.named_parameters()])
-            if check.CASES[name].accumulation == 1:
-                assert diff.max() <= 2 * lr, f"{name}, rank {rank}"
-            else:
-                # Each rank's fp32 sum is rounded to bf16 before gloo's bf16 ring sum: one more
-                # rounding per element, which LISA's dropped masters carry on. A few elements
-                # (2 of 867 here) end up to one bf16 ulp beyond 2 x lr from the fixed-order reference.
-                assert diff.max() <= 4 * lr, f"{name}, rank {rank}"
-                assert (diff > 2 * lr).float().mean() <= 0.01, f"{name}, rank {rank}"
+            assert diff.max() <= 2 * lr, f"{name}, rank {rank}"
             assert diff.mean() <= 0.01 * moved.mean(), f"{name}, rank {rank}: {diff.mean()} vs {moved.mean()}"
 
 
 @pytest.mark.parametrize("name", list(check.CASES))
 def test_ranks_bit_identical_and_resume_exact(name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
     nproc, out, ranks = launched
+    if name not in check.CASES_AT[nproc]:
+        pytest.skip(f"{name}: run with 2 ranks only (CI time)")
     assert len({r["cases"][name]["sha256"] for r in ranks}) == 1, f"{name}: ranks differ"
     assert len({r["cases"][name]["resumed_sha256"] for r in ranks}) == 1, f"{name}: resumed ranks differ"
     for r in ranks:  # parameters, fp32 masters and fp32 optimizer state restored bit for bit
@@ -103,7 +100,9 @@ def test_ranks_bit_identical_and_resume_exact(name: str, launched: tuple[int, Pa
 def test_bytes_on_the_wire_are_trainable_params_times_the_allreduce_itemsize(
         name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
     # bf16 buckets (default): trainable x 2 bytes per step; allreduce_dtype=torch.float32: x 4
-    _, _, ranks = launched
+    nproc, _, ranks = launched
+    if name not in check.CASES_AT[nproc]:
+        pytest.skip(f"{name}: run with 2 ranks only (CI time)")
     case = ranks[0]["cases"][name]
     assert case["wire_itemsize"] == check.CASES[name].wire_dtype.itemsize
     for rank in ranks:
