@@ -199,6 +199,8 @@ def worker(args: argparse.Namespace) -> None:
             state.forget_buckets()  # a switch may rebuild them; the next backward notes them again
             if switcher is not None:
                 switcher.step_to(step + 1)
+            if not cuda:  # the switch's own peak (state moved or dropped, buckets rebuilt) counts too
+                rss_peak = max(rss_peak, meter.peak())
         sampling.remove()
         result.update(
             peak_growth_bytes=(rss_peak if not cuda else meter.peak()) - meter.baseline,
