@@ -1,9 +1,9 @@
 """Counting the bytes DDP really all-reduces, with a comm hook.
 
 The same hook sets the dtype buckets are all-reduced in (``CommCounter.dtype``:
-a bf16 bucket all-reduced in fp32 is cast up, reduced, and cast back) and adds
-a :class:`~hf_altparams.engine.PrecisionOptimizer`'s fp32 gradient sums of a
-gradient-accumulation window to the bucket before reducing (``CommCounter.grads``).
+a bf16 bucket all-reduced in fp32 is cast up, reduced, and cast back) and, for a
+:class:`~hf_altparams.engine.PrecisionOptimizer` (``CommCounter.grads``), reduces
+its fp32 accumulated sums in place of their bf16 roundings and hands it the fp32 result.
 The bytes counted are those of the tensor all-reduced, in the dtype it is reduced in.
 
 The hook state holds no reference to the DDP wrapper (a strong one would form a
@@ -61,9 +61,10 @@ def counting_allreduce_hook(
     """A DDP comm hook: count the bucket's bytes, then all-reduce it as DDP's default does.
 
     DDP's default divides the bucket by the world size and sums it over the ranks.
-    With ``state.dtype`` or ``state.grads`` the tensor reduced is a copy (in
-    ``state.dtype``, with the fp32 sums added); the result is written back into
-    the bucket (rounded to its dtype) and, when fp32, handed to ``state.grads``.
+    With ``state.dtype`` the tensor reduced is a copy in that dtype (with
+    ``state.grads``, fp32: each gradient's fp32 accumulated sum where it has one);
+    the result is written back into the bucket (rounded to its dtype) and, when
+    fp32, handed to ``state.grads``.
     """
     buffer = bucket.buffer()
     params = bucket.parameters() if state.grads is not None else []
