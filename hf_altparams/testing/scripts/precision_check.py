@@ -62,6 +62,7 @@ class Case:
     accumulation: int = 1  # micro-steps per optimizer step
     allreduce_dtype: Optional[str] = None  # "float32": all-reduce the bf16 buckets in fp32
     loss_over_accumulation: bool = False  # each micro-step's loss / accumulation (Accelerate's backward)
+    bucket_view: bool = False  # DDP's gradient_as_bucket_view
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -78,6 +79,8 @@ CASES = {c.name: c for c in [
     Case("drop", "drop", "drop", "lisa"),
     Case("accum3_fp32_wire", "offload", "offload", "alternating", accumulation=3, allreduce_dtype="float32"),
     Case("accum2", "drop", "drop", "lisa", accumulation=2),
+    Case("accum2_fp32_wire_view", "drop", "drop", "lisa", accumulation=2, allreduce_dtype="float32",
+         bucket_view=True),
 ]}
 #: the cases run at each world size (4 ranks on 2 CI cores are slow: the fp32-wire accumulation only)
 CASES_AT = {2: list(CASES), 4: ["offload", "drop", "accum3_fp32_wire"]}
@@ -117,7 +120,7 @@ class Run:
         self.wrapped: nn.Module = self.model
         self.counter = None
         if distributed:
-            self.wrapped = DDP(self.model)
+            self.wrapped = DDP(self.model, gradient_as_bucket_view=self.case.bucket_view)
             self.switcher.attach(self.wrapped)
             self.counter = register_comm_counter(self.wrapped)
 
