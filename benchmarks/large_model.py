@@ -10,6 +10,8 @@ Scenarios, each in a fresh ``torchrun`` launch:
 * ``bf16_offload`` / ``bf16_drop``: parameters stored in bf16,
   :class:`~hf_altparams.engine.PrecisionOptimizer` with fp32 masters and
   optimizer state for the active block only, idle masters offloaded / dropped.
+* ``bf16_drop_fp32wire``: ``bf16_drop`` with ``allreduce_dtype=torch.float32``
+  (the bf16 gradients all-reduced in fp32).
 
 Per scenario: the model state measured directly on the rank
 (:class:`~hf_altparams.testing.meters.ModelStateMeter`: the storages of the
@@ -59,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SCENARIOS = ("ddp_full", "alt_fp32", "bf16_offload", "bf16_drop")
+SCENARIOS = ("ddp_full", "alt_fp32", "bf16_offload", "bf16_drop", "bf16_drop_fp32wire")
 MIB, GIB = 2**20, 2**30
 CPU_SHAPE = {"layers": 8, "hidden": 512, "intermediate": 1376, "heads": 8, "vocab": 4096}
 EXTRA = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
@@ -90,7 +92,8 @@ def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: 
     master = scenario.split("_")[1] if storage is not None else "offload"
     return plan_cost(model, groups, _schedule(groups, steps_per_block), optimizer="adamw", state_policy="drop",
                      world_size=world, storage_dtype=storage, master_policy=master,
-                     bucket_as_view=bucket_as_view, steps=steps)
+                     bucket_as_view=bucket_as_view, steps=steps,
+                     allreduce_dtype=torch.float32 if scenario.endswith("fp32wire") else None)
 
 
 def planned_peak(scenario: str, shape: dict[str, int], world: int, steps: int | None = None,
@@ -149,23 +152,25 @@ def worker(args: argparse.Namespace) -> None:
             optimizer: torch.optim.Optimizer = adamw(model.parameters())
         else:
             if bf16:
-                optimizer = PrecisionOptimizer(groups, adamw, storage_dtype=torch.bfloat16,
-                                               master_policy=args.scenario.split("_")[1], state_policy="drop")
+                optimizer = PrecisionOptimizer(
+                    groups, adamw, storage_dtype=torch.bfloat16, master_policy=args.scenario.split("_")[1],
+                    state_policy="drop", allreduce_dtype=torch.float32 if args.scenario.endswith("fp32wire") else None)
             else:
                 optimizer = GroupedOptimizer(groups, adamw, state_policy="drop")
             switcher = PhaseSwitcher(groups, _schedule(groups, args.steps_per_block), optimizer=optimizer)
             switcher.step_to(0)
         ddp = DDP(model, device_ids=[device.index] if cuda else None, init_sync=False)
-        if switcher is not None:
-            switcher.attach(ddp)
         state = ModelStateMeter(model, optimizer)
 
         def recording_hook(counter, bucket):  # type: ignore[no-untyped-def]  # (DDP checks real annotations)
             state.note_bucket(bucket.buffer())
             return counting_allreduce_hook(counter, bucket)
 
+        # before attach: a PrecisionOptimizer with allreduce_dtype then sets its dtype on this counter
         counter = CommCounter(process_group=ddp.process_group)
         ddp.register_comm_hook(counter, recording_hook)
+        if switcher is not None:
+            switcher.attach(ddp)
         in_step: list[int] = []  # model state after each inner optimizer step of this step
         sampling = register_optimizer_step_post_hook(lambda *_: in_step.append(total_state(state.sample())))
         gen = torch.Generator().manual_seed(rank)
