@@ -180,6 +180,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         self.allreduce_dtype = allreduce_dtype
         this = weakref.ref(self)  # the module's hook must not keep the optimizer alive
         self._grads32 = Fp32Grads(lambda: this()._stored_active() if this() is not None else [])  # type: ignore[union-attr]
+        super().__init__(groups, optimizers, state_policy=state_policy, active=active)
         grads = self._grads32
         # one such hook per module: a later PrecisionOptimizer on the same model takes it over
         previous = getattr(groups.module, "_hf_altparams_grads32_hook", None)
@@ -187,7 +188,6 @@ class PrecisionOptimizer(GroupedOptimizer):
             previous.remove()
         groups.module._hf_altparams_grads32_hook = groups.module.register_forward_pre_hook(  # type: ignore[assignment]
             lambda *_: grads.before_forward())
-        super().__init__(groups, optimizers, state_policy=state_policy, active=active)
 
     def _stored_active(self) -> list[nn.Parameter]:
         """The active groups' low-precision parameters (those with fp32 masters)."""
