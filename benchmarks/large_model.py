@@ -10,12 +10,22 @@ Scenarios, each in a fresh ``torchrun`` launch:
 * ``bf16_offload`` / ``bf16_drop``: parameters stored in bf16,
   :class:`~hf_altparams.engine.PrecisionOptimizer` with fp32 masters and
   optimizer state for the active block only, idle masters offloaded / dropped.
+* ``bf16_drop_fp32wire``: ``bf16_drop`` with ``allreduce_dtype=torch.float32``
+  (the bf16 gradients all-reduced in fp32).
 
-Per scenario: peak memory per rank (CPU: peak RSS growth over the process
-after ``init_process_group``; CUDA: ``max_memory_allocated``), bytes DDP
-all-reduced per step (comm hook), median step time, and the planner's model
-state for the same run (``plan_cost`` with ``storage_dtype``) next to the
-measured peak. Then the planner's figures for the Llama-2-7B shape (8 ranks)
+Per scenario: the model state measured directly on the rank
+(:class:`~hf_altparams.testing.meters.ModelStateMeter`: the storages of the
+parameters, buffers, gradients, DDP buckets, optimizer state and fp32 masters,
+each once, sampled after every inner optimizer step, where the planner puts
+its peak; Adam's 0-d step counters listed apart) next to the planner's model
+state for the same run (``plan_cost`` with ``storage_dtype``): the planner is
+compared with that, not with a process-wide figure. Peak memory per rank
+(CPU: peak RSS growth over the process after a warm-up; CUDA:
+``max_memory_allocated``) is reported beside it with what lies beyond the model
+state: the largest transient of a forward + backward (activations, autograd)
+and of an optimizer step (AdamW's per-parameter temporaries, the gradient
+casts) over the memory held before each. Also: bytes DDP all-reduced per step
+(comm hook) and the median step time. Then the planner's figures for the Llama-2-7B shape (8 ranks)
 and the largest square-ish model (layers x hidden) whose model state fits a
 budget per scenario.
 
@@ -51,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SCENARIOS = ("ddp_full", "alt_fp32", "bf16_offload", "bf16_drop")
+SCENARIOS = ("ddp_full", "alt_fp32", "bf16_offload", "bf16_drop", "bf16_drop_fp32wire")
 MIB, GIB = 2**20, 2**30
 CPU_SHAPE = {"layers": 8, "hidden": 512, "intermediate": 1376, "heads": 8, "vocab": 4096}
 EXTRA = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
@@ -82,7 +92,8 @@ def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: 
     master = scenario.split("_")[1] if storage is not None else "offload"
     return plan_cost(model, groups, _schedule(groups, steps_per_block), optimizer="adamw", state_policy="drop",
                      world_size=world, storage_dtype=storage, master_policy=master,
-                     bucket_as_view=bucket_as_view, steps=steps)
+                     bucket_as_view=bucket_as_view, steps=steps,
+                     allreduce_dtype=torch.float32 if scenario.endswith("fp32wire") else None)
 
 
 def planned_peak(scenario: str, shape: dict[str, int], world: int, steps: int | None = None,
@@ -100,9 +111,13 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer, register_comm_counter
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from hf_altparams.engine import CommCounter, GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer
+    from hf_altparams.engine.comm import counting_allreduce_hook
+    from hf_altparams.engine.memory import rss_bytes
     from hf_altparams.testing.launch import write_rank_result
-    from hf_altparams.testing.meters import PeakMemory
+    from hf_altparams.testing.meters import ModelStateMeter, PeakMemory, total_state
     from hf_altparams.testing.models import llama_decoder
 
     cuda = args.device == "cuda"
@@ -137,36 +152,67 @@ def worker(args: argparse.Namespace) -> None:
             optimizer: torch.optim.Optimizer = adamw(model.parameters())
         else:
             if bf16:
-                optimizer = PrecisionOptimizer(groups, adamw, storage_dtype=torch.bfloat16,
-                                               master_policy=args.scenario.split("_")[1], state_policy="drop")
+                optimizer = PrecisionOptimizer(
+                    groups, adamw, storage_dtype=torch.bfloat16, master_policy=args.scenario.split("_")[1],
+                    state_policy="drop", allreduce_dtype=torch.float32 if args.scenario.endswith("fp32wire") else None)
             else:
                 optimizer = GroupedOptimizer(groups, adamw, state_policy="drop")
             switcher = PhaseSwitcher(groups, _schedule(groups, args.steps_per_block), optimizer=optimizer)
             switcher.step_to(0)
         ddp = DDP(model, device_ids=[device.index] if cuda else None, init_sync=False)
+        state = ModelStateMeter(model, optimizer)
+
+        def recording_hook(counter, bucket):  # type: ignore[no-untyped-def]  # (DDP checks real annotations)
+            state.note_bucket(bucket.buffer())
+            return counting_allreduce_hook(counter, bucket)
+
+        # before attach: a PrecisionOptimizer with allreduce_dtype then sets its dtype on this counter
+        counter = CommCounter(process_group=ddp.process_group)
+        ddp.register_comm_hook(counter, recording_hook)
         if switcher is not None:
             switcher.attach(ddp)
-        counter = register_comm_counter(ddp)
+        in_step: list[int] = []  # model state after each inner optimizer step of this step
+        sampling = register_optimizer_step_post_hook(lambda *_: in_step.append(total_state(state.sample())))
         gen = torch.Generator().manual_seed(rank)
         times, sent = [], []
+        rss_peak, fwd_bwd_extra, step_extra = 0, 0, 0
         for step in range(args.steps):
             ids = torch.randint(0, shape["vocab"], (args.batch, args.seq), generator=gen).to(device)
             if cuda:
                 torch.cuda.synchronize()
+            if not cuda:
+                meter.reset_peak()
             start = time.perf_counter()
             logits = ddp(input_ids=ids).logits
             F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
             del logits
+            if not cuda:  # the RSS peak of forward + backward over the model state held after it
+                fwd_bwd_peak, after_backward = meter.peak(), total_state(state.measure())
+                meter.reset_peak()
+            in_step.clear()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
+            else:  # the RSS peak of the step over the largest model state sampled in it
+                step_peak = meter.peak()
+                rss_peak = max(rss_peak, fwd_bwd_peak, step_peak)
+                fwd_bwd_extra = max(fwd_bwd_extra, fwd_bwd_peak - meter.baseline - after_backward)
+                step_extra = max(step_extra, step_peak - meter.baseline - max(in_step, default=0))
             times.append(time.perf_counter() - start)
             sent.append(counter.end_step())
+            state.forget_buckets()  # a switch may rebuild them; the next backward notes them again
             if switcher is not None:
                 switcher.step_to(step + 1)
+            if not cuda:  # the switch's own peak (state moved or dropped, buckets rebuilt) counts too
+                rss_peak = max(rss_peak, meter.peak())
+        sampling.remove()
         result.update(
-            peak_growth_bytes=meter.peak_growth(), peak_bytes=meter.peak(),
+            peak_growth_bytes=(rss_peak if not cuda else meter.peak()) - meter.baseline,
+            peak_bytes=rss_peak if not cuda else meter.peak(),
+            rss_after_bytes=rss_bytes() - meter.baseline if not cuda else None,
+            fwd_bwd_extra_bytes=fwd_bwd_extra, step_extra_bytes=step_extra,
+            model_state=state.peak, model_state_bytes=total_state(state.peak),
             step_seconds=statistics.median(times[1:] or times), allreduce_bytes=max(sent),
             params=sum(p.numel() for p in model.parameters()), oom=False,
         )
@@ -262,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = launch(scenario, args, shape, nproc)
         worst = max(ranks, key=lambda r: r.get("peak_growth_bytes", 0))
         worst["planned_bytes"] = planned_peak(scenario, shape, nproc, steps=args.steps, host_too=not cuda)
+        worst["model_state_by_rank"] = [r.get("model_state_bytes") for r in ranks]
         rows[scenario] = worst
         print(f"  {scenario}: {json.dumps({k: v for k, v in worst.items() if k != 'error'})}", flush=True)
 
@@ -270,18 +317,34 @@ def main(argv: list[str] | None = None) -> int:
              f"steps, one block at a time (BAdam order, {args.steps_per_block} step(s) per block), AdamW"
              + (f", {args.memory_gb:g} GB emulated, gradient checkpointing" if cuda
                 else ", foreach=False, glibc MALLOC_MMAP_THRESHOLD_=1048576") + ".",
-             "", "| scenario | peak per rank | planner: model state" + (" (device + host)" if not cuda else "") + " | measured / planner | all-reduced per step "
-             "| step time | vs ddp_full step |", "|---|---|---|---|---|---|---|"]
+             "", "| scenario | model state measured | planner: model state" + (" (device + host)" if not cuda else "")
+             + " | planner / measured | peak " + ("RSS growth" if not cuda else "allocated") + " | beyond model state "
+             "| beyond it in fwd+bwd | beyond it in the step | all-reduced per step | step time | vs ddp_full step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base_time = rows["ddp_full"].get("step_seconds")
     for name, row in rows.items():
         if row.get("oom"):
-            lines.append(f"| {name} | out of memory | {row['planned_bytes'] / MIB:.0f} MiB | - | - | - | - |")
+            lines.append(f"| {name} | - | {row['planned_bytes'] / MIB:.0f} MiB | - | out of memory | - | - | - | - | - | - |")
             continue
         growth = row["peak_growth_bytes"] if not cuda else row["peak_bytes"]
-        ratio = f"{growth / row['planned_bytes']:.3f}" if row["planned_bytes"] else "-"
+        state = row["model_state_bytes"]
+        ratio = f"{row['planned_bytes'] / state:.5f}" if state else "-"
         rel = f"{row['step_seconds'] / base_time:.2f}x" if base_time else "-"
-        lines.append(f"| {name} | {growth / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
+        transients = (f"{row['fwd_bwd_extra_bytes'] / MIB:.1f} MiB | {row['step_extra_bytes'] / MIB:.1f} MiB"
+                      if not cuda else "- | -")
+        lines.append(f"| {name} | {state / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
+                     f"| {growth / MIB:.1f} MiB | {(growth - state) / MIB:.1f} MiB | {transients} "
                      f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |")
+    lines += ["", "Model state measured at its peak, by kind (MiB; Adam's 0-d step counters apart, "
+              "the planner leaves them out):", "",
+              "| scenario | params | buffers | DDP buckets | grads | optimizer | fp32 masters | step counters |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        if not row.get("oom"):
+            kinds = row["model_state"]
+            lines.append(f"| {name} | " + " | ".join(
+                f"{kinds[k] / MIB:.2f}" for k in ("params", "buffers", "buckets", "grads", "optimizer", "masters",
+                                                    "step_counters")) + " |")
     lines += ["", "Planner, Llama-2-7B shape, 8 ranks (model state per rank, before activations):", "",
               "| scenario | model state per rank | all-reduced per step |", "|---|---|---|"]
     for name in SCENARIOS:

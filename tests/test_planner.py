@@ -408,6 +408,14 @@ def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str])
     assert (row.param_bytes, row.grad_bytes, row.bucket_bytes, row.master_bytes, row.optimizer_bytes) == (2, 4, 2, 4, 8)
     assert row.allreduce_bytes == 2
     assert "storage: bfloat16" in plan.table() and plan.master_policy == "drop"
+    _, fp32_wire = plan_from_argv(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule",
+                                   "sequence", "--phase", "slope:2", "--storage-dtype", "bfloat16",
+                                   "--allreduce-dtype", "float32"])
+    wire = fp32_wire.row("slope")  # all-reduced in fp32: 4 B per trainable parameter, memory unchanged
+    assert (wire.allreduce_bytes, wire.device_bytes) == (4, row.device_bytes)
+    assert "all-reduced in float32" in fp32_wire.table()
     prelu = nn.PReLU()
+    with pytest.raises(PlanError, match="`allreduce_dtype` .* got torch.int8"):
+        plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), allreduce_dtype=torch.int8)
     with pytest.raises(PlanError, match="`master_policy` .* got 'swap'"):
         plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), master_policy="swap")

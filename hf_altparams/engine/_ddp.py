@@ -37,6 +37,7 @@ __all__ = [
     "STATIC_GRAPH_ATTRIBUTES",
     "check_comm_hooks",
     "check_ddp_supported",
+    "comm_hook_states",
     "ddp_settings",
     "free_reducer",
     "ignored_before_wrap",
@@ -208,6 +209,11 @@ def ddp_settings(ddp: DistributedDataParallel) -> dict[str, object]:
         "broadcast_buffers": ddp.broadcast_buffers,
         "comm_hooks": [hook.__qualname__ for hook, _ in ddp._comm_hooks],
     }
+
+
+def comm_hook_states(ddp: DistributedDataParallel) -> list[object]:
+    """The states of the comm hooks registered on ``ddp`` (empty with DDP's default all-reduce)."""
+    return [state for _, state in getattr(ddp, "_comm_hooks", [])]
 
 
 def _reset_hook_state(state: object) -> None:

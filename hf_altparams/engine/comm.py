@@ -1,17 +1,25 @@
 """Counting the bytes DDP really all-reduces, with a comm hook.
 
+The same hook sets the dtype buckets are all-reduced in (``CommCounter.dtype``:
+a bf16 bucket all-reduced in fp32 is cast up, reduced, and cast back) and, for a
+:class:`~hf_altparams.engine.PrecisionOptimizer` (``CommCounter.grads``), reduces
+its fp32 accumulated sums in place of their bf16 roundings and hands it the fp32 result.
+The bytes counted are those of the tensor all-reduced, in the dtype it is reduced in.
+
 The hook state holds no reference to the DDP wrapper (a strong one would form a
 cycle through C++ that keeps old gradient buckets alive after a rebuild).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from . import _ddp
 
 __all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter"]
 
@@ -33,6 +41,10 @@ class CommCounter:
     bytes_pending: int = 0
     buckets_pending: int = 0
     history: list[int] = field(default_factory=list)
+    #: the dtype buckets are all-reduced in; None: the bucket's (the gradients') dtype
+    dtype: Optional[torch.dtype] = None
+    #: a PrecisionOptimizer's fp32 gradients (engine._grad32.Fp32Grads): sums in, fp32 results out
+    grads: Optional[Any] = None
 
     def end_step(self) -> int:
         """Close the current step: return its bytes, record them, reset the counters."""
@@ -46,25 +58,63 @@ class CommCounter:
 def counting_allreduce_hook(
     state: CommCounter, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: count the bucket's bytes, then all-reduce it as DDP's default does."""
+    """A DDP comm hook: count the bucket's bytes, then all-reduce it as DDP's default does.
+
+    DDP's default divides the bucket by the world size and sums it over the ranks.
+    With ``state.dtype`` the tensor reduced is a copy in that dtype (with
+    ``state.grads``, fp32: each gradient's fp32 accumulated sum where it has one);
+    the result is written back into the bucket (rounded to its dtype) and, when
+    fp32, handed to ``state.grads``.
+    """
     buffer = bucket.buffer()
-    state.bytes_pending += buffer.numel() * buffer.element_size()
+    params = bucket.parameters() if state.grads is not None else []
+    if state.grads is not None:
+        send = state.grads.bucket_input(params, buffer, state.dtype)
+    else:
+        send = buffer if state.dtype in (None, buffer.dtype) else buffer.to(state.dtype)
+    state.bytes_pending += send.numel() * send.element_size()
     state.buckets_pending += 1
-    return allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
+    if send is buffer:
+        return allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    send.div_(dist.get_world_size(group))
+    grads = state.grads
+
+    def written_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        reduced = fut.value()[0]
+        if grads is not None:
+            grads.deliver(params, reduced)
+        return buffer.copy_(reduced)
+
+    return dist.all_reduce(send, group=group, async_op=True).get_future().then(written_back)  # type: ignore[union-attr]
 
 
-def register_comm_counter(ddp: DistributedDataParallel) -> CommCounter:
+def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch.dtype] = None,
+                          grads: Optional[Any] = None) -> CommCounter:
     """Register :func:`counting_allreduce_hook` on ``ddp`` and return its counter.
 
     DDP accepts one comm hook per wrapper, so this replaces DDP's default
     all-reduce (it does the same averaging) and cannot be combined with another hook.
+    If ``ddp`` already has this hook, its counter is returned (with ``dtype`` and
+    ``grads`` set where given): a :class:`~hf_altparams.engine.PrecisionOptimizer`
+    and ``count_comm`` share one hook, whichever registers first.
     The rebuild at a phase switch re-registers it with the same counter.
+
+    Args:
+        ddp: the wrapper.
+        dtype: the dtype buckets are all-reduced in (default: the gradients' dtype).
+        grads: a PrecisionOptimizer's fp32 gradients (set by ``PrecisionOptimizer.attach_ddp``).
 
     Example:
         >>> # ddp = DistributedDataParallel(model); counter = register_comm_counter(ddp)
         >>> # loss.backward(); optimizer.step(); optimizer.zero_grad()
         >>> # counter.end_step()  -> bytes all-reduced in that optimizer step
     """
-    counter = CommCounter(process_group=ddp.process_group)
+    for state in _ddp.comm_hook_states(ddp):
+        if isinstance(state, CommCounter):
+            state.dtype = dtype if dtype is not None else state.dtype
+            state.grads = grads if grads is not None else state.grads
+            return state
+    counter = CommCounter(process_group=ddp.process_group, dtype=dtype, grads=grads)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     return counter

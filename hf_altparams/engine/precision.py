@@ -40,21 +40,32 @@ Trainer's fp16 ``GradScaler`` refuse fp16 gradients; use bf16 storage there.) Gr
 a step with a non-finite gradient is skipped on every rank (the gradients are
 all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
 
-Not done here: gradient accumulation in fp32 (with accumulation > 1 the
-gradients accumulate in the storage dtype inside ``param.grad``), and an
-all-reduce dtype other than the storage dtype.
+``allreduce_dtype=torch.float32`` all-reduces the bf16 buckets in fp32
+(``trainable x 4`` bytes, default ``x 2``) with a comm hook that
+:meth:`PrecisionOptimizer.attach_ddp` registers (``PhaseSwitcher.attach``
+calls it); the masters get the fp32 sum. Gradient accumulation sums the
+micro-steps in fp32 (4 bytes per trainable parameter from the second
+micro-step; :mod:`hf_altparams.engine._grad32`), ``param.grad`` holding the
+sum rounded to the storage dtype; a gradient changed before the step (clipped)
+is taken as changed.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import AltParamsError, PlanError
+from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups
+from . import _ddp
+from ._grad32 import Fp32Grads
+from ._loss_scale import DynamicLossScale
 from ._transfer import HostCopies, to_device, to_host
+from .comm import CommCounter, register_comm_counter
 from .optim import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
 
 __all__ = ["MasterPolicy", "PrecisionOptimizer", "DynamicLossScale"]
@@ -63,46 +74,6 @@ MasterPolicy = Literal["keep", "offload", "drop"]
 MASTER_POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
 STORAGE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 PRECISION_FORMAT = "hf_altparams.PrecisionOptimizer/1"
-
-
-class DynamicLossScale:
-    """A loss scale that halves on a non-finite gradient and doubles after ``growth_interval`` clean steps.
-
-    Example:
-        >>> s = DynamicLossScale(init_scale=8.0, growth_interval=2)
-        >>> s.update(found_inf=True); s.scale
-        4.0
-        >>> s.update(False); s.update(False); s.scale
-        8.0
-    """
-
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, dynamic: bool = True) -> None:
-        if not init_scale > 0:
-            raise PlanError(f"`loss_scale` must be positive; got {init_scale!r}")
-        self.scale = float(init_scale)
-        self.growth_interval = growth_interval
-        self.dynamic = dynamic
-        self._clean = 0
-
-    def update(self, found_inf: bool) -> None:
-        """Adjust the scale after a step (skipped if ``found_inf``)."""
-        if not self.dynamic:
-            return
-        if found_inf:
-            self.scale = max(self.scale / 2.0, 1.0)
-            self._clean = 0
-        else:
-            self._clean += 1
-            if self._clean >= self.growth_interval:
-                self.scale *= 2.0
-                self._clean = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean": self._clean}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self._clean = int(state["clean"])
 
 
 class _masters_in_place:
@@ -147,6 +118,10 @@ class PrecisionOptimizer(GroupedOptimizer):
             ``optimizer.scale_loss(loss)``; ``step()`` refuses gradients of an
             unscaled loss.
         active: the groups that step at first (default all).
+        allreduce_dtype: the dtype DDP all-reduces the gradients in: ``None``
+            (default: the storage dtype, 2 bytes per trainable parameter for
+            bf16) or ``torch.float32`` (4 bytes; the masters get the fp32 sum).
+            Set on the DDP wrapper by :meth:`attach_ddp`.
 
     Example:
         >>> import functools, torch
@@ -174,9 +149,13 @@ class PrecisionOptimizer(GroupedOptimizer):
         state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
         loss_scale: Union[None, str, float] = None,
         active: Optional[Iterable[str]] = None,
+        allreduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
             raise PlanError(f"`storage_dtype` is {storage_dtype!r}; accepted: {list(STORAGE_DTYPES)} or None")
+        if allreduce_dtype is not None and allreduce_dtype not in STORAGE_DTYPES:
+            raise PlanError(f"`allreduce_dtype` is {allreduce_dtype!r}; accepted: None (the storage dtype) "
+                            f"or one of {list(STORAGE_DTYPES)}")
         policies = _per_group(master_policy, groups.names, "master_policy")
         for name, policy in policies.items():
             if policy not in MASTER_POLICIES:
@@ -198,7 +177,45 @@ class PrecisionOptimizer(GroupedOptimizer):
         self._master_copies = HostCopies()
         self.skipped_steps = 0
         self._loss_scaled = False
+        self.allreduce_dtype = allreduce_dtype
+        this = weakref.ref(self)  # the module's hook must not keep the optimizer alive
+        self._grads32 = Fp32Grads(lambda: this()._stored_active() if this() is not None else [])  # type: ignore[union-attr]
         super().__init__(groups, optimizers, state_policy=state_policy, active=active)
+        grads = self._grads32
+        # one such hook per module: a later PrecisionOptimizer on the same model takes it over
+        previous = getattr(groups.module, "_hf_altparams_grads32_hook", None)
+        if previous is not None:
+            previous.remove()
+        groups.module._hf_altparams_grads32_hook = groups.module.register_forward_pre_hook(  # type: ignore[assignment]
+            lambda *_: grads.before_forward())
+
+    def _stored_active(self) -> list[nn.Parameter]:
+        """The active groups' low-precision parameters (those with fp32 masters)."""
+        return [p for n in self.active for p in self.groups.params(n) if self._needs_master(p)]
+
+    def attach_ddp(self, ddp: DistributedDataParallel) -> Optional[CommCounter]:
+        """With ``allreduce_dtype``: register the comm hook that all-reduces ``ddp``'s buckets in it.
+
+        ``PhaseSwitcher.attach`` calls it; call it yourself when you wrap the
+        model in DDP without a switcher. Returns the hook's byte counter
+        (shared with ``register_comm_counter``), or ``None`` without
+        ``allreduce_dtype`` (DDP's own all-reduce, in the storage dtype). A
+        wrapper with another comm hook (DDP takes one) is refused with
+        :class:`SwitchError`.
+        """
+        if self.allreduce_dtype is None:
+            return None
+        others = [type(s).__name__ for s in _ddp.comm_hook_states(ddp) if not isinstance(s, CommCounter)]
+        if others:
+            raise SwitchError(f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
+                              f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
+                              "one hook per wrapper: drop the other hook or `allreduce_dtype`")
+        return register_comm_counter(ddp, dtype=self.allreduce_dtype, grads=self._grads32)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, the fp32 accumulated sums included."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._grads32.clear()
 
     # ---------------------------------------------------------------- masters
     @staticmethod
@@ -287,11 +304,14 @@ class PrecisionOptimizer(GroupedOptimizer):
         found_inf = False
         for name in self.active:
             for pname, param in self.groups.named_params(name):
-                if param.grad is None or not self._needs_master(param):
+                if not self._needs_master(param):
+                    continue
+                # fp32: all-reduced in fp32, or the accumulated sum, or param.grad cast up
+                grad32 = self._grads32.take(param)  # param.grad released at once
+                if grad32 is None:
                     continue
                 master = self._master(name, pname, param)
-                master.grad = param.grad.to(torch.float32)
-                param.grad = None  # released at once: never both copies of every gradient
+                master.grad = grad32
                 if inv != 1.0:
                     master.grad.mul_(inv)
                 if self.loss_scale is not None and not bool(torch.isfinite(master.grad).all()):
@@ -317,7 +337,16 @@ class PrecisionOptimizer(GroupedOptimizer):
 
     # ------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The :class:`GroupedOptimizer` state plus every existing fp32 master (on CPU) and the loss scale."""
+        """The :class:`GroupedOptimizer` state plus every existing fp32 master (on CPU) and the loss scale.
+
+        Refused in the middle of a gradient-accumulation window (fp32 sums pending):
+        save at an optimizer-step boundary, where a resumed run is exact.
+        """
+        if self._grads32.pending():
+            raise AltParamsError(
+                "PrecisionOptimizer.state_dict: called between backward passes of a gradient-accumulation "
+                f"window ({self._grads32.pending()} bytes of fp32 gradient sums pending, not saved); save after "
+                "optimizer.step() and zero_grad(), where a resumed run is exact")
         out = super().state_dict()
         self._master_copies.wait()
         out["precision"] = {

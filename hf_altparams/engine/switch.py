@@ -219,6 +219,10 @@ class PhaseSwitcher:
                 "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
             )
         self.backend = backend_for(model)
+        grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
+        attach_ddp = getattr(grouped, "attach_ddp", None)  # PrecisionOptimizer: its comm hook
+        if attach_ddp is not None:
+            attach_ddp(model)
         self._reduced_bytes.clear()
         self.release_policy.forget_footprints()  # DDP adds a gradient copy per trainable byte
         if self.current is not None and not rebuild:

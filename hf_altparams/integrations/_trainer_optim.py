@@ -42,6 +42,7 @@ def grouped_optimizer(
     weight_decay: float = 0.0,
     state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
     master_policy: Optional[Union[MasterPolicy, Mapping[str, MasterPolicy]]] = None,
+    allreduce_dtype: Optional[torch.dtype] = None,
     **optimizer_kwargs: Any,
 ) -> GroupedOptimizer:
     """One optimizer per group, for ``Trainer(optimizers=(grouped_optimizer(...), None))``.
@@ -64,6 +65,10 @@ def grouped_optimizer(
             group's master does (``"offload"``, the default for such a model,
             ``"drop"`` or ``"keep"``). Giving it for an fp32 model also returns a
             PrecisionOptimizer (with no masters: nothing to do).
+        allreduce_dtype: with a PrecisionOptimizer, the dtype DDP all-reduces the
+            gradients in: ``None`` (the storage dtype) or ``torch.float32``
+            (see :class:`~hf_altparams.engine.PrecisionOptimizer`); giving it
+            returns a PrecisionOptimizer, as ``master_policy`` does.
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Example:
@@ -97,7 +102,7 @@ def grouped_optimizer(
 
     factories = {g: factory_for(g) for g in groups.names}
     low = {p.dtype for n in groups.names for p in groups.params(n)} & {torch.bfloat16, torch.float16}
-    if master_policy is not None or low:
+    if master_policy is not None or allreduce_dtype is not None or low:
         return PrecisionOptimizer(groups, factories, storage_dtype=None, state_policy=state_policy,
-                                  master_policy=master_policy or "offload")
+                                  master_policy=master_policy or "offload", allreduce_dtype=allreduce_dtype)
     return GroupedOptimizer(groups, factories, state_policy=state_policy)

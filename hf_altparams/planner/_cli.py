@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "masters and optimizer state for the groups that train")
     p.add_argument("--master-policy", choices=list(POLICIES), default="offload",
                    help="with --storage-dtype: where an idle group's fp32 master goes (default offload)")
+    p.add_argument("--allreduce-dtype", choices=list(_DTYPES),
+                   help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
+                        "default: the gradients' dtype)")
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     p.add_argument("--nonresident-on-device", action="store_true",
                    help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
@@ -187,7 +190,8 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
                      bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
                      offload_nonresident=not args.nonresident_on_device,
                      storage_dtype=_DTYPES[args.storage_dtype] if args.storage_dtype else None,
-                     master_policy=args.master_policy)
+                     master_policy=args.master_policy,
+                     allreduce_dtype=_DTYPES[args.allreduce_dtype] if args.allreduce_dtype else None)
     return args, plan
 
 

@@ -31,6 +31,7 @@ def plan_cost(
     pcie_gbps: float = DEFAULT_PCIE_GBPS,
     storage_dtype: Optional[torch.dtype] = None,
     master_policy: str = "offload",
+    allreduce_dtype: Optional[torch.dtype] = None,
 ) -> CostPlan:
     """Cost every phase of ``schedule`` over the first ``steps`` positions (see the module docstring).
 
@@ -63,6 +64,9 @@ def plan_cost(
             ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
             the storage-dtype gradients are freed as they are cast) plus DDP's bucket
             in the storage dtype. The train-everything row keeps masters for all.
+        allreduce_dtype: the dtype the gradients are all-reduced in, if not theirs
+            (``PrecisionOptimizer(allreduce_dtype=torch.float32)``): the all-reduce
+            figures count it; the memory figures do not change.
 
     Example:
         >>> from torch import nn
@@ -80,6 +84,9 @@ def plan_cost(
     if storage_dtype is not None and storage_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise PlanError(f"`storage_dtype` (--storage-dtype) must be bfloat16, float16, float32 or None, "
                         f"got {storage_dtype!r}")
+    if allreduce_dtype is not None and allreduce_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise PlanError(f"`allreduce_dtype` (--allreduce-dtype) must be bfloat16, float16, float32 or None, "
+                        f"got {allreduce_dtype!r}")
     if master_policy not in POLICIES:
         raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
     schedule.validate(groups)
@@ -88,7 +95,7 @@ def plan_cost(
         pattern = schedule.pattern_length()
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
     segments = schedule.segments(steps)
-    size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype)
+    size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype, allreduce_dtype)
     owners = _buffer_owners(groups)
     always = {_UNGROUPED} if groups.ungrouped == "trainable" and size[_UNGROUPED]["numel"] else set()
 
@@ -114,7 +121,7 @@ def plan_cost(
         return _Layout(off, state, buffers_off, masters)
 
     def cost(name: str, active: set[str], where: _Layout) -> PhaseCost:
-        grads, reduced = total(active, "grad"), total(active, "bucket")
+        grads, bucket, reduced = total(active, "grad"), total(active, "bucket"), total(active, "reduced")
         return PhaseCost(
             phase=name, trainable_groups=tuple(sorted(active - {_UNGROUPED})), ranges=[],
             trainable_params=total(active, "numel"), allreduce_bytes=reduced,
@@ -123,7 +130,7 @@ def plan_cost(
             buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
             optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
             # with storage_dtype the bucket outlives the cast gradients even as their view
-            bucket_bytes=reduced if storage_dtype is not None or not bucket_as_view else 0,
+            bucket_bytes=bucket if storage_dtype is not None or not bucket_as_view else 0,
             host_bytes=total(where.off, "param") + where.buffers_off
             + total([g for g, at in where.state.items() if at == "host"], "state")
             + total([g for g, at in where.masters.items() if at == "host"], "master"),
@@ -170,4 +177,5 @@ def plan_cost(
                   for p, res in results.items()},
         storage_dtype=None if storage_dtype is None else str(storage_dtype).replace("torch.", ""),
         master_policy=None if storage_dtype is None else master_policy,
+        allreduce_dtype=None if allreduce_dtype is None else str(allreduce_dtype).replace("torch.", ""),
     )

@@ -74,6 +74,7 @@ class CostPlan:
     policies: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> peak / moved bytes
     storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
     master_policy: Optional[str] = None
+    allreduce_dtype: Optional[str] = None  # all-reduced in this dtype, if not the gradients'
 
     def row(self, phase: str) -> PhaseCost:
         """The row of the phase named ``phase``."""
@@ -119,6 +120,7 @@ class CostPlan:
             f"model: {self.model}, {self.total_params:,} params | {self.unit}s 0-{self.positions - 1} listed",
             f"optimizer: {self.optimizer} | state policy: {self.state_policy} | world size: "
             f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
+            + ("" if self.allreduce_dtype is None else f" | all-reduced in {self.allreduce_dtype}")
             + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
             + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
                f"(idle: {self.master_policy}) and fp32 optimizer state"),

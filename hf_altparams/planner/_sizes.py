@@ -80,7 +80,8 @@ class _Layout:
 
 def _group_sizes(groups: ParamGroups, state_fn: Callable[[str, nn.Parameter], int],
                  grad_dtype: Optional[torch.dtype],
-                 storage_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
+                 storage_dtype: Optional[torch.dtype] = None,
+                 allreduce_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
     """Per group (and ``<ungrouped>``): elements, parameter, gradient, optimizer state and master bytes.
 
     With ``storage_dtype``, floating parameters are counted in it, their gradients too
@@ -104,6 +105,10 @@ def _group_sizes(groups: ParamGroups, state_fn: Callable[[str, nn.Parameter], in
             "numel": sum(p.numel() for _, p in params),
             "param": sum(p.numel() * p.element_size() for _, p in stored),
             "bucket": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in stored),
+            # what is all-reduced: the bucket, or a copy of it in `allreduce_dtype` (PrecisionOptimizer)
+            "reduced": sum(p.numel() * (allreduce_dtype.itemsize if allreduce_dtype else
+                                        (grad_dtype.itemsize if grad_dtype else p.element_size()))
+                           for _, p in stored),
             # storage mode: the step casts each gradient to fp32 on its master and frees it
             "grad": sum(p.numel() * (4 if n in fp32_grads else
                                      (grad_dtype.itemsize if grad_dtype else p.element_size()))

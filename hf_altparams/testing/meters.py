@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+from typing import Optional
 
 import torch
 
 from ..engine.memory import malloc_trim, rss_bytes
 
-__all__ = ["PeakMemory"]
+__all__ = ["ModelStateMeter", "PeakMemory", "total_state"]
 
 
 def _status_kib(field: str) -> int:
@@ -51,8 +52,18 @@ class PeakMemory:
             self.hwm_reset = False
         self.baseline = rss_bytes()
 
+    def reset_peak(self) -> int:
+        """CPU: restart the RSS high-water mark from the current RSS, which is returned.
+
+        :meth:`peak` then reports the peak since this call (the baseline stays).
+        """
+        if self.hwm_reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        return rss_bytes()
+
     def peak(self) -> int:
-        """Absolute peak in bytes since the baseline was marked."""
+        """Absolute peak in bytes since the baseline was marked (or :meth:`reset_peak`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
@@ -61,3 +72,91 @@ class PeakMemory:
     def peak_growth(self) -> int:
         """Peak minus the baseline, in bytes."""
         return self.peak() - self.baseline
+
+
+_STATE_KINDS = ("params", "buffers", "buckets", "grads", "optimizer", "masters", "step_counters")
+
+
+class ModelStateMeter:
+    """The model state held right now, by kind, each tensor storage counted once.
+
+    Kinds: ``params`` and ``buffers`` of the model; ``buckets``: DDP bucket
+    buffers noted by a comm hook (:meth:`note_bucket`); ``grads``: the
+    parameters' and the masters' gradients not already in a bucket;
+    ``optimizer``: optimizer state (every inner optimizer of a
+    :class:`~hf_altparams.engine.GroupedOptimizer`, on the device or the host);
+    ``masters``: a :class:`~hf_altparams.engine.PrecisionOptimizer`'s fp32
+    masters (device and host); ``step_counters``: 0-d ``step`` tensors (Adam's),
+    which the planner leaves out. :meth:`sample` (e.g. from an optimizer step
+    post-hook) keeps the largest total seen.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.AdamW(net.parameters())
+        >>> net(torch.ones(1, 4)).sum().backward(); opt.step()
+        >>> meter = ModelStateMeter(net, opt)
+        >>> kinds = meter.measure(); kinds["params"], kinds["grads"], kinds["optimizer"], kinds["step_counters"]
+        (40, 40, 80, 8)
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.buckets: dict[int, torch.Tensor] = {}
+        self.peak: dict[str, int] = dict.fromkeys(_STATE_KINDS, 0)
+
+    def note_bucket(self, buffer: torch.Tensor) -> None:
+        """Note a DDP bucket buffer (call from a comm hook; :meth:`forget_buckets` after a rebuild)."""
+        self.buckets[buffer.untyped_storage().data_ptr()] = buffer
+
+    def forget_buckets(self) -> None:
+        self.buckets.clear()
+
+    def measure(self) -> dict[str, int]:
+        """Bytes by kind (see the class docstring) held now."""
+        out = dict.fromkeys(_STATE_KINDS, 0)
+        seen: set[tuple[int, str]] = set()
+
+        def add(kind: str, tensor: Optional[torch.Tensor]) -> None:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                return
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), str(tensor.device))
+            if key not in seen and storage.nbytes():
+                seen.add(key)
+                out[kind] += storage.nbytes()
+
+        for p in self.model.parameters():
+            add("params", p)
+        for b in self.model.buffers():
+            add("buffers", b)
+        for buffer in self.buckets.values():
+            add("buckets", buffer)
+        for p in self.model.parameters():
+            add("grads", p.grad)
+        inner = getattr(self.optimizer, "inner", None)
+        optimizers = list(inner.values()) if isinstance(inner, dict) else [self.optimizer] if self.optimizer else []
+        for masters in getattr(self.optimizer, "masters", {}).values():
+            for master in masters.values():
+                add("masters", master)
+                add("grads", master.grad)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:  # the masters, while a PrecisionOptimizer steps
+                    add("grads", p.grad)
+            for state in opt.state.values():
+                for key, value in state.items():
+                    small = isinstance(value, torch.Tensor) and value.dim() == 0 and key == "step"
+                    add("step_counters" if small else "optimizer", value)
+        return out
+
+    def sample(self) -> dict[str, int]:
+        """Measure; keep it as :attr:`peak` if its total (step counters left out) is the largest so far."""
+        now = self.measure()
+        if total_state(now) > total_state(self.peak):
+            self.peak = now
+        return now
+
+
+def total_state(kinds: dict[str, int]) -> int:
+    """Model-state bytes of a :meth:`ModelStateMeter.measure` result, step counters left out (as the planner)."""
+    return sum(v for k, v in kinds.items() if k != "step_counters")

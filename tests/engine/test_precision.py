@@ -121,6 +121,56 @@ def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
     opt = PrecisionOptimizer(groups, ADAMW)
     with pytest.raises(PlanError, match="precision"):
         opt.load_state_dict({k: v for k, v in opt.state_dict().items() if k != "precision"})
+    with pytest.raises(PlanError, match="`allreduce_dtype` is torch.int8"):
+        PrecisionOptimizer(groups, ADAMW, allreduce_dtype=torch.int8)
+
+
+def test_gradient_accumulation_sums_the_micro_steps_in_fp32() -> None:
+    # SGD with lr=1: the master moves by exactly the gradient the step saw.
+    model = nn.Sequential(nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    groups = ParamGroups(model, {"w": "0.*"})
+    opt = PrecisionOptimizer(groups, functools.partial(torch.optim.SGD, lr=1.0), master_policy="keep")
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(4)]
+    expected32, expected16 = torch.zeros(64, 64), torch.zeros(64, 64, dtype=torch.bfloat16)
+    for x in xs:  # the micro-steps' bf16 gradients, summed in fp32 and (what fp32 avoids) in bf16
+        grad = torch.autograd.grad(model(x).float().pow(2).sum(), model[0].weight)[0]
+        expected32 += grad.float()
+        expected16 += grad
+    assert not torch.equal(expected32, expected16.float())  # the test can tell them apart
+    before = model[0].weight.detach().float()  # the master is created from the stored weights
+    for x in xs:
+        model(x).float().pow(2).sum().backward()
+    assert torch.equal(model[0].weight.grad, expected32.to(torch.bfloat16))  # the sum, rounded, for readers
+    opt.step()
+    assert model[0].weight.grad is None
+    torch.testing.assert_close(before - opt.masters["w"]["0.weight"], expected32, rtol=0, atol=0)
+
+
+def test_a_gradient_clipped_after_accumulation_is_what_the_step_uses() -> None:
+    model = nn.Sequential(nn.Linear(16, 16, bias=False)).to(torch.bfloat16)
+    opt = PrecisionOptimizer(ParamGroups(model, {"w": "0.*"}), functools.partial(torch.optim.SGD, lr=1.0))
+    before = model[0].weight.detach().float()
+    for i in range(3):
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    assert norm > 0.5  # it did clip
+    clipped = model[0].weight.grad.float()
+    opt.step()
+    torch.testing.assert_close(before - opt.masters["w"]["0.weight"], clipped, rtol=0, atol=0)
+
+
+def test_accumulated_sums_are_cleared_by_zero_grad_and_not_saved_mid_window() -> None:
+    model = _model(torch.bfloat16)
+    opt = PrecisionOptimizer(ParamGroups(model, GROUPS), ADAMW)
+    x = torch.randn(5, 4).to(torch.bfloat16)
+    model(x).sum().backward()
+    model(x).sum().backward()  # second micro-step: the first one's gradients now wait in fp32
+    model(x)  # the forward of a third micro-step moves the second one's as well
+    with pytest.raises(AltParamsError, match="gradient-accumulation window"):
+        opt.state_dict()
+    opt.zero_grad()
+    assert opt._grads32.pending() == 0
+    opt.state_dict()  # at a step boundary: fine
 
 
 @pytest.mark.cuda
@@ -147,3 +197,90 @@ def test_cuda_idle_masters_go_to_pinned_host_memory_and_the_run_equals_keep() ->
     assert where[-1]["cuda"] == 4 * sum(p.numel() for p in offloaded[2].parameters())
     for k, o in zip(kept.parameters(), offloaded.parameters()):
         assert torch.equal(k, o)
+
+
+def test_ddp_attach_shares_one_counting_hook_and_refuses_an_fp32_wire_beside_another_hook(
+        gloo_world_1: object) -> None:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_altparams import SwitchError, register_comm_counter
+
+    def wrapped(**kw: object) -> tuple[nn.Module, DDP, PrecisionOptimizer, PhaseSwitcher]:
+        model = _model(torch.bfloat16)
+        groups = ParamGroups(model, GROUPS)
+        opt = PrecisionOptimizer(groups, ADAMW, **kw)  # type: ignore[arg-type]
+        switcher = PhaseSwitcher(groups, Alternating(["a", "b", "c"]), optimizer=opt)
+        switcher.step_to(0)
+        return model, DDP(model), opt, switcher
+
+    model, ddp, opt, switcher = wrapped(allreduce_dtype=torch.float32)
+    switcher.attach(ddp)
+    counter = register_comm_counter(ddp)  # count_comm after attach: the same hook, not a second one
+    assert counter.dtype == torch.float32 and len(ddp._comm_hooks) == 1
+    x = torch.randn(5, 4).to(torch.bfloat16)
+    for _ in range(2):  # accumulation 2: the first micro-step without sync
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        ddp(x).sum().backward()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        opt.step()
+        opt.zero_grad()
+        assert counter.end_step() == 4 * trainable  # bf16 gradients, all-reduced in fp32
+    del ddp, switcher
+
+    _, ddp, opt, switcher = wrapped(allreduce_dtype=torch.float32)
+    ddp.register_comm_hook(dist.group.WORLD, fp16_compress_hook)
+    with pytest.raises(SwitchError, match="allreduce_dtype=torch.float32.*has one already"):
+        switcher.attach(ddp)
+    _, ddp, opt, switcher = wrapped()  # default wire dtype: DDP's own all-reduce, or the user's hook
+    ddp.register_comm_hook(dist.group.WORLD, fp16_compress_hook)
+    switcher.attach(ddp)
+    assert len(ddp._comm_hooks) == 1
+
+
+@pytest.mark.parametrize("storage, policy", [(torch.bfloat16, "offload"), (torch.bfloat16, "drop"),
+                                             (torch.float32, "drop")])
+def test_planner_equals_the_model_state_measured_on_the_rank(gloo_world_1: object, storage: torch.dtype,
+                                                             policy: str) -> None:
+    """plan_cost's peak (device + host: one RAM on CPU) against the storages counted after each step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from hf_altparams.engine import CommCounter, GroupedOptimizer
+    from hf_altparams.engine.comm import counting_allreduce_hook
+    from hf_altparams.planner import plan_cost
+    from hf_altparams.testing.meters import ModelStateMeter, total_state
+
+    model = _model(storage)
+    groups = ParamGroups(model, GROUPS)
+    schedule = Alternating(["a", "b", "c"], every=2)
+    if storage == torch.float32:
+        opt: GroupedOptimizer = GroupedOptimizer(groups, ADAMW, state_policy=policy)
+    else:
+        opt = PrecisionOptimizer(groups, ADAMW, master_policy=policy, state_policy=policy)  # type: ignore[arg-type]
+    switcher = PhaseSwitcher(groups, schedule, optimizer=opt)
+    switcher.step_to(0)
+    ddp = DDP(model)
+    switcher.attach(ddp)
+    meter = ModelStateMeter(model, opt)
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # no annotations: DDP checks real types
+        meter.note_bucket(bucket.buffer())
+        return counting_allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(CommCounter(), hook)
+    handle = register_optimizer_step_post_hook(lambda *_: meter.sample())
+    try:
+        for step in range(8):
+            ddp(torch.randn(5, 4).to(storage)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            meter.forget_buckets()
+            switcher.step_to(step + 1)
+    finally:
+        handle.remove()
+    plan = plan_cost(model, groups, schedule, state_policy=policy, world_size=1, steps=8,
+                     storage_dtype=None if storage == torch.float32 else storage, master_policy=policy)
+    assert total_state(meter.peak) == max(r.device_bytes + r.host_bytes for r in plan.phases) > 0

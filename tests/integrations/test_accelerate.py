@@ -65,6 +65,17 @@ def test_bytes_allreduced_per_step_equal_trainable_bytes(ranks: Any, name: str) 
 
 
 @pytest.mark.distributed
+def test_bf16_model_accumulates_and_all_reduces_in_fp32_like_the_one_process_reference(ranks: Any) -> None:
+    """PrecisionOptimizer(allreduce_dtype=torch.float32), gradient accumulation 3, through prepare/accumulate."""
+    per_rank = scenario(ranks, "bf16_masters")
+    for r in per_rank:
+        assert r["dtypes"] == ["torch.bfloat16"] and r["steps"] == 6
+        assert r["max_abs_diff_vs_reference"] == 0.0  # two ranks: every sum rounds once, bit-exact
+        assert r["allreduce_bytes_measured"] == [4 * n for n in r["trainable_numel"]]
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"]
+
+
+@pytest.mark.distributed
 def test_switches_only_at_gradient_sync_boundaries(ranks: Any) -> None:
     ga1, ga2 = scenario(ranks, "ga1")[0], scenario(ranks, "ga2")[0]
     # Alternating({"l0": 2, "l1": 1, "head": 1}) over 6 optimizer steps (+ the switch after the last one).

@@ -45,9 +45,12 @@ EXPECTED_PHASES: dict[str, list[set[str]]] = {
     "main": [set(g) for g, n in S.MAIN_PHASES for _ in range(n)],
     "bf16_gc": [{"layer1"}, {"head"}, {"layer1"}, {"head"}],
     "grouped": [{"layer0"}, {"head"}, {"head"}, {"layer0"}],
+    "bf16_fp32_wire": [{"layer0"}, {"head"}, {"head"}, {"layer0"}],
 }
 EXPECTED_PHASES["resume"] = EXPECTED_PHASES["main"][S.SAVE_STEPS:]
-CHECKED = ["main", "resume", "bf16_gc", "grouped"]
+CHECKED = ["main", "resume", "bf16_gc", "grouped", "bf16_fp32_wire"]
+#: bytes all-reduced per trainable byte: bf16 parameters whose gradients are all-reduced in fp32 send 2
+WIRE_PER_BYTE = {"bf16_fp32_wire": 2}
 
 
 def changed_groups(sums: list[dict[str, str]]) -> list[set[str]]:
@@ -94,7 +97,8 @@ def test_each_group_changes_only_in_its_phases(ranks: list[dict[str, Any]], scen
 def test_bytes_allreduced_per_step_equal_trainable_bytes(ranks: list[dict[str, Any]], scenario: str) -> None:
     for r in ranks:
         result = r["scenarios"][scenario]
-        expected = [sum(result["group_bytes"][g] for g in phase) for phase in EXPECTED_PHASES[scenario]]
+        expected = [WIRE_PER_BYTE.get(scenario, 1) * sum(result["group_bytes"][g] for g in phase)
+                    for phase in EXPECTED_PHASES[scenario]]
         assert result["comm"] == expected, f"{scenario} rank {r['rank']}: counted by the comm hook"
 
 
@@ -312,6 +316,14 @@ def test_grouped_optimizer_splits_weight_decay_like_the_trainer() -> None:
         assert all(not re.search(r"bias|LayerNorm", name_of[id(p)]) for p in decayed["params"])
         assert all(re.search(r"bias|LayerNorm", name_of[id(p)]) for p in plain["params"])
         assert {id(p) for g in inner.param_groups for p in g["params"]} == {id(p) for p in groups.params(group)}
+
+
+def test_grouped_optimizer_passes_the_allreduce_dtype_to_a_precision_optimizer() -> None:
+    model = S.tiny_bert().to(torch.bfloat16)
+    groups = ParamGroups.from_layers(model, "bert.encoder.layer", extra=S.EXTRA_GROUPS)
+    opt = grouped_optimizer(groups, lr=1e-3, allreduce_dtype=torch.float32)
+    # by name: pytest's --doctest-modules may import the module a second time
+    assert type(opt).__name__ == "PrecisionOptimizer" and opt.allreduce_dtype == torch.float32  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------- the example

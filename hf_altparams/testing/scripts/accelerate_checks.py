@@ -25,6 +25,11 @@ Scenarios:
 * ``unused``: a trainable parameter the forward never uses is reported before
   the step with ``find_unused_parameters=False``; ``True`` trains.
 * ``resume``: the uninterrupted run, saving a checkpoint mid-phase.
+* ``bf16_masters``: a bf16 model with a PrecisionOptimizer (fp32 masters,
+  ``allreduce_dtype=torch.float32``) and gradient accumulation 3 through
+  ``prepare`` and ``accumulate``: the parameters against ``precision_check``'s
+  one-process reference (micro-steps summed in fp32, fp32 all-reduce), bytes
+  all-reduced per step against trainable x 4.
 * ``bf16``: ``mixed_precision="bf16"`` on CPU runs, switches and keeps ranks equal.
 * ``fp16_scaler``: one GradScaler step and one unscale per optimizer step with
   two groups active: two Accelerate optimizers against one GroupedOptimizer, and
@@ -362,6 +367,40 @@ def resume_scenario(out: Path) -> dict[str, Any]:
     return result
 
 
+def bf16_masters_scenario() -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import precision_check as check  # the engine test's model, batches and one-process reference
+    from hf_altparams.engine import PrecisionOptimizer
+
+    AcceleratorState._reset_state()
+    case = check.Case("accelerate", "offload", "offload", "alternating", steps=6, accumulation=3,
+                      allreduce_dtype="float32", loss_over_accumulation=True)
+    acc = PhasedAccelerator(case.build_schedule(), gradient_accumulation_steps=case.accumulation, count_comm=True)
+    model = check.build_model()
+    groups = ParamGroups(model, check.GROUPS)
+    opt = PrecisionOptimizer(groups, check.ADAMW, master_policy=case.master_policy, state_policy=case.state_policy,
+                             allreduce_dtype=torch.float32)
+    ddp, prepared = acc.prepare(model, opt)
+    trainable = []
+    for step in range(case.steps):
+        for micro in range(case.accumulation):
+            x, y = check.batch(step, acc.process_index, acc.num_processes, micro)
+            with acc.accumulate(ddp):
+                acc.backward(nn.functional.mse_loss(ddp(x), y))
+                if acc.sync_gradients:
+                    trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
+                prepared.step()
+                prepared.zero_grad()
+    reference = check.reference(case, world=acc.num_processes)
+    diff = max(float((p.float() - q.float()).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    result = {"steps": acc.schedule_step, "max_abs_diff_vs_reference": diff,
+              "param_sha256": check.digest(check.params_of(model)),
+              "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
+              "trainable_numel": trainable, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    acc.free_memory()
+    return result
+
+
 class SeedNet(nn.Module):
     """The seed user's model: two layers, an optimizer each."""
 
@@ -525,6 +564,7 @@ def main() -> None:
         "unused": unused_scenario,
         "resume": lambda: resume_scenario(out),
         "own_optimizers": own_optimizers_scenario,
+        "bf16_masters": bf16_masters_scenario,
         "bf16": bf16_scenario,  # resets Accelerate's process-wide mixed-precision state: keep it late
         "fp16_scaler": fp16_scaler_scenario,
     }

@@ -13,6 +13,12 @@ arithmetic: per-shard bf16 forward/backward, each shard's gradient divided by
 the world size in bf16 and summed (what DDP's all-reduce computes), fp32
 master update.
 
+Cases with ``accumulation > 1`` run that many micro-steps per optimizer step
+(all but the last inside ``no_sync``), summed in fp32 by PrecisionOptimizer;
+``allreduce_dtype="float32"`` all-reduces the bf16 buckets in fp32 (the
+reference sums the per-rank fp32 gradients / world in fp32 and the master gets
+that sum unrounded).
+
 Scenarios per case: the plain run; a run interrupted mid-phase (state saved,
 everything rebuilt from a fresh model, state loaded) that must end equal to
 the plain run; the bytes DDP all-reduced per step.
@@ -25,6 +31,7 @@ import functools
 import gc
 import hashlib
 import io
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -52,6 +59,14 @@ class Case:
     schedule: str  # "alternating" or "lisa"
     steps: int = 10
     resume_at: int = 5  # mid-phase for every=2 alternation starting at 0
+    accumulation: int = 1  # micro-steps per optimizer step
+    allreduce_dtype: Optional[str] = None  # "float32": all-reduce the bf16 buckets in fp32
+    loss_over_accumulation: bool = False  # each micro-step's loss / accumulation (Accelerate's backward)
+    bucket_view: bool = False  # DDP's gradient_as_bucket_view
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return getattr(torch, self.allreduce_dtype) if self.allreduce_dtype else torch.bfloat16
 
     def build_schedule(self) -> Schedule:
         if self.schedule == "lisa":
@@ -62,7 +77,13 @@ class Case:
 CASES = {c.name: c for c in [
     Case("offload", "offload", "offload", "alternating"),
     Case("drop", "drop", "drop", "lisa"),
+    Case("accum3_fp32_wire", "offload", "offload", "alternating", accumulation=3, allreduce_dtype="float32"),
+    Case("accum2", "drop", "drop", "lisa", accumulation=2),
+    Case("accum2_fp32_wire_view", "drop", "drop", "lisa", accumulation=2, allreduce_dtype="float32",
+         bucket_view=True),
 ]}
+#: the cases run at each world size (4 ranks on 2 CI cores are slow: the fp32-wire accumulation only)
+CASES_AT = {2: list(CASES), 4: ["offload", "drop", "accum3_fp32_wire"]}
 
 
 def build_model(seed: int = 0) -> nn.Sequential:
@@ -73,8 +94,8 @@ def build_model(seed: int = 0) -> nn.Sequential:
     ).to(torch.bfloat16)
 
 
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
+def batch(step: int, rank: int, world: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + 100 * micro + step)
     x = torch.randn(GLOBAL_BATCH, IN_FEATURES, generator=gen)
     y = torch.randn(GLOBAL_BATCH, OUT_FEATURES, generator=gen)
     share = GLOBAL_BATCH // world
@@ -91,22 +112,29 @@ class Run:
         self.groups = ParamGroups(self.model, GROUPS)
         self.optimizer = PrecisionOptimizer(self.groups, ADAMW, storage_dtype=torch.bfloat16,
                                             master_policy=case.master_policy,
-                                            state_policy=case.state_policy)
+                                            state_policy=case.state_policy,
+                                            allreduce_dtype=getattr(torch, case.allreduce_dtype)
+                                            if case.allreduce_dtype else None)
         self.switcher = PhaseSwitcher(self.groups, case.build_schedule(), optimizer=self.optimizer)
         self.switcher.step_to(0)
         self.wrapped: nn.Module = self.model
         self.counter = None
         if distributed:
-            self.wrapped = DDP(self.model)
+            self.wrapped = DDP(self.model, gradient_as_bucket_view=self.case.bucket_view)
             self.switcher.attach(self.wrapped)
             self.counter = register_comm_counter(self.wrapped)
 
     def step(self, step: int) -> dict[str, Any]:
         rank = dist.get_rank() if self.distributed else 0
         if self.distributed:
-            x, y = batch(step, rank, self.world)
-            F.mse_loss(self.wrapped(x), y).backward()
-        else:  # what DDP computes: per-shard bf16 grads, each / world in bf16, summed
+            assert isinstance(self.wrapped, DDP)
+            for micro in range(self.case.accumulation):
+                last = micro == self.case.accumulation - 1
+                with nullcontext() if last else self.wrapped.no_sync():
+                    x, y = batch(step, rank, self.world, micro)
+                    F.mse_loss(self.wrapped(x), y).backward()
+        else:
+            assert self.case.accumulation == 1 and self.case.allreduce_dtype is None, "reference() covers these"  # what DDP computes: per-shard bf16 grads, each / world in bf16, summed
             shards = []
             for r in range(self.world):
                 x, y = batch(step, r, self.world)
@@ -187,6 +215,9 @@ def reference(case: Case, world: int) -> nn.Module:
     A bf16 model; per group an fp32 master and a plain ``AdamW`` on it; per step the
     schedule's phase; a group leaving the phase loses its Adam state (``state_policy="drop"``)
     and, with ``master_policy="drop"``, its master (re-created from the bf16 weights).
+    Per rank the micro-steps' bf16 gradients are summed in fp32; the ranks' sums are
+    divided by the world size and summed in the all-reduce dtype (bf16: rounded once
+    first, as DDP's bf16 bucket is; fp32: the master gets the fp32 sum).
     """
     model = build_model()
     schedule = case.build_schedule()
@@ -213,15 +244,22 @@ def reference(case: Case, world: int) -> nn.Module:
         active = phase
         shards = []
         for r in range(world):
-            x, y = batch(step, r, world)
-            model.zero_grad(set_to_none=True)
-            F.mse_loss(model(x), y).backward()
-            shards.append([[p.grad.div(world) for p in members[g]] for g in sorted(phase)])
+            local: list[list[torch.Tensor]] = []
+            for micro in range(case.accumulation):
+                x, y = batch(step, r, world, micro)
+                model.zero_grad(set_to_none=True)
+                loss = F.mse_loss(model(x), y)
+                (loss / case.accumulation if case.loss_over_accumulation else loss).backward()
+                grads = [[p.grad.float() for p in members[g]] for g in sorted(phase)]
+                local = grads if not local else [[a + b for a, b in zip(la, ga)] for la, ga in zip(local, grads)]
+            shards.append([[(t.to(case.wire_dtype) / world).float() for t in ts] for ts in local])
         model.zero_grad(set_to_none=True)
         for gi, g in enumerate(sorted(phase)):
             for pi, (param, master) in enumerate(zip(members[g], masters[g])):
-                total = sum(s[gi][pi].float() for s in shards)
-                master.grad = total.to(torch.bfloat16).float()
+                total = shards[0][gi][pi]
+                for s in shards[1:]:
+                    total = total + s[gi][pi]
+                master.grad = total.to(case.wire_dtype).float()
             optims[g].step()
             for param, master in zip(members[g], masters[g]):
                 master.grad = None
@@ -246,12 +284,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--cases", help="comma list (default: CASES_AT[world size], else every case)")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"world_size": world, "cases": {}}
-    for name, case in CASES.items():
+    names = args.cases.split(",") if args.cases else CASES_AT.get(world, list(CASES))
+    for name in names:
+        case = CASES[name]
         plain = train(case, distributed=True, world=world)
         resumed = train(case, distributed=True, world=world, resume=True)
         params = params_of(plain["model"])
@@ -263,6 +304,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "resumed_sha256": digest(params_of(resumed["model"])),
             "restored_exact": resumed["restored_exact"],
             "dtypes": sorted({str(p.dtype) for p in plain["model"].parameters()}),
+            "wire_itemsize": case.wire_dtype.itemsize,
         }
         del plain, resumed
     gc.collect()  # free the DDP wrappers before the process group (a live one can abort the exit)

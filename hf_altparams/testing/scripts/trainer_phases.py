@@ -18,6 +18,10 @@ from a config, no dropout, a synthetic data set):
     a group switch at every step.
 ``grouped``
     ``optimizers=(grouped_optimizer(..., state_policy="offload"), None)``.
+``bf16_fp32_wire``
+    a model stored in bf16, ``grouped_optimizer(..., allreduce_dtype=torch.float32)``
+    (a PrecisionOptimizer: fp32 masters, bf16 gradients all-reduced in fp32),
+    gradient accumulation 2.
 ``naive``
     no AlternatingFreeze: the encoder frozen before ``Trainer(...)`` and
     unfrozen by a plain callback (DESIGN.md fact 7): the bug the callback fixes.
@@ -147,8 +151,8 @@ def arguments(out: Path, **overrides: Any) -> TrainingArguments:
 
 def run(name: str, out_dir: Path, *, schedule: Any = None, resume: str | None = None,
         optimizer_fn: Any = None, naive_unfreeze_at: int | None = None, evaluate_first: bool = False,
-        **overrides: Any) -> dict[str, Any]:
-    model = tiny_bert()
+        bf16_model: bool = False, **overrides: Any) -> dict[str, Any]:
+    model = tiny_bert().to(torch.bfloat16) if bf16_model else tiny_bert()
     groups = groups_of(model)
     callbacks: list[TrainerCallback] = []
     freeze = None
@@ -210,6 +214,9 @@ def main() -> None:
     results["grouped"] = run("grouped", out_dir, schedule=Alternating({"layer0": 1, "head": 2}), max_steps=4,
                              optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, weight_decay=0.01,
                                                                       state_policy="offload"))
+    results["bf16_fp32_wire"] = run(
+        "bf16_fp32_wire", out_dir, schedule=Alternating({"layer0": 1, "head": 2}), max_steps=4, bf16_model=True,
+        optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, allreduce_dtype=torch.float32))
     results["naive"] = run("naive", out_dir, naive_unfreeze_at=2, max_steps=5)
     results["eval_first"] = run("eval_first", out_dir, schedule=Alternating(["head", "layer1"]), max_steps=2,
                                 evaluate_first=True)
