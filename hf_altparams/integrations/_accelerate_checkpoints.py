@@ -14,6 +14,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from ..errors import AltParamsError
@@ -21,8 +22,8 @@ from ..errors import AltParamsError
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "check_complete", "latest_complete_checkpoint",
-           "read_state", "write_state"]
+__all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "agreed_checkpoint", "check_complete",
+           "complete_iterations", "latest_complete_checkpoint", "read_state", "write_state"]
 
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
@@ -73,20 +74,82 @@ def check_complete(input_dir: str) -> None:
         )
 
 
-def latest_complete_checkpoint(checkpoints_dir: str) -> str:
-    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+def complete_iterations(checkpoints_dir: str) -> list[int]:
+    """The ``n`` of every ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed, ascending."""
     found = []
     for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
         match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            found.append((int(match.group(1)), path))
+        if match and os.path.isfile(os.path.join(checkpoints_dir, name, COMPLETE_MARKER)):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def latest_complete_checkpoint(checkpoints_dir: str) -> str:
+    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+    found = complete_iterations(checkpoints_dir)
     if not found:
         raise AltParamsError(
             f"`load_state()` found no complete checkpoint_<n> folder in {checkpoints_dir!r} "
             "(automatic resume skips folders whose save was interrupted); start from scratch"
         )
-    return max(found)[1]
+    return os.path.join(checkpoints_dir, f"checkpoint_{found[-1]}")
+
+
+_SHARED_STORAGE_HINT = (
+    "on several nodes, each node reads its own disk: with `ProjectConfiguration(save_on_each_node=False)` "
+    "(the default) only the main process writes the model, the optimizer and the state file, so the "
+    "checkpoint folder must be on storage every node shares; with separate disks per node set "
+    "`save_on_each_node=True`"
+)
+
+
+def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) -> Optional[str]:
+    """The checkpoint folder every rank loads, the same on all of them, or the same error on every rank.
+
+    ``input_dir`` (given by the caller) must be complete on every rank; without it,
+    ``checkpoints_dir`` (automatic naming) gives the latest ``checkpoint_<n>``
+    complete on EVERY rank's disk (a save interrupted on one node only is skipped
+    everywhere). Each rank reads its own filesystem, so on several nodes the ranks
+    can see different folders; one all-gather of what each rank found makes them
+    agree, instead of letting some ranks load while others fail (they would then
+    wait in the next collective) or load another checkpoint (silent divergence).
+    Single process: the local answer.
+    """
+    if input_dir is None and checkpoints_dir is None:
+        return None
+    if input_dir is not None:
+        input_dir = os.path.expanduser(str(input_dir))
+        found: Any = os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER))
+    else:
+        assert checkpoints_dir is not None
+        found = complete_iterations(checkpoints_dir)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if input_dir is not None:
+            check_complete(input_dir)
+            return input_dir
+        assert checkpoints_dir is not None
+        return latest_complete_checkpoint(checkpoints_dir)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, found)
+    if input_dir is not None:
+        missing = [r for r, ok in enumerate(gathered) if not ok]
+        if missing:
+            raise AltParamsError(
+                f"`load_state` refuses {input_dir!r}: rank(s) {missing} find no {COMPLETE_MARKER} there, so "
+                "its save was interrupted (or it was not written by PhasedAccelerator.save_state) or "
+                f"those ranks do not see it; {_SHARED_STORAGE_HINT}"
+            )
+        return input_dir
+    assert checkpoints_dir is not None
+    common = set(gathered[0]).intersection(*map(set, gathered[1:]))
+    if not common:
+        seen = "; ".join(f"rank {r}: {sorted(its)}" for r, its in enumerate(gathered))
+        raise AltParamsError(
+            f"`load_state()` found no checkpoint_<n> folder complete on every rank in {checkpoints_dir!r} "
+            f"(complete ones seen: {seen}); automatic resume skips folders whose save was interrupted. "
+            f"Start from scratch, or: {_SHARED_STORAGE_HINT}"
+        )
+    return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}")
 
 
 def read_state(input_dir: str) -> dict[str, Any]:
@@ -140,14 +203,15 @@ class CheckpointMixin:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
 
         A folder whose save did not complete is refused before anything loads; with
-        automatic checkpoint naming and no ``input_dir``, the latest *complete*
-        ``checkpoint_<n>`` is loaded (interrupted saves are skipped).
+        automatic checkpoint naming and no ``input_dir``, the latest ``checkpoint_<n>``
+        complete on every rank is loaded (interrupted saves are skipped). The ranks
+        agree on the folder first (each reads its own disk: several nodes may see
+        different files), so either all of them load the same checkpoint or all
+        raise the same error.
         """
         if self.switcher is not None:
-            if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-                input_dir = latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
-            if input_dir is not None:
-                check_complete(os.path.expanduser(str(input_dir)))
+            automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
+            input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
         super().load_state(input_dir, **kwargs)
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device

@@ -1,0 +1,122 @@
+"""Two simulated nodes of two ranks each (``torchrun --nnodes 2``, static rendezvous on 127.0.0.1).
+
+One launch of ``multinode_checks.py`` (module fixture) feeds every test here:
+ranks whose local rank differs from their global rank, equivalence with one
+process on the concatenated batch, bytes all-reduced, and checkpoints with
+``save_on_each_node`` true (a folder per node) and false (shared folder; and a
+folder per node, which must fail the same way on every rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hf_altparams.errors import AltParamsError
+from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
+from hf_altparams.testing import rank_results, script_path
+from hf_altparams.testing.nodes import launch_nodes
+
+NNODES, PER_NODE = 2, 2
+WORLD = NNODES * PER_NODE
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("multinode")
+    # ACCELERATE_USE_CPU: under torchrun on a machine without CUDA, Accelerate otherwise sees
+    # DistributedType.NO and runs every rank as a world of one (the switcher then refuses the run).
+    launch_nodes(script_path("multinode_checks.py"), str(out), nnodes=NNODES, nproc_per_node=PER_NODE,
+                 env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    return rank_results(out, nproc=WORLD)
+
+
+@pytest.mark.distributed
+def test_local_rank_differs_from_global_rank_on_the_second_node(ranks: list[dict[str, Any]]) -> None:
+    seen = [(r["ranks"]["RANK"], r["ranks"]["LOCAL_RANK"], r["ranks"]["GROUP_RANK"]) for r in ranks]
+    assert seen == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    for r in ranks:
+        info = r["ranks"]
+        assert info["process_index"] == info["RANK"] and info["local_process_index"] == info["LOCAL_RANK"]
+        assert info["is_local_main_process"] == (info["LOCAL_RANK"] == 0)
+        assert info["num_processes"] == WORLD and info["backend"] == "gloo"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["ga1", "per_task"])
+def test_four_ranks_on_two_nodes_equal_one_process_and_reduce_trainable_bytes(
+        ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        res = r[name]
+        assert res["max_abs_diff_vs_reference"] < 1e-6, res["max_abs_diff_vs_reference"]
+        assert res["allreduce_bytes_measured"] == res["allreduce_bytes_expected"]
+    assert len(set(ranks[0]["ga1"]["allreduce_bytes_expected"])) > 1, "the phases must differ in size"
+    assert len({r[name]["param_sha256"] for r in ranks}) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["each_node", "shared"])
+def test_resume_on_both_nodes_is_bitwise_exact(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        res = r[name]
+        assert res["load_error"] == ""
+        assert (res["step_after_load"], res["phase_after_load"]) == (3, "l1")
+        assert res["resumed_steps"] == res["steps"] == 9
+        assert res["bitwise_equal_to_uninterrupted"], (r["rank"], name)
+    assert len({r[name]["resumed_sha256"] for r in ranks}) == 1
+
+
+@pytest.mark.distributed
+def test_save_on_each_node_writes_the_state_and_marker_on_every_node(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        res, local_main = r["each_node"], r["ranks"]["LOCAL_RANK"] == 0
+        assert res["writes"] == (["state_file", "marker"] if local_main else []), r["rank"]
+        node = r["ranks"]["GROUP_RANK"]
+        # each node's own folder holds everything it needs, and only its own ranks' RNG files
+        expected = {STATE_FILE, COMPLETE_MARKER, "model.safetensors", "optimizer.bin",
+                    f"random_states_{2 * node}.pkl", f"random_states_{2 * node + 1}.pkl"}
+        assert set(res["files_seen"]) == expected, res["files_seen"]
+
+
+@pytest.mark.distributed
+def test_main_process_only_writes_once_into_shared_storage(ranks: list[dict[str, Any]]) -> None:
+    assert [r["shared"]["writes"] for r in ranks] == [["state_file", "marker"], [], [], []]
+    assert {f"random_states_{i}.pkl" for i in range(WORLD)} <= set(ranks[3]["shared"]["files_seen"])
+
+
+@pytest.mark.distributed
+def test_main_process_only_on_separate_disks_fails_alike_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    # every rank raised (none went on training), each naming its own node's folder, all alike otherwise
+    errors = {r["main_only_separate"]["load_error"].replace(f"/node{r['ranks']['GROUP_RANK']}/", "/NODE/")
+              for r in ranks}
+    assert len(errors) == 1 and "" not in errors, errors
+    (error,) = errors
+    assert "rank 2: []; rank 3: []" in error and "save_on_each_node=True" in error
+
+
+# --------------------------------------------------------------------------- one process
+def _checkpoint(root: Path, n: int, complete: bool) -> Path:
+    folder = root / "checkpoints" / f"checkpoint_{n}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / COMPLETE_MARKER).write_text("{}")
+    return folder
+
+
+def test_agreed_checkpoint_in_one_process_takes_the_latest_complete(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 0, True)
+    _checkpoint(tmp_path, 1, False)
+    _checkpoint(tmp_path, 10, False)
+    chosen = agreed_checkpoint(None, str(tmp_path / "checkpoints"))
+    assert chosen == str(tmp_path / "checkpoints" / "checkpoint_0")
+    assert agreed_checkpoint(None, None) is None
+
+
+def test_agreed_checkpoint_refuses_an_incomplete_folder(tmp_path: Path) -> None:
+    torn = _checkpoint(tmp_path, 3, False)
+    with pytest.raises(AltParamsError, match="refuses"):
+        agreed_checkpoint(str(torn), None)
+    with pytest.raises(AltParamsError, match="no complete checkpoint"):
+        agreed_checkpoint(None, str(tmp_path / "checkpoints"))
