@@ -21,7 +21,10 @@ own "disk". Every rank writes ``OUT_DIR/rank{r}.json``. Scenarios, in order:
   its own node's folder and trains to the end: bit-equal to the uninterrupted run?
   Which ranks wrote the state file and the completion marker, which files each
   node's folder holds.
-* ``shared``: ``save_on_each_node=False`` and ONE folder for both nodes (shared storage).
+* ``shared``: ``save_on_each_node=False`` and ONE folder for both nodes (shared
+  storage); saves at a phase boundary and one step later (mid-phase), resumes
+  from the first (bitwise) and, with ``load_state()``, from the latest (equal
+  to float rounding on four ranks: see SAVE_AT).
 * ``main_only_separate``: ``save_on_each_node=False`` but a folder per node, so
   node 1 never sees the main node's files: ``load_state()`` must raise the same
   clear error on every rank, not let node 0 train on while node 1 failed (before
@@ -103,12 +106,12 @@ def _run(project_dir: Path, on_each_node: bool) -> tuple[PhasedAccelerator, nn.M
     return acc, model, ddp, prepared_opt, dl
 
 
-def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: int | None = None) -> str | None:
-    """Train to RESUME_STEPS; save once at ``save_at`` (top of an iteration: a step boundary)."""
-    saved = None
+def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: tuple[int, ...] = ()) -> list[str]:
+    """Train to RESUME_STEPS; save at each step of ``save_at`` (top of an iteration: a step boundary)."""
+    saved: list[str] = []
     for x, y in batches:
-        if save_at is not None and acc.schedule_step == save_at and saved is None:
-            saved = str(acc.save_state())
+        if acc.schedule_step in save_at[len(saved):len(saved) + 1]:
+            saved.append(str(acc.save_state()))
         with acc.accumulate(ddp):
             acc.backward(nn.functional.mse_loss(ddp(x), y))
             opt.step()
@@ -118,33 +121,41 @@ def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: in
     return saved
 
 
-def checkpoint_scenario(project_dir: Path, on_each_node: bool) -> dict[str, Any]:
+def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
+            uninterrupted: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A fresh accelerator loads ``folder`` (None: automatic, the latest complete) and trains to the end."""
+    acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
+    try:
+        acc.load_state(folder)
+    except AltParamsError as exc:
+        acc.free_memory()
+        return {"load_error": str(exc)}
+    result: dict[str, Any] = {"load_error": "", "phase_after_load": acc.phase.name if acc.phase else None,
+                              "step_after_load": acc.schedule_step}
+    _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * acc.schedule_step))
+    state = model.state_dict()
+    result.update(resumed_steps=acc.schedule_step, resumed_sha256=sha(model),
+                  bitwise_equal_to_uninterrupted=all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
+                  max_abs_diff=max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted))
+    acc.free_memory()
+    return result
+
+
+def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[int, ...] = (SAVE_AT,),
+                        resume_from: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
+    """The uninterrupted run saving at ``save_at``; then one resume per ``resume_from`` entry
+    (an index into the saves, or None: ``load_state()`` with automatic naming)."""
     WRITES.clear()
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
-    saved = _train(acc, ddp, opt, dl, save_at=SAVE_AT)
+    saved = _train(acc, ddp, opt, dl, save_at=save_at)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
     result: dict[str, Any] = {"saved": saved, "writes": list(WRITES), "writes_state_files": acc._writes_state_files(),
                               "uninterrupted_sha256": sha(model), "steps": acc.schedule_step}
     acc.wait_for_everyone()
-    result["files_seen"] = sorted(os.listdir(saved)) if saved and os.path.isdir(saved) else []
+    result["files_seen"] = sorted(os.listdir(saved[0])) if saved and os.path.isdir(saved[0]) else []
     acc.free_memory()
-
-    acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
-    try:
-        acc.load_state()  # automatic naming: the latest complete checkpoint
-    except AltParamsError as exc:
-        result["load_error"] = str(exc)
-        acc.free_memory()
-        return result
-    result["load_error"] = ""
-    result["phase_after_load"] = acc.phase.name if acc.phase else None
-    result["step_after_load"] = acc.schedule_step
-    _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * SAVE_AT))
-    state = model.state_dict()
-    result["resumed_steps"] = acc.schedule_step
-    result["resumed_sha256"] = sha(model)
-    result["bitwise_equal_to_uninterrupted"] = all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted)
-    acc.free_memory()
+    result["resumes"] = [_resume(project_dir, on_each_node, None if i is None else saved[i], uninterrupted)
+                         for i in resume_from]
     return result
 
 
@@ -159,7 +170,9 @@ def main() -> None:
     results["ga1"] = equivalence("ga1", Alternating({"l0": 2, "l1": 1, "head": 1}), ga=1, clip=None, out=node_dir)
     results["per_task"] = per_task_scenario()
     results["each_node"] = checkpoint_scenario(node_dir / "each_node", on_each_node=True)
-    results["shared"] = checkpoint_scenario(out / "shared", on_each_node=False)
+    # saves at step 3 (phase boundary) and 4 (mid-phase); resumes from the first, then from the latest
+    results["shared"] = checkpoint_scenario(out / "shared", on_each_node=False, save_at=(SAVE_AT, SAVE_AT + 1),
+                                            resume_from=(0, None))
     results["main_only_separate"] = checkpoint_scenario(node_dir / "main_only", on_each_node=False)
     write_rank_result(out, results)
 
