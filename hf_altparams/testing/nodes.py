@@ -67,11 +67,14 @@ def _run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float,
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):  # one node failed: the others may wait forever
+        while True:
+            codes = [p.poll() for p in procs]  # poll every one (any() would stop at the first running)
+            if all(code is not None for code in codes):
+                break
+            if any(code not in (None, 0) for code in codes):  # one node failed: the others may wait forever
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
             if time.monotonic() > deadline:
-                timed_out = all(p.returncode in (None, 0) for p in procs)
+                timed_out = all(code in (None, 0) for code in codes)
                 break
             time.sleep(0.1)
     finally:  # a timeout, one failed node, KeyboardInterrupt: leave no rank behind

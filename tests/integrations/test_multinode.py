@@ -9,6 +9,8 @@ folder per node, which must fail the same way on every rank).
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
-from hf_altparams.testing import rank_results, script_path
+from hf_altparams.testing import LaunchError, rank_results, script_path
 from hf_altparams.testing.nodes import launch_nodes
 
 NNODES, PER_NODE = 2, 2
@@ -106,6 +108,47 @@ def test_main_process_only_on_separate_disks_fails_alike_on_every_rank(ranks: li
     assert len(errors) == 1 and "" not in errors, errors
     (error,) = errors
     assert "rank 2: []; rank 3: []" in error and "save_on_each_node=True" in error
+
+
+# A rank of node 1 dies before the rendezvous completes; node 0's ranks would wait in
+# init_process_group (gloo's 30-minute default). The launcher must stop everything.
+_ONE_NODE_FAILS = """
+import os, sys, time
+from pathlib import Path
+Path(sys.argv[1], "pid" + os.environ["RANK"]).write_text(str(os.getpid()))
+if os.environ["RANK"] == "2":
+    raise RuntimeError("boom from rank 2")
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.distributed
+def test_one_failed_node_stops_the_others_soon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules["hf_altparams.testing.nodes"], "_GRACE_AFTER_FAILURE", 2.0)
+    script = tmp_path / "one_node_fails.py"
+    script.write_text(_ONE_NODE_FAILS)
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch_nodes(script, str(tmp_path), timeout=120)
+    assert time.monotonic() - started < 60, "the surviving node was left to the timeout"
+    message = str(info.value)
+    assert "failed" in message and "timed out" not in message
+    assert "boom from rank 2" in message and "--node-rank 1" in message
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and not any(_alive(pid) for pid in pids)
 
 
 # --------------------------------------------------------------------------- one process
