@@ -15,10 +15,14 @@ own "disk". Every rank writes ``OUT_DIR/rank{r}.json``. Scenarios, in order:
   concatenated (gathered) batch, bytes all-reduced per step against the phase's
   trainable bytes (per-task residency: the trunk and the current head only).
 * ``each_node``: ``ProjectConfiguration(save_on_each_node=True)`` and a project
-  folder per node: a checkpoint (automatic naming) at a phase boundary with
-  offloaded and dropped optimizer state, the run to its end,
-  then in the same processes a fresh accelerator resumes with ``load_state()`` from
-  its own node's folder and trains to the end: bit-equal to the uninterrupted run?
+  folder per node: checkpoints (automatic naming) at a phase boundary, with
+  offloaded and dropped optimizer state, and one step later; the run to its end.
+  The second save is then torn on node 1 only (its marker removed there). In the
+  same processes a fresh accelerator resumes with ``load_state()``, each node
+  from its own folder: every rank must take the first checkpoint (the latest
+  complete on EVERY node; before, node 0 took the second and node 1 the first,
+  the ranks stood at different steps and waited in mismatched collectives until
+  the process-group timeout) and end bit-equal to the uninterrupted run.
   Which ranks wrote the state file and the completion marker, which files each
   node's folder holds.
 * ``shared``: ``save_on_each_node=False`` and ONE folder for both nodes (shared
@@ -106,6 +110,12 @@ def _run(project_dir: Path, on_each_node: bool) -> tuple[PhasedAccelerator, nn.M
     return acc, model, ddp, prepared_opt, dl
 
 
+def tear_on_node1(saved: list[str]) -> None:
+    """The last save never completed on node 1 (its marker is missing there), only on node 0."""
+    if os.environ["GROUP_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0":
+        os.remove(os.path.join(saved[-1], checkpoints.COMPLETE_MARKER))
+
+
 def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: tuple[int, ...] = ()) -> list[str]:
     """Train to RESUME_STEPS; save at each step of ``save_at`` (top of an iteration: a step boundary)."""
     saved: list[str] = []
@@ -142,9 +152,10 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
 
 
 def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[int, ...] = (SAVE_AT,),
-                        resume_from: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
-    """The uninterrupted run saving at ``save_at``; then one resume per ``resume_from`` entry
-    (an index into the saves, or None: ``load_state()`` with automatic naming)."""
+                        resume_from: tuple[int | None, ...] = (None,),
+                        before_resume: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+    """The uninterrupted run saving at ``save_at``; ``before_resume(saved folders)``; then one resume per
+    ``resume_from`` entry (an index into the saves, or None: ``load_state()`` with automatic naming)."""
     WRITES.clear()
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
     saved = _train(acc, ddp, opt, dl, save_at=save_at)
@@ -153,6 +164,9 @@ def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[in
                               "uninterrupted_sha256": sha(model), "steps": acc.schedule_step}
     acc.wait_for_everyone()
     result["files_seen"] = sorted(os.listdir(saved[0])) if saved and os.path.isdir(saved[0]) else []
+    if before_resume is not None:
+        before_resume(saved)
+    acc.wait_for_everyone()
     acc.free_memory()
     result["resumes"] = [_resume(project_dir, on_each_node, None if i is None else saved[i], uninterrupted)
                          for i in resume_from]
@@ -169,7 +183,8 @@ def main() -> None:
     results["ranks"] = ranks_scenario(acc)
     results["ga1"] = equivalence("ga1", Alternating({"l0": 2, "l1": 1, "head": 1}), ga=1, clip=None, out=node_dir)
     results["per_task"] = per_task_scenario()
-    results["each_node"] = checkpoint_scenario(node_dir / "each_node", on_each_node=True)
+    results["each_node"] = checkpoint_scenario(node_dir / "each_node", on_each_node=True,
+                                               save_at=(SAVE_AT, SAVE_AT + 1), before_resume=tear_on_node1)
     # saves at step 3 (phase boundary) and 4 (mid-phase); resumes from the first, then from the latest
     results["shared"] = checkpoint_scenario(out / "shared", on_each_node=False, save_at=(SAVE_AT, SAVE_AT + 1),
                                             resume_from=(0, None))
