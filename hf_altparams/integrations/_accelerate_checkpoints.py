@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
@@ -149,7 +150,14 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             f"(complete ones seen: {seen}); automatic resume skips folders whose save was interrupted. "
             f"Start from scratch, or: {_SHARED_STORAGE_HINT}"
         )
-    return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}")
+    chosen = max(common)
+    newer = sorted({n for its in gathered for n in its if n > chosen})
+    if newer:
+        warnings.warn(
+            f"`load_state()`: checkpoint(s) {newer} in {checkpoints_dir!r} are complete on some ranks only "
+            f"(their save was interrupted elsewhere); every rank loads checkpoint_{chosen}, the latest complete "
+            "on every rank", stacklevel=3)
+    return os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
 
 
 def read_state(input_dir: str) -> dict[str, Any]:

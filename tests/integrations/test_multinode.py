@@ -70,6 +70,8 @@ def test_resume_on_both_nodes_takes_the_same_checkpoint_and_is_bitwise_exact(ran
         assert res["resumed_steps"] == r[name]["steps"] == 9
         assert res["bitwise_equal_to_uninterrupted"], (r["rank"], name, res["max_abs_diff"])
     assert len({r[name]["resumes"][0]["resumed_sha256"] for r in ranks}) == 1
+    if name == "each_node":  # the skipped checkpoint is named, on every rank
+        assert all("checkpoint(s) [1]" in " ".join(r[name]["resumes"][0]["load_warnings"]) for r in ranks)
 
 
 @pytest.mark.distributed

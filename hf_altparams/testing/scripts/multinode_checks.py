@@ -44,6 +44,7 @@ import datetime
 import functools
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,12 +137,15 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
     """A fresh accelerator loads ``folder`` (None: automatic, the latest complete) and trains to the end."""
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
     try:
-        acc.load_state(folder)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.load_state(folder)
     except AltParamsError as exc:
         acc.free_memory()
         return {"load_error": str(exc)}
     result: dict[str, Any] = {"load_error": "", "phase_after_load": acc.phase.name if acc.phase else None,
-                              "step_after_load": acc.schedule_step}
+                              "step_after_load": acc.schedule_step,
+                              "load_warnings": [str(w.message) for w in caught if "load_state" in str(w.message)]}
     _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * acc.schedule_step))
     state = model.state_dict()
     result.update(resumed_steps=acc.schedule_step, resumed_sha256=sha(model),
