@@ -38,6 +38,7 @@ from torch import nn
 
 from hf_altparams.engine import GroupedOptimizer, rss_bytes
 from hf_altparams.engine.memory import malloc_trim
+from hf_altparams.engine.optim import StatePolicy
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import FnSchedule, ParamGroups, PerTaskCycle, Phase, RandomBlocks
@@ -45,8 +46,8 @@ from hf_altparams.testing.launch import write_rank_result
 
 BLOCKS = ["b0", "b1", "b2", "b3"]
 SPECS = {"trunk": "trunk.*", **{b: f"blocks.{b[1]}.*" for b in BLOCKS}, "t0": "t0.*", "t1": "t1.*"}
-POLICY = {"trunk": "keep", "b0": "offload", "b1": "drop", "b2": "offload", "b3": "drop", "t0": "offload",
-          "t1": "drop"}
+POLICY: dict[str, StatePolicy] = {"trunk": "keep", "b0": "offload", "b1": "drop", "b2": "offload", "b3": "drop",
+                                  "t0": "offload", "t1": "drop"}
 
 
 class SoakNet(nn.Module):
