@@ -15,24 +15,55 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
 from hf_altparams.testing import LaunchError, rank_results, script_path
 from hf_altparams.testing.nodes import launch_nodes
+from hf_altparams.testing.scripts import engine_check
 
 NNODES, PER_NODE = 2, 2
 WORLD = NNODES * PER_NODE
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("multinode")
     # ACCELERATE_USE_CPU: under torchrun on a machine without CUDA, Accelerate otherwise sees
     # DistributedType.NO and runs every rank as a world of one (the switcher then refuses the run).
     launch_nodes(script_path("multinode_checks.py"), str(out), nnodes=NNODES, nproc_per_node=PER_NODE,
                  env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
-    return rank_results(out, nproc=WORLD)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir: Path) -> list[dict[str, Any]]:
+    return rank_results(out_dir, nproc=WORLD)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n, c in engine_check.CASES.items() if c.reference])
+def test_engine_on_two_nodes_equals_one_process(name: str, out_dir: Path, ranks: list[dict[str, Any]]) -> None:
+    reference = engine_check.train(engine_check.CASES[name], distributed=False)["model"]
+    for rank in range(WORLD):
+        got = torch.load(out_dir / f"node{rank // PER_NODE}" / f"{name}_rank{rank}.pt")
+        for param_name, param in reference.named_parameters():
+            torch.testing.assert_close(got[param_name], param.detach(), rtol=0, atol=1e-6,
+                                       msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}")
+    assert len({r["engine"][name]["params_sha256"] for r in ranks}) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n, c in engine_check.CASES.items() if c.hook == "count"])
+def test_engine_on_two_nodes_reduces_trainable_bytes(name: str, ranks: list[dict[str, Any]]) -> None:
+    case = engine_check.CASES[name]
+    model = case.build()
+    for r in ranks:
+        for s in r["engine"][name]["steps"]:
+            trainable = sum(p.numel() * p.element_size() for g in s["trainable"]
+                            for p in model.get_submodule(case.group_modules[g]).parameters())
+            assert s["bytes_counted"] == trainable, (name, s)
 
 
 @pytest.mark.distributed

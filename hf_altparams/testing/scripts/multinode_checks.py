@@ -10,6 +10,9 @@ own local main process. Each node writes under ``OUT_DIR/node{GROUP_RANK}``, its
 own "disk". Every rank writes ``OUT_DIR/rank{r}.json``. Scenarios, in order:
 
 * ``ranks``: RANK, LOCAL_RANK, GROUP_RANK and what Accelerate makes of them.
+* ``engine``: every schedule case of ``engine_check.py`` (plain DDP and
+  :class:`PhaseSwitcher`, no Accelerate); final parameters go to
+  ``OUT_DIR/node{n}/{case}_rank{r}.pt`` for the test's one-process reference.
 * ``ga1`` and ``per_task``: the two-rank equivalence checks of
   ``accelerate_checks.py`` on four ranks: parameters against one process on the
   concatenated (gathered) batch, bytes all-reduced per step against the phase's
@@ -60,6 +63,7 @@ from hf_altparams.integrations import _accelerate_checkpoints as checkpoints
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
+from hf_altparams.testing.scripts import engine_check
 from hf_altparams.testing.scripts.accelerate_checks import (
     LR,
     RESUME_POLICY,
@@ -185,6 +189,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     acc = PhasedAccelerator(Alternating(["l0", "l1"]))
     results["ranks"] = ranks_scenario(acc)
+    # the engine alone (plain DDP + PhaseSwitcher), every schedule kind of engine_check.py
+    results["engine"] = engine_check.run_cases(node_dir, dist.get_rank(), dist.get_world_size())
     results["ga1"] = equivalence("ga1", Alternating({"l0": 2, "l1": 1, "head": 1}), ga=1, clip=None, out=node_dir)
     results["per_task"] = per_task_scenario()
     results["each_node"] = checkpoint_scenario(node_dir / "each_node", on_each_node=True,
