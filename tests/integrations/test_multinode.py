@@ -1,10 +1,13 @@
 """Two simulated nodes of two ranks each (``torchrun --nnodes 2``, static rendezvous on 127.0.0.1).
 
-One launch of ``multinode_checks.py`` (module fixture) feeds every test here:
-ranks whose local rank differs from their global rank, equivalence with one
-process on the concatenated batch, bytes all-reduced, and checkpoints with
-``save_on_each_node`` true (a folder per node) and false (shared folder; and a
-folder per node, which must fail the same way on every rank).
+One launch of ``multinode_checks.py`` (module fixture) feeds the distributed
+tests here: ranks whose local rank differs from their global rank, equivalence
+with one process on the concatenated batch (the engine alone and
+``PhasedAccelerator``), bytes all-reduced, and checkpoints with
+``save_on_each_node`` true (a folder per node, the last save torn on node 1)
+and false (a shared folder; and a folder per node, which must fail the same way
+on every rank). One more small launch checks that ``launch_nodes`` stops every
+node when one fails.
 """
 
 from __future__ import annotations
