@@ -113,7 +113,9 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
     everywhere). Each rank reads its own filesystem, so on several nodes the ranks
     can see different folders; one all-gather of what each rank found makes them
     agree, instead of letting some ranks load while others fail (they would then
-    wait in the next collective) or load another checkpoint (silent divergence).
+    wait in the next collective) or load another checkpoint (the ranks then stand
+    at different steps: mismatched collectives, or weights that differ). On NCCL
+    the gather runs on the current CUDA device, which Accelerate has set.
     Single process: the local answer.
     """
     if input_dir is None and checkpoints_dir is None:
