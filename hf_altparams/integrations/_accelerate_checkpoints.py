@@ -73,14 +73,20 @@ def check_complete(input_dir: str) -> None:
         )
 
 
-def latest_complete_checkpoint(checkpoints_dir: str) -> str:
-    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+def _numbered(checkpoints_dir: str) -> list[tuple[int, str]]:
+    """Every ``checkpoint_<n>`` folder in ``checkpoints_dir``, complete or not, as ``(n, path)``."""
     found = []
     for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
         match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            found.append((int(match.group(1)), path))
+        if match and os.path.isdir(os.path.join(checkpoints_dir, name)):
+            found.append((int(match.group(1)), os.path.join(checkpoints_dir, name)))
+    return found
+
+
+def latest_complete_checkpoint(checkpoints_dir: str) -> str:
+    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+    found = [(n, path) for n, path in _numbered(checkpoints_dir)
+             if os.path.isfile(os.path.join(path, COMPLETE_MARKER))]
     if not found:
         raise AltParamsError(
             f"`load_state()` found no complete checkpoint_<n> folder in {checkpoints_dir!r} "
@@ -124,6 +130,29 @@ class CheckpointMixin:
         self.wait_for_everyone()
         return location
 
+    def latest_checkpoint(self: PhasedAccelerator) -> Optional[str]:
+        """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
+
+        With automatic checkpoint naming: the highest ``checkpoint_<n>`` under
+        ``project_dir/checkpoints`` whose save completed (interrupted saves are
+        skipped). The start of an elastic job: ``if acc.latest_checkpoint():
+        acc.load_state()`` (``examples/elastic_restart.py``).
+
+        Example:
+            >>> # acc = PhasedAccelerator(schedule, project_config=ProjectConfiguration(
+            >>> #     project_dir="run", automatic_checkpoint_naming=True))
+            >>> # if acc.latest_checkpoint() is not None:
+            >>> #     acc.load_state()  # resumes the schedule, the phase and the optimizer state
+        """
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise AltParamsError(
+                "`latest_checkpoint()` needs automatic checkpoint naming: pass "
+                "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
+        try:
+            return latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
+        except AltParamsError:
+            return None
+
     def _writes_state_files(self: PhasedAccelerator) -> bool:
         on_each_node = self.project_configuration.save_on_each_node
         return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
@@ -141,14 +170,22 @@ class CheckpointMixin:
 
         A folder whose save did not complete is refused before anything loads; with
         automatic checkpoint naming and no ``input_dir``, the latest *complete*
-        ``checkpoint_<n>`` is loaded (interrupted saves are skipped).
+        ``checkpoint_<n>`` is loaded (interrupted saves are skipped) and the next
+        ``save_state()`` writes after the highest existing folder (plain Accelerate
+        would restart at ``checkpoint_0`` and refuse it).
         """
+        automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
         if self.switcher is not None:
-            if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            if automatic:
                 input_dir = latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
             if input_dir is not None:
                 check_complete(os.path.expanduser(str(input_dir)))
         super().load_state(input_dir, **kwargs)
+        if automatic:
+            # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
+            # existing checkpoint_0: continue after the highest folder, interrupted ones included.
+            numbered = _numbered(os.path.join(self.project_dir, "checkpoints"))
+            self.project_configuration.iteration = max(n for n, _ in numbered) + 1 if numbered else 0
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device
 
