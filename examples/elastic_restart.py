@@ -125,8 +125,8 @@ def main() -> None:
             print(f"rank {args.kill_rank}: SIGKILL at step {step}, mid-phase "
                   f"{accelerator.phase.name if accelerator.phase else None}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.step()
-        optimizer.zero_grad()  # the switch, when the next step starts a new phase
+        optimizer.step()  # counts the step; switches phase when the next step starts a new one
+        optimizer.zero_grad()
         if accelerator.schedule_step % args.save_every == 0:
             location = accelerator.save_state()
             accelerator.print(f"step {accelerator.schedule_step}: saved {os.path.basename(str(location))}")

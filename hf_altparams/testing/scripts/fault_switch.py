@@ -13,8 +13,8 @@ Usage::
 A ``PhasedAccelerator`` run on gloo (``InitProcessGroupKwargs(timeout=GROUP_TIMEOUT)``,
 ``switcher_options={"collective_timeout": COLLECTIVE_TIMEOUT}``; ``none``: not set)
 whose schedule switches at step :data:`SWITCH_AT`. After the backward of the step
-before it (the gradients are all-reduced; the optimizer step and ``zero_grad`` that
-follow run the switch), rank 1 ``MODE``:
+before it (the gradients are all-reduced; the optimizer step that follows runs the
+switch), rank 1 ``MODE``:
 
 * ``dead``: exits at once (``os._exit``), like a rank killed by the OOM killer;
 * ``stuck``: sleeps for a minute, like a rank blocked on I/O.
@@ -63,8 +63,8 @@ def main() -> int:
             os._exit(0)
         started = time.perf_counter()
         try:
-            opt.step()
-            opt.zero_grad()  # at step SWITCH_AT - 1 this runs the switch to phase "b"
+            opt.step()  # at step SWITCH_AT - 1 this runs the switch to phase "b"
+            opt.zero_grad()
         except Exception as exc:  # what the test checks; the process group is unusable now
             waited = time.perf_counter() - started
             print("FAULT-RESULT " + json.dumps({"type": type(exc).__name__, "message": str(exc),
