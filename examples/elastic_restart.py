@@ -2,12 +2,16 @@
 
 Run it (two CPU processes; rank 1 kills itself at step 8 of the first attempt)::
 
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 --max-restarts 1 examples/elastic_restart.py \
-        --project-dir /tmp/elastic --kill-at-step 8
+    ACCELERATE_USE_CPU=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1 --nproc-per-node 2 \
+        --max-restarts 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
+        examples/elastic_restart.py --project-dir /tmp/elastic --kill-at-step 8
 
-or ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --max_restarts 1
-examples/elastic_restart.py ...`` (the same torch elastic agent underneath; on GPUs drop
-``ACCELERATE_USE_CPU``). The recipe, everything a job needs to survive a lost rank:
+(on GPUs drop ``ACCELERATE_USE_CPU``; ``accelerate launch --max_restarts 1
+--rdzv_backend c10d`` passes the same options to the same torch elastic agent).
+The c10d rendezvous with a fresh store per attempt avoids restarts that fail or
+hang on the previous attempt's addresses (``docs/faults.md``).
+
+The recipe, everything a job needs to survive a lost rank:
 
 1. ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``save_state()``
    writes ``checkpoint_<n>`` folders; a save killed part-way leaves a folder

@@ -92,7 +92,7 @@ def collective_errors(phase: Optional[Phase], step: Optional[int], group: Option
         to = f" to {phase.name!r}" if phase is not None else ""
         head = f"phase switch{to} at step {step}: rank {rank} of {world}"
         tail = ("a rank died, hangs or skipped this switch; the process group is unusable now: stop the job "
-                "and restart it from the latest complete checkpoint (see 'Faults' in docs/troubleshooting.md)")
+                "and restart it from the latest complete checkpoint (docs/faults.md)")
         if isinstance(exc, _TimedOut):
             message = (f"{head} waited {timeout:g} s (collective_timeout) for the other ranks in the switch's "
                        f"{what} and got no answer; {tail}")
