@@ -75,14 +75,19 @@ def check_complete(input_dir: str) -> None:
         )
 
 
-def complete_iterations(checkpoints_dir: str) -> list[int]:
-    """The ``n`` of every ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed, ascending."""
+def _numbered(checkpoints_dir: str) -> list[tuple[int, str]]:
+    """Every ``checkpoint_<n>`` folder in ``checkpoints_dir``, complete or not, as ``(n, path)``."""
     found = []
     for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
         match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        if match and os.path.isfile(os.path.join(checkpoints_dir, name, COMPLETE_MARKER)):
-            found.append(int(match.group(1)))
-    return sorted(found)
+        if match and os.path.isdir(os.path.join(checkpoints_dir, name)):
+            found.append((int(match.group(1)), os.path.join(checkpoints_dir, name)))
+    return found
+
+
+def complete_iterations(checkpoints_dir: str) -> list[int]:
+    """The ``n`` of every ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed, ascending."""
+    return sorted(n for n, path in _numbered(checkpoints_dir) if os.path.isfile(os.path.join(path, COMPLETE_MARKER)))
 
 
 def latest_complete_checkpoint(checkpoints_dir: str) -> str:
@@ -102,6 +107,24 @@ _SHARED_STORAGE_HINT = (
     "checkpoint folder must be on storage every node shares; with separate disks per node set "
     "`save_on_each_node=True`"
 )
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (one ``all_gather_object``); ``[value]`` in one process."""
+    if not _several_ranks():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _common(iterations: list[list[int]]) -> set[int]:
+    """The checkpoint numbers complete on every rank."""
+    return set(iterations[0]).intersection(*map(set, iterations[1:]))
 
 
 def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) -> Optional[str]:
@@ -126,14 +149,13 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
     else:
         assert checkpoints_dir is not None
         found = complete_iterations(checkpoints_dir)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several_ranks():
         if input_dir is not None:
             check_complete(input_dir)
             return input_dir
         assert checkpoints_dir is not None
         return latest_complete_checkpoint(checkpoints_dir)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, found)
+    gathered = _gathered(found)
     if input_dir is not None:
         missing = [r for r, ok in enumerate(gathered) if not ok]
         if missing:
@@ -144,7 +166,7 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             )
         return input_dir
     assert checkpoints_dir is not None
-    common = set(gathered[0]).intersection(*map(set, gathered[1:]))
+    common = _common(gathered)
     if not common:
         seen = "; ".join(f"rank {r}: {sorted(its)}" for r, its in enumerate(gathered))
         raise AltParamsError(
@@ -197,6 +219,30 @@ class CheckpointMixin:
         self.wait_for_everyone()
         return location
 
+    def latest_checkpoint(self: PhasedAccelerator) -> Optional[str]:
+        """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
+
+        With automatic checkpoint naming: the highest ``checkpoint_<n>`` under
+        ``project_dir/checkpoints`` whose save completed (interrupted saves are
+        skipped), and complete on every rank: on several nodes each reads its own
+        disk, and every rank gets the same answer (call it on every rank: it is a
+        collective). The start of an elastic job: ``if acc.latest_checkpoint():
+        acc.load_state()`` (``examples/elastic_restart.py``).
+
+        Example:
+            >>> # acc = PhasedAccelerator(schedule, project_config=ProjectConfiguration(
+            >>> #     project_dir="run", automatic_checkpoint_naming=True))
+            >>> # if acc.latest_checkpoint() is not None:
+            >>> #     acc.load_state()  # resumes the schedule, the phase and the optimizer state
+        """
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise AltParamsError(
+                "`latest_checkpoint()` needs automatic checkpoint naming: pass "
+                "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
+        checkpoints_dir = os.path.join(self.project_dir, "checkpoints")
+        common = _common(_gathered(complete_iterations(checkpoints_dir)))
+        return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}") if common else None
+
     def _writes_state_files(self: PhasedAccelerator) -> bool:
         on_each_node = self.project_configuration.save_on_each_node
         return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
@@ -214,15 +260,23 @@ class CheckpointMixin:
 
         A folder whose save did not complete is refused before anything loads; with
         automatic checkpoint naming and no ``input_dir``, the latest ``checkpoint_<n>``
-        complete on every rank is loaded (interrupted saves are skipped). The ranks
-        agree on the folder first (each reads its own disk: several nodes may see
+        complete on every rank is loaded (interrupted saves are skipped) and the next
+        ``save_state()`` writes after the highest existing folder on any rank (plain
+        Accelerate would restart at ``checkpoint_0`` and refuse it). The ranks agree
+        on the folder first (each reads its own disk: several nodes may see
         different files), so either all of them load the same checkpoint or all
         raise the same error.
         """
+        automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
         if self.switcher is not None:
-            automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
             input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
         super().load_state(input_dir, **kwargs)
+        if automatic:
+            # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
+            # existing checkpoint_0: continue after the highest folder, interrupted ones included.
+            # The highest folder on ANY rank: with a disk per node, every node numbers the next save alike.
+            numbered = _numbered(os.path.join(self.project_dir, "checkpoints"))
+            self.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device
 
