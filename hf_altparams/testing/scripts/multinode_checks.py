@@ -140,6 +140,7 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
             uninterrupted: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A fresh accelerator loads ``folder`` (None: automatic, the latest complete) and trains to the end."""
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
+    latest = acc.latest_checkpoint()  # a collective: the same answer on every rank
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -149,6 +150,8 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
         return {"load_error": str(exc)}
     result: dict[str, Any] = {"load_error": "", "phase_after_load": acc.phase.name if acc.phase else None,
                               "step_after_load": acc.schedule_step,
+                              "latest_checkpoint": os.path.basename(latest) if latest else None,
+                              "next_save_iteration": acc.project_configuration.iteration,
                               "load_warnings": [str(w.message) for w in caught if "load_state" in str(w.message)]}
     _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * acc.schedule_step))
     state = model.state_dict()
