@@ -6,20 +6,30 @@ and :func:`any_rank_failed` are the two-step form for the other backends. A
 disagreement, a refusal or a failure takes a slow path that every rank takes
 alike (an ``all_gather_object`` of the details), so every rank raises the very
 same :class:`~hf_altparams.errors.SwitchError`.
+
+A rank that died or hangs must not block the others forever: every collective
+here waits at most ``timeout`` seconds (the switcher's ``collective_timeout``;
+``None``: the process group's own timeout), and a collective that fails or
+times out becomes a :class:`SwitchError` naming the switch and the step
+(:func:`collective_errors`). The process group is unusable after that: the job
+must stop and restart from its latest complete checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..errors import SwitchError
+from ..errors import PlanError, SwitchError
 from ..plan.phase import Phase
 
-__all__ = ["agree", "any_rank_failed", "collective_device", "is_distributed", "settle"]
+__all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors",
+           "is_distributed", "settle"]
 
 
 def is_distributed(group: Optional[dist.ProcessGroup]) -> bool:
@@ -34,12 +44,84 @@ def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    """Validate ``collective_timeout``: ``None`` or a positive number of seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise PlanError(f"`collective_timeout` must be None (the process group's timeout) or a positive "
+                        f"number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class _TimedOut(RuntimeError):
+    """A collective of the switch did not complete within ``collective_timeout``."""
+
+
+def _all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], timeout: Optional[float]) -> None:
+    """All-reduce (MAX) that waits at most ``timeout`` seconds (``None``: the group's timeout)."""
+    if timeout is None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo: "Operation timed out!"; a dead peer: connection closed
+        if "timed out" in str(exc).lower():
+            raise _TimedOut(str(exc)) from exc
+        raise
+    if done is False:
+        raise _TimedOut("wait returned before completion")
+
+
+@contextlib.contextmanager
+def collective_errors(phase: Optional[Phase], step: Optional[int], group: Optional[dist.ProcessGroup],
+                      timeout: Optional[float], what: str = "agreement") -> Iterator[None]:
+    """Turn a failed or timed-out collective of a switch into a :class:`SwitchError`.
+
+    The message names the phase, the step, this rank and what to do; a dead peer
+    (gloo: "Connection closed by peer") fails at once, a stuck one after
+    ``timeout`` seconds or the process group's timeout.
+    """
+    try:
+        yield
+    except SwitchError:
+        raise
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, gloo's RuntimeError)
+        rank, world = _rank_world(group)
+        to = f" to {phase.name!r}" if phase is not None else ""
+        head = f"phase switch{to} at step {step}: rank {rank} of {world}"
+        tail = ("a rank died, hangs or skipped this switch; the process group is unusable now: stop the job "
+                "and restart it from the latest complete checkpoint (docs/faults.md)")
+        if isinstance(exc, _TimedOut):
+            message = (f"{head} waited {timeout:g} s (collective_timeout) for the other ranks in the switch's "
+                       f"{what} and got no answer; {tail}")
+        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            message = (f"{head}: the other ranks did not answer within the process group's timeout in the "
+                       f"switch's {what} ({_short(exc)}); {tail}")
+        else:
+            message = f"{head}: the switch's {what} collective failed ({_short(exc)}); {tail}"
+        raise SwitchError(message) from exc
+
+
+def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[Any, Any]:
+    try:
+        return dist.get_rank(), dist.get_world_size(group)
+    except Exception:  # the group may be gone
+        return "?", "?"
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 def _digest_int(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
 def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
-          local_error: Optional[str]) -> None:
+          local_error: Optional[str], timeout: Optional[float] = None) -> None:
     """Raise the same :class:`SwitchError` on every rank unless all ask for ``phase`` and none refuses.
 
     Single process: raises only for ``local_error``.
@@ -51,13 +133,15 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
     code = _digest_int(phase.digest())
     flags = torch.tensor([code, -code, int(local_error is not None)], dtype=torch.int64,
                          device=collective_device(group))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    with collective_errors(phase, step, group, timeout):
+        _all_reduce_max(flags, group, timeout)
     if int(flags[0]) == -int(flags[1]) and int(flags[2]) == 0:
         return
     # Slow path, taken by every rank alike: gather the details for one clear message.
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (repr(phase), local_error, step), group=group)
+    with collective_errors(phase, step, group, None):
+        dist.all_gather_object(gathered, (repr(phase), local_error, step), group=group)
     # Built from gathered data only, so every rank raises the very same message.
     steps = sorted({s for _, _, s in gathered}, key=str)
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
@@ -71,17 +155,20 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
     )
 
 
-def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool) -> bool:
+def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool, phase: Optional[Phase] = None,
+                    step: Optional[int] = None, timeout: Optional[float] = None) -> bool:
     """Whether ``failed`` is true on any rank (an all-reduce; the switch's closing barrier)."""
     if not is_distributed(group):
         return failed
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    with collective_errors(phase, step, group, timeout, "closing"):
+        _all_reduce_max(flag, group, timeout)
     return bool(flag.item())
 
 
 def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
-           local_error: Optional[str], failure: Optional[str]) -> tuple[Optional[str], bool]:
+           local_error: Optional[str], failure: Optional[str],
+           timeout: Optional[float] = None) -> tuple[Optional[str], bool]:
     """One all-reduce: did every rank ask for ``phase``, none refuse and none fail?
 
     Returns ``(None, False)`` when so, else ``(message, every rank refused)``:
@@ -103,12 +190,14 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
     code = _digest_int(phase.digest())
     flags = torch.tensor([code, -code, int(local_error is not None), int(failure is not None)],
                          dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    with collective_errors(phase, step, group, timeout):
+        _all_reduce_max(flags, group, timeout)
     if int(flags[0]) == -int(flags[1]) and int(flags[2]) == 0 and int(flags[3]) == 0:
         return None, False
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (repr(phase), local_error, step, failure), group=group)
+    with collective_errors(phase, step, group, None):
+        dist.all_gather_object(gathered, (repr(phase), local_error, step, failure), group=group)
     steps = sorted({s for _, _, s, _ in gathered}, key=str)
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     refusals = [f"rank {r}: {e}" for r, (_, e, _, _) in enumerate(gathered) if e]

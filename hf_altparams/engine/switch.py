@@ -49,7 +49,7 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp, _misuse
-from ._collective import agree, any_rank_failed, is_distributed, settle
+from ._collective import agree, any_rank_failed, check_timeout, collective_errors, is_distributed, settle
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
 from ._prefetch import PhasePrefetch, PrefetchSetting
@@ -119,6 +119,13 @@ class PhaseSwitcher:
         buffer_updating_types: module types besides norm layers that update buffers in forward.
         history_window: how many recent :class:`SwitchRecord` s :attr:`history`
             keeps (its running totals cover every switch).
+        collective_timeout: seconds a rank waits in the switch's agreement for
+            the others before it raises a :class:`SwitchError` naming the switch
+            and the step (a rank died or hangs). ``None`` (default): the process
+            group's timeout (``InitProcessGroupKwargs(timeout=...)`` in
+            Accelerate, ``TrainingArguments(ddp_timeout=...)``; 30 min by
+            default). A dead rank's peers fail at once either way (connection
+            closed). Set it above the longest gap between ranks reaching a switch.
 
     Example:
         >>> import torch
@@ -149,8 +156,10 @@ class PhaseSwitcher:
         frozen_norms: FrozenNormPolicy = "train",
         buffer_updating_types: tuple[type, ...] = (),
         history_window: int = 256,
+        collective_timeout: Optional[float] = None,
     ) -> None:
         schedule.validate(groups)
+        self.collective_timeout = check_timeout(collective_timeout)
         self.release_policy = ReleasePolicy(release)
         self.history = SwitchHistory(history_window)
         self.prefetcher = PhasePrefetch(prefetch)
@@ -304,7 +313,7 @@ class PhaseSwitcher:
         group = self.process_group if self._distributed() else None
         one_collective = self.backend.collective_free_apply
         if not one_collective:
-            agree(group, phase, step, local_error)
+            agree(group, phase, step, local_error, self.collective_timeout)
         layout = self._layouts.get(phase.trainable)
         before = [param.requires_grad for param in self._params]
         offloaded_before = self.residency.offloaded
@@ -322,8 +331,8 @@ class PhaseSwitcher:
                 failure = exc
         if one_collective:
             reason = f"{type(failure).__name__}: {failure}" if failure else None
-            message, all_refused = settle(group, phase, step, local_error, reason)
-        elif any_rank_failed(group, failure is not None):
+            message, all_refused = settle(group, phase, step, local_error, reason, self.collective_timeout)
+        elif any_rank_failed(group, failure is not None, phase, step, self.collective_timeout):
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
             message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
                                     "previous trainable set and DDP reducer were restored on every rank"), False
@@ -336,7 +345,8 @@ class PhaseSwitcher:
                 self._resync_refusing(snapshot)
             raise SwitchError(message) from failure
 
-        synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
+        with collective_errors(phase, step, group, None, "broadcast of returning groups"):
+            synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
         self.residency.install_guards(phase.name)
         grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
         if isinstance(grouped, GroupedOptimizer):  # also inside an AcceleratedOptimizer

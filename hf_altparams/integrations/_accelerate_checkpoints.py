@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from ..errors import AltParamsError
@@ -21,8 +23,8 @@ from ..errors import AltParamsError
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "check_complete", "latest_complete_checkpoint",
-           "read_state", "write_state"]
+__all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "agreed_checkpoint", "check_complete",
+           "complete_iterations", "latest_complete_checkpoint", "read_state", "write_state"]
 
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
@@ -73,20 +75,113 @@ def check_complete(input_dir: str) -> None:
         )
 
 
-def latest_complete_checkpoint(checkpoints_dir: str) -> str:
-    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+def _numbered(checkpoints_dir: str) -> list[tuple[int, str]]:
+    """Every ``checkpoint_<n>`` folder in ``checkpoints_dir``, complete or not, as ``(n, path)``."""
     found = []
     for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
         match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            found.append((int(match.group(1)), path))
+        if match and os.path.isdir(os.path.join(checkpoints_dir, name)):
+            found.append((int(match.group(1)), os.path.join(checkpoints_dir, name)))
+    return found
+
+
+def complete_iterations(checkpoints_dir: str) -> list[int]:
+    """The ``n`` of every ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed, ascending."""
+    return sorted(n for n, path in _numbered(checkpoints_dir) if os.path.isfile(os.path.join(path, COMPLETE_MARKER)))
+
+
+def latest_complete_checkpoint(checkpoints_dir: str) -> str:
+    """The highest-numbered ``checkpoint_<n>`` folder in ``checkpoints_dir`` whose save completed."""
+    found = complete_iterations(checkpoints_dir)
     if not found:
         raise AltParamsError(
             f"`load_state()` found no complete checkpoint_<n> folder in {checkpoints_dir!r} "
             "(automatic resume skips folders whose save was interrupted); start from scratch"
         )
-    return max(found)[1]
+    return os.path.join(checkpoints_dir, f"checkpoint_{found[-1]}")
+
+
+_SHARED_STORAGE_HINT = (
+    "on several nodes, each node reads its own disk: with `ProjectConfiguration(save_on_each_node=False)` "
+    "(the default) only the main process writes the model, the optimizer and the state file, so the "
+    "checkpoint folder must be on storage every node shares; with separate disks per node set "
+    "`save_on_each_node=True`"
+)
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gathered(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (one ``all_gather_object``); ``[value]`` in one process."""
+    if not _several_ranks():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _common(iterations: list[list[int]]) -> set[int]:
+    """The checkpoint numbers complete on every rank."""
+    return set(iterations[0]).intersection(*map(set, iterations[1:]))
+
+
+def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) -> Optional[str]:
+    """The checkpoint folder every rank loads, the same on all of them, or the same error on every rank.
+
+    ``input_dir`` (given by the caller) must be complete on every rank; without it,
+    ``checkpoints_dir`` (automatic naming) gives the latest ``checkpoint_<n>``
+    complete on EVERY rank's disk (a save interrupted on one node only is skipped
+    everywhere). Each rank reads its own filesystem, so on several nodes the ranks
+    can see different folders; one all-gather of what each rank found makes them
+    agree, instead of letting some ranks load while others fail (they would then
+    wait in the next collective) or load another checkpoint (the ranks then stand
+    at different steps: mismatched collectives, or weights that differ). On NCCL
+    the gather runs on the current CUDA device, which Accelerate has set.
+    Single process: the local answer.
+    """
+    if input_dir is None and checkpoints_dir is None:
+        return None
+    if input_dir is not None:
+        input_dir = os.path.expanduser(str(input_dir))
+        found: Any = os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER))
+    else:
+        assert checkpoints_dir is not None
+        found = complete_iterations(checkpoints_dir)
+    if not _several_ranks():
+        if input_dir is not None:
+            check_complete(input_dir)
+            return input_dir
+        assert checkpoints_dir is not None
+        return latest_complete_checkpoint(checkpoints_dir)
+    gathered = _gathered(found)
+    if input_dir is not None:
+        missing = [r for r, ok in enumerate(gathered) if not ok]
+        if missing:
+            raise AltParamsError(
+                f"`load_state` refuses {input_dir!r}: rank(s) {missing} find no {COMPLETE_MARKER} there, so "
+                "its save was interrupted (or it was not written by PhasedAccelerator.save_state) or "
+                f"those ranks do not see it; {_SHARED_STORAGE_HINT}"
+            )
+        return input_dir
+    assert checkpoints_dir is not None
+    common = _common(gathered)
+    if not common:
+        seen = "; ".join(f"rank {r}: {sorted(its)}" for r, its in enumerate(gathered))
+        raise AltParamsError(
+            f"`load_state()` found no checkpoint_<n> folder complete on every rank in {checkpoints_dir!r} "
+            f"(complete ones seen: {seen}); automatic resume skips folders whose save was interrupted. "
+            f"Start from scratch, or: {_SHARED_STORAGE_HINT}"
+        )
+    chosen = max(common)
+    newer = sorted({n for its in gathered for n in its if n > chosen})
+    if newer:
+        warnings.warn(
+            f"`load_state()`: checkpoint(s) {newer} in {checkpoints_dir!r} are complete on some ranks only "
+            f"(their save was interrupted elsewhere); every rank loads checkpoint_{chosen}, the latest complete "
+            "on every rank", stacklevel=3)
+    return os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
 
 
 def read_state(input_dir: str) -> dict[str, Any]:
@@ -124,6 +219,30 @@ class CheckpointMixin:
         self.wait_for_everyone()
         return location
 
+    def latest_checkpoint(self: PhasedAccelerator) -> Optional[str]:
+        """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
+
+        With automatic checkpoint naming: the highest ``checkpoint_<n>`` under
+        ``project_dir/checkpoints`` whose save completed (interrupted saves are
+        skipped), and complete on every rank: on several nodes each reads its own
+        disk, and every rank gets the same answer (call it on every rank: it is a
+        collective). The start of an elastic job: ``if acc.latest_checkpoint():
+        acc.load_state()`` (``examples/elastic_restart.py``).
+
+        Example:
+            >>> # acc = PhasedAccelerator(schedule, project_config=ProjectConfiguration(
+            >>> #     project_dir="run", automatic_checkpoint_naming=True))
+            >>> # if acc.latest_checkpoint() is not None:
+            >>> #     acc.load_state()  # resumes the schedule, the phase and the optimizer state
+        """
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise AltParamsError(
+                "`latest_checkpoint()` needs automatic checkpoint naming: pass "
+                "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
+        checkpoints_dir = os.path.join(self.project_dir, "checkpoints")
+        common = _common(_gathered(complete_iterations(checkpoints_dir)))
+        return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}") if common else None
+
     def _writes_state_files(self: PhasedAccelerator) -> bool:
         on_each_node = self.project_configuration.save_on_each_node
         return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
@@ -140,15 +259,24 @@ class CheckpointMixin:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
 
         A folder whose save did not complete is refused before anything loads; with
-        automatic checkpoint naming and no ``input_dir``, the latest *complete*
-        ``checkpoint_<n>`` is loaded (interrupted saves are skipped).
+        automatic checkpoint naming and no ``input_dir``, the latest ``checkpoint_<n>``
+        complete on every rank is loaded (interrupted saves are skipped) and the next
+        ``save_state()`` writes after the highest existing folder on any rank (plain
+        Accelerate would restart at ``checkpoint_0`` and refuse it). The ranks agree
+        on the folder first (each reads its own disk: several nodes may see
+        different files), so either all of them load the same checkpoint or all
+        raise the same error.
         """
+        automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
         if self.switcher is not None:
-            if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-                input_dir = latest_complete_checkpoint(os.path.join(self.project_dir, "checkpoints"))
-            if input_dir is not None:
-                check_complete(os.path.expanduser(str(input_dir)))
+            input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
         super().load_state(input_dir, **kwargs)
+        if automatic:
+            # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
+            # existing checkpoint_0: continue after the highest folder, interrupted ones included.
+            # The highest folder on ANY rank: with a disk per node, every node numbers the next save alike.
+            numbered = _numbered(os.path.join(self.project_dir, "checkpoints"))
+            self.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device
 

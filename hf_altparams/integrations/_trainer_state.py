@@ -47,6 +47,7 @@ def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGr
         "phase": None if current is None else sorted(current.trainable),
         "step": state.global_step,
         "epoch": epoch,
+        "complete_marker": True,  # checkpoints of this record end with hf_altparams_complete.json
     }
 
 

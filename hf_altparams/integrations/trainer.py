@@ -30,6 +30,10 @@ How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
   ``model.zero_grad()``): switches to the phase of the new global step, on
   every rank at the same step.
 * ``on_log``: adds ``altparams/*`` metrics to the logs.
+* ``on_save`` (after the Trainer wrote a checkpoint): once every rank is done,
+  marks the checkpoint complete; ``train(resume_from_checkpoint=...)`` refuses
+  a folder whose save was interrupted, and :func:`last_complete_checkpoint`
+  finds the latest complete one (:mod:`._trainer_checkpoints`).
 
 The engine (:class:`~hf_altparams.engine.PhaseSwitcher`) does every switch;
 this module only decides *when*, with the Trainer's step and epoch.
@@ -63,6 +67,8 @@ from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
 from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
+from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
+from ._trainer_checkpoints import resumed_checkpoint
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
 from ._trainer_support import (
     FirstCallCatcher,
@@ -71,7 +77,7 @@ from ._trainer_support import (
     unwrap_optimizer,
 )
 
-__all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer"]
+__all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer", "last_complete_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +286,10 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         assert self.groups is not None
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
+        resumed = resumed_checkpoint(sys._getframe(0))
+        if resumed is not None:
+            saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+            check_resumed(resumed, state, saved)
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
         self.switcher = PhaseSwitcher(
@@ -306,6 +316,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self.comm is not None:
             self.comm.end_step()
         self._trained_info = self._phase_info
+        if control.should_save:
+            drop_stale_marker(args, state)  # the folder the Trainer saves next may be an old run's
         if state.max_steps and state.global_step >= state.max_steps:
             return  # no step follows: a switch now would only cost a rebuild
         if self.switcher.step_to(state.global_step, self._epoch(state)) is not None:
@@ -322,6 +334,16 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and all(k in last for k in logs if k not in metrics):
             last.update(metrics)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        if self.switcher is None:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # every rank has written its part (its RNG state) of the checkpoint
+        current = self.switcher.current
+        mark_complete(args, state, {"epoch": self._epoch(state),
+                                    "phase": None if current is None else sorted(current.trainable)})
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

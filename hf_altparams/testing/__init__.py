@@ -20,6 +20,7 @@ from .launch import (
     script_path,
     write_rank_result,
 )
+from .nodes import launch_nodes
 
 __all__ = [
     "SCRIPTS_DIR",
@@ -27,6 +28,7 @@ __all__ = [
     "free_port",
     "launch",
     "launch_command",
+    "launch_nodes",
     "rank_results",
     "script_path",
     "write_rank_result",

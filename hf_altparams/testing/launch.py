@@ -5,6 +5,8 @@ script under ``torchrun`` or ``accelerate launch`` on a free local port, with an
 environment that keeps it on the CPU and offline, and raises
 :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a failure)
 with the command and the tail of the output when anything goes wrong.
+:func:`hf_altparams.testing.nodes.launch_nodes` builds on it to simulate
+several nodes (one ``torchrun`` per node on this machine).
 
 Scripts report back through files, not through stdout: each rank writes
 ``{out_dir}/rank{r}.json`` (:func:`write_rank_result`) and the test reads them

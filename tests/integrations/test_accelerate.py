@@ -10,6 +10,7 @@ optimizers, bf16, fp16 scaler, the uninterrupted run with its mid-phase checkpoi
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -476,9 +477,13 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
     with pytest.raises(AltParamsError, match="interrupted"):
         acc.load_state(str(torn))
     assert acc.schedule_step == 0  # refused before anything loaded
+    assert acc.latest_checkpoint() == str(tmp_path / "checkpoints" / "checkpoint_0")
     acc.load_state()  # automatic resume: skips checkpoint_1
     assert acc.schedule_step == 2
     assert (model[0].weight.requires_grad, model[2].weight.requires_grad) == (False, True)
+    # The next save goes after the highest folder, torn ones included (plain Accelerate: checkpoint_0, refused).
+    assert acc.project_configuration.iteration == 2
+    assert os.path.basename(acc.save_state()) == "checkpoint_2"
 def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() -> None:
     """A model loaded in bf16 + `mixed_precision="bf16"`: a PrecisionOptimizer goes through `prepare`."""
     from hf_altparams.engine import PhaseSwitcher, PrecisionOptimizer

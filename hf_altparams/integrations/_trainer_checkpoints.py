@@ -1,0 +1,133 @@
+"""Complete and torn Trainer checkpoints of :class:`~hf_altparams.integrations.trainer.AlternatingFreeze`.
+
+The Trainer's ``_save_checkpoint`` writes, in this order (transformers 5.17 to
+5.23): the model, the optimizer and scheduler, each rank's RNG state, then
+``trainer_state.json`` (which holds the callback's record); ``on_save`` runs
+after all of that. A process killed in between leaves a ``checkpoint-N``
+folder with part of those files, and ``resume_from_checkpoint=True`` takes the
+highest-numbered folder, torn or not.
+
+So, at ``on_save``, once every rank has written its part (a barrier), the
+process that wrote ``trainer_state.json`` writes :data:`COMPLETE_MARKER`
+atomically, last: the step, epoch and phase the checkpoint holds. A resume
+from a folder without it (whose record says a marker is due) is refused at
+``train()`` with the latest complete checkpoint named; a marker for another
+step (a folder reused by a new run) is refused too. :func:`last_complete_checkpoint`
+skips interrupted saves, for jobs that restart by themselves.
+
+Where the Trainer itself cannot read a torn folder (no or half a
+``trainer_state.json``: transformers 5.x fails in ``train()``, before any
+callback runs, with ``FileNotFoundError`` / ``JSONDecodeError``), the way out
+is the same: ``resume_from_checkpoint=last_complete_checkpoint(output_dir)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from types import FrameType
+from typing import Any, Optional
+
+from transformers import TrainerState, TrainingArguments
+
+from ..errors import AltParamsError
+from ._accelerate_checkpoints import COMPLETE_MARKER, _write_atomically, fault_point
+
+__all__ = ["COMPLETE_MARKER", "check_resumed", "drop_stale_marker", "last_complete_checkpoint",
+           "mark_complete", "resumed_checkpoint"]
+
+_FORMAT = "hf_altparams.AlternatingFreeze/1"
+
+
+def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
+    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+
+def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str, Any]) -> None:
+    """Write the marker into the checkpoint the Trainer just saved (the process that wrote its state)."""
+    folder = _checkpoint_dir(args, state)
+    fault_point("trainer_saved")
+    if args.should_save and os.path.isdir(folder):
+        _write_atomically(os.path.join(folder, COMPLETE_MARKER),
+                          {"format": _FORMAT, "step": state.global_step, **record}, "marker")
+
+
+def drop_stale_marker(args: TrainingArguments, state: TrainerState) -> None:
+    """Remove the marker a previous run left in the folder the Trainer is about to overwrite."""
+    if args.should_save:
+        path = os.path.join(_checkpoint_dir(args, state), COMPLETE_MARKER)
+        if os.path.isfile(path):
+            os.remove(path)
+
+
+def last_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The highest ``checkpoint-N`` in ``output_dir`` whose save ran to its end, or ``None``.
+
+    Pass it to ``trainer.train(resume_from_checkpoint=...)`` instead of ``True``
+    (which takes the highest folder, even one whose save was interrupted):
+    ``None`` starts from scratch.
+
+    Example:
+        >>> import tempfile
+        >>> last_complete_checkpoint(tempfile.mkdtemp()) is None  # nothing saved yet
+        True
+        >>> # trainer.train(resume_from_checkpoint=last_complete_checkpoint(args.output_dir))
+    """
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = re.fullmatch(r"checkpoint-([0-9]+)", name)
+        marker = os.path.join(output_dir, name, COMPLETE_MARKER)
+        if match and os.path.isfile(marker) and _marker_step(marker) == int(match.group(1)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return max(found)[1] if found else None
+
+
+def _marker_step(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    step = marker.get("step") if isinstance(marker, dict) and marker.get("format") == _FORMAT else None
+    return int(step) if isinstance(step, int) else None
+
+
+def resumed_checkpoint(frame: Optional[FrameType]) -> Optional[str]:
+    """The folder ``Trainer.train`` resumes from, read from its ``_inner_training_loop`` frame (or ``None``).
+
+    Callbacks are not given it; ``frame`` is the callback event's frame.
+    """
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
+            path = frame.f_locals["resume_from_checkpoint"]
+            return str(path) if isinstance(path, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None
+
+
+def check_resumed(path: str, state: TrainerState, record: Optional[dict[str, Any]]) -> None:
+    """Refuse to resume from ``path`` when its save did not complete (``record``: the callback's saved record)."""
+    marker = os.path.join(path, COMPLETE_MARKER)
+    step = _marker_step(marker) if os.path.isfile(marker) else None
+    if step == state.global_step:
+        return
+    if step is None and record is None and state.global_step > 0:
+        return  # saved by a run without AlternatingFreeze: nothing of ours to check
+    if step is None and record is not None and not record.get("complete_marker"):
+        return  # saved before checkpoints had a marker: nothing to check against
+    why = (f"its save was interrupted (no complete {COMPLETE_MARKER}: the process died while the Trainer "
+           "wrote it), so it may hold another step's optimizer state, RNG states or phase"
+           if step is None else
+           f"its {COMPLETE_MARKER} is for step {step} but trainer_state.json for step {state.global_step} "
+           "(a folder reused by another run, whose save was interrupted)")
+    parent = os.path.dirname(os.path.abspath(path))
+    latest = last_complete_checkpoint(parent)
+    way = (f"the latest complete checkpoint there is {latest!r}: pass `resume_from_checkpoint={latest!r}`, or "
+           "`resume_from_checkpoint=last_complete_checkpoint(args.output_dir)` "
+           "(hf_altparams.integrations.trainer), which skips interrupted saves"
+           if latest is not None else
+           f"no complete checkpoint is left in {parent!r}: train without `resume_from_checkpoint`")
+    raise AltParamsError(f"AlternatingFreeze refuses to resume from {path!r}: {why}; {way}")

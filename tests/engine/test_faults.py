@@ -1,0 +1,108 @@
+"""A dead or stuck rank during a phase switch: the survivor fails in bounded time, naming the switch.
+
+Three 2-rank ``PhasedAccelerator`` jobs run side by side
+(``hf_altparams/testing/scripts/fault_switch.py``); right before the switch at
+step 2, rank 1 dies (``os._exit``) or hangs (sleeps for a minute). Rank 0 must
+raise a :class:`~hf_altparams.errors.SwitchError` naming the phase and the step,
+and its process must end non-zero within 60 s of the fault (the hung rank sleeps
+longer than that); its exit waits for gloo's pending receive up to the process
+group's timeout:
+
+* ``dead``: the process group's timeout is 60 s and no ``collective_timeout``:
+  gloo sees the closed connection at once;
+* ``stuck`` with ``collective_timeout=1`` (group timeout 6 s): the error comes
+  after about 1 s;
+* ``stuck`` with the process group's timeout alone (3 s): the error comes then.
+
+The ranks are started without a launcher: on one node torchrun would stop the
+survivor itself when a rank dies, which hides what a job spread over nodes meets.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from hf_altparams.engine import PhaseSwitcher
+from hf_altparams.errors import PlanError
+from hf_altparams.plan import Alternating, ParamGroups
+from hf_altparams.testing.launch import _launch_env, free_port, script_path
+
+# name: (mode, process-group timeout s, collective_timeout)
+SCENARIOS = {
+    "dead": ("dead", 60.0, "none"),
+    "stuck_collective_timeout": ("stuck", 6.0, "1"),
+    "stuck_group_timeout": ("stuck", 3.0, "none"),
+}
+EXIT_WITHIN = 60.0  # s from the fault to the survivor's exit
+START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 2-core box
+
+
+def _start(mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
+    env = dict(_launch_env("accelerate", None), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    return [subprocess.Popen(
+        [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],
+        env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+
+
+def _result(output: str) -> dict[str, Any]:
+    lines = [line for line in output.splitlines() if line.startswith("FAULT-RESULT ")]
+    assert lines, f"rank 0 printed no FAULT-RESULT line:\n{output[-3000:]}"
+    return dict(json.loads(lines[-1][len("FAULT-RESULT "):]))
+
+
+@pytest.mark.distributed
+def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time() -> None:
+    started = time.monotonic()
+    jobs = {name: _start(*spec) for name, spec in SCENARIOS.items()}
+    outcome: dict[str, tuple[int, float, str]] = {}
+    try:
+        for name, (rank0, _) in jobs.items():
+            left = max(1.0, START_WITHIN + EXIT_WITHIN - (time.monotonic() - started))
+            try:
+                out, _ = rank0.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                rank0.kill()
+                out, _ = rank0.communicate()
+                pytest.fail(f"{name}: rank 0 still running after {time.monotonic() - started:.0f} s:\n{out[-3000:]}")
+            outcome[name] = (rank0.returncode, time.time(), out)
+    finally:
+        for procs in jobs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate()
+    for name, (code, ended, out) in outcome.items():
+        assert code != 0, f"{name}: rank 0 exited 0:\n{out[-3000:]}"
+        result = _result(out)
+        fault_at = result["at"] - result["waited"]  # rank 0 entered the switch as rank 1 failed
+        assert ended - fault_at < EXIT_WITHIN, (name, ended - fault_at, result)
+        assert result["type"] == "SwitchError", result
+        assert "phase switch to 'b' at step 2: rank 0 of 2" in result["message"], result
+        assert "restart it from the latest complete checkpoint" in result["message"], result
+        assert "SwitchError: phase switch to 'b' at step 2" in out  # the error reaches the log too
+    dead = _result(outcome["dead"][2])
+    assert "collective failed" in dead["message"] and dead["waited"] < 10, dead
+    fast = _result(outcome["stuck_collective_timeout"][2])
+    assert "waited 1 s (collective_timeout)" in fast["message"], fast
+    assert 0.9 <= fast["waited"] < 5.0, fast  # well before the group's 6 s
+    slow = _result(outcome["stuck_group_timeout"][2])
+    assert "within the process group's timeout" in slow["message"], slow
+    assert 2.5 <= slow["waited"] < 20.0, slow
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "5", True, float("nan")])
+def test_collective_timeout_is_checked_before_any_step(bad: Any) -> None:
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    with pytest.raises(PlanError, match=r"`collective_timeout` must be None .* got"):
+        PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]),
+                      collective_timeout=bad)
