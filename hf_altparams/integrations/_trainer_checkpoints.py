@@ -41,7 +41,7 @@ _FORMAT = "hf_altparams.AlternatingFreeze/1"
 
 
 def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
-    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
 
 
 def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str, Any]) -> None:

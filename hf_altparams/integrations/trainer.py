@@ -335,6 +335,11 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if last is not None and last.get("step") == state.global_step and all(k in last for k in logs if k not in metrics):
             last.update(metrics)
 
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.switcher is not None and control.should_save:  # save_strategy="epoch"
+            drop_stale_marker(args, state)
+
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         if self.switcher is None:

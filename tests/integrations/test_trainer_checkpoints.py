@@ -122,6 +122,10 @@ def test_a_trainer_save_killed_at_any_stage_never_resumes_wrong(
         _kill_in(monkeypatch, TrainerState, "save_to_json", partial=True)
     else:
         extra.append(_ArmFault(stage, monkeypatch))
+    if stage == "trainer_saved":  # an earlier run's complete checkpoint-4 is in the way: its marker must go
+        (tmp_path / "checkpoint-4").mkdir()
+        (tmp_path / "checkpoint-4" / _accelerate_checkpoints.COMPLETE_MARKER).write_text(
+            '{"format": "hf_altparams.AlternatingFreeze/1", "step": 4}')
     trainer, _ = _trainer(tmp_path, *extra)
     with pytest.raises(_Killed):
         trainer.train()
