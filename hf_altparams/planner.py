@@ -129,6 +129,9 @@ class CostPlan:
     policies: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> peak / moved bytes
     storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
     master_policy: Optional[str] = None
+    backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards (_planner_fsdp2)
+    ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # fsdp2: each phase's device bytes under DDP
+    unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
 
     def row(self, phase: str) -> PhaseCost:
         """The row of the phase named ``phase``."""
@@ -146,6 +149,10 @@ class CostPlan:
 
     def table(self) -> str:
         """A readable report: one row per phase, the train-everything row, then the switch cost."""
+        if self.backend == "fsdp2":
+            from ._planner_fsdp2 import fsdp2_table
+
+            return fsdp2_table(self)
         host = any(r.host_bytes for r in self.phases)
         head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
                 "grads", "optimizer" if self.storage_dtype is None else "optim+master", "buckets", "device", "vs all"] + (["host"] if host else [])
@@ -256,6 +263,7 @@ def plan_cost(
     pcie_gbps: float = DEFAULT_PCIE_GBPS,
     storage_dtype: Optional[torch.dtype] = None,
     master_policy: str = "offload",
+    backend: str = "ddp",
 ) -> CostPlan:
     """Cost every phase of ``schedule`` over the first ``steps`` positions (see the module docstring).
 
@@ -288,6 +296,10 @@ def plan_cost(
             ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
             the storage-dtype gradients are freed as they are cast) plus DDP's bucket
             in the storage dtype. The train-everything row keeps masters for all.
+        backend: ``"ddp"`` (replicated parameters, DDP buckets) or ``"fsdp2"``: every
+            figure per rank for a ``fully_shard`` model over ``world_size`` ranks
+            (parameters, gradients and optimizer state sharded; reduce-scatter
+            bytes per step), next to DDP's device bytes (:mod:`hf_altparams._planner_fsdp2`).
 
     Example:
         >>> from torch import nn
@@ -305,6 +317,8 @@ def plan_cost(
     if storage_dtype is not None and storage_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise PlanError(f"`storage_dtype` (--storage-dtype) must be bfloat16, float16, float32 or None, "
                         f"got {storage_dtype!r}")
+    if backend not in ("ddp", "fsdp2"):
+        raise PlanError(f"`backend` (--fsdp2) must be 'ddp' or 'fsdp2', got {backend!r}")
     if master_policy not in POLICIES:
         raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
     schedule.validate(groups)
@@ -314,6 +328,10 @@ def plan_cost(
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
     segments = schedule.segments(steps)
     size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype)
+    if backend == "fsdp2":
+        from ._planner_fsdp2 import fsdp2_sizes
+
+        full, size = size, fsdp2_sizes(size, _group_sizes, groups, world_size, state_fn, grad_dtype, storage_dtype)
     owners = _buffer_owners(groups)
     always = {_UNGROUPED} if groups.ungrouped == "trainable" and size[_UNGROUPED]["numel"] else set()
 
@@ -348,7 +366,7 @@ def plan_cost(
             buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
             optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
             # with storage_dtype the bucket outlives the cast gradients even as their view
-            bucket_bytes=reduced if storage_dtype is not None or not bucket_as_view else 0,
+            bucket_bytes=reduced if backend == "ddp" and (storage_dtype is not None or not bucket_as_view) else 0,
             host_bytes=total(where.off, "param") + where.buffers_off
             + total([g for g, at in where.state.items() if at == "host"], "state")
             + total([g for g, at in where.masters.items() if at == "host"], "master"),
@@ -384,7 +402,7 @@ def plan_cost(
     everything = cost("train everything", set(size),
                       _Layout(frozenset(), dict.fromkeys(size, "device"), 0, dict.fromkeys(size, "device")))
     everything.trainable_groups = tuple(groups.names)
-    return CostPlan(
+    plan = CostPlan(
         model=type(model).__name__, total_params=total(size, "numel"), unit=schedule.unit, positions=steps,
         optimizer=label, state_policy=state_policy, world_size=world_size,
         grad_dtype=None if grad_dtype is None else str(grad_dtype).replace("torch.", ""),
@@ -396,6 +414,15 @@ def plan_cost(
         storage_dtype=None if storage_dtype is None else str(storage_dtype).replace("torch.", ""),
         master_policy=None if storage_dtype is None else master_policy,
     )
+    if backend == "fsdp2":
+        from ._planner_fsdp2 import finish_fsdp2
+
+        ddp = plan_cost(model, groups, schedule, optimizer=optimizer, state_policy=state_policy, steps=steps,
+                        world_size=world_size, grad_dtype=grad_dtype, bucket_as_view=bucket_as_view,
+                        offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                        storage_dtype=storage_dtype, master_policy=master_policy)
+        finish_fsdp2(plan, ddp, full, world_size)
+    return plan
 
 
 @dataclass(frozen=True)

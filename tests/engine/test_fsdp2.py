@@ -16,7 +16,11 @@ def test_fsdp2_schedules_match_reference_and_count_trainable_bytes(tmp_out: Path
     ranks = rank_results(tmp_out, nproc=nproc)
     rank0 = ranks[0]
     assert rank0["world"] == nproc
+    planned = rank0["schedules"].pop("planner")
     assert set(rank0["schedules"]) == {"alternating", "gradual_unfreeze", "random_blocks"}
+    # the planner's FSDP2 mode: reduce-scatter bytes per step as counted, rank 0's shards as held
+    assert planned["reduce_scatter"] == rank0["schedules"]["alternating"]["counted"]
+    assert planned["param_bytes"] == planned["local_param_bytes"]
     for schedule, result in rank0["schedules"].items():
         # same parameters as one process on the concatenated batch
         assert result["max_diff"] < 1e-5, (schedule, result["max_diff"])

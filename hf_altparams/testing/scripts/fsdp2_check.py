@@ -25,6 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, shard_by_groups
 from hf_altparams.engine._transfer import to_host
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, RandomBlocks
+from hf_altparams.planner import plan_cost
 from hf_altparams.testing import write_rank_result
 
 
@@ -157,6 +158,16 @@ def main() -> None:
         diff = max(float((got[n] - p.detach()).abs().max()) for n, p in reference.named_parameters())
         digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in got.values())).hexdigest()
         results[schedule] = {"max_diff": diff, "counted": counted, "expected": expected, "digest": digest}
+    # the planner's FSDP2 mode against this run: reduce-scatter bytes per step, rank 0's parameter shards
+    plain = build()
+    plan = plan_cost(plain, ParamGroups(plain, {"a": "0.*", "b": "2.*", "c": "4.*"}), SCHEDULES["alternating"](),
+                     world_size=world, backend="fsdp2", optimizer="sgd")
+    results["planner"] = {
+        "reduce_scatter": [plan.row(SCHEDULES["alternating"]().phase_at(s).name).allreduce_bytes
+                           for s in range(steps)],
+        "param_bytes": plan.phases[0].param_bytes,
+        "local_param_bytes": sum(p.to_local().nbytes for p in shard(build()).parameters()),
+    }
     bf16 = shard(build(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     before = full(bf16)
     bf16_counted, bf16_expected = train(bf16, 4, True, rank, world)
