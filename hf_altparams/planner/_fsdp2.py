@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .plan import ParamGroups
-from .plan.groups import _format_bytes
+from ..plan import ParamGroups
+from ..plan.groups import _format_bytes
 
 __all__ = ["fsdp2_sizes", "fsdp2_table", "finish_fsdp2", "shard_rows"]
 
