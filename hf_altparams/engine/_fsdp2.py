@@ -232,6 +232,10 @@ class FSDP2Backend(Backend):
 
         check_groups_fit_units(self.wrapper, switcher.groups)
         switcher.residency.place_data = self.place_data
+        for fp in self._fsdp_param_of.values():  # moved before the attach, around FSDP2's storage
+            local, storage = local_tensor(fp.sharded_param), fp._sharded_param_data
+            if local.numel() and local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():
+                self.place_data(fp.sharded_param, fp.sharded_param.data)
         self._moves_residency = switcher.residency.offload_device is not None
 
     def apply(self, ignore: set[str]) -> None:

@@ -122,3 +122,23 @@ def test_place_data_swaps_fsdp2_storage_so_the_all_gather_reads_the_new_values(
         with torch.no_grad():
             ref.add_(1.0)
     assert torch.allclose(model(x), reference(x))  # FSDP2 all-gathered the moved shards
+
+
+def test_a_shard_moved_before_attach_is_put_back_into_fsdp2_storage(gloo_world_1: dist.ProcessGroup) -> None:
+    model, reference = _model(), _model()
+    groups = shard_by_groups(model, ParamGroups(model, SPEC))
+    x = torch.randn(5, 3)
+    model(x)  # lazy init done: FSDP2 will not re-read the parameters by itself
+    switcher = PhaseSwitcher(groups, Alternating(["trunk", "mid"]))
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        moved = to_host(param.data, torch.device("cpu"))
+        moved.to_local().add_(1.0)
+        switcher.residency.place_data(param, moved)  # the plain move, before any FSDP2 backend
+        with torch.no_grad():
+            ref.add_(1.0)
+    switcher.attach(model)
+    fsdp_params = switcher.backend._fsdp_param_of
+    for param in model.parameters():
+        storage = fsdp_params[id(param)]._sharded_param_data.untyped_storage()
+        assert param.to_local().untyped_storage().data_ptr() == storage.data_ptr()
+    assert torch.allclose(model(x), reference(x))
