@@ -213,7 +213,7 @@ class FSDP2Backend(Backend):
 
     def __init__(self, model: nn.Module) -> None:
         check_fsdp2_supported(model)
-        self.wrapper = model
+        self.wrapper = self.model = model
         self.units = fsdp2_units(model)
         self._moves_residency = False
         self._fsdp_param_of = {id(fp.sharded_param): fp for unit in self.units
@@ -230,7 +230,7 @@ class FSDP2Backend(Backend):
         """Check the switcher's groups against the units and route residency moves through here."""
         from ._fsdp2_units import check_groups_fit_units
 
-        check_groups_fit_units(self.wrapper, switcher.groups)
+        check_groups_fit_units(self.model, switcher.groups)
         switcher.residency.place_data = self.place_data
         for fp in self._fsdp_param_of.values():  # moved before the attach, around FSDP2's storage
             local, storage = local_tensor(fp.sharded_param), fp._sharded_param_data
@@ -242,7 +242,7 @@ class FSDP2Backend(Backend):
         if ignore and self._moves_residency:
             from ._fsdp2_units import check_residency_fits_units
 
-            check_residency_fits_units(self.wrapper, ignore)
+            check_residency_fits_units(self.model, ignore)
         for unit in self.units:
             for group in _param_groups(unit):
                 reinit = getattr(group, MP_REINIT_METHOD, None)
