@@ -64,7 +64,7 @@ def test_fsdp2_backend_argument_and_cli_flag(capsys: pytest.CaptureFixture[str])
     net, groups = _meta()
     with pytest.raises(PlanError, match="`backend`.*'fsdp2'.*got 'fsdp1'"):
         plan_cost(net, groups, Alternating(["body", "head"]), backend="fsdp1")
-    planner.main(["--model", "hf_altparams.testing.models:llama_decoder", "--layers", "model.layers",
-                  "--schedule", "alternating", "--world-size", "4", "--fsdp2"])
+    assert planner.main(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule", "sequence",
+                         "--phase", "slope:2", "--world-size", "4", "--fsdp2"]) == 0
     out = capsys.readouterr().out
     assert "FSDP2 (fully_shard) over 4 ranks" in out and "vs DDP" in out
