@@ -228,10 +228,11 @@ class FSDP2Backend(Backend):
 
     def bind(self, switcher: Any) -> None:
         """Check the switcher's groups against the units and route residency moves through here."""
-        from ._fsdp2_units import check_groups_fit_units
+        from ._fsdp2_units import check_groups_fit_units, install_unit_guards
 
         check_groups_fit_units(self.model, switcher.groups)
         switcher.residency.place_data = self.place_data
+        install_unit_guards(self.model, switcher.groups, switcher.residency)
         for fp in self._fsdp_param_of.values():  # moved before the attach, around FSDP2's storage
             local, storage = local_tensor(fp.sharded_param), fp._sharded_param_data
             if local.numel() and local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():

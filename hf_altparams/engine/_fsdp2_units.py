@@ -8,6 +8,10 @@ such units when it attaches, naming the unit and the groups, and refuses a
 per-task residency that would leave part of a unit on the device and part off
 it (the unit's all-gather would read both). :func:`shard_by_groups` shards one
 unit per group, so that freezing a group saves its all-gather too.
+
+A forward through a unit whose groups are all non-resident is refused by a
+pre-forward hook that runs before FSDP2's own (which would all-gather shards
+that live on the host): :func:`install_unit_guards`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ from ..errors import SwitchError
 from ..plan.groups import ParamGroups
 from ._fsdp2 import fsdp2_units, is_fsdp2, unit_params
 
-__all__ = ["check_groups_fit_units", "check_residency_fits_units", "mixed_units", "shard_by_groups"]
+__all__ = ["check_groups_fit_units", "check_residency_fits_units", "install_unit_guards", "mixed_units",
+           "shard_by_groups"]
+
+#: Module attribute holding the unit guards' hook handles (replaced when a switcher attaches again).
+_GUARDS_ATTR = "_hf_altparams_unit_guards"
 
 
 def _unit_names(model: nn.Module) -> dict[int, str]:
@@ -81,6 +89,35 @@ def check_residency_fits_units(model: nn.Module, off_names: Iterable[str]) -> No
                 f"(non-resident {gone[:3]}, resident {kept[:3]}): FSDP2 all-gathers a unit whole. Shard "
                 "one unit per group (`hf_altparams.engine.shard_by_groups`), or pass `offload_device=None`."
             )
+
+
+def install_unit_guards(model: nn.Module, groups: ParamGroups, residency: Any) -> None:
+    """Refuse, before FSDP2 all-gathers it, a forward through a unit whose groups are all non-resident.
+
+    The hooks read ``residency.offloaded`` when they run, so ``residency.visiting``
+    (which brings groups back for a while) passes through.
+    """
+    for handle in getattr(model, _GUARDS_ATTR, ()):
+        handle.remove()
+    group_of = {id(p): g for g in groups.names for p in groups.params(g)}
+    names = _unit_names(model)
+    handles = []
+    for unit in fsdp2_units(model):
+        held = frozenset(group_of.get(id(p)) for p in unit_params(unit))
+        if not held or None in held:  # no parameters, or ungrouped ones (always resident)
+            continue
+
+        def refuse(module: nn.Module, args: object, held: frozenset[Any] = held, name: str = names[id(unit)]) -> None:
+            if residency.guard and held <= residency.offloaded:
+                raise SwitchError(
+                    f"fully_shard unit {name!r} ran its forward in phase {residency._phase_name!r}, but its groups "
+                    f"{sorted(held)} are not resident in that phase (their shards live on "
+                    f"{residency.offload_device}). Add them to the phase's `resident` groups, route inputs only "
+                    "through the resident tasks, or wrap an evaluation in `switcher.residency.visiting(...)`"
+                )
+
+        handles.append(unit.register_forward_pre_hook(refuse, prepend=True))
+    setattr(model, _GUARDS_ATTR, handles)
 
 
 def _pure_modules(model: nn.Module, members: set[int]) -> list[tuple[str, nn.Module]]:

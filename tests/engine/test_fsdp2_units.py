@@ -142,3 +142,20 @@ def test_a_shard_moved_before_attach_is_put_back_into_fsdp2_storage(gloo_world_1
         storage = fsdp_params[id(param)]._sharded_param_data.untyped_storage()
         assert param.to_local().untyped_storage().data_ptr() == storage.data_ptr()
     assert torch.allclose(model(x), reference(x))
+
+
+def test_forward_through_a_non_resident_unit_refused_before_fsdp2_gathers_it(
+    gloo_world_1: dist.ProcessGroup,
+) -> None:
+    model = _model()
+    groups = shard_by_groups(model, ParamGroups(model, SPEC))
+    switcher = PhaseSwitcher(groups, PerTaskCycle(["trunk", "mid"], ["t0", "t1"], every=1), model=model)
+    switcher.step_to(0)  # t1 (layer 4, a unit of its own) is not resident
+    x = torch.randn(5, 3)
+    with pytest.raises(SwitchError, match=r"fully_shard unit '4' ran its forward in phase .*\['t1'\]"):
+        model(x)  # the unit guard runs before FSDP2's pre-forward (and before the module guard)
+    with torch.no_grad(), switcher.residency.visiting(["t1"]):
+        assert model(x).shape == (5, 2)  # a visit passes
+    switcher.step_to(1)  # t1's phase: t0 is off, t1 back
+    with pytest.raises(SwitchError, match="fully_shard unit '3'"):
+        model(x)
