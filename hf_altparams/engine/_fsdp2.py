@@ -216,14 +216,15 @@ class FSDP2Backend(Backend):
         self.wrapper = self.model = model
         self.units = fsdp2_units(model)
         self._moves_residency = False
-        self._fsdp_param_of = {id(fp.sharded_param): fp for unit in self.units
-                               for group in _param_groups(unit) for fp in group.fsdp_params}
+        # fully_shard([m1, m2]) makes both modules units of ONE state: each group once
+        groups = {id(g): g for unit in self.units for g in _param_groups(unit)}
+        self.param_groups: list[Any] = list(groups.values())
+        self._fsdp_param_of = {id(fp.sharded_param): fp for group in self.param_groups for fp in group.fsdp_params}
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
-        for unit in self.units:
-            for group in _param_groups(unit):
-                return group.mesh_info.shard_process_group
+        for group in self.param_groups:
+            return group.mesh_info.shard_process_group
         return None
 
     def bind(self, switcher: Any) -> None:
@@ -244,11 +245,10 @@ class FSDP2Backend(Backend):
             from ._fsdp2_units import check_residency_fits_units
 
             check_residency_fits_units(self.model, ignore)
-        for unit in self.units:
-            for group in _param_groups(unit):
-                reinit = getattr(group, MP_REINIT_METHOD, None)
-                if reinit is not None:  # absent only without casting (fenced)
-                    reinit()
+        for group in self.param_groups:
+            reinit = getattr(group, MP_REINIT_METHOD, None)
+            if reinit is not None:  # absent only without casting (fenced)
+                reinit()
 
     def restore(self, snapshot: object) -> None:
         self.apply(set())
@@ -281,13 +281,12 @@ class FSDP2Backend(Backend):
     def reduced_bytes_per_step(self) -> int:
         """Bytes of the trainable parameters' (padded) gradients each rank feeds to reduce-scatter."""
         total = 0
-        for unit in self.units:
-            for group in _param_groups(unit):
-                policy = group.mp_policy
-                for fp in group.fsdp_params:
-                    if fp.sharded_param.requires_grad:
-                        dtype = (getattr(group, "_reduce_dtype", None) or policy.reduce_dtype
-                                 or policy.param_dtype or fp.sharded_param.dtype)
-                        size = torch.empty((), dtype=dtype).element_size()
-                        total += fp.padded_sharded_param_size.numel() * group.mesh_info.shard_mesh_size * size
+        for group in self.param_groups:
+            policy = group.mp_policy
+            for fp in group.fsdp_params:
+                if fp.sharded_param.requires_grad:
+                    dtype = (getattr(group, "_reduce_dtype", None) or policy.reduce_dtype
+                             or policy.param_dtype or fp.sharded_param.dtype)
+                    size = torch.empty((), dtype=dtype).element_size()
+                    total += fp.padded_sharded_param_size.numel() * group.mesh_info.shard_mesh_size * size
         return total

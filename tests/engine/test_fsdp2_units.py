@@ -68,6 +68,10 @@ def test_shard_by_groups_one_unit_per_group_or_per_module(gloo_world_1: dist.Pro
     states = {id(m._get_fsdp_state()) for m in model.modules() if _fsdp2.is_fsdp2(m)}
     assert len(states) == 3  # one unit (a list of modules: one FSDP state) per group, and the root
     assert mixed_units(model, groups) == {}
+    switcher = PhaseSwitcher(groups, Alternating(["low", "high"]), model=model)
+    for step, group in enumerate(["low", "high"]):  # a list unit (two modules, one state) counts once
+        record = switcher.step_to(step)
+        assert record is not None and record.allreduce_bytes_per_step == groups.nbytes(group) > 0
     per_module = _model()
     shard_by_groups(per_module, ParamGroups(per_module, spec), per_module=True)
     assert {n for n, m in per_module.named_modules() if _fsdp2.is_fsdp2(m)} == {"", "0", "2", "3", "4"}
