@@ -42,5 +42,7 @@ def test_fsdp2_schedules_match_reference_and_count_trainable_bytes(tmp_out: Path
     assert state["offload"]["digest"] == state["keep"]["digest"]  # offloading changes nothing
     assert state["drop"]["digest"] != state["keep"]["digest"]  # dropping resets Adam's state
     for r in ranks:  # idle groups hold no state under drop; they do under keep (this rank's shards)
-        assert r["state"]["drop"]["idle_state_bytes"][1:] == [0] * 7
-        assert all(b > 0 for b in r["state"]["keep"]["idle_state_bytes"][1:])
+        assert r["state"]["drop"]["idle_state_bytes"][1:8] == [0] * 7
+        assert all(b > 0 for b in r["state"]["keep"]["idle_state_bytes"][1:8])
+        # memory_report's census == this rank's parameter and state shards (last entry: the difference)
+        assert all(r["state"][name]["idle_state_bytes"][8] == 0 for name in state), r["state"]

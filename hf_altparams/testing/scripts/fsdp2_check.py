@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, shard_by_groups
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report, shard_by_groups
 from hf_altparams.engine._transfer import to_host
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, RandomBlocks
 from hf_altparams.planner import plan_cost
@@ -129,6 +129,11 @@ def train_state(sharded, rank, world, policy=None, per_task=False):
         opt.zero_grad(set_to_none=True)
         idle = [g for g in groups.names if g not in switcher.current.trainable]
         idle_bytes.append(sum(sum(opt.state_bytes(g).values()) for g in idle))
+    if sharded:  # memory_report counts this rank's shards: parameters and optimizer state
+        held = sum(p.to_local().nbytes for p in model.parameters()) + sum(
+            v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+            for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        idle_bytes.append(memory_report(switcher).total() - held)
     return full(model), idle_bytes
 
 
