@@ -143,11 +143,12 @@ class GroupedOptimizer(Optimizer):
         name groups that a single optimizer does not cover).
         """
         new_active = frozenset(n for n in names if n in self.inner)
+        for name in self.groups.names:  # out first: the device never holds both groups' state
+            if name not in new_active:
+                self._apply_idle_policy(name)
         for name in self.groups.names:
             if name in new_active:
                 self._restore(name)
-            else:
-                self._apply_idle_policy(name)
         self.active = new_active
 
     def _state_tensors(self, name: str) -> Iterable[tuple[nn.Parameter, str, torch.Tensor]]:

@@ -63,6 +63,7 @@ def _state(opt: GroupedOptimizer, group: str) -> list[torch.Tensor]:
 
 
 def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[int], Any]:
+    """Six steps; returns full parameters, memory_allocated after each switch, and the objects."""
     model = TwoTasks().cuda()
     groups = shard_by_groups(model, ParamGroups(model, {"trunk": "trunk.*", "t0": "t0.*", "t1": "t1.*"}),
                              mp_policy=MP)
@@ -71,21 +72,25 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
     schedule = PerTaskCycle(["trunk"], ["t0", "t1"], every=2) if per_task else Alternating(["trunk", "t0", "t1"])
     switcher = PhaseSwitcher(groups, schedule, optimizer=opt, model=model, **switcher_kwargs)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    allocated = []
+    allocated, overshoot = [], []
     for step in range(6):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         switcher.step_to(step)
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
+        overshoot.append(torch.cuda.max_memory_allocated() - max(before, allocated[-1]))
         model.task = switcher.current.task or ("t1" if step % 3 == 2 else "t0")
         model(torch.randn(8, WIDTH, device="cuda", generator=gen)).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return _full(model), allocated, (model, opt, switcher)
+    return _full(model), allocated, (model, opt, switcher, overshoot)
 
 
 def test_cuda_offload_moves_idle_dtensor_state_to_pinned_host_and_equals_keep(nccl_world_1: None) -> None:
     keep, keep_alloc, _ = _train(False, policy="keep")
-    offload, off_alloc, (model, opt, switcher) = _train(False, policy="offload")
+    offload, off_alloc, (model, opt, switcher, overshoot) = _train(False, policy="offload")
     assert all(torch.equal(keep[n], offload[n]) for n in keep)
     switcher.step_to(6)  # phase "trunk": t0 and t1 idle, both have Adam state
     idle = _state(opt, "t0") + _state(opt, "t1")
@@ -94,12 +99,14 @@ def test_cuda_offload_moves_idle_dtensor_state_to_pinned_host_and_equals_keep(nc
     # at step 5 ("t1" active), "trunk" and "t0" are idle: their state is off the device
     idle_bytes = sum(local_tensor(t).nbytes for t in _state(opt, "trunk") + _state(opt, "t0"))
     assert keep_alloc[5] - off_alloc[5] == pytest.approx(idle_bytes, rel=0.01)
+    # a switch moves the idle group's state out before the active one's comes back: no transient peak
+    assert max(overshoot) <= 0.01 * idle_bytes, overshoot
     del model, opt, switcher
 
 
 def test_cuda_residency_moves_non_resident_shards_and_fsdp2_storage_off_the_device(nccl_world_1: None) -> None:
     stay, stay_alloc, _ = _train(True, offload_device=None)
-    moved, moved_alloc, (model, opt, switcher) = _train(True, offload_device="cpu")
+    moved, moved_alloc, (model, opt, switcher, _) = _train(True, offload_device="cpu")
     assert all(torch.equal(stay[n], moved[n]) for n in stay)
     switcher.step_to(6)  # t1 again: t0 non-resident
     backend = switcher.backend
