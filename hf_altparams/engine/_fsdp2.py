@@ -233,6 +233,7 @@ class FSDP2Backend(Backend):
 
         check_groups_fit_units(self.model, switcher.groups)
         switcher.residency.place_data = self.place_data
+        switcher.release_policy.forget_footprints()  # footprints are per-rank shards from now on
         install_unit_guards(self.model, switcher.groups, switcher.residency)
         for fp in self._fsdp_param_of.values():  # moved before the attach, around FSDP2's storage
             local, storage = local_tensor(fp.sharded_param), fp._sharded_param_data
