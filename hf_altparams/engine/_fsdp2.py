@@ -269,7 +269,9 @@ class FSDP2Backend(Backend):
         local = local_tensor(data)
         padded_size = fp.padded_sharded_param_size
         dim = getattr(getattr(fp, "fsdp_placement", None), "dim", 0)
-        if local.size() != padded_size:
+        if local.size() != padded_size:  # this rank's shard is short: pad it, as FSDP2 stores it
+            if local.device.type == "cpu" and param.device.type == "cuda":
+                torch.cuda.current_stream(param.device).synchronize()  # the copy to host may be in flight
             padded = torch.zeros(padded_size, dtype=local.dtype, device=local.device,
                                  pin_memory=local.device.type == "cpu" and local.is_pinned())
             padded.narrow(dim, 0, local.size(dim)).copy_(local)
