@@ -45,7 +45,8 @@ print("cuda available:", torch.cuda.is_available(), "| devices:",
 PY
 command -v nvidia-smi >/dev/null && step nvidia-smi nvidia-smi
 
-# 1. Every test marked `cuda` (setup.cfg's marker); the rest of the suite is CI's.
+# 1. Every test marked `cuda` (setup.cfg's marker; FSDP2 on one GPU included:
+#    tests/engine/test_fsdp2_cuda.py); the rest of the suite is CI's.
 step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$OUT/cuda_tests.xml" tests
 
 # 2. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).
@@ -61,6 +62,7 @@ if [ "$QUICK" = 1 ]; then
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 500 --warmup 100 --out "$RESULTS"
     step large-model "$PY" benchmarks/large_model.py --device cuda --quick --out "$RESULTS"
     step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 512 --seq 128 --batch 32 --out "$RESULTS"
+    step fsdp2-memory "$PY" benchmarks/fsdp2_memory.py --device cuda --nproc 1 --width 2048 --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --repeats 3 --out "$RESULTS"
     step alternating-layers "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --layers 8 --repeats 3 \
@@ -70,6 +72,9 @@ else
     # Llama-2-7B shape, 24 GB emulated (set_per_process_memory_fraction), seq 512, batch 1, checkpointing
     step large-model "$PY" benchmarks/large_model.py --device cuda --out "$RESULTS"
     step frozen-prefix "$PY" benchmarks/frozen_prefix.py --device cuda --samples 4096 --seq 128 --batch 64 --out "$RESULTS"
+    # FSDP2 (fully_shard, one unit per layer, bf16 MixedPrecisionPolicy), NCCL world size 1: peak
+    # max_memory_allocated of per-step alternation (drop / offload) <= 1.02 x one half trained alone.
+    step fsdp2-memory "$PY" benchmarks/fsdp2_memory.py --device cuda --nproc 1 --out "$RESULTS"
 fi
 # Where a switch's time goes on the GPU (one process, no all-reduce): printed into gpu.log.
 step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25

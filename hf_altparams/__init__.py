@@ -33,6 +33,7 @@ from .engine import (
     memory_report,
     reapply_state_policy,
     register_comm_counter,
+    shard_by_groups,
 )
 from .errors import AltParamsError, PlanError, SwitchError
 from .plan import (
@@ -102,4 +103,5 @@ __all__ = [
     "plan_cost",
     "reapply_state_policy",
     "register_comm_counter",
+    "shard_by_groups",
 ]

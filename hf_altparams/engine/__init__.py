@@ -1,5 +1,6 @@
 """The engine: phase switches under torch.distributed (DDP re-bucketing, optimizers, memory)."""
 
+from ._fsdp2_units import shard_by_groups
 from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
@@ -37,5 +38,6 @@ __all__ = [
     "register_comm_counter",
     "release_memory",
     "rss_bytes",
+    "shard_by_groups",
     "shutdown",
 ]

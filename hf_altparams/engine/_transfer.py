@@ -15,6 +15,10 @@ Shared by the optimizer-state policy (:mod:`.optim`) and per-task residency
   same pool as everything else), the side stream waits for the current stream
   before writing, and the consumer makes the current stream wait for the copy's
   event before using it (:meth:`Prefetcher.take`).
+
+A ``DTensor`` (FSDP2's sharded parameters and their optimizer state) moves by
+its local shard: the copy is rewrapped with the same spec, and its size is the
+shard's (:mod:`._fsdp2` holds the DTensor internals).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from typing import Any, Hashable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from ._fsdp2 import dtensor_with_local, is_dtensor, local_tensor, set_data
+
 __all__ = [
     "HostCopies",
     "Prefetcher",
     "nbytes",
     "optimizer_of",
     "param_group_map",
+    "set_data",
     "state_target_device",
     "to_device",
     "to_host",
@@ -38,8 +45,8 @@ __all__ = [
 
 
 def nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (``numel * element_size``)."""
-    return tensor.nbytes
+    """Bytes of a tensor's elements on this rank (``numel * element_size``; a DTensor's shard)."""
+    return local_tensor(tensor).nbytes
 
 
 def to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
@@ -48,6 +55,8 @@ def to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
     Keeps the strides of a dense tensor (``empty_like``), so a parameter comes
     back with the layout it left with.
     """
+    if is_dtensor(tensor):
+        return dtensor_with_local(tensor, to_host(local_tensor(tensor), host))
     pin = tensor.is_cuda and host.type == "cpu"
     out = torch.empty_like(tensor, device=host, pin_memory=pin)
     out.copy_(tensor, non_blocking=pin)
@@ -58,6 +67,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device``; non-blocking when the source is pinned host memory."""
     if tensor.device == device:
         return tensor
+    if is_dtensor(tensor):
+        return dtensor_with_local(tensor, to_device(local_tensor(tensor), device))
     pinned = tensor.device.type == "cpu" and device.type == "cuda" and tensor.is_pinned()
     return tensor.to(device, non_blocking=pinned)
 
@@ -132,7 +143,7 @@ class Prefetcher:
 
     def start(self, key: Hashable, source: torch.Tensor, device: torch.device) -> int:
         """Start copying ``source`` (pinned host) to ``device``; return the bytes started."""
-        if device.type != "cuda" or not source.is_pinned() or key in self._pending:
+        if device.type != "cuda" or is_dtensor(source) or not source.is_pinned() or key in self._pending:
             return 0
         current = torch.cuda.current_stream(device)
         side = _side_stream(device)

@@ -9,6 +9,9 @@ API it needs fenced there:
 * :class:`LocalBackend` (here): a plain module, one process or no wrapper yet.
 * ``DDPBackend`` (:mod:`hf_altparams.engine._ddp`): rebuilds the DDP reducer
   in place so that only the phase's gradients are bucketed and all-reduced.
+* ``FSDP2Backend`` (:mod:`hf_altparams.engine._fsdp2`): a ``fully_shard``
+  model; no rebuild, mixed-precision dtypes re-initialised, shards moved with
+  FSDP2's storage.
 
 Example:
     >>> import torch
@@ -55,6 +58,9 @@ class Backend:
     def device(self) -> Optional[torch.device]:
         """The compute device of the wrapper, when it has one."""
         return None
+
+    def bind(self, switcher: Any) -> None:
+        """Called once when ``switcher`` attaches the wrapper (before any :meth:`apply`)."""
 
     def ignored_at_wrap(self) -> set[str]:
         """Names the wrapper was built to ignore (neither synced nor broadcast)."""

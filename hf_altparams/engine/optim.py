@@ -21,6 +21,7 @@ from ..errors import PlanError
 from ..plan.groups import ParamGroups
 from ._built_optim import as_factories, check_groups_argument
 from ._transfer import HostCopies, Prefetcher, optimizer_of, param_group_map, state_target_device, to_device, to_host
+from ._transfer import nbytes as _nbytes
 
 __all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory", "reapply_state_policy"]
 
@@ -142,11 +143,12 @@ class GroupedOptimizer(Optimizer):
         name groups that a single optimizer does not cover).
         """
         new_active = frozenset(n for n in names if n in self.inner)
+        for name in self.groups.names:  # out first: the device never holds both groups' state
+            if name not in new_active:
+                self._apply_idle_policy(name)
         for name in self.groups.names:
             if name in new_active:
                 self._restore(name)
-            else:
-                self._apply_idle_policy(name)
         self.active = new_active
 
     def _state_tensors(self, name: str) -> Iterable[tuple[nn.Parameter, str, torch.Tensor]]:
@@ -186,7 +188,7 @@ class GroupedOptimizer(Optimizer):
             self._host_copies.note(tensor.device)
             if (id(param), key) not in recorded:
                 moved.append((param, key, tensor.device))
-            nbytes += tensor.numel() * tensor.element_size()
+            nbytes += _nbytes(tensor)
         self._host_copies.record()
         return nbytes
 
@@ -205,7 +207,7 @@ class GroupedOptimizer(Optimizer):
             ready = self._prefetcher.take((id(param), key), tensor)
             opt.state[param][key] = ready if ready is not None else (
                 to_device(tensor, target) if non_blocking else tensor.to(target))
-            nbytes += tensor.numel() * tensor.element_size()
+            nbytes += _nbytes(tensor)
         return nbytes
 
     def _misplaced_state(self, name: str) -> list[tuple[nn.Parameter, str, torch.Tensor, torch.device]]:
@@ -228,7 +230,7 @@ class GroupedOptimizer(Optimizer):
         """
         started = 0
         for param, key, tensor, target in self._misplaced_state(name):
-            if max_bytes is not None and started + tensor.numel() * tensor.element_size() > max_bytes:
+            if max_bytes is not None and started + _nbytes(tensor) > max_bytes:
                 break
             started += self._prefetcher.start((id(param), key), tensor, target)
         return started
@@ -247,7 +249,7 @@ class GroupedOptimizer(Optimizer):
         out: dict[str, int] = {}
         for _, _, tensor in self._state_tensors(name):
             key = tensor.device.type
-            out[key] = out.get(key, 0) + tensor.numel() * tensor.element_size()
+            out[key] = out.get(key, 0) + _nbytes(tensor)
         return out
 
     # -------------------------------------------------------------- optimizer

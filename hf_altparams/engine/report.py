@@ -165,7 +165,7 @@ class _Census:
             return
         self._seen.add(id(tensor))
         key = (tensor.device, category)
-        self._bytes[key] = self._bytes.get(key, 0) + tensor.nbytes
+        self._bytes[key] = self._bytes.get(key, 0) + nbytes(tensor)  # a DTensor: this rank's shard
 
     def add_bytes(self, device: torch.device, category: str, n: int) -> None:
         key = (device, category)

@@ -53,6 +53,7 @@ from ._transfer import (
     nbytes,
     optimizer_of,
     param_group_map,
+    set_data,
     state_target_device,
     to_device,
     to_host,
@@ -167,6 +168,8 @@ class ResidencyManager:
         self._synced: Optional[set[str]] = None  # groups known equal on every rank (set at attach)
         self._host_copies = HostCopies()
         self._prefetcher = Prefetcher()
+        #: How a moved copy becomes a tensor's data (the FSDP2 backend also swaps its storage).
+        self.place_data: Callable[[torch.Tensor, torch.Tensor], None] = set_data
 
     # ------------------------------------------------------------ queries
     @property
@@ -279,7 +282,7 @@ class ResidencyManager:
         if grad is not None:
             tensor.grad = None
         moved = nbytes(tensor)
-        tensor.data = to_host(tensor.data, self.offload_device)
+        self.place_data(tensor, to_host(tensor.data, self.offload_device))
         if grad is not None:
             tensor.grad = to_host(grad, self.offload_device)
             moved += nbytes(grad)
@@ -294,7 +297,7 @@ class ResidencyManager:
         if grad is not None:
             tensor.grad = None
         prefetched = self._prefetcher.take(("param", id(tensor)), tensor)
-        tensor.data = prefetched if prefetched is not None else to_device(tensor.data, home)
+        self.place_data(tensor, prefetched if prefetched is not None else to_device(tensor.data, home))
         moved = nbytes(tensor)
         if grad is not None:
             tensor.grad = to_device(grad, home)

@@ -218,7 +218,9 @@ class PhaseSwitcher:
             backend = backend_for(model)
             if backend.kind == "local":
                 return None
+            backend.bind(self)  # FSDP2: groups vs units checked, residency moves routed
             self.backend = backend  # fully_shard changed the module in place (FSDP2)
+            self._reduced_bytes.clear()
             if self.current is not None:
                 self.backend.apply(self.residency.ignore_names())
             return None

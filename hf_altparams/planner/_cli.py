@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
                         "default: the gradients' dtype)")
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="bytes per rank with the model sharded by fully_shard over --world-size ranks, next to DDP's")
     p.add_argument("--nonresident-on-device", action="store_true",
                    help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
     p.add_argument("--pcie-gbps", type=float, default=DEFAULT_PCIE_GBPS, help="host<->device GB/s assumed")
@@ -190,7 +192,7 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
                      bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
                      offload_nonresident=not args.nonresident_on_device,
                      storage_dtype=_DTYPES[args.storage_dtype] if args.storage_dtype else None,
-                     master_policy=args.master_policy,
+                     master_policy=args.master_policy, backend="fsdp2" if args.fsdp2 else "ddp",
                      allreduce_dtype=_DTYPES[args.allreduce_dtype] if args.allreduce_dtype else None)
     return args, plan
 

@@ -32,6 +32,7 @@ def plan_cost(
     storage_dtype: Optional[torch.dtype] = None,
     master_policy: str = "offload",
     allreduce_dtype: Optional[torch.dtype] = None,
+    backend: str = "ddp",
 ) -> CostPlan:
     """Cost every phase of ``schedule`` over the first ``steps`` positions (see the module docstring).
 
@@ -67,6 +68,10 @@ def plan_cost(
         allreduce_dtype: the dtype the gradients are all-reduced in, if not theirs
             (``PrecisionOptimizer(allreduce_dtype=torch.float32)``): the all-reduce
             figures count it; the memory figures do not change.
+        backend: ``"ddp"`` (replicated parameters, DDP buckets) or ``"fsdp2"``: every
+            figure per rank for a ``fully_shard`` model over ``world_size`` ranks
+            (parameters, gradients and optimizer state sharded; reduce-scatter
+            bytes per step), next to DDP's device bytes (:mod:`hf_altparams.planner._fsdp2`).
 
     Example:
         >>> from torch import nn
@@ -87,6 +92,8 @@ def plan_cost(
     if allreduce_dtype is not None and allreduce_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise PlanError(f"`allreduce_dtype` (--allreduce-dtype) must be bfloat16, float16, float32 or None, "
                         f"got {allreduce_dtype!r}")
+    if backend not in ("ddp", "fsdp2"):
+        raise PlanError(f"`backend` (--fsdp2) must be 'ddp' or 'fsdp2', got {backend!r}")
     if master_policy not in POLICIES:
         raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
     schedule.validate(groups)
@@ -96,6 +103,11 @@ def plan_cost(
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
     segments = schedule.segments(steps)
     size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype, allreduce_dtype)
+    if backend == "fsdp2":
+        from ._fsdp2 import fsdp2_sizes
+
+        full, size = size, fsdp2_sizes(size, _group_sizes, groups, world_size, state_fn, grad_dtype, storage_dtype,
+                                              allreduce_dtype)
     owners = _buffer_owners(groups)
     always = {_UNGROUPED} if groups.ungrouped == "trainable" and size[_UNGROUPED]["numel"] else set()
 
@@ -130,7 +142,7 @@ def plan_cost(
             buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
             optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
             # with storage_dtype the bucket outlives the cast gradients even as their view
-            bucket_bytes=bucket if storage_dtype is not None or not bucket_as_view else 0,
+            bucket_bytes=bucket if backend == "ddp" and (storage_dtype is not None or not bucket_as_view) else 0,
             host_bytes=total(where.off, "param") + where.buffers_off
             + total([g for g, at in where.state.items() if at == "host"], "state")
             + total([g for g, at in where.masters.items() if at == "host"], "master"),
@@ -166,7 +178,7 @@ def plan_cost(
     everything = cost("train everything", set(size),
                       _Layout(frozenset(), dict.fromkeys(size, "device"), 0, dict.fromkeys(size, "device")))
     everything.trainable_groups = tuple(groups.names)
-    return CostPlan(
+    plan = CostPlan(
         model=type(model).__name__, total_params=total(size, "numel"), unit=schedule.unit, positions=steps,
         optimizer=label, state_policy=state_policy, world_size=world_size,
         grad_dtype=None if grad_dtype is None else str(grad_dtype).replace("torch.", ""),
@@ -179,3 +191,13 @@ def plan_cost(
         master_policy=None if storage_dtype is None else master_policy,
         allreduce_dtype=None if allreduce_dtype is None else str(allreduce_dtype).replace("torch.", ""),
     )
+    if backend == "fsdp2":
+        from ._fsdp2 import finish_fsdp2
+
+        ddp = plan_cost(model, groups, schedule, optimizer=optimizer, state_policy=state_policy, steps=steps,
+                        world_size=world_size, grad_dtype=grad_dtype, bucket_as_view=bucket_as_view,
+                        offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                        storage_dtype=storage_dtype, master_policy=master_policy,
+                        allreduce_dtype=allreduce_dtype)
+        finish_fsdp2(plan, ddp, full, world_size)
+    return plan

@@ -75,6 +75,9 @@ class CostPlan:
     storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
     master_policy: Optional[str] = None
     allreduce_dtype: Optional[str] = None  # all-reduced in this dtype, if not the gradients'
+    backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards (._fsdp2)
+    ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # fsdp2: each phase's device bytes under DDP
+    unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
 
     def row(self, phase: str) -> PhaseCost:
         """The row of the phase named ``phase``."""
@@ -92,6 +95,10 @@ class CostPlan:
 
     def table(self) -> str:
         """A readable report: one row per phase, the train-everything row, then the switch cost."""
+        if self.backend == "fsdp2":
+            from ._fsdp2 import fsdp2_table
+
+            return fsdp2_table(self)
         host = any(r.host_bytes for r in self.phases)
         head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
                 "grads", "optimizer" if self.storage_dtype is None else "optim+master", "buckets", "device", "vs all"] + (["host"] if host else [])
