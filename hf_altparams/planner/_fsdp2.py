@@ -72,13 +72,14 @@ def fsdp2_sizes(full: dict[str, dict[str, int]], group_sizes: Callable[..., dict
                 groups: ParamGroups, world_size: int, *args: Any) -> dict[str, dict[str, int]]:
     """Per group: the sizes ``group_sizes(groups, *args)`` gives, for one rank's shards.
 
-    Element counts stay the full ones (``full``); ``bucket`` becomes the bytes a
-    rank feeds to reduce-scatter (its padded shard times ``world_size``).
+    Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
+    the bytes a rank feeds to reduce-scatter (its padded shard times ``world_size``).
     """
     size = group_sizes(_ShardView(groups, world_size), *args)
     for key, entry in size.items():
         entry["numel"] = full[key]["numel"]
         entry["bucket"] *= world_size
+        entry["reduced"] *= world_size  # what is reduce-scattered, in the all-reduce dtype if one is set
     return size
 
 
