@@ -61,6 +61,7 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
+from ._fsdp2_prepare import fsdp2_metrics, fsdp_refusal, start_sharded
 from ._accelerate_parts import (
     UNSUPPORTED,
     PhasedOptimizer,
@@ -152,6 +153,7 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         if unknown:
             raise PlanError(f"`switcher_options` has unknown keys {unknown}; accepted: {accepted}")
         super().__init__(**kwargs)
+        self._fsdp_plugin_given = kwargs.get("fsdp_plugin")  # Accelerate drops it on CPU (DESIGN fact 13)
         self._check_supported()
         hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
         if count_comm and hook != DDPCommunicationHookType.NO:
@@ -181,7 +183,9 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
                        self.register_load_state_pre_hook(self._load_hook)]
 
     def _check_supported(self) -> None:
-        reason = UNSUPPORTED.get(self.distributed_type)
+        plugin = self._fsdp_plugin_given or getattr(self.state, "fsdp_plugin", None)
+        reason = fsdp_refusal(self.distributed_type.value, getattr(plugin, "fsdp_version", None))
+        reason = reason or UNSUPPORTED.get(self.distributed_type)
         parallelism = getattr(self, "parallelism_config", None)
         if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
             reason = "tensor/context parallelism shards parameters outside DDP"
@@ -190,9 +194,9 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
             reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
         if reason is not None:
             raise AltParamsError(
-                f"PhasedAccelerator supports plain DDP (and single-process runs), not "
-                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason}. "
-                "Launch with DDP (`accelerate launch --multi_gpu`) and no dynamo backend."
+                f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
+                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason} "
+                "(and no dynamo backend)."
             )
 
     # ------------------------------------------------------------------ state
@@ -224,14 +228,18 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
         groups, model_index, driving = self._find_grouped(args)
+        self._check_supported()
+        sharded = model_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
         if model_index is not None:
-            self._start_phases(groups, driving)  # type: ignore[arg-type]
+            self._start_phases(groups, driving, apply_first=not sharded)  # type: ignore[arg-type]
         try:
             result = super().prepare(*args, device_placement=device_placement)
+            single = len(args) == 1
+            items = [result] if single else list(result)
+            if sharded:
+                start_sharded(self, items[model_index])  # type: ignore[index]
         finally:
             self._driving = None
-        single = len(args) == 1
-        items = [result] if single else list(result)
         for i, obj in enumerate(items):
             if isinstance(obj, GroupedLRScheduler):
                 items[i] = self._prepare_grouped_scheduler(obj)
@@ -244,11 +252,13 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
     ) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
         return find_grouped(args, self.groups, started=self.switcher is not None)
 
-    def _start_phases(self, groups: ParamGroups, driving: Optimizer) -> None:
+    def _start_phases(self, groups: ParamGroups, driving: Optimizer, apply_first: bool = True) -> None:
         self.groups = groups
         self._grouped = driving if isinstance(driving, GroupedOptimizer) else None
         self._driving = driving
         self._trainable_by_phase = {}
+        if not apply_first:
+            return
         self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, release=self._release,
                                       **self._switcher_options)
         # The first phase, before DDP's constructor reads the requires_grad flags (logged at _attach).
@@ -280,10 +290,11 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
 
     def _attach(self, prepared: nn.Module) -> None:
         assert self.switcher is not None
-        if _ddp.is_ddp(prepared):
-            self.switcher.attach(prepared)
+        if _ddp.is_ddp(prepared) or self.switcher.backend.kind == "fsdp2":
+            if _ddp.is_ddp(prepared):
+                self.switcher.attach(prepared)
             self._loop_guard.watch(prepared)
-            if self._count_comm:
+            if self._count_comm and self.comm_counter is None:
                 self.comm_counter = register_comm_counter(prepared)
         elif prepared is not self.switcher.module:
             raise AltParamsError(
@@ -373,6 +384,7 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
     def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
         """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
         metrics: dict[str, Any] = record.as_log(prefix)
+        metrics.update(fsdp2_metrics(self, record, prefix))
         if self.switcher is not None:
             metrics.update(self.switcher.history.as_log(prefix))
         if self.device.type == "cuda":
