@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
 __all__ = ["FSDP1_MESSAGE", "DEEPSPEED_MESSAGE", "InnerOptimizers", "fsdp_refusal", "grouped_checkpoint_view",
-           "fsdp2_metrics", "groups_with_state", "rebind_groups", "rebind_optimizer", "start_sharded"]
+           "fsdp2_metrics", "groups_with_state", "rebind_groups", "rebind_optimizer", "shard_trainer_groups", "start_sharded",
+           "trainer_fsdp_version", "uses_fsdp2"]
 
 FSDP1_MESSAGE = (
     "FSDP1 (`fsdp_version=1`) keeps whole flat parameters and reduce-scatters them in full (zeros for "
@@ -116,6 +117,13 @@ def rebind_groups(groups: ParamGroups, model: nn.Module) -> ParamGroups:
     return ParamGroups(model, specs, ungrouped=groups.ungrouped)
 
 
+def _unwrapped(optimizer: Optional[Optimizer]) -> Optional[Optimizer]:
+    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and isinstance(
+            getattr(optimizer, "optimizer", None), Optimizer):
+        optimizer = optimizer.optimizer  # Accelerate's wrapper
+    return optimizer
+
+
 def rebind_optimizer(driving: Optional[Optimizer], old: ParamGroups, new: ParamGroups) -> None:
     """Point a GroupedOptimizer over ``old`` at ``new``; check the optimizer holds the sharded parameters.
 
@@ -123,10 +131,7 @@ def rebind_optimizer(driving: Optional[Optimizer], old: ParamGroups, new: ParamG
     (``fsdp2_switch_optimizer_parameters``); a parameter left unswapped would
     never be updated, so it is refused here, before any step.
     """
-    inner = driving
-    while inner is not None and not isinstance(inner, GroupedOptimizer) and isinstance(
-            getattr(inner, "optimizer", None), Optimizer):
-        inner = inner.optimizer  # Accelerate's wrapper
+    inner = _unwrapped(driving)
     if isinstance(inner, GroupedOptimizer) and inner.groups is old:
         inner.groups = new
     if inner is None:
@@ -248,3 +253,43 @@ def fsdp2_metrics(acc: PhasedAccelerator, record: Any, prefix: str) -> dict[str,
     if acc.comm_counter is not None and acc.comm_counter.history:
         out[f"{prefix}reduce_scatter_bytes_measured"] = int(acc.comm_counter.history[-1])
     return out
+
+
+def trainer_fsdp_version(args: Any, shared_plugin: Any) -> Optional[int]:
+    """The FSDP version a Trainer run uses (``None``: no FSDP), from its arguments or Accelerate's plugin."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
+    for source in (plugin_args.get("fsdp_version"), getattr(shared_plugin, "fsdp_version", None)):
+        if source is not None:
+            return int(source)
+    return None
+
+
+def uses_fsdp2(args: Any) -> bool:
+    """True when a Trainer run with ``args`` shards with FSDP2 (Accelerate's shared plugin or the arguments)."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    return trainer_fsdp_version(args, shared.get("fsdp_plugin")) == 2 and bool(
+        getattr(args, "fsdp", None) or shared.get("fsdp_plugin") is not None)
+
+
+def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer],
+                         has_prefix: bool, saves_checkpoints: bool) -> ParamGroups:
+    """For the Trainer's FSDP2 run (at ``on_train_begin``): the groups on the sharded parameters.
+
+    The Trainer's ``accelerator.prepare`` ran ``fully_shard`` on the model in
+    place before any callback event of ``train()``; the optimizer (swapped by
+    Accelerate) and a GroupedOptimizer's groups follow.
+    """
+    if has_prefix:
+        raise AltParamsError("`frozen_prefix` is not supported with FSDP2 (not verified); leave it out")
+    if isinstance(_unwrapped(optimizer), GroupedOptimizer) and saves_checkpoints:
+        raise AltParamsError(
+            "AlternatingFreeze with FSDP2 cannot checkpoint a GroupedOptimizer through the Trainer (its state "
+            "dict is not the torch.distributed.checkpoint format the Trainer's FSDP save writes); use a torch "
+            "optimizer over every scheduled parameter (the Trainer's default), or `save_strategy='no'` "
+            "(PhasedAccelerator checkpoints a GroupedOptimizer under FSDP2)"
+        )
+    rebound = rebind_groups(groups, model)
+    rebind_optimizer(optimizer, groups, rebound)
+    return rebound

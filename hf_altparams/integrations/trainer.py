@@ -52,7 +52,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from ..engine.comm import CommCounter, register_comm_counter
+from ..engine._fsdp2 import is_fsdp2
+from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
@@ -60,6 +61,7 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
+from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._trainer_optim import grouped_optimizer
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
 from ._trainer_support import (
@@ -257,7 +259,7 @@ class AlternatingFreeze(TrainerCallback):
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
-        self._make_scheduled_trainable()
+        self._make_scheduled_trainable(only=uses_fsdp2(args))
         self._attach_prefix(model)
         run_before_reporters(self, sys._getframe(0))
 
@@ -270,6 +272,10 @@ class AlternatingFreeze(TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
+        sharded = model is not None and is_fsdp2(model)  # the Trainer's prepare ran fully_shard in place
+        if sharded:
+            self.groups = shard_trainer_groups(self.groups, model, optimizer, self._prefix_option is not None,
+                                               saves_checkpoints=args.save_strategy != "no")
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
         self._check_saved_state(state)
@@ -279,13 +285,16 @@ class AlternatingFreeze(TrainerCallback):
             **self.switcher_options,
         )
         self.comm = None
+        if sharded:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
+            self.switcher.attach(model)
+            self.comm = register_reduce_scatter_counter(model) if self.count_comm else None
         self._logged_seconds, self._logged_comm = 0.0, 0
         self.switcher.step_to(state.global_step, self._epoch(state))
         self._phase_info, self._trained_info = self._describe_phase(), {}
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and not sharded:
             self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
@@ -386,12 +395,12 @@ class AlternatingFreeze(TrainerCallback):
         # last step of epoch e, so the floor is the epoch the next step belongs to.
         return int(state.epoch or 0)
 
-    def _make_scheduled_trainable(self) -> None:
+    def _make_scheduled_trainable(self, only: bool = False) -> None:
         assert self.groups is not None
         wanted = self.scheduled_param_names()
         for name, param in self.groups.all_named_params():
-            if name in wanted:
-                param.requires_grad_(True)
+            if name in wanted or only:  # FSDP2: the rest frozen too (a resume loads no state for them)
+                param.requires_grad_(name in wanted)
 
     def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
         if optimizer is None:

@@ -38,31 +38,46 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert {"optimizer_0", "pytorch_model_fsdp_0", "hf_altparams_state.json"} <= set(r["ckpt_files"])
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One 2-rank launch for the Trainer's and PhasedAccelerator's checks."""
+    out = tmp_path_factory.mktemp("fsdp2_integrations")
+    launch(script_path("trainer_fsdp2_check.py"), str(out), nproc=2, launcher="torchrun",
+           env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    return rank_results(out, nproc=2)
+
+
 @pytest.mark.distributed
-def test_accelerate_fsdp2_matches_reference_counts_bytes_and_resumes_exactly(tmp_out: Path) -> None:
-    launch(script_path("accelerate_fsdp2_check.py"), str(tmp_out), nproc=2, launcher="torchrun",
-           env={"ACCELERATE_USE_CPU": "1"})
-    results = rank_results(tmp_out, nproc=2)
+def test_accelerate_fsdp2_matches_reference_counts_bytes_and_resumes_exactly(ranks: list[dict[str, Any]]) -> None:
+    results = [r["accelerate"] for r in ranks]
     assert all(r["forced_fsdp2_on_cpu"] for r in results)
     _check(results)
 
 
 @pytest.mark.cuda
-def test_accelerate_fsdp2_on_a_gpu_for_real(tmp_out: Path) -> None:
-    launch(script_path("accelerate_fsdp2_check.py"), str(tmp_out), nproc=1, launcher="torchrun",
-           env={"CUDA_VISIBLE_DEVICES": "0"})
+def test_accelerate_and_trainer_fsdp2_on_a_gpu_for_real(tmp_out: Path) -> None:
+    launch(script_path("trainer_fsdp2_check.py"), str(tmp_out), nproc=1, launcher="torchrun",
+           env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300)
     results = rank_results(tmp_out, nproc=1)
-    assert not results[0]["forced_fsdp2_on_cpu"] and results[0]["device"].startswith("cuda")
-    _check(results)
+    accelerate = [r["accelerate"] for r in results]
+    assert not accelerate[0]["forced_fsdp2_on_cpu"] and accelerate[0]["device"].startswith("cuda")
+    _check(accelerate)
+    _check_trainer([r["trainer"] for r in results])
 
 
 @pytest.fixture
 def fresh_accelerate_state() -> Iterator[None]:
+    """A new Accelerate state, and the environment back as it was (an FSDP plugin sets ACCELERATE_USE_FSDP)."""
+    import os
+
     from accelerate.state import AcceleratorState
 
+    environ = dict(os.environ)
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -94,3 +109,44 @@ def test_deepspeed_is_refused_at_prepare_naming_fsdp2_and_ddp() -> None:
         acc.prepare(model, opt)
     assert "'DEEPSPEED'" in str(info.value)
     assert all(p.requires_grad for p in model.parameters())  # refused before any phase was applied
+
+
+# --------------------------------------------------------------------------- the Trainer
+def _check_trainer(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["sharded"]  # the Trainer's prepare ran fully_shard
+        # the same schedule through the Trainer's DDP gives the same parameters
+        assert r["max_diff_to_ddp"] < 1e-5, r["max_diff_to_ddp"]
+        assert r["phases"] == ["head", "head+layer1", "layer0", "head+layer1"]
+        assert r["counted"] == r["expected"] and len(set(r["expected"])) == 3
+        # each step changed exactly the groups of its phase
+        changed = [{g for g in after if after[g] != before[g]} for before, after in zip(r["sums"], r["sums"][1:])]
+        assert changed == [{"head"}, {"head", "layer1"}, {"head", "layer1"}, {"layer0"}, {"layer0"},
+                           {"head", "layer1"}, {"head", "layer1"}]
+        assert r["resume_bitwise_equal"], r["resume_max_diff"]  # from the Trainer's FSDP2 checkpoint
+    assert len({r["digest"] for r in results}) == 1  # ranks hold the same full parameters
+
+
+@pytest.mark.distributed
+def test_trainer_fsdp2_follows_the_schedule_like_ddp_and_resumes_exactly(ranks: list[dict[str, Any]]) -> None:
+    _check_trainer([r["trainer"] for r in ranks])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_trainer_accepts_fsdp2_and_refuses_fsdp1_naming_fsdp2(tmp_path: Path, version: int) -> None:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_altparams.integrations.trainer import AlternatingFreeze
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.fsdp, args.fsdp_plugin_args = True, {"fsdp_version": version}  # as `fsdp_config={"version": n}`
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.Linear(1, 1))
+    freeze = AlternatingFreeze({"a": "0.*", "b": "2.*"}, Alternating(["a", "b"]))
+    if version == 1:
+        with pytest.raises(AltParamsError, match=r"FSDP1.*FullyShardedDataParallelPlugin\(fsdp_version=2"):
+            freeze.on_init_end(args, TrainerState(), TrainerControl(), model=model)
+        return
+    freeze.on_init_end(args, TrainerState(), TrainerControl(), model=model)
+    # FSDP2: the parameters the schedule never trains are frozen before the optimizer exists
+    assert [p.requires_grad for p in model.parameters()] == [True, True, True, True, False, False]

@@ -105,8 +105,8 @@ def train(acc: PhasedAccelerator, model: nn.Module, opt: object, start: int, sto
     return acc.comm_counter.history[-(stop - start):], expected
 
 
-def main() -> None:
-    out = sys.argv[1]
+def check(out: str) -> dict[str, object]:
+    """Run the checks (every rank); the rank's results."""
     acc = accelerator()
     model = build()
     opt = optimizer(ParamGroups(model, SPECS))
@@ -127,7 +127,7 @@ def main() -> None:
     loaded_step, loaded_phase = acc2.schedule_step, acc2.phase.name if acc2.phase else None
     train(acc2, model2, prepared_opt2, SAVE_AT, STEPS)
     resumed = full(model2)
-    write_rank_result(out, {
+    return {
         "sharded_units": sharded_units,
         "device": str(acc.device),
         "forced_fsdp2_on_cpu": not torch.cuda.is_available(),
@@ -141,7 +141,11 @@ def main() -> None:
         "resume_bitwise_equal": all(torch.equal(resumed[n], got[n]) for n in got),
         "resume_max_diff": max(float((resumed[n] - got[n]).abs().max()) for n in got),
         "ckpt_files": sorted(os.listdir(os.path.join(out, "ckpt"))),
-    }, rank=dist.get_rank())
+    }
+
+
+def main() -> None:
+    write_rank_result(sys.argv[1], check(sys.argv[1]), rank=dist.get_rank())
 
 
 if __name__ == "__main__":
