@@ -5,11 +5,16 @@ group), a mapping from group name to factory, or a mapping from group name to an
 optimizer the user already built on exactly that group's parameters. Everything
 else is refused here with a :class:`PlanError` naming the value and the accepted
 forms, before any inner optimizer exists.
+
+It also holds the checks by parameter *identity* that the integrations share:
+:func:`match_to_groups` (several built optimizers, one per group, matched by the
+parameters they hold) and :func:`uncovered` (the parameters a schedule trains that
+no optimizer holds).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from torch import nn
 from torch.optim import Optimizer
@@ -17,7 +22,7 @@ from torch.optim import Optimizer
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 
-__all__ = ["check_groups_argument", "as_factories"]
+__all__ = ["check_groups_argument", "as_factories", "match_to_groups", "uncovered"]
 
 _FORMS = (
     "accepted: a factory `params -> Optimizer` (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), "
@@ -47,20 +52,116 @@ def _held(opt: Optimizer) -> list[nn.Parameter]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _check_built(groups: ParamGroups, name: str, opt: Optimizer) -> None:
+def _names_by_id(groups: ParamGroups) -> dict[int, str]:
+    return {id(p): n for n, p in groups.all_named_params()}
+
+
+def _mismatch(groups: ParamGroups, name: str, opt: Optimizer) -> tuple[list[str], list[str]]:
+    """Group ``name``'s parameters that ``opt`` lacks, and the ones it holds besides (by name)."""
     wanted = groups.params(name)
     names = dict(zip(map(id, wanted), groups.param_names(name)))
-    held = _held(opt)
-    held_ids = {id(p) for p in held}
+    held_ids = {id(p) for p in _held(opt)}
     missing = [names[id(p)] for p in wanted if id(p) not in held_ids]
-    extra_ids = held_ids - set(names)
-    if missing or extra_ids:
-        where = {id(p): n for n, p in groups.module.named_parameters(remove_duplicate=False)}
-        extra = sorted(where.get(i, "<a parameter outside the model>") for i in extra_ids)
+    where = _names_by_id(groups)
+    extra = sorted(where.get(i, "<a parameter outside the model>") for i in held_ids - set(names))
+    return missing, extra
+
+
+def _check_built(groups: ParamGroups, name: str, opt: Optimizer) -> None:
+    missing, extra = _mismatch(groups, name, opt)
+    if missing or extra:
         raise PlanError(
             f"`optimizers[{name!r}]` ({type(opt).__name__}) must be built on exactly group {name!r}'s "
             f"parameters; missing: {missing}; extra (not in group {name!r}): {extra}"
         )
+
+
+def _preview(names: Sequence[str], limit: int = 4) -> str:
+    return repr(list(names[:limit]))[:-1] + (", ...]" if len(names) > limit else "]")
+
+
+def match_to_groups(
+    groups: ParamGroups, optimizers: Sequence[tuple[str, Optimizer]], *, forms: str
+) -> dict[str, Optimizer]:
+    """Match built optimizers to groups by the parameters they hold: one optimizer per group.
+
+    Args:
+        groups: the groups.
+        optimizers: ``(label, optimizer)`` pairs; the label names the argument in messages.
+        forms: the accepted forms, appended to every message.
+
+    Returns:
+        group name -> optimizer, for every group (in ``groups.names`` order).
+
+    Raises:
+        PlanError: an optimizer holds parameters of several groups (or of none), holds
+            a group's parameters but not exactly them (missing and extra are named), two
+            optimizers hold the same group, or a group has no optimizer.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> opt_b, opt_a = torch.optim.SGD(net[1].parameters()), torch.optim.SGD(net[0].parameters())
+        >>> matched = match_to_groups(groups, [("opt_b", opt_b), ("opt_a", opt_a)], forms="")
+        >>> matched == {"a": opt_a, "b": opt_b}
+        True
+        >>> match_to_groups(groups, [("opt", torch.optim.SGD(net.parameters()))], forms="Accepted: ...")
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: opt (SGD) holds parameters of groups ['a', 'b']; with several optimizers each must hold exactly one group's parameters. Accepted: ...
+    """
+    by_id = _names_by_id(groups)
+    matched: dict[str, tuple[str, Optimizer]] = {}
+    for label, opt in optimizers:
+        held = [by_id.get(id(p)) for p in _held(opt)]
+        touched = sorted({g for g in (groups.group_of(n) for n in held if n is not None) if g is not None},
+                         key=groups.names.index)
+        what = f"{label} ({type(opt).__name__})"
+        if len(touched) > 1:
+            raise PlanError(f"{what} holds parameters of groups {touched}; with several optimizers each must "
+                            f"hold exactly one group's parameters. {forms}")
+        if not touched:
+            outside = [n if n is not None else "<a parameter outside the model>" for n in held]
+            raise PlanError(f"{what} holds no parameter of any group ({_preview(outside)}); known groups: "
+                            f"{list(groups.names)}. {forms}")
+        name = touched[0]
+        if name in matched:
+            raise PlanError(f"{matched[name][0]} and {what} both hold group {name!r}'s parameters; give each "
+                            f"group one optimizer. {forms}")
+        missing, extra = _mismatch(groups, name, opt)
+        if missing or extra:
+            raise PlanError(f"{what} holds group {name!r}'s parameters but must hold exactly them; missing: "
+                            f"{_preview(missing)}; extra (not in group {name!r}): {_preview(extra)}. {forms}")
+        matched[name] = (label, opt)
+    left = [g for g in groups.names if g not in matched]
+    if left:
+        raise PlanError(f"no optimizer holds group(s) {left} (the optimizers hold {list(matched)}); their "
+                        f"parameters would never be updated; add one optimizer per group left out, or leave "
+                        f"those groups out of the ParamGroups. {forms}")
+    return {g: matched[g][1] for g in groups.names}
+
+
+def uncovered(
+    groups: ParamGroups, trained_groups: Iterable[str], optimizers: Iterable[Optimizer]
+) -> list[tuple[str, Optional[str]]]:
+    """The parameters some phase trains that none of ``optimizers`` holds: ``(name, group or None)``.
+
+    ``trained_groups`` are the groups the schedule trains (``schedule.group_names()``,
+    unknown names ignored); ungrouped parameters count when ``groups.ungrouped`` is
+    ``"trainable"`` (they train in every phase). Checked by identity, in module order.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> uncovered(groups, ["a", "b"], [torch.optim.SGD(net[0].parameters())])
+        [('1.weight', 'b'), ('1.bias', 'b')]
+    """
+    names = [g for g in groups.names if g in set(trained_groups)]
+    wanted = groups.trainable_param_names(names)
+    held = {id(p) for opt in optimizers for p in _held(opt)}
+    return [(n, groups.group_of(n)) for n, p in groups.all_named_params() if n in wanted and id(p) not in held]
 
 
 def as_factories(groups: ParamGroups, optimizers: Any) -> dict[str, Callable[[list[nn.Parameter]], Optimizer]]:

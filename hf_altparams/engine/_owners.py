@@ -84,7 +84,8 @@ class ForwardGuards:
                 f"but its parameter {param!r} (group {group!r}) is not resident in that phase: it "
                 f"{where} and DDP does not sync it. Add {group!r} to the "
                 "phase's `resident` groups, route inputs only through the resident tasks, or wrap "
-                f"an evaluation in `switcher.residency.visiting([{group!r}])`"
+                f"an evaluation in `accelerator.visiting([{group!r}])` (the Trainer callback's "
+                "`.visiting`, or `switcher.residency.visiting` with the engine)"
             )
 
         return refuse_non_resident

@@ -108,6 +108,10 @@ class GroupedOptimizer(Optimizer):
         # The composite's param_groups ARE the inner optimizers' dicts.
         self.param_groups = [g for opt in self.inner.values() for g in opt.param_groups]
         self.active: frozenset[str] = frozenset(groups.names)
+        #: The groups that just stepped, when a switch right after the step has already
+        #: changed ``active`` (PhasedAccelerator sets it; the next ``step()`` clears it):
+        #: what a GroupedLRScheduler then advances instead of ``active``.
+        self.stepped: Optional[frozenset[str]] = None
         self.set_active(groups.names if active is None else active)
 
     # `Optimizer.__init__` assigns `self.state`; the composite's state is the inner ones'.
@@ -257,6 +261,7 @@ class GroupedOptimizer(Optimizer):
         for name in self.groups.names:
             if name in self.active:
                 self.inner[name].step()
+        self.stepped = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -400,9 +405,16 @@ class GroupedLRScheduler:
         self.schedulers = {name: f(optimizer.inner[name]) for name, f in factories.items()}
 
     def step(self) -> None:
-        """Advance the schedules of the active groups (of all groups if ``advance_idle``)."""
+        """Advance the schedules of the active groups (of all groups if ``advance_idle``).
+
+        When a switch came right after the optimizer's step (``PhasedAccelerator``
+        switches at the end of ``step()``), the groups that stepped
+        (``optimizer.stepped``) advance, not the next phase's.
+        """
+        stepped = self.optimizer.stepped
+        trained = self.optimizer.active if stepped is None else stepped
         for name, sched in self.schedulers.items():
-            if self.advance_idle or name in self.optimizer.active:
+            if self.advance_idle or name in trained:
                 with warnings.catch_warnings():
                     # An idle group's optimizer did not step; torch warns about the order.
                     warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")

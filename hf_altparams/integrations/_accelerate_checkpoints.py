@@ -179,7 +179,7 @@ class CheckpointMixin:
         self.switcher.load_state_dict(state["switcher"])
         self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
         self._loop_guard.epoch_set_at = self.schedule_step  # the saved epoch counts as set here
-        self._step_pending = False
+        self._backward_since_step = False
         for _, param in self.switcher.groups.all_named_params():
             param.grad = None  # loading replaces the run: in-flight gradients are void
         self._advance()  # before the optimizer state loads: idle groups keep their policy

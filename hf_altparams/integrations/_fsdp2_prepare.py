@@ -43,9 +43,11 @@ from ..plan.groups import ParamGroups
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["FSDP1_MESSAGE", "DEEPSPEED_MESSAGE", "InnerOptimizers", "fsdp_refusal", "grouped_checkpoint_view",
-           "fsdp2_metrics", "groups_with_state", "rebind_groups", "rebind_optimizer", "shard_trainer_groups", "start_sharded",
-           "trainer_fsdp_version", "uses_fsdp2"]
+__all__ = [
+    "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "fsdp2_metrics",
+    "fsdp_refusal", "grouped_checkpoint_view", "groups_with_state", "rebind_groups", "rebind_optimizer",
+    "shard_trainer_groups", "start_sharded", "trainer_fsdp_version", "uses_fsdp2",
+]
 
 FSDP1_MESSAGE = (
     "FSDP1 (`fsdp_version=1`) keeps whole flat parameters and reduce-scatters them in full (zeros for "
@@ -78,9 +80,18 @@ def fsdp_refusal(distributed_type: str, fsdp_version: Optional[int]) -> Optional
     """
     if distributed_type == "DEEPSPEED":
         return DEEPSPEED_MESSAGE
-    if fsdp_version is not None and int(fsdp_version) != 2 and (distributed_type == "FSDP" or fsdp_version):
+    if fsdp_version is not None and int(fsdp_version) != 2:
         return FSDP1_MESSAGE
     return None
+
+
+def accelerator_refusal(acc: PhasedAccelerator) -> Optional[str]:
+    """:func:`fsdp_refusal` for an accelerator: its distributed type and its FSDP plugin's version.
+
+    The plugin given to the constructor counts even where Accelerate dropped it (on CPU).
+    """
+    plugin = acc._fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
+    return fsdp_refusal(acc.distributed_type.value, getattr(plugin, "fsdp_version", None))
 
 
 def canonical_name(name: str) -> str:

@@ -16,6 +16,10 @@ applies the step:
   the epoch the loop must be in differs from the current one. Raised when
   ``set_epoch`` was never called; a warning (once) when it was called before
   (an "epoch" longer than a pass is legitimate, if unusual).
+
+And one refusal raised where the switch would happen: ``set_epoch`` called
+inside a gradient-accumulation window when the new epoch switches phase
+(:func:`mid_window_switch_error`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..errors import AltParamsError
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["LoopGuard"]
+__all__ = ["LoopGuard", "mid_window_switch_error"]
 
 
 class LoopGuard:
@@ -126,3 +130,12 @@ def steps_per_epoch(acc: PhasedAccelerator) -> int:
     if not lengths:
         return 0
     return math.ceil(max(lengths) / max(1, int(acc.gradient_accumulation_steps)))
+
+
+def mid_window_switch_error(phase: str, step: int, epoch: int) -> AltParamsError:
+    """A switch is due while a backward's gradients still wait for ``optimizer.step()``."""
+    return AltParamsError(
+        f"the schedule switches to phase {phase!r} now (step {step}, epoch {epoch}), but gradients of a "
+        "backward still wait for `optimizer.step()` (a gradient-accumulation window is open); switching "
+        "would drop them. Call `accelerator.set_epoch(epoch)` at the top of the epoch, before its first forward."
+    )

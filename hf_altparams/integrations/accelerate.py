@@ -12,8 +12,10 @@ adds, and where:
   is prepared once; switches re-bucket the same DDP wrapper in place, so
   ``accelerator._models`` never grows and the autocast forward is wrapped once.
 * ``optimizer.step()`` at a gradient-sync boundary (``accelerator.sync_gradients``)
-  counts one schedule step; the ``optimizer.zero_grad()`` that follows switches
-  phase if the schedule says so. Micro-steps inside ``accumulate`` never switch.
+  counts one schedule step and, right after the update, switches phase if the
+  schedule says so; so ``accelerator.phase`` / ``accelerator.task`` read at the
+  top of an iteration are right whatever the loop's order of ``zero_grad``,
+  ``backward`` and ``step``. Micro-steps inside ``accumulate`` never switch.
 * the same ``step()`` refuses, before the update, a step whose gradients never
   went through the DDP wrapper and an epoch-unit schedule whose epoch is never
   set (:mod:`._loop_guard`); ``end_training`` frees the reducer before the
@@ -61,18 +63,15 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
-from ._fsdp2_prepare import fsdp2_metrics, fsdp_refusal, start_sharded
-from ._accelerate_parts import (
-    UNSUPPORTED,
-    PhasedOptimizer,
-    PreparedGroupedLRScheduler,
-    find_grouped,
-)
-from ._loop_guard import LoopGuard
+from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
+from ._fsdp2_prepare import accelerator_refusal, fsdp2_metrics, start_sharded
+from ._loop_guard import LoopGuard, mid_window_switch_error
+from ._phase_queries import PhaseQueries
+from ._user_optimizers import GradientArrivals, OptimizerHandle, find_grouped
 
-__all__ = ["PhasedAccelerator", "STATE_FILE"]
+__all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
-class PhasedAccelerator(CheckpointMixin, Accelerator):
+class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:
@@ -117,6 +116,8 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         >>> # optimizer = GroupedOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-3))
         >>> # model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         >>> # ... the stock loop: accumulate / backward / optimizer.step() / optimizer.zero_grad()
+        >>> # or your own optimizers, one per group (PhasedAccelerator(schedule, groups=groups)):
+        >>> # model, opt1, opt2, loader = accelerator.prepare(model, opt1, opt2, loader)
     """
 
     def __init__(
@@ -175,7 +176,8 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         self._switcher_options = options
         self._driving: Optional[Optimizer] = None
         self._grouped: Optional[GroupedOptimizer] = None
-        self._step_pending = False
+        self._arrivals: Optional[GradientArrivals] = None  # one optimizer per group (_user_optimizers)
+        self._backward_since_step = False  # gradients wait for a sync-boundary step()
         self._trainable: list[tuple[str, nn.Parameter]] = []
         self._trainable_by_phase: dict[Phase, list[tuple[str, nn.Parameter]]] = {}
         self._loop_guard = LoopGuard()  # unwrapped training forward, epoch never set (at step())
@@ -183,9 +185,7 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
                        self.register_load_state_pre_hook(self._load_hook)]
 
     def _check_supported(self) -> None:
-        plugin = self._fsdp_plugin_given or getattr(self.state, "fsdp_plugin", None)
-        reason = fsdp_refusal(self.distributed_type.value, getattr(plugin, "fsdp_version", None))
-        reason = reason or UNSUPPORTED.get(self.distributed_type)
+        reason = accelerator_refusal(self) or UNSUPPORTED.get(self.distributed_type)
         parallelism = getattr(self, "parallelism_config", None)
         if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
             reason = "tensor/context parallelism shards parameters outside DDP"
@@ -200,10 +200,8 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
             )
 
     # ------------------------------------------------------------------ state
-    @property
-    def phase(self) -> Optional[Phase]:
-        """The phase being trained (``None`` before ``prepare``)."""
-        return None if self.switcher is None else self.switcher.current
+    # `phase`, `task` and `visiting(...)` come from PhaseQueries.
+    _started_by = "`accelerator.prepare(model, optimizer, ...)`"
 
     @property
     def switch_records(self) -> list[SwitchRecord]:
@@ -223,34 +221,37 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """``Accelerator.prepare``, plus the phase set-up for the grouped model.
 
-        The grouped model (``groups.module``) and the optimizer whose steps drive
-        the schedule must be passed in the same call. The first phase is applied
+        The grouped model (``groups.module``) and the optimizer(s) whose steps drive
+        the schedule must be passed in the same call: a GroupedOptimizer, one
+        optimizer over every parameter the schedule trains, or one optimizer per group
+        (each handed back as an :class:`OptimizerHandle`); other
+        forms are refused before anything is prepared. The first phase is applied
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
-        groups, model_index, driving = self._find_grouped(args)
+        if device_placement is not None and len(device_placement) != len(args):
+            raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
+                            "give one bool (or None) per object")
+        found = find_grouped(args, self.groups, self.schedule, started=self.switcher is not None)
         self._check_supported()
-        sharded = model_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
-        if model_index is not None:
-            self._start_phases(groups, driving, apply_first=not sharded)  # type: ignore[arg-type]
+        sharded = found.model_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
+        if found.model_index is not None:
+            self._start_phases(found.groups, found.driving, apply_first=not sharded)  # type: ignore[arg-type]
+        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         try:
-            result = super().prepare(*args, device_placement=device_placement)
-            single = len(args) == 1
-            items = [result] if single else list(result)
+            result = super().prepare(*call_args, device_placement=placement)
+            items = [result] if len(call_args) == 1 else list(result)
             if sharded:
-                start_sharded(self, items[model_index])  # type: ignore[index]
+                start_sharded(self, items[found.model_index])  # type: ignore[index]
+                found.groups = self.groups  # rebound to the shards (hand_back hooks them)
         finally:
             self._driving = None
         for i, obj in enumerate(items):
             if isinstance(obj, GroupedLRScheduler):
                 items[i] = self._prepare_grouped_scheduler(obj)
-        if model_index is not None:
-            self._attach(items[model_index])
-        return items[0] if single else tuple(items)
-
-    def _find_grouped(
-        self, args: tuple[Any, ...]
-    ) -> tuple[Optional[ParamGroups], Optional[int], Optional[Optimizer]]:
-        return find_grouped(args, self.groups, started=self.switcher is not None)
+        if found.model_index is not None:
+            self._attach(items[found.model_index])
+        items = found.hand_back(args, items, self)
+        return items[0] if len(args) == 1 else tuple(items)
 
     def _start_phases(self, groups: ParamGroups, driving: Optimizer, apply_first: bool = True) -> None:
         self.groups = groups
@@ -330,22 +331,32 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
                 "PhasedAccelerator; otherwise move them out of the phase's groups."
             )
 
-    def _count_step(self) -> None:
+    def _sync_step_done(self) -> None:
+        """End of a sync-boundary ``step()``: count it, then switch at once if the next phase differs.
+
+        An fp16 step skipped for overflow counts too, as the Trainer's
+        ``global_step`` does (the prepared LR scheduler does not advance then).
+        """
         if self.switcher is None:  # used after free_memory(): nothing to drive
             return
         self.schedule_step += 1
-        self._step_pending = True
+        self._backward_since_step = False
         if self.comm_counter is not None:
             self.comm_counter.end_step()
-
-    def _switch_if_due(self) -> None:
-        if not self._step_pending or self.switcher is None:
-            return
-        self._step_pending = False
+        if self._grouped is not None and self.switcher.current is not None:
+            self._grouped.stepped = self.switcher.current.trainable  # what a GroupedLRScheduler advances
         self._advance()
 
     def _advance(self) -> Optional[SwitchRecord]:
         assert self.switcher is not None
+        due = self.switcher.phase_at(self.schedule_step, self.schedule_epoch)
+        if due != self.switcher.current:
+            if self._backward_since_step:
+                raise mid_window_switch_error(due.name, self.schedule_step, self.schedule_epoch)
+            # The gradients left are the ones the step that just ran applied: the switch clears them,
+            # so nothing of the previous phase reaches the next step, whatever the loop's order.
+            for _, param in self.switcher.groups.all_named_params():
+                param.grad = None
         record = self.switcher.step_to(self.schedule_step, self.schedule_epoch)
         if record is not None:
             self._after_switch(record)
@@ -367,19 +378,14 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         """Tell an epoch-unit schedule the epoch; call at the top of each epoch, on every rank."""
         self.schedule_epoch = int(epoch)
         self._loop_guard.epoch_set(self.schedule_step)
-        if self.switcher is None or self._step_pending:
+        if self.switcher is None:
             return None
         return self._advance()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``Accelerator.backward``; refuses to run when a phase switch is still due."""
-        if self._step_pending:
-            raise AltParamsError(
-                "`optimizer.step()` ran at a gradient-sync boundary but `optimizer.zero_grad()` was not "
-                "called before this backward; PhasedAccelerator switches phases in the prepared optimizer's "
-                "`zero_grad()`. Call `optimizer.zero_grad()` after every `optimizer.step()`."
-            )
+        """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``."""
         super().backward(loss, **kwargs)
+        self._backward_since_step = True
 
     def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
         """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
@@ -420,8 +426,11 @@ class PhasedAccelerator(CheckpointMixin, Accelerator):
         self.switcher, self.comm_counter, self._grouped, self.frozen_prefix = None, None, None, None
         self._loop_guard.close()
         self._loop_guard = LoopGuard()
+        if self._arrivals is not None:
+            self._arrivals.close()
+        self._arrivals = None
         self.groups = self._groups_given
-        self._trainable, self._step_pending = [], False
+        self._trainable, self._backward_since_step = [], False
         self._trainable_by_phase = {}
         self.schedule_step, self.schedule_epoch = 0, 0
         return super().free_memory(*objects)

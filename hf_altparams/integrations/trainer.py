@@ -55,6 +55,7 @@ from transformers import (
 from ..engine._fsdp2 import is_fsdp2
 from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine._built_optim import uncovered
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
@@ -62,6 +63,7 @@ from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
 from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
+from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
 from ._trainer_support import (
@@ -82,7 +84,7 @@ GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamG
 # ----------------------------------------------------------------------------- the callback
 
 
-class AlternatingFreeze(TrainerCallback):
+class AlternatingFreeze(PhaseQueries, TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
     Args:
@@ -121,6 +123,10 @@ class AlternatingFreeze(TrainerCallback):
             default; the model's forward signature shows it so the Trainer keeps
             it); ``blocks`` defaults to ``layers``. Logs carry ``altparams/prefix_*``.
 
+    ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
+    ``visiting(groups)`` (evaluate a non-resident group) answer from
+    ``trainer.train()`` on; see :class:`~._phase_queries.PhaseQueries`.
+
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from
     ``trainer.train()`` on, ``requires_grad`` follows the schedule, and after
@@ -140,6 +146,8 @@ class AlternatingFreeze(TrainerCallback):
         ...     schedule=GradualUnfreeze(["layer0", "layer1"], every=10, always=["head"]))
         >>> # Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
     """
+
+    _started_by = "`trainer.train()`"
 
     def __init__(
         self,
@@ -405,11 +413,8 @@ class AlternatingFreeze(TrainerCallback):
     def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
         if optimizer is None:
             return
-        covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
         assert self.groups is not None
-        wanted = self.scheduled_param_names()
-        missing = [(n, self.groups.group_of(n)) for n, p in self.groups.all_named_params()
-                   if n in wanted and id(p) not in covered]
+        missing = uncovered(self.groups, self.schedule.group_names(), [optimizer])  # shared with PhasedAccelerator
         if not missing:
             return
         groups = sorted({g or "<ungrouped>" for _, g in missing})

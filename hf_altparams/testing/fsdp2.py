@@ -16,6 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def fresh_accelerator_state() -> None:
+    """Forget Accelerate's shared ``AcceleratorState`` (not the process group), so that the next
+    ``Accelerator`` reads its own plugins: a script running a DDP run, then an FSDP2 run, needs it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
 def use_accelerate_fsdp2(accelerator: Any, plugin: Any) -> None:
     """Make ``accelerator`` (built on gloo CPU ranks) run Accelerate's FSDP2 path with ``plugin``.
 

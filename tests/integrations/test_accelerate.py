@@ -2,14 +2,15 @@
 
 The two-rank scenarios run in two launches shared by every test here
 (imports and start-up cost more than the training):
-``accelerate_checks.py`` (equivalence, bytes, comm hooks, bf16, fp16 scaler,
-the uninterrupted run with its mid-phase checkpoint) and then
+``accelerate_checks.py`` (equivalence, bytes, comm hooks, the seed user's own two
+optimizers, bf16, fp16 scaler, the uninterrupted run with its mid-phase checkpoint) and then
 ``accelerate_resume.py`` (new processes resuming from that checkpoint).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -152,10 +153,35 @@ def test_fp16_one_unscale_and_one_scaler_update_per_step(ranks: Any) -> None:
     # and the update equals an unscaled fp32 step.
     assert r["grouped"]["scale_after"] == 2 * init
     assert max(r["grouped"]["max_abs_diff_by_param"].values()) == 0.0
+    # The user's own optimizers, one per group, each stepped: the same single unscale and update.
+    assert r["own_optimizers"]["scale_after"] == 2 * init
+    assert max(r["own_optimizers"]["max_abs_diff_by_param"].values()) == 0.0
     # The trap it avoids: two prepared optimizers step the scaler twice and unscale the second twice.
     assert r["two_optimizers"]["scale_after"] == 4 * init
     assert r["two_optimizers"]["max_abs_diff_by_param"]["l0.weight"] == 0.0
     assert r["two_optimizers"]["max_abs_diff_by_param"]["l1.weight"] > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("style", ["step_both", "active_only"])
+def test_seed_users_two_adams_train_like_their_own_loop_and_ranks_match(ranks: Any, style: str) -> None:
+    per_rank = [r[style] for r in scenario(ranks, "own_optimizers")]
+    for r in per_rank:
+        assert r["steps"] == r["windows"] == 6, "one schedule step per iteration, not one per handle"
+        assert r["optimizers_prepared"] == 1  # one GroupedOptimizer built from the two Adams
+        assert r["adam_steps"] == r["reference_adam_steps"] and sum(r["adam_steps"]) == 6
+        assert r["max_abs_diff_vs_reference"] < 1e-6, r["max_abs_diff_vs_reference"]
+    assert per_rank[0]["param_sha256"] == per_rank[1]["param_sha256"], "ranks must stay bit-identical"
+
+
+@pytest.mark.distributed
+def test_an_optimizer_set_leaving_a_group_out_is_refused_at_prepare_on_every_rank(ranks: Any) -> None:
+    for r in scenario(ranks, "own_optimizers"):
+        assert "leaves out 2 parameter(s) that the schedule trains (group(s) ['layer2']" in r["leaves_out"]["error"]
+        assert "holds parameters of groups ['layer1', 'layer2']" in r["spans"]["error"]
+        for refused in (r["leaves_out"], r["spans"]):  # nothing half-applied
+            assert refused["phase"] is None and refused["models"] == refused["optimizers"] == 0
+            assert all(refused["requires_grad"])
 
 
 @pytest.mark.distributed
@@ -269,7 +295,9 @@ def test_one_process_switches_without_ddp_and_matches_a_plain_loop() -> None:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-def test_backward_before_zero_grad_after_a_step_is_refused() -> None:
+def test_backward_without_zero_grad_after_a_switching_step_applies_no_stale_gradient() -> None:
+    # The switch runs at the end of step(): the previous phase's gradients are gone before any
+    # later backward, so even a loop that forgets zero_grad never applies them to the next phase.
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
     acc = PhasedAccelerator(Alternating(["a", "b"]), cpu=True)
@@ -278,9 +306,15 @@ def test_backward_before_zero_grad_after_a_step_is_refused() -> None:
     model, opt = acc.prepare(model, opt)
     x = torch.randn(2, 4)
     acc.backward(model(x).sum())
+    opt.step()  # phase "a" done: "b" trains next
+    assert acc.phase is not None and acc.phase.trainable == {"b"}
+    assert all(p.grad is None for p in model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    acc.backward(model(x).sum())  # no zero_grad in between
+    expected_grad = model[2].weight.grad.clone()
     opt.step()
-    with pytest.raises(AltParamsError, match=r"`optimizer.zero_grad\(\)`"):
-        acc.backward(model(x).sum())
+    assert torch.equal(model[0].weight, before["0.weight"])  # "a" is idle: untouched
+    assert torch.equal(model[2].weight, before["2.weight"].add(expected_grad, alpha=-0.1))
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -472,3 +506,189 @@ def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() 
     assert ref_opt.master_bytes() == {}
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+
+
+# ------------------------------------------------------------- the user's own optimizers, one per group
+class _Seed(nn.Module):
+    """The seed user's model: two layers, one optimizer each (and an ungrouped, frozen `extra`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer1, self.layer2, self.extra = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(torch.tanh(self.layer1(x)))
+
+
+SEED_SPECS = {"layer1": "layer1.*", "layer2": "layer2.*"}
+SEED_SCHEDULE = {"layer1": 2, "layer2": 1}
+
+
+def _adam(params: Any) -> torch.optim.Adam:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _seed_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(n)]
+
+
+def _grouped_reference(steps: int) -> nn.Module:
+    """The same schedule driven by a GroupedOptimizer built from the factory form."""
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating(SEED_SCHEDULE), cpu=True)
+    model = _Seed()
+    model, opt = acc.prepare(model, GroupedOptimizer(ParamGroups(model, SEED_SPECS), _adam))
+    for x, y in _seed_batches(steps):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    acc.free_memory()
+    return model
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("style", ["step_all_then_zero_all", "step_zero_each", "active_only", "reversed",
+                                   "zero_first"])
+def test_own_optimizers_one_per_group_train_like_a_grouped_optimizer(style: str) -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    steps = 7
+    reference = _grouped_reference(steps)
+    model = _Seed()
+    opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
+    acc = PhasedAccelerator(Alternating(SEED_SCHEDULE), groups=ParamGroups(model, SEED_SPECS), cpu=True)
+    if style == "reversed":
+        model, h2, h1 = acc.prepare(model, opt2, opt1)
+    else:
+        model, h1, h2 = acc.prepare(model, opt1, opt2)
+    assert (h1.group, h1.optimizer, h2.group, h2.optimizer) == ("layer1", opt1, "layer2", opt2)
+    assert len(acc._optimizers) == 1 and isinstance(acc._optimizers[0].optimizer, GroupedOptimizer)
+    for x, y in _seed_batches(steps):
+        if style == "zero_first":  # zero_grad(); backward(); step()
+            h1.zero_grad(); h2.zero_grad()  # noqa: E702
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        if style == "zero_first":
+            h1.step(); h2.step()  # noqa: E702
+        elif style == "step_zero_each":
+            h1.step(); h1.zero_grad(); h2.step(); h2.zero_grad()  # noqa: E702
+        elif style == "active_only":
+            active = h1 if acc.phase is not None and "layer1" in acc.phase.trainable else h2
+            active.step()
+            active.zero_grad()
+        else:
+            h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+    assert acc.schedule_step == steps, "one schedule step per iteration, not one per handle"
+    # layer1 trains at steps 0, 1, 3, 4, 6; layer2 at 2, 5: each Adam stepped only while its group trained.
+    assert opt1.state[model.layer1.weight]["step"] == 5 and opt2.state[model.layer2.weight]["step"] == 2
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_own_optimizers_keep_their_lr_schedulers_and_checkpoint_as_one(tmp_path: Path) -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    def make() -> tuple[Any, nn.Module, Any, Any, Any]:
+        model = _Seed()
+        opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
+        sched1 = torch.optim.lr_scheduler.StepLR(opt1, 1, gamma=0.5)
+        acc = PhasedAccelerator(Alternating(SEED_SCHEDULE), groups=ParamGroups(model, SEED_SPECS), cpu=True)
+        return (acc, *acc.prepare(model, opt1, opt2, sched1))
+
+    acc, model, h1, h2, sched1 = make()
+    for x, y in _seed_batches(4):
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        h1.step(); h2.step(); sched1.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+    assert h1.param_groups[0]["lr"] == 1e-2 * 0.5**4 and h2.param_groups[0]["lr"] == 1e-2
+    acc.save_state(str(tmp_path / "ckpt"))
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step1 = h1.state_dict()["state"][0]["step"]
+    acc.free_memory()
+
+    acc, model, h1, h2, sched1 = make()
+    acc.load_state(str(tmp_path / "ckpt"))
+    assert acc.schedule_step == 4 and acc.phase is not None and acc.phase.name == "layer1"
+    assert h1.state_dict()["state"][0]["step"] == step1 == 3
+    assert h1.param_groups[0]["lr"] == 1e-2 * 0.5**4
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+
+
+def _refused(acc: Any, model: nn.Module, *optimizers: Any) -> str:
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(AltParamsError) as info:
+        acc.prepare(model, *optimizers)
+    assert acc.phase is None and not acc._models and not acc._optimizers, "nothing half-applied"
+    assert [p.requires_grad for p in model.parameters()] == flags
+    return str(info.value)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("case", ["spans", "missing", "extra", "twice", "group_left_out", "single_leaves_out",
+                                  "no_optimizer", "grouped_and_plain"])
+def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: str) -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model = _Seed()
+    specs = {**SEED_SPECS, "extra": "extra.*"} if case == "group_left_out" else SEED_SPECS
+    groups = ParamGroups(model, specs)
+    acc = PhasedAccelerator(Alternating(list(specs)), groups=groups, cpu=True)
+    opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
+    passed, expected = {
+        "spans": ([_adam(model.parameters()), opt2],
+                  r"argument #2 \(Adam\) holds parameters of groups \['layer1', 'layer2'\]"),
+        "missing": ([_adam([model.layer1.weight]), opt2],
+                    r"argument #2 \(Adam\) holds group 'layer1'.*missing: \['layer1.bias'\]; extra .*: \[\]"),
+        "extra": ([_adam([*model.layer1.parameters(), model.extra.weight]), opt2],
+                  r"missing: \[\]; extra \(not in group 'layer1'\): \['extra.weight'\]"),
+        "twice": ([opt1, _adam(model.layer1.parameters()), opt2],
+                  r"argument #2 and `prepare` argument #3 \(Adam\) both hold group 'layer1'"),
+        "group_left_out": ([opt1, opt2], r"no optimizer holds group\(s\) \['extra'\]"),
+        "single_leaves_out": ([opt1], r"argument #2 \(Adam\) leaves out 2 parameter\(s\) that the schedule trains "
+                                      r"\(group\(s\) \['layer2'\]: 'layer2.weight', 'layer2.bias'\)"),
+        "no_optimizer": ([], r"without an optimizer over its parameters"),
+        "grouped_and_plain": ([GroupedOptimizer(groups, _adam), opt2],
+                              r"a GroupedOptimizer and 1 more optimizer\(s\)"),
+    }[case]
+    message = _refused(acc, model, *passed)
+    assert re.search(expected, message), message
+    assert "Accepted next to the grouped model" in message
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("form", ["own_optimizers", "grouped"])
+def test_trainable_ungrouped_parameters_without_an_optimizer_are_refused_at_prepare(form: str) -> None:
+    # Before: they got gradients every step, were never updated, and the first switch failed on them.
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model = _Seed()
+    groups = ParamGroups(model, SEED_SPECS, ungrouped="trainable")
+    acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=groups, cpu=True)
+    passed = ([_adam(model.layer1.parameters()), _adam(model.layer2.parameters())] if form == "own_optimizers"
+              else [GroupedOptimizer(groups, _adam)])
+    message = _refused(acc, model, *passed)
+    assert re.search(r"leaves out 2 parameter\(s\) .*\['<ungrouped>'\]: 'extra.weight', 'extra.bias'", message)
+    who = "the optimizers passed, one per group," if form == "own_optimizers" else "argument #2 (GroupedOptimizer)"
+    assert who in message, message
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_optimizers_of_the_grouped_model_without_it_are_refused_and_others_pass_through() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model, other = _Seed(), nn.Linear(2, 2)
+    acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=ParamGroups(model, SEED_SPECS), cpu=True)
+    opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
+    with pytest.raises(AltParamsError, match=r"argument #1 \(Adam\) is an optimizer of the grouped model, passed "
+                                             r"without the model"):
+        acc.prepare(opt1, opt2)
+    assert acc.phase is None and not acc._optimizers
+    other_opt = _adam(other.parameters())  # another model's optimizer: prepared by Accelerate as usual
+    model, h1, prepared_other, h2 = acc.prepare(model, opt1, other_opt, opt2)
+    assert (h1.group, h2.group) == ("layer1", "layer2") and prepared_other.optimizer is other_opt
+    assert len(acc._optimizers) == 2
+    with pytest.raises(AltParamsError, match="after the model was prepared"):
+        acc.prepare(_adam(model.layer1.parameters()))
+    assert acc.prepare(h1) is h1  # a handle is prepared already

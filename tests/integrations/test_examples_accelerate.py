@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing import launch
+from hf_altparams.testing import launch, rank_results
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -57,3 +57,35 @@ def test_gradual_unfreeze_minilm_allreduces_the_trainable_layers() -> None:
     assert len(measured) == 2
     assert all(r[3] == r[4] for r in measured), "bytes all-reduced per step must equal the trainable bytes"
     assert re.search(r"eval accuracy: [\d.]+ \(64 sentences\); 4 steps on 2 process\(es\)", out)
+
+
+@pytest.mark.distributed
+def test_gan_trains_each_player_only_in_its_phases_and_ranks_end_identical(tmp_path: Path) -> None:
+    out = launch(EXAMPLES / "gan_accelerate.py", "--max-steps", "12", "--batch-size", "16", "--out", str(tmp_path),
+                 nproc=2, launcher="accelerate", timeout=300).stdout
+    ranks = rank_results(tmp_path, nproc=2)
+    assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
+    # 5 discriminator steps : 1 generator step, read at the top of each iteration (zero_grad comes first).
+    expected = (["discriminator"] * 5 + ["generator"]) * 2
+    for rank in ranks:
+        assert [s["phase"] for s in rank["steps"]] == expected
+        # Each step changes exactly the player whose phase it is: never the frozen one.
+        assert all(s["changed"] == [s["phase"]] for s in rank["steps"]), rank["steps"]
+    assert re.search(r"12 steps on 2 process\(es\): 10 discriminator, 2 generator \(5:1\)", out), out[-2000:]
+    assert re.search(r"mean distance to the nearest mode: [\d.]+ -> [\d.]+", out)
+
+
+@pytest.mark.distributed
+def test_multitask_feeds_each_task_its_data_and_visits_every_head(tmp_path: Path) -> None:
+    out = launch(EXAMPLES / "multitask_accelerate.py", "--max-steps", "6", "--every", "2", "--batch-size", "8",
+                 "--out", str(tmp_path), nproc=2, launcher="accelerate", timeout=300).stdout
+    ranks = rank_results(tmp_path, nproc=2)
+    assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
+    assert ranks[0]["eval"] == ranks[1]["eval"]
+    for rank in ranks:
+        assert [s["task"] for s in rank["steps"]] == ["sine", "sine", "sign", "sign", "norm", "norm"]
+        # The trunk and the current head train; the other heads never move.
+        assert all(s["changed"] == sorted(["trunk", s["task"]]) for s in rank["steps"]), rank["steps"]
+    # The evaluation before and after reached all three heads (two of them non-resident) via visiting().
+    rows = re.findall(r"^(sine|sign|norm)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$", out, flags=re.MULTILINE)
+    assert [(r[0], int(r[1])) for r in rows] == [("sine", 2), ("sign", 2), ("norm", 2)], out[-2000:]

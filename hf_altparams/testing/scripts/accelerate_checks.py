@@ -27,7 +27,14 @@ Scenarios:
 * ``resume``: the uninterrupted run, saving a checkpoint mid-phase.
 * ``bf16``: ``mixed_precision="bf16"`` on CPU runs, switches and keeps ranks equal.
 * ``fp16_scaler``: one GradScaler step and one unscale per optimizer step with
-  two groups active: two Accelerate optimizers against one GroupedOptimizer.
+  two groups active: two Accelerate optimizers against one GroupedOptimizer, and
+  against the user's own optimizers, one per group, each stepped.
+* ``own_optimizers``: the seed user's loop, ``opt1 = Adam(layer1)``,
+  ``opt2 = Adam(layer2)`` passed to ``prepare`` with the model, stepping both
+  every iteration (no accumulation) or only the active one (accumulation 2),
+  against the seed user's own one-process loop (``requires_grad`` toggled, the
+  active group's Adam stepped); then ``prepare`` with only ``opt1`` (leaves
+  ``layer2`` out) and with an optimizer spanning both groups, refused on every rank.
 """
 
 from __future__ import annotations
@@ -355,6 +362,79 @@ def resume_scenario(out: Path) -> dict[str, Any]:
     return result
 
 
+class SeedNet(nn.Module):
+    """The seed user's model: two layers, an optimizer each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1, self.layer2 = nn.Linear(6, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(torch.tanh(self.layer1(x)))
+
+
+def seed_pair() -> tuple[SeedNet, torch.optim.Adam, torch.optim.Adam]:
+    torch.manual_seed(0)
+    model = SeedNet()
+    return model, torch.optim.Adam(model.layer1.parameters(), lr=LR), torch.optim.Adam(model.layer2.parameters(), lr=LR)
+
+
+def own_optimizers_scenario() -> dict[str, Any]:
+    """The seed user's two Adams through PhasedAccelerator, against their own one-process loop."""
+    schedule = Alternating({"layer1": 2, "layer2": 1})
+    result: dict[str, Any] = {}
+    for style, ga in (("step_both", 1), ("active_only", 2)):
+        model, opt1, opt2 = seed_pair()
+        acc = PhasedAccelerator(schedule, groups=ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"}),
+                                gradient_accumulation_steps=ga)
+        ddp, h1, h2, dl = acc.prepare(model, opt1, opt2, loader(2 * ga * 6))
+        windows: Windows = [[]]
+        for x, y in dl:
+            with acc.accumulate(ddp):
+                windows[-1].append(acc.gather((x, y)))
+                acc.backward(nn.functional.mse_loss(ddp(x), y))
+                if style == "step_both":
+                    h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+                else:
+                    active = h1 if acc.phase is not None and "layer1" in acc.phase.trainable else h2
+                    active.step()
+                    active.zero_grad()
+            if acc.sync_gradients:
+                windows.append([])
+        windows = [w for w in windows if w]
+
+        ref, ref1, ref2 = seed_pair()  # the seed user's loop, one process, the whole global batch per step
+        for step, window in enumerate(windows):
+            first = "layer1" in schedule.phase_at(step).trainable
+            for layer, trains in ((ref.layer1, first), (ref.layer2, not first)):
+                for p in layer.parameters():
+                    p.requires_grad_(trains)
+            x, y = torch.cat([xy[0] for xy in window]), torch.cat([xy[1] for xy in window])
+            nn.functional.mse_loss(ref(x), y).backward()
+            (ref1 if first else ref2).step()
+            ref1.zero_grad()
+            ref2.zero_grad()
+        result[style] = {
+            "steps": acc.schedule_step, "windows": len(windows), "optimizers_prepared": len(acc._optimizers),
+            "adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (opt1, opt2)],
+            "reference_adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (ref1, ref2)],
+            "max_abs_diff_vs_reference": max_diff(model, ref), "param_sha256": sha(model),
+        }
+        acc.free_memory()
+    # Case 6 on every rank: an optimizer set that leaves a group out is refused at `prepare`, before anything.
+    model, opt1, opt2 = seed_pair()
+    acc = PhasedAccelerator(schedule, groups=ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"}))
+    for name, passed in (("leaves_out", (opt1,)), ("spans", (torch.optim.Adam(model.parameters()), opt2))):
+        try:
+            acc.prepare(model, *passed)
+            result[name] = {"error": ""}
+        except AltParamsError as exc:
+            result[name] = {"error": str(exc)}
+        result[name].update(phase=None if acc.phase is None else acc.phase.name, models=len(acc._models),
+                            optimizers=len(acc._optimizers), requires_grad=[p.requires_grad for p in model.parameters()])
+    return result
+
+
 def bf16_scenario() -> dict[str, Any]:
     AcceleratorState._reset_state()  # mixed precision is process-wide state in Accelerate
     schedule = Alternating(["l0", ("l1", "head")])
@@ -386,21 +466,23 @@ def fp16_scaler_scenario() -> dict[str, Any]:
     AcceleratorState._reset_state()
     init_scale = 2.0**10
     results: dict[str, Any] = {}
-    for mode in ("two_optimizers", "grouped"):
+    for mode in ("two_optimizers", "grouped", "own_optimizers"):
         both = PhaseSequence([(("l0", "l1", "head"), 1)])
-        acc = PhasedAccelerator(both, mixed_precision="fp16") if mode == "grouped" else None
-        from accelerate import Accelerator
-
-        acc_any: Any = acc if acc is not None else Accelerator(mixed_precision="fp16")
-        acc_any.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
         model = fresh_model()
         groups = ParamGroups(model, SPECS)
+        from accelerate import Accelerator
+
+        acc_any: Any = (Accelerator(mixed_precision="fp16") if mode == "two_optimizers" else
+                        PhasedAccelerator(both, mixed_precision="fp16", groups=groups))
+        acc_any.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
         sgd = functools.partial(torch.optim.SGD, lr=0.1)
         x, y = next(iter(loader(1)))
         if mode == "grouped":
             opt = GroupedOptimizer(groups, sgd)
             ddp, opt = acc_any.prepare(model, opt)
             opts = [opt]
+        elif mode == "own_optimizers":  # one plain SGD per group; every handle steps: one scaler step
+            ddp, *opts = acc_any.prepare(model, *(sgd(groups.params(g)) for g in groups.names))
         else:
             first, second = sgd(groups.params("l0")), sgd(groups.params("l1") + groups.params("head"))
             ddp, *opts = acc_any.prepare(model, first, second)
@@ -442,6 +524,7 @@ def main() -> None:
         "per_task": per_task_scenario,
         "unused": unused_scenario,
         "resume": lambda: resume_scenario(out),
+        "own_optimizers": own_optimizers_scenario,
         "bf16": bf16_scenario,  # resets Accelerate's process-wide mixed-precision state: keep it late
         "fp16_scaler": fp16_scaler_scenario,
     }

@@ -30,7 +30,7 @@ from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
-from hf_altparams.testing.fsdp2 import use_accelerate_fsdp2
+from hf_altparams.testing.fsdp2 import fresh_accelerator_state, use_accelerate_fsdp2
 from hf_altparams.testing.launch import write_rank_result
 
 SPECS = {"a": "0.*", "b": "2.*", "c": "4.*"}
@@ -77,6 +77,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def accelerator() -> PhasedAccelerator:
+    fresh_accelerator_state()  # the accelerator reads its own FSDP plugin
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["Linear"])
     acc = PhasedAccelerator(Alternating(SCHEDULE), count_comm=True, gradient_accumulation_steps=ACCUM,

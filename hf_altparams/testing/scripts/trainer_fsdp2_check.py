@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan.schedules import PhaseSequence
-from hf_altparams.testing.fsdp2 import use_accelerate_fsdp2
+from hf_altparams.testing.fsdp2 import fresh_accelerator_state, use_accelerate_fsdp2
 from hf_altparams.testing.launch import write_rank_result
 from hf_altparams.testing.scripts.trainer_phases import TokenDataset, arguments, groups_of, sha, tiny_bert
 
@@ -64,7 +64,9 @@ def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) ->
     freeze = AlternatingFreeze(groups_of, schedule, count_comm=True)
     expected = Expected(freeze)
     saving = {"save_strategy": "steps", "save_steps": SAVE_AT} if save else {}
-    args = arguments(out / ("fsdp2" if fsdp else "ddp"), max_steps=STEPS, **(FSDP if fsdp else {}), **saving)
+    fresh_accelerator_state()  # the Trainer's Accelerator reads its own FSDP plugin (or none)
+    args = arguments(out / ("fsdp2" if fsdp else "ddp"), max_steps=STEPS, use_cpu=not torch.cuda.is_available(),
+                     **(FSDP if fsdp else {}), **saving)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64 * STEPS),
                       callbacks=[freeze, expected])
     if fsdp and not torch.cuda.is_available():
@@ -88,7 +90,7 @@ def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) ->
 
 def check(out: Path) -> dict[str, Any]:
     """Run the checks (every rank); the rank's results."""
-    reference = run(out, fsdp=False)  # first: the FSDP2 run switches Accelerate's shared state for good
+    reference = run(out, fsdp=False)
     sharded = run(out, fsdp=True, save=True)
     resumed = run(out, fsdp=True, resume=str(out / "fsdp2" / f"checkpoint-{SAVE_AT}"))
     diff = max(float((sharded["params"][n] - reference["params"][n]).abs().max()) for n in reference["params"])
@@ -110,7 +112,7 @@ def main() -> None:
     from hf_altparams.testing.scripts.accelerate_fsdp2_check import check as accelerate_check
 
     out = Path(sys.argv[1])
-    trainer = check(out)  # first: its DDP reference needs Accelerate's state before it is switched to FSDP
+    trainer = check(out)
     (out / "accelerate").mkdir(exist_ok=True)
     write_rank_result(out, {"trainer": trainer, "accelerate": accelerate_check(str(out / "accelerate"))},
                       rank=dist.get_rank())

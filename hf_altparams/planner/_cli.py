@@ -1,4 +1,4 @@
-"""``python -m hf_altparams plan``: the planner's command line.
+"""``python -m hf_altparams plan`` (``python -m hf_altparams.planner``): the planner's command line.
 
 Parses the flags, builds the model on ``meta`` (:func:`~hf_altparams.planner.build_model`),
 its parameter groups and the schedule, and prints what
@@ -15,11 +15,13 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from .errors import PlanError
-from .plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
+from ..errors import PlanError
+from ..plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
                    RandomBlocks, Schedule)
-from .planner import (_DTYPES, DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, CostPlan, OptimizerSpec, build_model,
-                      plan_cost)
+from ._build import build_model
+from ._cost import plan_cost
+from ._results import CostPlan
+from ._sizes import _DTYPES, DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec
 
 __all__ = ["SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv"]
 

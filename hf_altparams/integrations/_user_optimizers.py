@@ -1,0 +1,292 @@
+"""What :meth:`PhasedAccelerator.prepare` does with the optimizers it is given.
+
+Three forms drive the schedule, each passed in the same ``prepare`` call as the
+grouped model (``groups.module``):
+
+* one :class:`~hf_altparams.engine.GroupedOptimizer` (its groups are used when
+  ``groups=`` is not given);
+* one optimizer over every parameter the schedule trains, with ``groups=``;
+* the user's own optimizers, one per group, with ``groups=``:
+  ``model, opt1, opt2 = accelerator.prepare(model, opt1, opt2)``. Each is matched
+  to a group by the parameters it holds (exactly that group's). One
+  GroupedOptimizer is built from them (its state policy ``"keep"``) and prepared
+  as the one optimizer Accelerate knows (one loss-scaler unscale and step per
+  iteration under fp16, one optimizer in ``save_state``); the user gets back one
+  :class:`OptimizerHandle` per optimizer, in the order passed.
+
+Every other form is refused by :func:`find_grouped` before anything is prepared,
+naming the argument, the value and the accepted forms; so is an optimizer that
+leaves out a parameter the schedule trains (it would never be updated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from torch.optim import Optimizer
+
+from ..engine import _ddp
+from ..engine._built_optim import match_to_groups, uncovered
+from ..engine.optim import GroupedOptimizer, reapply_state_policy
+from ..errors import AltParamsError, PlanError
+from ..plan.groups import ParamGroups
+from ..plan.schedules import Schedule
+from ._accelerate_parts import refuse_user_ddp, refuse_without_groups
+
+if TYPE_CHECKING:
+    from .accelerate import PhasedAccelerator
+
+__all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "find_grouped"]
+
+FORMS = (
+    "Accepted next to the grouped model, in the same `prepare` call: one GroupedOptimizer(groups, ...); "
+    "one optimizer over every parameter the schedule trains (with `groups=` given to PhasedAccelerator); "
+    "or one optimizer per group, each built on exactly that group's parameters (with `groups=` given), "
+    "e.g. `model, opt1, opt2 = accelerator.prepare(model, opt1, opt2)` with "
+    "opt1 = Adam(model.layer1.parameters()) and opt2 = Adam(model.layer2.parameters())."
+)
+
+
+def _held(opt: Optimizer) -> list[nn.Parameter]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _label(index: int) -> str:
+    return f"`prepare` argument #{index + 1}"
+
+
+class GradientArrivals:
+    """Notes whether a backward put gradients on the groups' parameters since the last grouped step.
+
+    A post-accumulate-grad hook on every parameter of the groups (public torch
+    API; it fires however the backward was called, inside DDP's ``no_sync`` too).
+    Torch registers such a hook only on a tensor that requires grad, so frozen
+    parameters are unfrozen for the registration and frozen again at once; the hook
+    stays through later switches.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.fresh = False
+        self._handles: list[Any] = []
+        for param in params:
+            frozen = not param.requires_grad
+            if frozen:
+                param.requires_grad_(True)
+            try:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._arrived))
+            finally:
+                if frozen:
+                    param.requires_grad_(False)
+
+    def _arrived(self, param: nn.Parameter) -> None:
+        self.fresh = True
+
+    def close(self) -> None:
+        """Remove the hooks (``free_memory``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class OptimizerHandle(AcceleratedOptimizer):
+    """One of the user's optimizers after ``prepare(model, opt1, opt2)``.
+
+    Every handle drives the same grouped step, so a loop written for the user's
+    optimizers works unchanged whether it steps all of them every iteration or only
+    the one of the group that trains now:
+
+    * ``step()`` at a gradient-sync boundary runs the accelerator's one optimizer
+      step: the optimizers of the groups active in this phase step (an idle group's
+      optimizer does not; its state stays where it is), one loss-scaler step under
+      fp16, and the schedule counts one step. The first handle stepped after a
+      backward does it; the other handles' ``step()`` do nothing until the next
+      backward. Inside an accumulation window ``step()`` does nothing, as in
+      Accelerate.
+    * ``zero_grad()`` clears the gradients of every group (calling it on every handle
+      is harmless). The phase switches at the end of that one sync-boundary step,
+      when the schedule says so, as with the other forms.
+    * ``optimizer``, ``param_groups``, ``state_dict()`` are the user's optimizer's
+      own (an LR scheduler built on it acts on its group only). ``save_state`` saves
+      the grouped optimizer, keyed by group and parameter name.
+
+    Example:
+        >>> # accelerator = PhasedAccelerator(Alternating(["layer1", "layer2"]), groups=groups)
+        >>> # model, opt1, opt2 = accelerator.prepare(model, opt1, opt2)
+        >>> # accelerator.backward(loss); opt1.step(); opt2.step(); opt1.zero_grad(); opt2.zero_grad()
+    """
+
+    def __init__(self, optimizer: Optimizer, group: str, driving: AcceleratedOptimizer,
+                 arrivals: GradientArrivals) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.group = group
+        self.driving = driving
+        self._arrivals = arrivals
+        self._is_accelerate_prepared = True  # a later `prepare(handle)` returns it as is
+
+    def __repr__(self) -> str:
+        return f"OptimizerHandle(group={self.group!r}, optimizer={type(self.optimizer).__name__})"
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
+        if not self.gradient_state.sync_gradients or not self._arrivals.fresh:
+            return
+        self.driving.step(closure)
+        self._arrivals.fresh = False
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        self.driving.zero_grad(set_to_none)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last grouped step was skipped (fp16 overflow)."""
+        return bool(self.driving.step_was_skipped)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the user's optimizer's state; the grouped optimizer sees the new param groups."""
+        self.optimizer.load_state_dict(state_dict)
+        grouped = self.driving.optimizer
+        grouped.param_groups = [g for opt in grouped.inner.values() for g in opt.param_groups]
+        reapply_state_policy(grouped)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise PlanError(
+            f"OptimizerHandle.add_param_group: the optimizer of group {self.group!r} holds exactly that group's "
+            "parameters; define a new group in ParamGroups (and its optimizer) before `prepare` instead"
+        )
+
+
+@dataclasses.dataclass
+class Found:
+    """What ``prepare`` found: the groups, the model and the optimizer that drives the schedule.
+
+    ``model_index`` is the model's index in :meth:`arguments` (what Accelerate
+    prepares). ``user`` maps ``prepare`` argument indexes to group names when the
+    user passed one optimizer per group (``driving`` is then the GroupedOptimizer
+    built from them, prepared in the first one's place).
+    """
+
+    groups: Optional[ParamGroups] = None
+    model_index: Optional[int] = None
+    driving: Optional[Optimizer] = None
+    user: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def arguments(self, args: tuple[Any, ...], placement: Optional[list[bool]]
+                  ) -> tuple[tuple[Any, ...], Optional[list[bool]]]:
+        """``prepare``'s arguments with the user's optimizers replaced by the grouped one."""
+        if not self.user:
+            return args, placement
+        first = min(self.user)
+        keep = [i for i in range(len(args)) if i == first or i not in self.user]
+        return (tuple(self.driving if i == first else args[i] for i in keep),
+                None if placement is None else [placement[i] for i in keep])
+
+    def hand_back(self, args: tuple[Any, ...], items: list[Any], accelerator: PhasedAccelerator) -> list[Any]:
+        """What the user gets: ``items`` in the order of ``args``, a handle per optimizer passed."""
+        if not self.user:
+            return items
+        assert self.groups is not None
+        first = min(self.user)
+        prepared = items[sum(1 for i in range(first) if i not in self.user)]
+        arrivals = GradientArrivals([p for g in self.groups.names for p in self.groups.params(g)])
+        accelerator._arrivals = arrivals
+        rest = iter(items)
+        out = []
+        for i, arg in enumerate(args):
+            if i == first or i not in self.user:
+                item = next(rest)
+            if i in self.user:
+                item = OptimizerHandle(arg, self.user[i], prepared, arrivals)
+            out.append(item)
+        return out
+
+
+def _touches(opt: Optimizer, module: nn.Module, ids: set[int]) -> bool:
+    if isinstance(opt, GroupedOptimizer):
+        return opt.groups.module is module
+    return any(id(p) in ids for p in _held(opt))
+
+
+def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Optimizer) -> None:
+    """Case 6: a parameter the schedule trains that the driving optimizer (``what``) does not hold."""
+    missing = uncovered(groups, schedule.group_names(), [opt])
+    if not missing:
+        return
+    left = sorted({g or "<ungrouped>" for _, g in missing})
+    names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise PlanError(
+        f"{what} leaves out {len(missing)} parameter(s) that the schedule "
+        f"trains (group(s) {left}: {names}); they would never be updated, and the first switch would fail on "
+        "their pending gradients. Build it over every parameter the schedule trains, whether frozen now or not "
+        "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
+        f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}"
+    )
+
+
+def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule: Schedule, *,
+                 started: bool) -> Found:
+    """Find the grouped model and the optimizer(s) that drive its schedule in ``prepare``'s ``args``.
+
+    ``groups`` are the accelerator's (``None`` when only a GroupedOptimizer can tell);
+    ``started``: a grouped model was prepared already. Refuses, before anything is
+    prepared, every form the schedule could not drive.
+    """
+    optimizers = [(i, a) for i, a in enumerate(args)
+                  if isinstance(a, Optimizer) and not getattr(a, "_is_accelerate_prepared", False)]
+    grouped = [o for _, o in optimizers if isinstance(o, GroupedOptimizer)]
+    if groups is None and grouped:
+        groups = grouped[0].groups
+    if groups is None:
+        if not started and optimizers:
+            refuse_without_groups([o for _, o in optimizers])
+        return Found()
+    module = groups.module
+    model_index = next((i for i, a in enumerate(args) if a is module), None)
+    if model_index is None and any(_ddp.is_ddp(a) and a.module is module for a in args):
+        refuse_user_ddp()
+    ids = {id(p) for p in module.parameters()}
+    mine = [(i, o) for i, o in optimizers if _touches(o, module, ids)]
+    if model_index is None:
+        if mine:
+            i, opt = mine[0]
+            raise AltParamsError(
+                f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, passed without "
+                "the model" + (" after the model was prepared: it would step outside the schedule" if started
+                               else "") + "; pass the model and the optimizer(s) that drive the schedule to the "
+                f"same `prepare` call (the first phase must be applied before DDP wraps the model). {FORMS}"
+            )
+        return Found(groups)
+    if started:
+        raise AltParamsError(
+            "`prepare` got the grouped model a second time. Preparing the raw module again would add it "
+            "to `accelerator._models` twice (two model files in save_state) and wrap its autocast forward "
+            "twice; keep using the object the first `prepare` returned: switches rebuild it in place."
+        )
+    mine_grouped = [(i, o) for i, o in mine if isinstance(o, GroupedOptimizer)]
+    if not mine:
+        raise AltParamsError(
+            f"`prepare` got the grouped model without an optimizer over its parameters (optimizers passed: "
+            f"{[type(o).__name__ for _, o in optimizers]}); the schedule is driven by its optimizer's steps. "
+            + FORMS
+        )
+    if mine_grouped and len(mine) > 1:
+        raise AltParamsError(
+            f"`prepare` got a GroupedOptimizer and {len(mine) - 1} more optimizer(s) over the grouped model's "
+            f"parameters ({[f'{_label(i)} ({type(o).__name__})' for i, o in mine]}); one optimizer (or one "
+            f"per group) drives the schedule: a second would step outside it. {FORMS}"
+        )
+    if len(mine) == 1:
+        index, driving = mine[0]
+        _check_coverage(groups, schedule, f"{_label(index)} ({type(driving).__name__})", driving)
+        return Found(groups, model_index, driving)
+    matched = match_to_groups(groups, [(_label(i), o) for i, o in mine], forms=FORMS)
+    group_of = {id(opt): name for name, opt in matched.items()}
+    user = {i: group_of[id(o)] for i, o in mine}
+    driving = GroupedOptimizer(groups, matched)
+    # what no group holds: ungrouped parameters under ungrouped="trainable"
+    _check_coverage(groups, schedule, "the optimizers passed, one per group,", driving)
+    found = Found(groups, None, driving, user)
+    call_args, _ = found.arguments(args, None)
+    found.model_index = next(i for i, a in enumerate(call_args) if a is module)
+    return found

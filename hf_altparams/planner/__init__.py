@@ -1,0 +1,49 @@
+"""What a schedule will cost, before spending GPU hours on it.
+
+:func:`plan_cost` needs only the shapes and dtypes of the parameters, so it
+works on a model built on the ``meta`` device (no memory at all). Per phase it
+reports the trainable parameters, the bytes DDP all-reduces per optimizer step
+(exactly the trainable gradients' bytes, what the reducer's buckets hold) and
+an estimate of device memory per rank, at the phase's peak (just after an
+optimizer step, gradients still set), next to training everything:
+
+* parameters and buffers: all of them, except those of groups the phase does
+  not keep resident (``Phase.resident``, e.g. the other tasks of
+  ``PerTaskCycle``), which the engine moves to the host with their optimizer
+  state (a module's buffers go with its own parameters);
+* gradients: the trainable parameters', in the gradient dtype;
+* optimizer state on the device, by state policy: ``keep``: every resident group
+  that has trained so far (torch creates state at a group's first step);
+  ``offload`` / ``drop``: the trainable groups only (the others' is on the host / gone);
+* DDP buckets: the trainable gradients' bytes once more, or nothing extra with
+  ``gradient_as_bucket_view=True`` (gradients are then views into the buckets).
+
+A switch moves host<->device the state of groups going idle or coming back
+(``offload``) and the parameters, buffers and state of groups leaving or
+regaining residency; its time is estimated at a stated bandwidth.
+
+Not counted: activations, temporaries of the forward, backward and optimizer
+step, Adam's 0-d ``step`` counters (4 B per tensor, on the host unless the
+optimizer is fused or capturable), and allocator rounding.
+
+``python -m hf_altparams plan`` (or ``python -m hf_altparams.planner``; :func:`main`)
+builds the model on ``meta`` from a transformers config JSON, a checkpoint folder,
+or ``pkg.module:factory``.
+
+The package's modules: ``_sizes`` (what each group weighs, the low-precision
+storage part included, and what a switch moves), ``_cost`` (:func:`plan_cost`,
+the walk over phases and switches), ``_results`` (:class:`CostPlan` and its
+table), ``_build`` (:func:`build_model`) and ``_cli`` (the command line).
+"""
+
+from __future__ import annotations
+
+from ._build import build_model
+from ._cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
+from ._cost import plan_cost
+from ._results import CostPlan, PhaseCost, SwitchCost
+from ._sizes import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec
+
+__all__ = ["DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "CostPlan", "OptimizerSpec",
+           "PhaseCost", "SwitchCost", "build_from_argv", "build_model", "build_parser", "main", "plan_cost",
+           "plan_from_argv"]

@@ -1,0 +1,173 @@
+"""The cost model: :func:`plan_cost` walks a schedule's phases and switches under each state policy."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from ..plan import ParamGroups, Phase, Schedule
+from ._results import CostPlan, PhaseCost, SwitchCost
+from ._sizes import (_DEFAULT_POSITIONS, _UNGROUPED, DEFAULT_PCIE_GBPS, POLICIES, OptimizerSpec, _buffer_owners,
+                     _check_args, _group_sizes, _Layout, _moves, _state_bytes_fn)
+
+__all__ = ["plan_cost"]
+
+
+def plan_cost(
+    model: nn.Module,
+    groups: ParamGroups,
+    schedule: Schedule,
+    *,
+    optimizer: OptimizerSpec = "adamw",
+    state_policy: str = "keep",
+    steps: Optional[int] = None,
+    world_size: int = 2,
+    grad_dtype: Optional[torch.dtype] = None,
+    bucket_as_view: bool = False,
+    offload_nonresident: bool = True,
+    pcie_gbps: float = DEFAULT_PCIE_GBPS,
+    storage_dtype: Optional[torch.dtype] = None,
+    master_policy: str = "offload",
+) -> CostPlan:
+    """Cost every phase of ``schedule`` over the first ``steps`` positions (see the module docstring).
+
+    Args:
+        model: the model ``groups`` was built on (plain, DDP-wrapped, or on ``meta``).
+        groups: its parameter groups. Ungrouped parameters under ``ungrouped="trainable"``
+            train in every phase and get optimizer state (as with a plain torch optimizer).
+        schedule: the schedule; validated against ``groups``.
+        optimizer: ``"adam"``/``"adamw"`` (2 states per parameter), ``"sgd"`` (0),
+            ``"sgd-momentum"`` (1), states in the parameter's dtype; or a number of
+            state bytes per parameter (e.g. ``2`` for 8-bit Adam); or a callable
+            ``(name, param) -> bytes``.
+        state_policy: ``"keep"``, ``"offload"`` or ``"drop"`` (as in ``GroupedOptimizer``).
+        steps: positions (steps, or epochs for an epoch schedule) to list; default: one
+            period of a cycling schedule, into the final phase of a settling one (as long
+            as its shortest phase), or 1000 for a random or user-defined one.
+        world_size: ranks, for the ring all-reduce traffic per rank, ``2 (N-1)/N`` x bytes.
+        grad_dtype: gradient dtype if not the parameters' dtype.
+        bucket_as_view: DDP's ``gradient_as_bucket_view``.
+        offload_nonresident: groups a phase does not keep resident (``Phase.resident``,
+            e.g. the other tasks of ``PerTaskCycle``) live on the host, parameters,
+            buffers and optimizer state, as ``PhaseSwitcher(offload_device="cpu")`` (its
+            default) does; ``False`` for ``offload_device=None``.
+        pcie_gbps: host<->device bandwidth assumed for offload times, in GB/s.
+        storage_dtype: ``torch.bfloat16`` / ``torch.float16``: the model is stored in
+            that dtype with a :class:`~hf_altparams.engine.PrecisionOptimizer`:
+            parameters and gradients in it, fp32 optimizer state, and an fp32
+            master (4 B per parameter) for each group that has trained, placed by
+            ``master_policy`` when idle (``"keep"``: device, ``"offload"``: host,
+            ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
+            the storage-dtype gradients are freed as they are cast) plus DDP's bucket
+            in the storage dtype. The train-everything row keeps masters for all.
+
+    Example:
+        >>> from torch import nn
+        >>> from hf_altparams.plan import Alternating, ParamGroups
+        >>> with torch.device("meta"):
+        ...     net = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))
+        >>> groups = ParamGroups(net, {"body": "0.*", "head": "1.*"})
+        >>> plan = plan_cost(net, groups, Alternating({"body": 3, "head": 1}))
+        >>> plan.row("head").allreduce_bytes, plan.everything.allreduce_bytes
+        (40040, 4044040)
+    """
+    if groups.module is not (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model):
+        raise PlanError("`groups` was built on another module than `model`; build ParamGroups on `model`")
+    _check_args(state_policy, steps, world_size, pcie_gbps, grad_dtype)
+    if storage_dtype is not None and storage_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise PlanError(f"`storage_dtype` (--storage-dtype) must be bfloat16, float16, float32 or None, "
+                        f"got {storage_dtype!r}")
+    if master_policy not in POLICIES:
+        raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
+    schedule.validate(groups)
+    label, state_fn = _state_bytes_fn(optimizer)
+    if steps is None:
+        pattern = schedule.pattern_length()
+        steps = _DEFAULT_POSITIONS if pattern is None else pattern
+    segments = schedule.segments(steps)
+    size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype)
+    owners = _buffer_owners(groups)
+    always = {_UNGROUPED} if groups.ungrouped == "trainable" and size[_UNGROUPED]["numel"] else set()
+
+    def total(keys: Iterable[str], what: str) -> int:
+        return sum(size[k][what] for k in keys)
+
+    def layout(phase: Phase, active: set[str], stepped: set[str], policy: str) -> _Layout:
+        off = frozenset(groups.names) - phase.resident if phase.resident is not None and offload_nonresident \
+            else frozenset()
+        state = {}
+        for g in stepped:  # torch creates a group's state at its first step
+            if g in active or (policy == "keep" and g not in off):
+                state[g] = "device"
+            elif policy != "drop":
+                state[g] = "host"
+        buffers_off = sum(n for owned, n in owners if None not in owned and owned <= off)
+        masters = {}
+        for g in stepped:  # masters: created when a group first trains, then placed by master_policy
+            if g in active or master_policy == "keep":
+                masters[g] = "device"
+            elif master_policy == "offload":
+                masters[g] = "host"
+        return _Layout(off, state, buffers_off, masters)
+
+    def cost(name: str, active: set[str], where: _Layout) -> PhaseCost:
+        grads, reduced = total(active, "grad"), total(active, "bucket")
+        return PhaseCost(
+            phase=name, trainable_groups=tuple(sorted(active - {_UNGROUPED})), ranges=[],
+            trainable_params=total(active, "numel"), allreduce_bytes=reduced,
+            wire_bytes=(2 * (world_size - 1) * reduced) // world_size,
+            param_bytes=total(set(size) - where.off, "param"),
+            buffer_bytes=sum(n for _, n in owners) - where.buffers_off, grad_bytes=grads,
+            optimizer_bytes=total([g for g, at in where.state.items() if at == "device"], "state"),
+            # with storage_dtype the bucket outlives the cast gradients even as their view
+            bucket_bytes=reduced if storage_dtype is not None or not bucket_as_view else 0,
+            host_bytes=total(where.off, "param") + where.buffers_off
+            + total([g for g, at in where.state.items() if at == "host"], "state")
+            + total([g for g, at in where.masters.items() if at == "host"], "master"),
+            master_bytes=total([g for g, at in where.masters.items() if at == "device"], "master"))
+
+    def walk(policy: str) -> tuple[list[PhaseCost], list[SwitchCost]]:
+        rows: dict[Phase, PhaseCost] = {}
+        switches: dict[tuple[str, str, int, int, int], SwitchCost] = {}
+        stepped: set[str] = set()
+        previous: Optional[tuple[Phase, set[str], _Layout]] = None
+        for start, end, phase in segments:
+            active = set(phase.trainable) | always
+            if previous is not None:  # the switch: from the last layout of `previous` to this one
+                out, back = _moves(previous[2], layout(phase, active, stepped, policy), size, owners)
+                reinit = total((active - previous[1]) & stepped, "state") if policy == "drop" else 0
+                key = (previous[0].name, phase.name, out, back, reinit)
+                if key not in switches:
+                    switches[key] = SwitchCost(previous[0].name, phase.name, 0, out, back, reinit,
+                                               (out + back) / (pcie_gbps * 1e9))
+                switches[key].count += 1
+            stepped |= active
+            where = layout(phase, active, stepped, policy)
+            row = cost(phase.name, active, where)
+            best = rows.setdefault(phase, row)
+            if (row.device_bytes, row.host_bytes) > (best.device_bytes, best.host_bytes):
+                row.ranges, rows[phase] = best.ranges, row
+            rows[phase].ranges.append((start, end))
+            previous = (phase, active, where)
+        return list(rows.values()), list(switches.values())
+
+    results = {p: walk(p) for p in POLICIES}
+    rows, switches = results[state_policy]
+    everything = cost("train everything", set(size),
+                      _Layout(frozenset(), dict.fromkeys(size, "device"), 0, dict.fromkeys(size, "device")))
+    everything.trainable_groups = tuple(groups.names)
+    return CostPlan(
+        model=type(model).__name__, total_params=total(size, "numel"), unit=schedule.unit, positions=steps,
+        optimizer=label, state_policy=state_policy, world_size=world_size,
+        grad_dtype=None if grad_dtype is None else str(grad_dtype).replace("torch.", ""),
+        bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=float(pcie_gbps),
+        phases=rows, everything=everything, switches=switches,
+        policies={p: {"peak_device_bytes": max((r.device_bytes for r in res[0]), default=0),
+                      "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1])}
+                  for p, res in results.items()},
+        storage_dtype=None if storage_dtype is None else str(storage_dtype).replace("torch.", ""),
+        master_policy=None if storage_dtype is None else master_policy,
+    )

@@ -1,0 +1,149 @@
+"""The planner's results: :class:`PhaseCost`, :class:`SwitchCost` and :class:`CostPlan` (with its table)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from ..errors import PlanError
+from ..plan.groups import _format_bytes
+from ._sizes import _SWITCH_LINES
+
+
+@dataclass
+class PhaseCost:
+    """The cost of one phase (bytes per rank; memory at the phase's peak)."""
+
+    phase: str
+    trainable_groups: tuple[str, ...]
+    ranges: list[tuple[int, int]]  # [start, end) positions where the phase is active
+    trainable_params: int
+    allreduce_bytes: int  # per optimizer step: what DDP's buckets hold and all-reduce
+    wire_bytes: int  # per optimizer step and rank, for a ring all-reduce over `world_size` ranks
+    param_bytes: int  # parameters on the device (all but non-resident groups')
+    buffer_bytes: int  # module buffers on the device
+    grad_bytes: int
+    optimizer_bytes: int  # optimizer state on the device
+    bucket_bytes: int  # DDP bucket memory beyond the gradients
+    host_bytes: int  # off the device: non-resident parameters and buffers, offloaded optimizer state and masters
+    master_bytes: int = 0  # fp32 master weights on the device (low-precision storage only)
+
+    @property
+    def device_bytes(self) -> int:
+        """Estimated device memory: parameters, buffers, gradients, optimizer state, masters and DDP buckets."""
+        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.bucket_bytes
+                + self.master_bytes)
+
+
+@dataclass
+class SwitchCost:
+    """One kind of switch (``from -> to``, same bytes), how often it happens and what it moves."""
+
+    from_phase: str
+    to_phase: str
+    count: int
+    bytes_to_host: int
+    bytes_to_device: int
+    reinit_bytes: int  # dropped state that restarts from zero when its group trains again
+    seconds: float  # per switch, at the stated bandwidth
+
+
+@dataclass
+class CostPlan:
+    """The result of :func:`plan_cost`: per-phase rows, the train-everything row and the switches.
+
+    Example:
+        >>> # plan = plan_cost(model, groups, Alternating(["a", "b"]), optimizer="adamw")
+        >>> # print(plan.table()); plan.row("a").allreduce_bytes; plan.as_dict()
+    """
+
+    model: str
+    total_params: int
+    unit: str
+    positions: int
+    optimizer: str
+    state_policy: str
+    world_size: int
+    grad_dtype: Optional[str]
+    bucket_as_view: bool
+    offload_nonresident: bool
+    pcie_gbps: float
+    phases: list[PhaseCost]
+    everything: PhaseCost
+    switches: list[SwitchCost]
+    policies: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> peak / moved bytes
+    storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
+    master_policy: Optional[str] = None
+
+    def row(self, phase: str) -> PhaseCost:
+        """The row of the phase named ``phase``."""
+        for row in self.phases:
+            if row.phase == phase:
+                return row
+        raise PlanError(f"no phase named {phase!r} in this plan; phases: {[r.phase for r in self.phases]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready data (device totals included)."""
+        out = asdict(self)
+        for row, data in zip([*self.phases, self.everything], [*out["phases"], out["everything"]]):
+            data["device_bytes"] = row.device_bytes
+        return out
+
+    def table(self) -> str:
+        """A readable report: one row per phase, the train-everything row, then the switch cost."""
+        host = any(r.host_bytes for r in self.phases)
+        head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
+                "grads", "optimizer" if self.storage_dtype is None else "optim+master", "buckets", "device", "vs all"] + (["host"] if host else [])
+        full = self.everything.device_bytes or 1
+
+        def cells(row: PhaseCost, where: str) -> list[str]:
+            share = 100.0 * row.trainable_params / (self.total_params or 1)
+            values = [row.phase, where, f"{row.trainable_params:,} ({share:.1f}%)",
+                      _format_bytes(row.allreduce_bytes), _format_bytes(row.wire_bytes)]
+            values += [_format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
+                                                  row.optimizer_bytes + row.master_bytes, row.bucket_bytes,
+                                                  row.device_bytes)]
+            values.append(f"{100.0 * row.device_bytes / full:.0f}%")
+            return values + ([_format_bytes(row.host_bytes)] if host else [])
+
+        body = [cells(r, _ranges_text(r.ranges)) for r in self.phases]
+        body.append(cells(self.everything, "-"))
+        widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+
+        def fmt(cells: list[str]) -> str:  # names left-aligned, figures right-aligned
+            return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+        rule = "-" * len(fmt(head))
+        buckets = "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate"
+        lines = [
+            f"model: {self.model}, {self.total_params:,} params | {self.unit}s 0-{self.positions - 1} listed",
+            f"optimizer: {self.optimizer} | state policy: {self.state_policy} | world size: "
+            f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
+            + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
+            + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
+               f"(idle: {self.master_policy}) and fp32 optimizer state"),
+            rule, fmt(head), rule, *map(fmt, body[:-1]), rule, fmt(body[-1]), rule,
+        ]
+        moved = sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in self.switches)
+        count = sum(s.count for s in self.switches)
+        lines.append(f"switches ({self.state_policy}): {count}, moving {_format_bytes(moved)} host<->device "
+                     f"in all (~{1e3 * sum(s.seconds * s.count for s in self.switches):.2f} ms at "
+                     f"{self.pcie_gbps:g} GB/s assumed)")
+        costly = [s for s in self.switches if s.bytes_to_host or s.bytes_to_device or s.reinit_bytes]
+        for s in costly[:_SWITCH_LINES]:
+            lines.append(f"  {s.from_phase} -> {s.to_phase} (x{s.count}): to host "
+                             f"{_format_bytes(s.bytes_to_host)}, to device {_format_bytes(s.bytes_to_device)}, "
+                             f"re-initialised {_format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each")
+        lines.append("state policies: " + " | ".join(
+            f"{p}: peak {_format_bytes(v['peak_device_bytes'])}, moved {_format_bytes(v['moved_bytes'])}"
+            for p, v in self.policies.items()))
+        lines.append("bytes per rank; sent/rank: ring all-reduce estimate; not counted: activations, "
+                     "temporaries, Adam step counters, allocator rounding")
+        return "\n".join(lines)
+
+
+def _ranges_text(ranges: Sequence[tuple[int, int]]) -> str:
+    parts = [f"{s}" if e - s == 1 else f"{s}-{e - 1}" for s, e in ranges[:3]]
+    if len(ranges) > 3:
+        return f"{parts[0]}, {parts[1]}, ... ({len(ranges)}x)"
+    return ", ".join(parts)
