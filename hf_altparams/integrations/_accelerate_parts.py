@@ -47,6 +47,11 @@ class PhasedOptimizer(AcceleratedOptimizer):
         if at_boundary:
             self._owner._sync_step_done()
 
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients:  # Accelerate skips it inside an accumulation window
+            self._owner._loop_guard.zero_grad_at_boundary(self._owner)
+        super().zero_grad(set_to_none)
+
 
 class PreparedGroupedLRScheduler(AcceleratedScheduler):
     """Accelerate's scheduler wrapper for a GroupedLRScheduler (which has no ``_step_count``)."""

@@ -19,7 +19,10 @@ applies the step:
 
 And one refusal raised where the switch would happen: ``set_epoch`` called
 inside a gradient-accumulation window when the new epoch switches phase
-(:func:`mid_window_switch_error`).
+(:func:`mid_window_switch_error`). One warning (once): a sync-boundary
+``zero_grad()`` that drops gradients no ``step()`` applied, the mark of
+``zero_grad()`` called first inside ``accumulate()`` (it wipes the window's
+earlier micro-batches there, with or without this library).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class LoopGuard:
         self.epoch_set_at: int = 0
         self.epoch_calls = 0
         self.warned_epoch = False
+        self.warned_zero_grad = False
         self._handle: Optional[Any] = None
 
     # ------------------------------------------------------------ wiring
@@ -63,6 +67,18 @@ class LoopGuard:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def zero_grad_at_boundary(self, acc: PhasedAccelerator) -> None:
+        """A sync-boundary ``zero_grad()``: warn (once) if it drops gradients no step applied."""
+        if acc._backward_since_step and not self.warned_zero_grad and int(acc.gradient_accumulation_steps) > 1:
+            self.warned_zero_grad = True
+            warnings.warn(
+                "hf_altparams: `optimizer.zero_grad()` ran at a gradient-sync boundary after a backward whose "
+                "gradients no `optimizer.step()` applied yet: they are dropped. Inside `accelerator.accumulate()` "
+                "this is `zero_grad()` called at the top of the iteration, which wipes the window's earlier "
+                "micro-batches (plain Accelerate does the same); call it after `optimizer.step()` there. If you "
+                "skipped the step on purpose (e.g. a non-finite loss), ignore this.", stacklevel=3)
+        acc._backward_since_step = False  # nothing is pending any more
 
     def epoch_set(self, schedule_step: int) -> None:
         self.epoch_set_at = schedule_step

@@ -332,11 +332,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
             )
 
     def _sync_step_done(self) -> None:
-        """End of a sync-boundary ``step()``: count it, then switch at once if the next phase differs.
-
-        An fp16 step skipped for overflow counts too, as the Trainer's
-        ``global_step`` does (the prepared LR scheduler does not advance then).
-        """
+        """End of a sync-boundary ``step()`` (fp16-skipped too, as the Trainer counts it): count it, switch."""
         if self.switcher is None:  # used after free_memory(): nothing to drive
             return
         self.schedule_step += 1
@@ -353,8 +349,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         if due != self.switcher.current:
             if self._backward_since_step:
                 raise mid_window_switch_error(due.name, self.schedule_step, self.schedule_epoch)
-            # The gradients left are the ones the step that just ran applied: the switch clears them,
-            # so nothing of the previous phase reaches the next step, whatever the loop's order.
+            # Gradients the step just applied: cleared, so none reaches the next phase, whatever the loop's order.
             for _, param in self.switcher.groups.all_named_params():
                 param.grad = None
         record = self.switcher.step_to(self.schedule_step, self.schedule_epoch)

@@ -8,6 +8,7 @@ a wrapper (the two-rank runs of the GAN and multi-task examples, in
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -46,8 +47,12 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(n)]
 
 
-def _run(order: str, ga: int, steps: int, schedule: Schedule) -> tuple[list[tuple[int, Any]], nn.Module]:
-    """The user's loop in one of the two orders; the phase is read at the top of every iteration."""
+def _run(order: str, ga: int, steps: int, schedule: Schedule,
+         strict: bool = True) -> tuple[list[tuple[int, Any]], nn.Module]:
+    """The user's loop in one of the two orders; the phase is read at the top of every iteration.
+
+    ``strict``: fail on the warning about a ``zero_grad()`` that drops unapplied gradients.
+    """
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
     acc = PhasedAccelerator(schedule, cpu=True, gradient_accumulation_steps=ga)
@@ -55,15 +60,18 @@ def _run(order: str, ga: int, steps: int, schedule: Schedule) -> tuple[list[tupl
     opt = GroupedOptimizer(ParamGroups(model, GROUPS), functools.partial(torch.optim.SGD, lr=0.1))
     prepared, opt = acc.prepare(model, opt)
     seen = []
-    for x, y in _batches(steps * ga):
-        seen.append((acc.schedule_step, acc.phase.trainable if acc.phase else None))
-        with acc.accumulate(prepared):
-            if order == "zero_grad_first":
-                opt.zero_grad()
-            acc.backward(nn.functional.mse_loss(prepared(x), y))
-            opt.step()
-            if order == "zero_grad_last":
-                opt.zero_grad()
+    with warnings.catch_warnings():
+        if strict:
+            warnings.filterwarnings("error", message=".*zero_grad.*dropped")
+        for x, y in _batches(steps * ga):
+            seen.append((acc.schedule_step, acc.phase.trainable if acc.phase else None))
+            with acc.accumulate(prepared):
+                if order == "zero_grad_first":
+                    opt.zero_grad()
+                acc.backward(nn.functional.mse_loss(prepared(x), y))
+                opt.step()
+                if order == "zero_grad_last":
+                    opt.zero_grad()
     assert acc.schedule_step == steps
     acc.free_memory()
     return seen, model
@@ -104,6 +112,11 @@ def test_phase_at_the_top_of_an_iteration_is_right_in_both_loop_orders(ga: int, 
             torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=order)
 
 
+def test_zero_grad_first_inside_accumulate_warns_that_it_drops_the_window() -> None:
+    with pytest.warns(UserWarning, match=r"zero_grad\(\)` ran at a gradient-sync boundary.*after `optimizer.step\(\)`"):
+        _run("zero_grad_first", 2, 2, Alternating(["a", "b"]), strict=False)
+
+
 class TwoTasks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -131,6 +144,7 @@ def _multitask(schedule: Schedule) -> tuple[Any, TwoTasks, Any, GroupedOptimizer
 def _train_tasks(acc: Any, prepared: Any, opt: Any, steps: int, order: str) -> list[Optional[str]]:
     tasks = []
     for x, y in _batches(steps):
+        x, y = x.to(acc.device), y.to(acc.device)
         tasks.append(acc.task)  # the loop picks its data and head by the task
         if order == "zero_grad_first":
             opt.zero_grad()
