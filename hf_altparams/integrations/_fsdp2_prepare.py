@@ -131,7 +131,7 @@ def rebind_groups(groups: ParamGroups, model: nn.Module) -> ParamGroups:
 def _unwrapped(optimizer: Optional[Optimizer]) -> Optional[Optimizer]:
     while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and isinstance(
             getattr(optimizer, "optimizer", None), Optimizer):
-        optimizer = optimizer.optimizer  # Accelerate's wrapper
+        optimizer = getattr(optimizer, "optimizer")  # Accelerate's wrapper
     return optimizer
 
 

@@ -291,12 +291,12 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
 
     def _attach(self, prepared: nn.Module) -> None:
         assert self.switcher is not None
-        if _ddp.is_ddp(prepared) or self.switcher.backend.kind == "fsdp2":
-            if _ddp.is_ddp(prepared):
-                self.switcher.attach(prepared)
-            self._loop_guard.watch(prepared)
-            if self._count_comm and self.comm_counter is None:
+        if _ddp.is_ddp(prepared):
+            self.switcher.attach(prepared)
+            if self._count_comm:
                 self.comm_counter = register_comm_counter(prepared)
+        if _ddp.is_ddp(prepared) or self.switcher.backend.kind == "fsdp2":  # FSDP2: attached at start_sharded
+            self._loop_guard.watch(prepared)
         elif prepared is not self.switcher.module:
             raise AltParamsError(
                 f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "

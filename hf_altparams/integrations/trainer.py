@@ -280,9 +280,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
-        sharded = model is not None and is_fsdp2(model)  # the Trainer's prepare ran fully_shard in place
-        if sharded:
-            self.groups = shard_trainer_groups(self.groups, model, optimizer, self._prefix_option is not None,
+        sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
+        if sharded is not None:
+            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, self._prefix_option is not None,
                                                saves_checkpoints=args.save_strategy != "no")
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
@@ -293,16 +293,16 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             **self.switcher_options,
         )
         self.comm = None
-        if sharded:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
-            self.switcher.attach(model)
-            self.comm = register_reduce_scatter_counter(model) if self.count_comm else None
+        if sharded is not None:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
+            self.switcher.attach(sharded)
+            self.comm = register_reduce_scatter_counter(sharded) if self.count_comm else None
         self._logged_seconds, self._logged_comm = 0.0, 0
         self.switcher.step_to(state.global_step, self._epoch(state))
         self._phase_info, self._trained_info = self._describe_phase(), {}
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
-        if dist.is_available() and dist.is_initialized() and not sharded:
+        if dist.is_available() and dist.is_initialized() and sharded is None:
             self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),

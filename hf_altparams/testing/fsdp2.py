@@ -36,6 +36,8 @@ def use_accelerate_fsdp2(accelerator: Any, plugin: Any) -> None:
 
     state = AcceleratorState()
     state.distributed_type = DistributedType.FSDP
+    if state.mixed_precision != "no":  # what AcceleratorState.__init__ does for an FSDP run
+        plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     assert accelerator.is_fsdp2

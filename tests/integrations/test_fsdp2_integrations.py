@@ -36,6 +36,13 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert (r["loaded_step"], r["loaded_phase"]) == (3, "c")
         assert r["resume_bitwise_equal"], r["resume_max_diff"]
         assert {"optimizer_0", "pytorch_model_fsdp_0", "hf_altparams_state.json"} <= set(r["ckpt_files"])
+        # mixed_precision="bf16" (Accelerate's bf16 MixedPrecisionPolicy): groups frozen at the first
+        # forward train once unfrozen; fp32 master parameters; bf16 reduce-scatter, counted == expected
+        bf16 = r["bf16"]
+        assert bf16["changed"] == ["a", "b", "c"] and bf16["param_dtypes"] == ["torch.float32"]
+        a, b, c = r["counted"][0], r["counted"][2], r["counted"][3]  # the fp32 run's phases a, a, b, c, ...
+        assert bf16["counted"] == [a // 2, b // 2, c // 2, a // 2]  # phases a, b, c, a at half the bytes
+    assert len({r["bf16"]["digest"] for r in results}) == 1
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ equal to the uninterrupted one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 
@@ -76,12 +77,12 @@ def reference() -> dict[str, torch.Tensor]:
     return full(model)
 
 
-def accelerator() -> PhasedAccelerator:
+def accelerator(schedule: dict[str, int] = SCHEDULE, **kwargs: object) -> PhasedAccelerator:
     fresh_accelerator_state()  # the accelerator reads its own FSDP plugin
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["Linear"])
-    acc = PhasedAccelerator(Alternating(SCHEDULE), count_comm=True, gradient_accumulation_steps=ACCUM,
-                            fsdp_plugin=plugin)
+    acc = PhasedAccelerator(Alternating(schedule), count_comm=True, gradient_accumulation_steps=ACCUM,
+                            fsdp_plugin=plugin, **kwargs)
     if not torch.cuda.is_available():  # on a GPU, Accelerate runs FSDP2 by itself
         use_accelerate_fsdp2(acc, plugin)
     assert acc.is_fsdp2
@@ -104,6 +105,26 @@ def train(acc: PhasedAccelerator, model: nn.Module, opt: object, start: int, sto
         if save_to is not None and acc.schedule_step == SAVE_AT:
             acc.save_state(save_to)
     return acc.comm_counter.history[-(stop - start):], expected
+
+
+def bf16_run() -> dict[str, object]:
+    """``mixed_precision="bf16"``: Accelerate's bf16 MixedPrecisionPolicy; units b, c frozen at the first forward."""
+    acc = accelerator({"a": 1, "b": 1, "c": 1}, mixed_precision="bf16")
+    model = build()
+    opt = optimizer(ParamGroups(model, SPECS))
+    model, prepared_opt = acc.prepare(model, opt)
+    groups = acc.groups
+    assert groups is not None
+    before = {g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)])
+              for g in groups.names}
+    counted, expected = train(acc, model, prepared_opt, 0, 4)
+    after = {g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)])
+             for g in groups.names}
+    changed = [g for g in groups.names if not torch.equal(after[g], before[g])]
+    final = full(model)
+    return {"changed": changed, "counted": counted, "expected": expected,
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "digest": hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in final.values())).hexdigest()}
 
 
 def check(out: str) -> dict[str, object]:
@@ -142,6 +163,7 @@ def check(out: str) -> dict[str, object]:
         "resume_bitwise_equal": all(torch.equal(resumed[n], got[n]) for n in got),
         "resume_max_diff": max(float((resumed[n] - got[n]).abs().max()) for n in got),
         "ckpt_files": sorted(os.listdir(os.path.join(out, "ckpt"))),
+        "bf16": bf16_run(),
     }
 
 
