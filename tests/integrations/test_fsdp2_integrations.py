@@ -36,6 +36,8 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert (r["loaded_step"], r["loaded_phase"]) == (3, "c")
         assert r["resume_bitwise_equal"], r["resume_max_diff"]
         assert {"optimizer_0", "pytorch_model_fsdp_0", "hf_altparams_state.json"} <= set(r["ckpt_files"])
+        # one optimizer per group (prepare(model, opt_a, opt_b, opt_c)) under FSDP2: same as the reference
+        assert r["per_group_max_diff"] < 1e-5, r["per_group_max_diff"]
         # mixed_precision="bf16" (Accelerate's bf16 MixedPrecisionPolicy): groups frozen at the first
         # forward train once unfrozen; fp32 master parameters; bf16 reduce-scatter, counted == expected
         bf16 = r["bf16"]
