@@ -159,3 +159,46 @@ def test_trainer_accepts_fsdp2_and_refuses_fsdp1_naming_fsdp2(tmp_path: Path, ve
     freeze.on_init_end(args, TrainerState(), TrainerControl(), model=model)
     # FSDP2: the parameters the schedule never trains are frozen before the optimizer exists
     assert [p.requires_grad for p in model.parameters()] == [True, True, True, True, False, False]
+
+
+# --------------------------------------------------------------------------- rebinding, no process group
+def _grouped() -> tuple[nn.Module, Any]:
+    from hf_altparams.engine import GroupedOptimizer
+    from hf_altparams.plan import ParamGroups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
+    return model, GroupedOptimizer(groups, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_rebind_follows_replaced_parameters_and_refuses_an_unswapped_optimizer() -> None:
+    from hf_altparams.integrations._fsdp2_prepare import rebind_groups, rebind_optimizer
+
+    model, opt = _grouped()
+    old = opt.groups
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())  # as fully_shard replaces parameters
+    new = rebind_groups(old, model)
+    assert new.params("b")[0] is model[2].weight and old.params("b")[0] is not model[2].weight
+    with pytest.raises(AltParamsError, match=r"1 parameter\(s\) of the optimizer are not the model's sharded"):
+        rebind_optimizer(opt, old, new)  # the optimizer still holds the replaced parameter
+    opt.inner["b"].param_groups[0]["params"][0] = model[2].weight  # what Accelerate's swap does
+    rebind_optimizer(opt, old, new)
+    assert opt.groups is new
+
+
+def test_rebind_names_the_parameters_a_sharded_model_lacks() -> None:
+    from hf_altparams.integrations._fsdp2_prepare import rebind_groups
+
+    model, opt = _grouped()
+    with pytest.raises(AltParamsError, match=r"no parameter named \['2.weight', '2.bias'\]"):
+        rebind_groups(opt.groups, nn.Sequential(nn.Linear(4, 8)))
+
+
+def test_trainer_refuses_to_checkpoint_a_grouped_optimizer_under_fsdp2() -> None:
+    from hf_altparams.integrations._fsdp2_prepare import shard_trainer_groups
+
+    model, opt = _grouped()
+    with pytest.raises(AltParamsError, match=r"cannot checkpoint a GroupedOptimizer.*`save_strategy='no'`"):
+        shard_trainer_groups(opt.groups, model, opt, False, saves_checkpoints=True)
+    assert shard_trainer_groups(opt.groups, model, opt, False, saves_checkpoints=False).names == ("a", "b")
