@@ -107,7 +107,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         **kwargs: passed to ``accelerate.Accelerator``.
 
     Raises:
-        PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP,
+        PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP1 (FSDP2 is supported),
             Megatron-LM, XLA, tensor/context parallelism or ``torch.compile``.
 
     Example:

@@ -12,7 +12,7 @@ Add :class:`AlternatingFreeze` to ``callbacks`` and change nothing else::
 
 How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
 
-* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP and a
+* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP1 and a
   compiled multi-process model; resolves the groups on the model it receives;
   turns ``requires_grad`` on for every parameter the schedule will ever train,
   so the optimizer the Trainer builds later covers them all. It also moves
@@ -137,7 +137,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         PlanError: bad arguments (here), unknown groups in the schedule, or an
             optimizer that leaves out parameters the schedule trains (at
             ``train()``, before the first step).
-        AltParamsError: DeepSpeed, FSDP or a compiled multi-process model.
+        AltParamsError: DeepSpeed, FSDP1 or a compiled multi-process model (FSDP2 is supported).
 
     Example:
         >>> from hf_altparams.plan import GradualUnfreeze
