@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
 __all__ = [
-    "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "fsdp2_metrics",
+    "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "forget_untrained_state",
+    "fsdp2_metrics",
     "fsdp_refusal", "grouped_checkpoint_view", "groups_with_state", "rebind_groups", "rebind_optimizer",
     "shard_trainer_groups", "start_sharded", "trainer_fsdp_version", "uses_fsdp2",
 ]
@@ -275,6 +276,23 @@ def trainer_fsdp_version(args: Any, shared_plugin: Any) -> Optional[int]:
     return None
 
 
+def forget_untrained_state(optimizer: Optional[Optimizer], groups: ParamGroups, trained: set[str]) -> None:
+    """After the Trainer's FSDP2 resume: drop the optimizer state of groups that had not trained yet.
+
+    DCP's optimizer load first creates a state for every trainable parameter
+    with a zero-gradient step at lr 0 (``step`` 1, zero moments); a group that
+    had not trained before the checkpoint keeps that, where the uninterrupted
+    run starts it fresh at its first step. Dropping it makes the resume exact.
+    """
+    inner = _unwrapped(optimizer)
+    if inner is None or isinstance(inner, GroupedOptimizer):
+        return
+    for name in groups.names:
+        if name not in trained:
+            for param in groups.params(name):
+                inner.state.pop(param, None)
+
+
 def uses_fsdp2(args: Any) -> bool:
     """True when a Trainer run with ``args`` shards with FSDP2 (Accelerate's shared plugin or the arguments)."""
     from accelerate.state import AcceleratorState
@@ -303,4 +321,13 @@ def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optio
         )
     rebound = rebind_groups(groups, model)
     rebind_optimizer(optimizer, groups, rebound)
+    inner = _unwrapped(optimizer)
+    if inner is not None and not isinstance(inner, GroupedOptimizer):
+        # An empty state entry for every parameter the schedule trains (on_init_end left exactly those
+        # trainable): the Trainer's FSDP2 checkpoint then holds one for a group not trained yet, and
+        # DCP's strict load, which wants state for every trainable parameter, accepts it. Torch
+        # optimizers initialise an empty state at the parameter's first step, as without the entry.
+        for _, param in rebound.all_named_params():
+            if param.requires_grad:
+                inner.state[param]  # noqa: B018 - a defaultdict: creates the empty entry
     return rebound

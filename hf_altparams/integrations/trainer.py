@@ -62,10 +62,10 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
-from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
+from ._fsdp2_prepare import forget_untrained_state, shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
-from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
+from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
 from ._trainer_support import (
     FirstCallCatcher,
     run_before_reporters,
@@ -218,6 +218,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self._logged_comm = 0
         self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
         self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
+        self._trained: set[str] = set()  # groups that trained at least one step (saved in the record)
 
     # ------------------------------------------------------------------ resolution
     def resolve(self, model: nn.Module) -> ParamGroups:
@@ -287,6 +288,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
         self._check_saved_state(state)
+        self._trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
+        if sharded is not None and state.global_step > 0:
+            forget_untrained_state(optimizer, self.groups, self._trained)
         self._is_main = state.is_world_process_zero
         self.switcher = PhaseSwitcher(
             self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer), release=self.release,
@@ -315,6 +319,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self.comm is not None:
             self.comm.end_step()
         self._trained_info = self._phase_info
+        self._trained |= self.switcher.current.trainable if self.switcher.current else set()
         if state.max_steps and state.global_step >= state.max_steps:
             return  # no step follows: a switch now would only cost a rebuild
         if self.switcher.step_to(state.global_step, self._epoch(state)) is not None:
@@ -431,7 +436,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
-        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state))
+        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state),
+                            self._trained)
 
     def _check_saved_state(self, state: TrainerState) -> None:
         if self.check_resume:
