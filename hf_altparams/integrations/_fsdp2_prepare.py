@@ -290,7 +290,7 @@ def forget_untrained_state(optimizer: Optional[Optimizer], groups: ParamGroups, 
     for name in groups.names:
         if name not in trained:
             for param in groups.params(name):
-                inner.state.pop(param, None)
+                inner.state[param] = {}  # kept (empty) for the next checkpoint
 
 
 def uses_fsdp2(args: Any) -> bool:
@@ -302,17 +302,24 @@ def uses_fsdp2(args: Any) -> bool:
         getattr(args, "fsdp", None) or shared.get("fsdp_plugin") is not None)
 
 
-def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer],
-                         has_prefix: bool, saves_checkpoints: bool) -> ParamGroups:
+def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer], args: Any,
+                         state: Any, trained: set[str], *, has_prefix: bool) -> ParamGroups:
     """For the Trainer's FSDP2 run (at ``on_train_begin``): the groups on the sharded parameters.
 
     The Trainer's ``accelerator.prepare`` ran ``fully_shard`` on the model in
     place before any callback event of ``train()``; the optimizer (swapped by
-    Accelerate) and a GroupedOptimizer's groups follow.
+    Accelerate) and a GroupedOptimizer's groups follow. For the Trainer's FSDP2
+    checkpoints (``torch.distributed.checkpoint``, strict: state for every
+    trainable parameter): every parameter the schedule trains gets an empty
+    state entry (on_init_end left exactly those trainable; torch optimizers
+    initialise an empty state at the first step, as without the entry), so a
+    checkpoint holds one for a group not trained yet; on a resume
+    (``global_step > 0``) the groups not in ``trained`` get it back empty
+    (:func:`forget_untrained_state`).
     """
     if has_prefix:
         raise AltParamsError("`frozen_prefix` is not supported with FSDP2 (not verified); leave it out")
-    if isinstance(_unwrapped(optimizer), GroupedOptimizer) and saves_checkpoints:
+    if isinstance(_unwrapped(optimizer), GroupedOptimizer) and args.save_strategy != "no":
         raise AltParamsError(
             "AlternatingFreeze with FSDP2 cannot checkpoint a GroupedOptimizer through the Trainer (its state "
             "dict is not the torch.distributed.checkpoint format the Trainer's FSDP save writes); use a torch "
@@ -321,12 +328,10 @@ def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optio
         )
     rebound = rebind_groups(groups, model)
     rebind_optimizer(optimizer, groups, rebound)
+    if state.global_step > 0:
+        forget_untrained_state(optimizer, rebound, trained)
     inner = _unwrapped(optimizer)
     if inner is not None and not isinstance(inner, GroupedOptimizer):
-        # An empty state entry for every parameter the schedule trains (on_init_end left exactly those
-        # trainable): the Trainer's FSDP2 checkpoint then holds one for a group not trained yet, and
-        # DCP's strict load, which wants state for every trainable parameter, accepts it. Torch
-        # optimizers initialise an empty state at the parameter's first step, as without the entry.
         for _, param in rebound.all_named_params():
             if param.requires_grad:
                 inner.state[param]  # noqa: B018 - a defaultdict: creates the empty entry

@@ -62,7 +62,7 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
-from ._fsdp2_prepare import forget_untrained_state, shard_trainer_groups, uses_fsdp2
+from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
@@ -281,16 +281,14 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
+        self._trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
         sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
         if sharded is not None:
-            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, self._prefix_option is not None,
-                                               saves_checkpoints=args.save_strategy != "no")
+            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, self._trained,
+                                               has_prefix=self._prefix_option is not None)
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
         self._check_saved_state(state)
-        self._trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
-        if sharded is not None and state.global_step > 0:
-            forget_untrained_state(optimizer, self.groups, self._trained)
         self._is_main = state.is_world_process_zero
         self.switcher = PhaseSwitcher(
             self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer), release=self.release,

@@ -196,9 +196,15 @@ def test_rebind_names_the_parameters_a_sharded_model_lacks() -> None:
 
 
 def test_trainer_refuses_to_checkpoint_a_grouped_optimizer_under_fsdp2() -> None:
+    from types import SimpleNamespace
+
     from hf_altparams.integrations._fsdp2_prepare import shard_trainer_groups
 
     model, opt = _grouped()
+    state = SimpleNamespace(global_step=0)
     with pytest.raises(AltParamsError, match=r"cannot checkpoint a GroupedOptimizer.*`save_strategy='no'`"):
-        shard_trainer_groups(opt.groups, model, opt, False, saves_checkpoints=True)
-    assert shard_trainer_groups(opt.groups, model, opt, False, saves_checkpoints=False).names == ("a", "b")
+        shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="steps"), state, set(),
+                             has_prefix=False)
+    rebound = shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="no"), state, set(),
+                                   has_prefix=False)
+    assert rebound.names == ("a", "b")
