@@ -19,7 +19,11 @@ the old parameters, so after ``prepare`` the integrations:
 * :func:`grouped_checkpoint_view`: Accelerate saves an FSDP2 optimizer with
   ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``), which needs a
   standard optimizer; a ``GroupedOptimizer`` is handed to it as the tuple of
-  its inner optimizers that hold state (DCP's multi-optimizer form).
+  its inner optimizers that hold state (DCP's multi-optimizer form);
+* the Trainer (:func:`shard_trainer_groups` at ``on_train_begin``): the same
+  rebinding, and what makes its strict DCP optimizer load resume exactly
+  (empty state entries for the scheduled parameters,
+  :func:`forget_untrained_state` after a resume).
 
 The refusals for FSDP1 and DeepSpeed live here too (:func:`fsdp_refusal`).
 """
@@ -199,9 +203,10 @@ def grouped_checkpoint_view(optimizers: list[Any], names_by_index: Optional[dict
     optimizers (one standard torch optimizer per group) are. Only groups with
     state are passed (an idle group under ``drop`` has none, and must not be
     expected in the checkpoint); DCP skips the state of frozen parameters, so
-    their ``requires_grad`` is on inside the block (no forward runs there). Saving: yields ``{index: [groups saved]}``;
-    loading: pass the same mapping as ``names_by_index`` (the inner optimizers
-    named there get a state to load into first). The list is restored after.
+    their ``requires_grad`` is on inside the block (no forward runs there).
+    Saving: yields ``{index: [groups saved]}``; loading: pass the same mapping
+    as ``names_by_index`` (the inner optimizers named there get a state to load
+    into first). The list and the flags are restored after.
     """
     swapped: dict[int, Any] = {}
     saved: dict[int, list[str]] = {}
