@@ -45,8 +45,10 @@ print("cuda available:", torch.cuda.is_available(), "| devices:",
 PY
 command -v nvidia-smi >/dev/null && step nvidia-smi nvidia-smi
 
-# 1. Every test marked `cuda` (setup.cfg's marker; FSDP2 on one GPU included:
-#    tests/engine/test_fsdp2_cuda.py); the rest of the suite is CI's.
+# 1. Every test marked `cuda` (setup.cfg's marker); the rest of the suite is CI's. Among them,
+# tests/engine/test_fsdp2_cuda.py (the FSDP2 engine on one GPU) and
+# tests/integrations/test_fsdp2_integrations.py, which runs PhasedAccelerator and the Trainer with FSDP2
+# for real on one GPU (Accelerate and the Trainer choose FSDP2 themselves; on CPU the test forces it).
 step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$OUT/cuda_tests.xml" tests
 
 # 2. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).

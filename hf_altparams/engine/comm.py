@@ -1,4 +1,4 @@
-"""Counting the bytes DDP really all-reduces, with a comm hook.
+"""Counting the bytes DDP really all-reduces (a comm hook), and FSDP2 reduce-scatters.
 
 The same hook sets the dtype buckets are all-reduced in (``CommCounter.dtype``:
 a bf16 bucket all-reduced in fp32 is cast up, reduced, and cast back) and, for a
@@ -12,7 +12,7 @@ cycle through C++ that keeps old gradient buckets alive after a rebuild).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are real types.
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import _ddp
 
-__all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter"]
+__all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter", "register_reduce_scatter_counter"]
 
 
 @dataclass
@@ -117,4 +117,54 @@ def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch
             return state
     counter = CommCounter(process_group=ddp.process_group, dtype=dtype, grads=grads)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
+    return counter
+
+
+class _CountingReduceScatter:
+    """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``), counting its input bytes.
+
+    Duck-typed to FSDP2's ``ReduceScatter`` interface (``allocate`` and
+    ``__call__``), given through the public ``FSDPModule.set_custom_reduce_scatter``.
+    """
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def allocate(self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        self.counter.bytes_pending += input_tensor.numel() * input_tensor.element_size()
+        self.counter.buckets_pending += 1
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+
+
+def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:
+    """Count the bytes each rank feeds to FSDP2's reduce-scatter, on every ``fully_shard`` unit of ``model``.
+
+    The FSDP2 counterpart of :func:`register_comm_counter`: ``bytes_pending``
+    grows during backward (each unit's padded gradients of the parameters that
+    have one), :meth:`CommCounter.end_step` closes an optimizer step. Compare a
+    step's figure with ``PhaseSwitcher.allreduce_bytes_per_step()``.
+
+    Raises:
+        ValueError: when a unit already has a custom reduce-scatter, or holds
+            several parameter groups (FSDP2 then refuses a custom one).
+
+    Example:
+        >>> # fully_shard(layer) for each layer; fully_shard(model)
+        >>> # counter = register_reduce_scatter_counter(model)
+        >>> # loss.backward(); optimizer.step(); counter.end_step()  -> bytes reduce-scattered
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    counter = CommCounter()
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError(f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count")
+    for unit in units:
+        unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))  # type: ignore[arg-type]
     return counter

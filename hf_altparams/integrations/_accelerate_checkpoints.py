@@ -9,6 +9,7 @@ saved phase before the optimizer state loads, so idle groups keep their policy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import AltParamsError
+from ._fsdp2_prepare import grouped_checkpoint_view
 
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
@@ -210,8 +212,10 @@ class CheckpointMixin:
         and after it): a save killed part-way leaves a folder without it, which
         :meth:`load_state` refuses and automatic resume (``load_state()``) skips.
         """
-        location = super().save_state(  # type: ignore[misc]
-            output_dir, safe_serialization=safe_serialization, **kwargs)
+        with self._fsdp2_optimizer_view(None) as saved:
+            self._fsdp2_saved_groups = saved
+            location = super().save_state(  # type: ignore[misc]
+                output_dir, safe_serialization=safe_serialization, **kwargs)
         fault_point("before_marker")
         self.wait_for_everyone()
         if self.switcher is not None and self._writes_state_files():
@@ -252,8 +256,11 @@ class CheckpointMixin:
         if self.switcher is None:
             return
         if self._writes_state_files():
+            extra = {}
+            if getattr(self, "_fsdp2_saved_groups", None):  # FSDP2: which groups' optimizer state DCP holds
+                extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self._fsdp2_saved_groups.items()}
             write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
-                        switcher=self.switcher.state_dict())
+                        switcher=self.switcher.state_dict(), **extra)
 
     def load_state(self: PhasedAccelerator, input_dir: Optional[str] = None, **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
@@ -270,7 +277,13 @@ class CheckpointMixin:
         automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
         if self.switcher is not None:
             input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
-        super().load_state(input_dir, **kwargs)
+        saved = None
+        if self.switcher is not None and input_dir is not None and self.is_fsdp2:
+            # Accelerate loads FSDP optimizers before the pre-hooks run: apply the saved phase first.
+            self._load_hook([], input_dir)
+            saved = {int(i): g for i, g in read_state(input_dir).get("fsdp2_optimizer_groups", {}).items()}
+        with self._fsdp2_optimizer_view(saved):
+            super().load_state(input_dir, **kwargs)
         if automatic:
             # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
             # existing checkpoint_0: continue after the highest folder, interrupted ones included.
@@ -279,6 +292,12 @@ class CheckpointMixin:
             self.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
         if self.switcher is not None:
             self.switcher.reapply_placement()  # load_state put optimizer state on the device
+
+    def _fsdp2_optimizer_view(self: PhasedAccelerator, saved: Optional[dict[int, list[str]]]) -> Any:
+        """With FSDP2, GroupedOptimizers reach DCP as their inner optimizers (``_fsdp2_prepare``)."""
+        if self.switcher is None or not self.is_fsdp2:
+            return contextlib.nullcontext({})
+        return grouped_checkpoint_view(self._optimizers, saved)
 
     def _load_hook(self: PhasedAccelerator, models: list[nn.Module], input_dir: str) -> None:
         if self.switcher is None:

@@ -20,9 +20,8 @@ from ..errors import AltParamsError
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
+#: Refused distributed types (DeepSpeed and FSDP1: ``_fsdp2_prepare.fsdp_refusal``, naming FSDP2).
 UNSUPPORTED = {
-    DistributedType.DEEPSPEED: "DeepSpeed ignores or rejects trainable-set changes after `initialize`",
-    DistributedType.FSDP: "FSDP shards parameters itself; FSDP2 needs no reducer rebuild",
     DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
     DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
 }

@@ -7,7 +7,7 @@ the phase, and the step and epoch it was written at.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 from transformers import TrainerState
 
@@ -16,7 +16,7 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 
-__all__ = ["STATE_KEY", "check_callback_state", "save_callback_state"]
+__all__ = ["STATE_KEY", "check_callback_state", "save_callback_state", "trained_groups"]
 
 #: Key of the callback's record in ``TrainerState.stateful_callbacks``. Deliberately
 #: not the class name: the Trainer's ``restore_callback_states_from_checkpoint``
@@ -27,8 +27,10 @@ _HOW = "pass `check_resume=False` to AlternatingFreeze to continue with the new 
 
 
 def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGroups,
-                        current: Optional[Phase], epoch: int) -> None:
+                        current: Optional[Phase], epoch: int, trained: Iterable[str] = ()) -> None:
     """Write the record for the phase ``current`` at ``state.global_step`` into ``state``.
+
+    ``trained``: the groups that have trained at least one step before ``current``.
 
     Example:
         >>> import torch
@@ -48,7 +50,29 @@ def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGr
         "step": state.global_step,
         "epoch": epoch,
         "complete_marker": True,  # checkpoints of this record end with hf_altparams_complete.json
+        "trained": sorted(trained),
     }
+
+
+def trained_groups(state: TrainerState) -> set[str]:
+    """The groups that trained at least one step before the checkpoint ``state`` was loaded from.
+
+    The record is written at switches: the phase it names has trained too when
+    ``global_step`` went past the record's step.
+
+    Example:
+        >>> state = TrainerState(global_step=5)
+        >>> state.stateful_callbacks = {STATE_KEY: {"phase": ["b"], "step": 4, "trained": ["a"]}}
+        >>> sorted(trained_groups(state))
+        ['a', 'b']
+    """
+    saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+    if not saved:
+        return set()
+    trained = set(saved.get("trained", ()))
+    if saved.get("phase") is not None and state.global_step > int(saved.get("step", 0)):
+        trained |= set(saved["phase"])
+    return trained
 
 
 def check_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGroups) -> None:

@@ -22,6 +22,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from ..engine.optim import GroupedOptimizer
+from ._fsdp2_prepare import FSDP1_MESSAGE, trainer_fsdp_version
 
 __all__ = ["FirstCallCatcher", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
 
@@ -31,15 +32,10 @@ _DEEPSPEED_MESSAGE = (
     "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
     "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
     "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
-    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU."
+    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
+    "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'version': 2}`."
 )
-_FSDP_MESSAGE = (
-    "AlternatingFreeze does not support FSDP through the Trainer (not verified: FSDP1 reduces whole "
-    "flat parameters, zeros included, and FSDP2 units frozen at the first forward need their "
-    "mixed-precision dtypes re-initialised). Train with plain DDP instead: drop `fsdp=` / "
-    "`fsdp_config=` from TrainingArguments (and any FSDP accelerate config) and launch with "
-    "`torchrun` or `accelerate launch --multi_gpu`."
-)
+_FSDP_MESSAGE = "AlternatingFreeze does not support FSDP1: " + FSDP1_MESSAGE
 _COMPILE_MESSAGE = (
     "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
     "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
@@ -55,7 +51,7 @@ def _env_true(name: str) -> bool:
 
 
 def unsupported_backend(args: TrainingArguments) -> Optional[str]:
-    """The refusal message for DeepSpeed / FSDP / compiled DDP in ``args``, or None."""
+    """The refusal message for DeepSpeed / FSDP1 / compiled DDP in ``args``, or None (FSDP2 is accepted)."""
     from accelerate.state import AcceleratorState
 
     shared = AcceleratorState._shared_state  # the Trainer's accelerator exists by on_init_end
@@ -75,8 +71,8 @@ def unsupported_backend(args: TrainingArguments) -> Optional[str]:
         or getattr(args, "fsdp_plugin_args", None) is not None
         or shared.get("fsdp_plugin") is not None
         or _env_true("ACCELERATE_USE_FSDP")
-    ):
-        return _FSDP_MESSAGE
+    ) and trainer_fsdp_version(args, shared.get("fsdp_plugin")) != 2:
+        return _FSDP_MESSAGE  # FSDP2 is supported (on_train_begin rebinds the groups to the shards)
     if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
         return _COMPILE_MESSAGE
     return None

@@ -64,6 +64,7 @@ from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
 from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
+from ._fsdp2_prepare import accelerator_refusal, fsdp2_metrics, start_sharded
 from ._loop_guard import LoopGuard, mid_window_switch_error
 from ._phase_queries import PhaseQueries
 from ._user_optimizers import GradientArrivals, HandleUnscaleMixin, OptimizerHandle, find_grouped
@@ -106,7 +107,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
         **kwargs: passed to ``accelerate.Accelerator``.
 
     Raises:
-        PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP,
+        PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP1 (FSDP2 is supported),
             Megatron-LM, XLA, tensor/context parallelism or ``torch.compile``.
 
     Example:
@@ -153,6 +154,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
         if unknown:
             raise PlanError(f"`switcher_options` has unknown keys {unknown}; accepted: {accepted}")
         super().__init__(**kwargs)
+        self._fsdp_plugin_given = kwargs.get("fsdp_plugin")  # Accelerate drops it on CPU (DESIGN fact 13)
         self._check_supported()
         hook = getattr(self.ddp_handler, "comm_hook", DDPCommunicationHookType.NO)
         if count_comm and hook != DDPCommunicationHookType.NO:
@@ -183,7 +185,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
                        self.register_load_state_pre_hook(self._load_hook)]
 
     def _check_supported(self) -> None:
-        reason = UNSUPPORTED.get(self.distributed_type)
+        reason = accelerator_refusal(self) or UNSUPPORTED.get(self.distributed_type)
         parallelism = getattr(self, "parallelism_config", None)
         if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
             reason = "tensor/context parallelism shards parameters outside DDP"
@@ -192,9 +194,9 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
             reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
         if reason is not None:
             raise AltParamsError(
-                f"PhasedAccelerator supports plain DDP (and single-process runs), not "
-                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason}. "
-                "Launch with DDP (`accelerate launch --multi_gpu`) and no dynamo backend."
+                f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
+                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason} "
+                "(and no dynamo backend)."
             )
 
     # ------------------------------------------------------------------ state
@@ -230,14 +232,19 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
             raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
                             "give one bool (or None) per object")
         found = find_grouped(args, self.groups, self.schedule, started=self.switcher is not None)
+        self._check_supported()
+        sharded = found.model_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
         if found.model_index is not None:
-            self._start_phases(found.groups, found.driving)  # type: ignore[arg-type]
+            self._start_phases(found.groups, found.driving, apply_first=not sharded)  # type: ignore[arg-type]
         call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         try:
             result = super().prepare(*call_args, device_placement=placement)
+            items = [result] if len(call_args) == 1 else list(result)
+            if sharded:
+                start_sharded(self, items[found.model_index])  # type: ignore[index]
+                found.groups = self.groups  # rebound to the shards (hand_back hooks them)
         finally:
             self._driving = None
-        items = [result] if len(call_args) == 1 else list(result)
         for i, obj in enumerate(items):
             if isinstance(obj, GroupedLRScheduler):
                 items[i] = self._prepare_grouped_scheduler(obj)
@@ -246,11 +253,13 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
         items = found.hand_back(args, items, self)
         return items[0] if len(args) == 1 else tuple(items)
 
-    def _start_phases(self, groups: ParamGroups, driving: Optimizer) -> None:
+    def _start_phases(self, groups: ParamGroups, driving: Optimizer, apply_first: bool = True) -> None:
         self.groups = groups
         self._grouped = driving if isinstance(driving, GroupedOptimizer) else None
         self._driving = driving
         self._trainable_by_phase = {}
+        if not apply_first:
+            return
         self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, release=self._release,
                                       **self._switcher_options)
         # The first phase, before DDP's constructor reads the requires_grad flags (logged at _attach).
@@ -284,9 +293,10 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
         assert self.switcher is not None
         if _ddp.is_ddp(prepared):
             self.switcher.attach(prepared)
-            self._loop_guard.watch(prepared)
             if self._count_comm:
                 self.comm_counter = register_comm_counter(prepared)
+        if _ddp.is_ddp(prepared) or self.switcher.backend.kind == "fsdp2":  # FSDP2: attached at start_sharded
+            self._loop_guard.watch(prepared)
         elif prepared is not self.switcher.module:
             raise AltParamsError(
                 f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
@@ -375,6 +385,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
     def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
         """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
         metrics: dict[str, Any] = record.as_log(prefix)
+        metrics.update(fsdp2_metrics(self, record, prefix))
         if self.switcher is not None:
             metrics.update(self.switcher.history.as_log(prefix))
         if self.device.type == "cuda":

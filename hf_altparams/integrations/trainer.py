@@ -12,7 +12,7 @@ Add :class:`AlternatingFreeze` to ``callbacks`` and change nothing else::
 
 How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
 
-* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP and a
+* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP1 and a
   compiled multi-process model; resolves the groups on the model it receives;
   turns ``requires_grad`` on for every parameter the schedule will ever train,
   so the optimizer the Trainer builds later covers them all. It also moves
@@ -56,7 +56,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from ..engine.comm import CommCounter, register_comm_counter
+from ..engine._fsdp2 import is_fsdp2
+from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
 from ..engine._built_optim import uncovered
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
@@ -65,11 +66,12 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
+from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
 from ._trainer_optim import grouped_optimizer
 from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
 from ._trainer_checkpoints import resumed_checkpoint
-from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state
+from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
 from ._trainer_support import (
     FirstCallCatcher,
     run_before_reporters,
@@ -141,7 +143,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         PlanError: bad arguments (here), unknown groups in the schedule, or an
             optimizer that leaves out parameters the schedule trains (at
             ``train()``, before the first step).
-        AltParamsError: DeepSpeed, FSDP or a compiled multi-process model.
+        AltParamsError: DeepSpeed, FSDP1 or a compiled multi-process model (FSDP2 is supported).
 
     Example:
         >>> from hf_altparams.plan import GradualUnfreeze
@@ -222,6 +224,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self._logged_comm = 0
         self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
         self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
+        self._trained: set[str] = set()  # groups that trained at least one step (saved in the record)
 
     # ------------------------------------------------------------------ resolution
     def resolve(self, model: nn.Module) -> ParamGroups:
@@ -271,7 +274,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
-        self._make_scheduled_trainable()
+        self._make_scheduled_trainable(only=uses_fsdp2(args))
         self._attach_prefix(model)
         run_before_reporters(self, sys._getframe(0))
 
@@ -284,6 +287,11 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
+        self._trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
+        sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
+        if sharded is not None:
+            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, self._trained,
+                                               has_prefix=self._prefix_option is not None)
         self._attach_prefix(self.groups.module)
         self._check_optimizer(optimizer)
         resumed = resumed_checkpoint(sys._getframe(0))
@@ -297,13 +305,16 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             **self.switcher_options,
         )
         self.comm = None
+        if sharded is not None:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
+            self.switcher.attach(sharded)
+            self.comm = register_reduce_scatter_counter(sharded) if self.count_comm else None
         self._logged_seconds, self._logged_comm = 0.0, 0
         self.switcher.step_to(state.global_step, self._epoch(state))
         self._phase_info, self._trained_info = self._describe_phase(), {}
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and sharded is None:
             self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
@@ -316,6 +327,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self.comm is not None:
             self.comm.end_step()
         self._trained_info = self._phase_info
+        self._trained |= self.switcher.current.trainable if self.switcher.current else set()
         if control.should_save:
             drop_stale_marker(args, state)  # the folder the Trainer saves next may be an old run's
         if state.max_steps and state.global_step >= state.max_steps:
@@ -421,12 +433,12 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         # last step of epoch e, so the floor is the epoch the next step belongs to.
         return int(state.epoch or 0)
 
-    def _make_scheduled_trainable(self) -> None:
+    def _make_scheduled_trainable(self, only: bool = False) -> None:
         assert self.groups is not None
         wanted = self.scheduled_param_names()
         for name, param in self.groups.all_named_params():
-            if name in wanted:
-                param.requires_grad_(True)
+            if name in wanted or only:  # FSDP2: the rest frozen too (a resume loads no state for them)
+                param.requires_grad_(name in wanted)
 
     def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
         if optimizer is None:
@@ -449,7 +461,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
-        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state))
+        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state),
+                            self._trained)
 
     def _check_saved_state(self, state: TrainerState) -> None:
         if self.check_resume:
