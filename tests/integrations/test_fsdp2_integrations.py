@@ -44,6 +44,7 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert bf16["changed"] == ["a", "b", "c"] and bf16["param_dtypes"] == ["torch.float32"]
         a, b, c = r["counted"][0], r["counted"][2], r["counted"][3]  # the fp32 run's phases a, a, b, c, ...
         assert bf16["counted"] == [a // 2, b // 2, c // 2, a // 2]  # phases a, b, c, a at half the bytes
+        assert bf16["counted"] == bf16["expected"]  # the engine's figure counts the bf16 reduce dtype
     assert len({r["bf16"]["digest"] for r in results}) == 1
 
 
