@@ -6,11 +6,14 @@ the active groups, and ``state_dict()`` is keyed by group and parameter *name*
 so it loads into a rebuilt model. Idle groups' optimizer state follows a
 policy: ``keep`` it, ``offload`` it to CPU (pinned when the device is CUDA), or
 ``drop`` it (torch optimizers re-initialise empty state at the next step).
+
+:class:`GroupedLRScheduler` and :func:`reapply_state_policy`, which act on a
+built :class:`GroupedOptimizer` from outside, live in
+:mod:`hf_altparams.engine._optim_companions`; both are importable from here.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 
 import torch
@@ -20,7 +23,7 @@ from torch.optim import Optimizer
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 from ._built_optim import as_factories, check_groups_argument
-from ._transfer import HostCopies, Prefetcher, optimizer_of, param_group_map, state_target_device, to_device, to_host
+from ._transfer import HostCopies, Prefetcher, param_group_map, state_target_device, to_device, to_host
 from ._transfer import nbytes as _nbytes
 
 __all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory", "reapply_state_policy"]
@@ -363,105 +366,6 @@ class GroupedOptimizer(Optimizer):
         self.set_active(self.active)
 
 
-SchedulerFactory = Callable[[Optimizer], Any]
-
-
-class GroupedLRScheduler:
-    """One LR scheduler per group of a :class:`GroupedOptimizer`.
-
-    Args:
-        optimizer: the grouped optimizer.
-        schedulers: a factory ``inner_optimizer -> LRScheduler`` for every group,
-            or a mapping group name -> factory (groups left out keep a constant LR).
-        advance_idle: if ``False`` (default), a group's schedule advances only on
-            steps where the group is active, so it resumes where it paused; if
-            ``True``, every group's schedule advances every step (wall-clock
-            schedules).
-
-    Example:
-        >>> # sched = GroupedLRScheduler(opt, lambda o: torch.optim.lr_scheduler.StepLR(o, 10))
-        >>> # after opt.step(): sched.step()
-    """
-
-    def __init__(
-        self,
-        optimizer: GroupedOptimizer,
-        schedulers: Union[SchedulerFactory, Mapping[str, SchedulerFactory]],
-        *,
-        advance_idle: bool = False,
-    ) -> None:
-        if not isinstance(optimizer, GroupedOptimizer):
-            raise PlanError(
-                f"GroupedLRScheduler: `optimizer` is {type(optimizer).__name__}; "
-                "a GroupedOptimizer is required"
-            )
-        self.optimizer = optimizer
-        self.advance_idle = advance_idle
-        if isinstance(schedulers, Mapping):
-            unknown = sorted(set(schedulers) - set(optimizer.inner))
-            if unknown:
-                raise PlanError(f"`schedulers` names unknown groups {unknown}; known: {sorted(optimizer.inner)}")
-            factories = dict(schedulers)
-        else:
-            factories = {name: schedulers for name in optimizer.inner}
-        self.schedulers = {name: f(optimizer.inner[name]) for name, f in factories.items()}
-
-    def step(self) -> None:
-        """Advance the schedules of the active groups (of all groups if ``advance_idle``).
-
-        When a switch came right after the optimizer's step (``PhasedAccelerator``
-        switches at the end of ``step()``), the groups that stepped
-        (``optimizer.stepped``) advance, not the next phase's.
-        """
-        stepped = self.optimizer.stepped
-        trained = self.optimizer.active if stepped is None else stepped
-        for name, sched in self.schedulers.items():
-            if self.advance_idle or name in trained:
-                with warnings.catch_warnings():
-                    # An idle group's optimizer did not step; torch warns about the order.
-                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-                    sched.step()
-
-    def get_last_lr(self) -> list[float]:
-        """Current learning rates in ``optimizer.param_groups`` order."""
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"advance_idle": self.advance_idle,
-                "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()}}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        for name, sched in self.schedulers.items():
-            sched.load_state_dict(state_dict["schedulers"][name])
-
-
-def reapply_state_policy(optimizer: Any) -> int:
-    """Re-apply a :class:`GroupedOptimizer`'s idle-state policy; return the bytes re-offloaded.
-
-    Three places move optimizer state back onto the device by themselves:
-    ``Optimizer.load_state_dict`` (torch casts state to the parameters' device),
-    Accelerate's optimizer preparation (``AcceleratedOptimizer`` with
-    ``device_placement=True`` reloads the state dict moved to the device) and
-    the Trainer's resume. ``GroupedOptimizer.load_state_dict`` re-applies the
-    policy itself; call this after anything else that may have touched the
-    state. ``optimizer`` may be wrapped (``.optimizer`` chains such as
-    ``AcceleratedOptimizer`` are unwrapped); any other optimizer is left alone
-    (returns 0).
-
-    Example:
-        >>> # optimizer = accelerator.prepare(GroupedOptimizer(groups, factory, state_policy="offload"))
-        >>> # reapply_state_policy(optimizer)  # idle groups' state back on the CPU
-    """
-    inner = optimizer_of(optimizer)
-    if not isinstance(inner, GroupedOptimizer):
-        return 0
-    moved = 0
-    for name in inner.groups.names:
-        if name in inner.active:
-            inner._restore(name)
-        elif inner.policies[name] == "offload":
-            moved += inner.offload(name)
-        elif inner.policies[name] == "drop":
-            moved += sum(inner.state_bytes(name).values())
-            inner._apply_idle_policy(name)
-    return moved
+# They need GroupedOptimizer, defined above; imported last so this module re-exports them.
+from ._optim_companions import GroupedLRScheduler, reapply_state_policy  # noqa: E402
+from ._optim_companions import SchedulerFactory as SchedulerFactory  # noqa: E402
