@@ -31,41 +31,45 @@ resident for the first time since the wrap are broadcast from rank 0 once,
 guards go on modules of non-resident groups, and the buffer-sync policy is
 applied. With ``prefetch``, the next phase's offloaded parameters and state
 start copying back during the last step of the current phase.
+
+This module holds the switcher's construction, ``attach`` and the transaction;
+its queries, ``reapply_placement`` and checkpoint state are in
+:mod:`._switch_state`, each backend's wrapper surgery in its own module
+(:mod:`._ddp`, :mod:`._fsdp2`).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..errors import AltParamsError, SwitchError
+from ..errors import SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _ddp, _misuse
-from ._collective import agree, any_rank_failed, check_timeout, collective_errors, is_distributed, settle
+from ._collective import agree, any_rank_failed, check_timeout, collective_errors, settle
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
 from ._prefetch import PhasePrefetch, PrefetchSetting
 from ._release import ReleasePolicy, ReleaseSetting
+from ._switch_state import SwitcherState
 from ._transfer import optimizer_of
 from .backend import Backend, LocalBackend, backend_for
 from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
 from .memory import release_memory
-from .optim import GroupedOptimizer, reapply_state_policy
+from .optim import GroupedOptimizer
 from .records import SwitchHistory, SwitchRecord
 from .residency import DeviceLike, ResidencyManager
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
 
 
-class PhaseSwitcher:
+class PhaseSwitcher(SwitcherState):
     """Applies a schedule's phases to a model (plain or DDP) and its optimizer.
 
     Args:
@@ -183,15 +187,6 @@ class PhaseSwitcher:
             self.attach(model)
 
     # ------------------------------------------------------------ wiring
-    @property
-    def records(self) -> list[SwitchRecord]:
-        """The recent switch records, oldest first (a copy of :attr:`history`'s window)."""
-        return self.history.recent
-
-    @property
-    def module(self) -> nn.Module:
-        return self.groups.module
-
     def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:
         """Attach the DDP wrapper built around ``groups.module`` (no-op for a plain module).
 
@@ -263,31 +258,6 @@ class PhaseSwitcher:
         local_error = (self.backend.precondition_error(in_accumulation_window=True)
                        or self._pending_grads_error())
         return self._transaction(self.current, None, None, local_error)
-
-    @property
-    def ddp(self) -> Optional[DistributedDataParallel]:
-        """The attached DDP wrapper, or ``None``."""
-        return self.backend.wrapper if self.backend.kind == "ddp" else None  # type: ignore[return-value]
-
-    @property
-    def process_group(self) -> Optional[dist.ProcessGroup]:
-        """The process group of the attached wrapper (``None``: no wrapper)."""
-        return self.backend.process_group
-
-    def _distributed(self) -> bool:
-        return is_distributed(self.process_group)
-
-    # ------------------------------------------------------------ queries
-    def phase_at(self, step: int, epoch: int = 0) -> Phase:
-        """The schedule's phase at ``step`` / ``epoch`` (pure; switches nothing)."""
-        return self.schedule.phase_at(step, epoch)
-
-    def trainable_names(self, phase: Phase) -> frozenset[str]:
-        return self.groups.trainable_param_names(phase.trainable)
-
-    def allreduce_bytes_per_step(self) -> int:
-        """Bytes the current reducer all-reduces per optimizer step (0 without DDP)."""
-        return self.backend.reduced_bytes_per_step()
 
     # ------------------------------------------------------------ switching
     def step_to(self, step: int, epoch: int = 0) -> Optional[SwitchRecord]:
@@ -413,45 +383,3 @@ class PhaseSwitcher:
         keep_off = self._state_stays_off(self.current) if self.current is not None else None
         rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
                  keep_off or (lambda group: False))
-
-    def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
-        """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
-        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
-        if not isinstance(opt, GroupedOptimizer):
-            return lambda group: False
-        return lambda group: group not in phase.trainable and opt.policies.get(group, "keep") != "keep"
-
-    # ------------------------------------------------------------ memory
-    def reapply_placement(self) -> int:
-        """Put parameters and optimizer state back where the current phase wants them.
-
-        Call it on every rank after anything that moved them wholesale: a
-        ``model.to(device)`` (Accelerate's ``prepare``, the Trainer's model
-        placement), an optimizer ``load_state_dict`` outside
-        :class:`GroupedOptimizer`, Accelerate's optimizer preparation, a Trainer
-        resume. Returns the bytes moved.
-        """
-        moved = 0
-        if self.current is not None:
-            moved += self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
-            self.residency.install_guards(self.current.name)
-        if self.optimizer is not None:
-            moved += reapply_state_policy(self.optimizer)
-        return moved
-
-    # ------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule's state and the current phase (for checkpoints)."""
-        return {
-            "schedule": self.schedule.state_dict(),
-            "phase": None if self.current is None else sorted(self.current.trainable),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Check the saved schedule matches this one (the phase itself follows the step)."""
-        try:
-            self.schedule.load_state_dict(state["schedule"])
-        except AltParamsError:
-            raise
-        except KeyError as exc:
-            raise SwitchError(f"switcher state is missing {exc}; expected keys ['schedule', 'phase']") from exc

@@ -1,9 +1,10 @@
 """Pieces of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator` that stand alone.
 
 The prepared optimizer and scheduler wrappers (they report sync-boundary steps to
-their accelerator), the distributed types that are refused, and the refusals
-``prepare`` raises (it finds its arguments with :mod:`._user_optimizers`).
-Checkpoints live in :mod:`._accelerate_checkpoints`.
+their accelerator), the configurations that are refused (:func:`check_supported`),
+and the refusals ``prepare`` raises (it finds its arguments with
+:mod:`._user_optimizers`). Checkpoints live in :mod:`._accelerate_checkpoints`,
+switch reports in :mod:`._accelerate_reporting`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from torch.optim import Optimizer
 
 from ..errors import AltParamsError
+from ._fsdp2_prepare import accelerator_refusal
 
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
@@ -25,6 +27,24 @@ UNSUPPORTED = {
     DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
     DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
 }
+
+
+
+def check_supported(acc: PhasedAccelerator) -> None:
+    """Refuse, with the reason, a configuration whose reducer or trainable set the phases cannot drive."""
+    reason = accelerator_refusal(acc) or UNSUPPORTED.get(acc.distributed_type)
+    parallelism = getattr(acc, "parallelism_config", None)
+    if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
+        reason = "tensor/context parallelism shards parameters outside DDP"
+    dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
+    if reason is None and dynamo != DynamoBackend.NO:
+        reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
+    if reason is not None:
+        raise AltParamsError(
+            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
+            f"distributed_type={acc.distributed_type.value!r} / this configuration: {reason} "
+            "(and no dynamo backend)."
+        )
 
 
 class PhasedOptimizer(AcceleratedOptimizer):

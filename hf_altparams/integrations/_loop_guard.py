@@ -17,6 +17,10 @@ applies the step:
   ``set_epoch`` was never called; a warning (once) when it was called before
   (an "epoch" longer than a pass is legitimate, if unusual).
 
+Also at that boundary, with ``find_unused_parameters=False``:
+**a trainable parameter of the phase got no gradient**
+(:func:`check_trainable_gradients`): its bucket was never all-reduced.
+
 And one refusal raised where the switch would happen: ``set_epoch`` called
 inside a gradient-accumulation window when the new epoch switches phase
 (:func:`mid_window_switch_error`). One warning (once): a sync-boundary
@@ -39,7 +43,7 @@ from ..errors import AltParamsError
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
 
-__all__ = ["LoopGuard", "mid_window_switch_error"]
+__all__ = ["LoopGuard", "check_trainable_gradients", "mid_window_switch_error"]
 
 
 class LoopGuard:
@@ -146,6 +150,23 @@ def steps_per_epoch(acc: PhasedAccelerator) -> int:
     if not lengths:
         return 0
     return math.ceil(max(lengths) / max(1, int(acc.gradient_accumulation_steps)))
+
+
+def check_trainable_gradients(acc: PhasedAccelerator) -> None:
+    """Refuse a sync-boundary step where a trainable parameter of the phase got no gradient (DDP, no unused search)."""
+    ddp = None if acc.switcher is None else acc.switcher.ddp
+    if ddp is None or ddp.find_unused_parameters:
+        return
+    missing = [n for n, p in acc._trainable if p.grad is None]
+    if missing:
+        phase = acc.phase.name if acc.phase else "?"
+        raise AltParamsError(
+            f"{len(missing)} trainable parameter(s) of phase {phase!r} got no gradient in this step"
+            f" (e.g. {missing[:3]}); DDP runs with `find_unused_parameters=False`, so "
+            "their bucket was not all-reduced and the ranks would diverge. If the forward skips them on "
+            "purpose (a branch or task head unused by this batch), pass `find_unused_parameters=True` to "
+            "PhasedAccelerator; otherwise move them out of the phase's groups."
+        )
 
 
 def mid_window_switch_error(phase: str, step: int, epoch: int) -> AltParamsError:

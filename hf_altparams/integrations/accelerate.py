@@ -30,6 +30,13 @@ points to hook (``prepare``, ``prepare_optimizer``, ``backward``, ``save_state``
 ``load_state``, ``free_memory``) are public methods of it. A wrapper holding an
 ``Accelerator`` would have to forward the other hundred methods, or leave users
 calling ``save_state`` on the inner object and silently skipping the schedule.
+
+This module holds the constructor, ``prepare`` and the loop hooks; the rest is
+in private siblings: checkpoints (:mod:`._accelerate_checkpoints`), switch
+reports (:mod:`._accelerate_reporting`), the prepared optimizer wrapper and the
+refused configurations (:mod:`._accelerate_parts`), one optimizer per group
+(:mod:`._user_optimizers`), FSDP2 (:mod:`._fsdp2_prepare`) and the loop checks
+at ``step()`` (:mod:`._loop_guard`).
 """
 
 from __future__ import annotations
@@ -40,38 +47,33 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (
-    DDPCommunicationHookType,
-    DistributedDataParallelKwargs,
-    DynamoBackend,
-)
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch import nn
 from torch.optim import Optimizer
 
 from ..engine import _ddp
 from ..engine.comm import CommCounter, register_comm_counter
-from ..engine.memory import rss_bytes
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
 from ..engine._layout import remember
 from ..engine._release import ReleasePolicy, ReleaseSetting
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
-from ..engine.records import SwitchHistory
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
-from ._accelerate_parts import UNSUPPORTED, PhasedOptimizer, PreparedGroupedLRScheduler
-from ._fsdp2_prepare import accelerator_refusal, fsdp2_metrics, start_sharded
-from ._loop_guard import LoopGuard, mid_window_switch_error
+from ._accelerate_parts import PhasedOptimizer, PreparedGroupedLRScheduler, check_supported
+from ._accelerate_reporting import ReportingMixin
+from ._fsdp2_prepare import start_sharded
+from ._loop_guard import LoopGuard, check_trainable_gradients, mid_window_switch_error
 from ._phase_queries import PhaseQueries
 from ._user_optimizers import GradientArrivals, HandleUnscaleMixin, OptimizerHandle, find_grouped
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
-class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accelerator):
+class PhasedAccelerator(PhaseQueries, CheckpointMixin, ReportingMixin, HandleUnscaleMixin, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:
@@ -185,37 +187,12 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
                        self.register_load_state_pre_hook(self._load_hook)]
 
     def _check_supported(self) -> None:
-        reason = accelerator_refusal(self) or UNSUPPORTED.get(self.distributed_type)
-        parallelism = getattr(self, "parallelism_config", None)
-        if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
-            reason = "tensor/context parallelism shards parameters outside DDP"
-        dynamo = getattr(getattr(self.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
-        if reason is None and dynamo != DynamoBackend.NO:
-            reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
-        if reason is not None:
-            raise AltParamsError(
-                f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
-                f"distributed_type={self.distributed_type.value!r} / this configuration: {reason} "
-                "(and no dynamo backend)."
-            )
+        check_supported(self)  # DeepSpeed, FSDP1, Megatron-LM, XLA, TP/CP, torch.compile: refused
 
     # ------------------------------------------------------------------ state
-    # `phase`, `task` and `visiting(...)` come from PhaseQueries.
+    # `phase`, `task` and `visiting(...)` come from PhaseQueries; `switch_records`,
+    # `switch_history` and `switch_metrics` from ReportingMixin (_accelerate_reporting).
     _started_by = "`accelerator.prepare(model, optimizer, ...)`"
-
-    @property
-    def switch_records(self) -> list[SwitchRecord]:
-        """The recent switches (the first phase applied at ``prepare`` included), oldest first.
-
-        At most ``switcher.history.window`` (256 by default) records; the running
-        totals of the whole run are in :attr:`switch_history`.
-        """
-        return [] if self.switcher is None else self.switcher.records
-
-    @property
-    def switch_history(self) -> Optional[SwitchHistory]:
-        """Recent records plus running totals (count, seconds, bytes moved); ``None`` before ``prepare``."""
-        return None if self.switcher is None else self.switcher.history
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
@@ -316,20 +293,8 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
 
     # ------------------------------------------------------- the training loop
     def _check_gradients(self) -> None:
-        self._loop_guard.check(self)
-        ddp = None if self.switcher is None else self.switcher.ddp
-        if ddp is None or ddp.find_unused_parameters:
-            return
-        missing = [n for n, p in self._trainable if p.grad is None]
-        if missing:
-            phase = self.phase.name if self.phase else "?"
-            raise AltParamsError(
-                f"{len(missing)} trainable parameter(s) of phase {phase!r} got no gradient in this step"
-                f" (e.g. {missing[:3]}); DDP runs with `find_unused_parameters=False`, so "
-                "their bucket was not all-reduced and the ranks would diverge. If the forward skips them on "
-                "purpose (a branch or task head unused by this batch), pass `find_unused_parameters=True` to "
-                "PhasedAccelerator; otherwise move them out of the phase's groups."
-            )
+        self._loop_guard.check(self)  # gradients that bypassed DDP, an epoch never set
+        check_trainable_gradients(self)  # a trainable parameter without a gradient
 
     def _sync_step_done(self) -> None:
         """End of a sync-boundary ``step()`` (fp16-skipped too, as the Trainer counts it): count it, switch."""
@@ -381,21 +346,6 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, HandleUnscaleMixin, Accel
         """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``."""
         super().backward(loss, **kwargs)
         self._backward_since_step = True
-
-    def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
-        """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
-        metrics: dict[str, Any] = record.as_log(prefix)
-        metrics.update(fsdp2_metrics(self, record, prefix))
-        if self.switcher is not None:
-            metrics.update(self.switcher.history.as_log(prefix))
-        if self.device.type == "cuda":
-            metrics[f"{prefix}memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            metrics[f"{prefix}max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        else:
-            metrics[f"{prefix}rss_bytes"] = rss_bytes()
-        if self.frozen_prefix is not None:  # what the cache did for the prefix that just ended
-            metrics.update(self.frozen_prefix.metrics(prefix))
-        return metrics
 
     def end_training(self) -> None:
         """``Accelerator.end_training`` (trackers finish, the process group goes), exiting cleanly.

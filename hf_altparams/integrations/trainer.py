@@ -36,7 +36,14 @@ How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
   finds the latest complete one (:mod:`._trainer_checkpoints`).
 
 The engine (:class:`~hf_altparams.engine.PhaseSwitcher`) does every switch;
-this module only decides *when*, with the Trainer's step and epoch.
+this module only decides *when*, with the Trainer's step and epoch: it holds
+the callback's arguments and events. The rest of the callback lives in private
+siblings: building the groups and checking the optimizer covers them
+(:mod:`._trainer_groups`), ``records`` and ``metrics``
+(:mod:`._trainer_reporting`), backend refusals and the DDP wrapper's first call
+(:mod:`._trainer_support`), the saved schedule (:mod:`._trainer_state`),
+checkpoint markers (:mod:`._trainer_checkpoints`) and
+:func:`grouped_optimizer` (:mod:`._trainer_optim`).
 """
 
 from __future__ import annotations
@@ -57,23 +64,24 @@ from transformers import (
 )
 
 from ..engine._fsdp2 import is_fsdp2
-from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
+from ..engine.comm import CommCounter, register_reduce_scatter_counter
 from ..engine._release import ReleasePolicy, ReleaseSetting
-from ..engine._built_optim import uncovered
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
-from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, PlanError, SwitchError
+from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
 from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
+from ._trainer_groups import GroupsMixin
 from ._trainer_optim import grouped_optimizer
 from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
 from ._trainer_checkpoints import resumed_checkpoint
+from ._trainer_reporting import ReportingMixin
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
 from ._trainer_support import (
     FirstCallCatcher,
+    WrapperMixin,
     run_before_reporters,
     unsupported_backend,
     unwrap_optimizer,
@@ -90,7 +98,7 @@ GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamG
 # ----------------------------------------------------------------------------- the callback
 
 
-class AlternatingFreeze(PhaseQueries, TrainerCallback):
+class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin, TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
     Args:
@@ -132,6 +140,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
     ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
     ``visiting(groups)`` (evaluate a non-resident group) answer from
     ``trainer.train()`` on; see :class:`~._phase_queries.PhaseQueries`.
+    ``resolve(model)`` and ``scheduled_param_names()`` come from
+    :class:`~._trainer_groups.GroupsMixin`; ``records`` and ``metrics()`` from
+    :class:`~._trainer_reporting.ReportingMixin`.
 
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from
@@ -225,45 +236,6 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
         self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
         self._trained: set[str] = set()  # groups that trained at least one step (saved in the record)
-
-    # ------------------------------------------------------------------ resolution
-    def resolve(self, model: nn.Module) -> ParamGroups:
-        """Build the groups on ``model`` and validate the schedule against them."""
-        arg = self._groups_arg
-        try:
-            if isinstance(arg, ParamGroups):
-                groups = arg if arg.module is model else arg.rebind(model)
-            elif isinstance(arg, Mapping):
-                groups = ParamGroups(model, arg, ungrouped=self.ungrouped)
-            elif arg is not None:
-                groups = arg(model)
-                if not isinstance(groups, ParamGroups):
-                    raise PlanError(
-                        f"the `groups` function returned {type(groups).__name__}; it must return "
-                        "ParamGroups built on the model it is given"
-                    )
-            else:
-                layers, per, prefix, extra = self._layers
-                assert layers is not None
-                groups = ParamGroups.from_layers(
-                    model, layers, per=per, prefix=prefix, extra=extra, ungrouped=self.ungrouped
-                )
-        except PlanError as err:
-            raise PlanError(f"AlternatingFreeze: cannot build the groups on {type(model).__name__}: {err}") from err
-        if groups.module is not model:
-            raise PlanError(
-                "AlternatingFreeze: the groups were built on another module than the Trainer's "
-                f"model ({type(groups.module).__name__} vs {type(model).__name__}); build them on "
-                "the model you pass to Trainer"
-            )
-        self.schedule.validate(groups)
-        return groups
-
-    def scheduled_param_names(self) -> frozenset[str]:
-        """Canonical names of every parameter some phase of the schedule may train."""
-        assert self.groups is not None
-        names = [g for g in self.groups.names if g in self.schedule.group_names()]
-        return self.groups.trainable_param_names(names)
 
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -368,44 +340,6 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             self._catcher.remove()
             self._catcher = None
 
-    # ------------------------------------------------------------------ reporting
-    @property
-    def records(self) -> list[SwitchRecord]:
-        """What the recent switches of the current ``train()`` did (the first may be the wrapper's re-bucketing).
-
-        At most ``switcher.history.window`` records, oldest first; the totals of
-        the whole run are in ``switcher.history``.
-        """
-        return [] if self.switcher is None else self.switcher.records
-
-    def metrics(self) -> dict[str, Union[int, float, str]]:
-        """The ``altparams/*`` values :meth:`on_log` adds to the Trainer's logs.
-
-        Describing the optimizer step just trained (the one whose loss is
-        logged): ``phase``, ``trainable_params``, ``allreduce_bytes_per_step``
-        (bytes the DDP reducer all-reduces per step; 0 without DDP); then
-        ``switches`` (so far in this ``train()``, the wrapper's first
-        re-bucketing included), ``switch_seconds`` (time spent switching since
-        the previous log), and with ``count_comm=True``
-        ``allreduce_bytes_measured`` (mean bytes per step since the previous log).
-        """
-        assert self.switcher is not None
-        prefix, history = self.log_prefix, self.switcher.history
-        info = self._trained_info or self._phase_info
-        out: dict[str, Union[int, float, str]] = {f"{prefix}{k}": v for k, v in info.items()}
-        out.update({
-            f"{prefix}switches": history.count,
-            f"{prefix}switch_seconds": history.seconds - self._logged_seconds,
-        })
-        self._logged_seconds = history.seconds
-        if self.comm is not None:
-            recent = self.comm.history[self._logged_comm:]
-            self._logged_comm = len(self.comm.history)
-            out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
-        if self.frozen_prefix is not None:
-            out.update(self.frozen_prefix.metrics(prefix))
-        return out
-
     # ------------------------------------------------------------------ internals
     def _attach_prefix(self, model: nn.Module) -> None:
         if self._prefix_option is None:
@@ -417,47 +351,11 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             self.frozen_prefix.detach()
         self.frozen_prefix = FrozenPrefixCache(model, self._prefix_option).attach()
 
-    def _describe_phase(self) -> dict[str, Union[int, str]]:
-        assert self.switcher is not None
-        phase = self.switcher.current
-        trainable = self.switcher.trainable_names(phase) if phase is not None else frozenset()
-        return {
-            "phase": phase.name if phase is not None else "",
-            "trainable_params": sum(p.numel() for n, p in self.switcher.groups.all_named_params() if n in trainable),
-            "allreduce_bytes_per_step": self.switcher.allreduce_bytes_per_step(),
-        }
-
     @staticmethod
     def _epoch(state: TrainerState) -> int:
         # The Trainer sets `epoch = e + (batch + 1) / batches_in_epoch`, exactly e + 1 after the
         # last step of epoch e, so the floor is the epoch the next step belongs to.
         return int(state.epoch or 0)
-
-    def _make_scheduled_trainable(self, only: bool = False) -> None:
-        assert self.groups is not None
-        wanted = self.scheduled_param_names()
-        for name, param in self.groups.all_named_params():
-            if name in wanted or only:  # FSDP2: the rest frozen too (a resume loads no state for them)
-                param.requires_grad_(name in wanted)
-
-    def _check_optimizer(self, optimizer: Optional[Optimizer]) -> None:
-        if optimizer is None:
-            return
-        assert self.groups is not None
-        missing = uncovered(self.groups, self.schedule.group_names(), [optimizer])  # shared with PhasedAccelerator
-        if not missing:
-            return
-        groups = sorted({g or "<ungrouped>" for _, g in missing})
-        names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise PlanError(
-            f"AlternatingFreeze: the optimizer leaves out {len(missing)} parameter(s) that the schedule "
-            f"trains (group(s) {groups}: {names}); they would never be updated. The Trainer's default "
-            "optimizer covers them when AlternatingFreeze is in `callbacks` of `Trainer(...)`. If you "
-            "pass `optimizers=(optimizer, scheduler)` or build the optimizer yourself, build it over "
-            "every parameter the schedule trains, whether frozen now or not (e.g. "
-            "`torch.optim.AdamW(model.parameters())`, or `grouped_optimizer(groups, ...)` from "
-            "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`."
-        )
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
@@ -468,41 +366,3 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self.check_resume:
             assert self.groups is not None
             check_callback_state(state, self.schedule, self.groups)
-
-    def _attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
-        assert self.switcher is not None
-        if self.count_comm and self.comm is None:
-            try:
-                self.comm = register_comm_counter(ddp)
-            except RuntimeError as err:
-                raise SwitchError(
-                    f"`count_comm=True` could not register its comm hook on the Trainer's DDP ({err}); "
-                    "DDP takes one comm hook: drop the other one, or pass `count_comm=False`"
-                ) from err
-        self.switcher.attach(ddp, rebuild=True)
-        self._phase_info = self._describe_phase()
-        self.find_unused_parameters = bool(ddp.find_unused_parameters)
-        if self.find_unused_parameters and self._is_main:
-            logger.warning(
-                "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default "
-                "without gradient checkpointing), which walks the autograd graph and all-reduces a "
-                "used-parameter map on every step. "
-                "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
-                "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips "
-                "some trainable parameters."
-            )
-
-    def _no_wrapper(self) -> None:
-        """Called when the model trains without a DDP wrapper (single process)."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            raise SwitchError(
-                f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
-                "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
-                "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
-                "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
-                "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
-                "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
-                "Trainer's default for multi-process runs) is supported."
-            )
