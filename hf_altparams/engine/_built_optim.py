@@ -164,6 +164,29 @@ def uncovered(
     return [(n, groups.group_of(n)) for n, p in groups.all_named_params() if n in wanted and id(p) not in held]
 
 
+def uncovered_message(
+    groups: ParamGroups, trained_groups: Iterable[str], optimizers: Iterable[Optimizer]
+) -> Optional[str]:
+    """``"leaves out N parameter(s) that the schedule trains (group(s) [...]: names)"``, or ``None``.
+
+    The shared start of the coverage refusals (``PhasedAccelerator.prepare`` and
+    ``AlternatingFreeze``), over :func:`uncovered`'s list.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> uncovered_message(groups, ["a", "b"], [torch.optim.SGD(net[0].parameters())])
+        "leaves out 2 parameter(s) that the schedule trains (group(s) ['b']: '1.weight', '1.bias')"
+    """
+    missing = uncovered(groups, trained_groups, optimizers)
+    if not missing:
+        return None
+    left = sorted({g or "<ungrouped>" for _, g in missing})
+    names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return f"leaves out {len(missing)} parameter(s) that the schedule trains (group(s) {left}: {names})"
+
+
 def as_factories(groups: ParamGroups, optimizers: Any) -> dict[str, Callable[[list[nn.Parameter]], Optimizer]]:
     """One factory per group; a built optimizer is checked, then returned as is.
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine._built_optim import uncovered
+from ..engine._built_optim import uncovered_message
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 
@@ -76,14 +76,11 @@ class GroupsMixin:
         if optimizer is None:
             return
         assert self.groups is not None
-        missing = uncovered(self.groups, self.schedule.group_names(), [optimizer])  # shared with PhasedAccelerator
-        if not missing:
+        missing = uncovered_message(self.groups, self.schedule.group_names(), [optimizer])
+        if missing is None:
             return
-        groups = sorted({g or "<ungrouped>" for _, g in missing})
-        names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise PlanError(
-            f"AlternatingFreeze: the optimizer leaves out {len(missing)} parameter(s) that the schedule "
-            f"trains (group(s) {groups}: {names}); they would never be updated. The Trainer's default "
+            f"AlternatingFreeze: the optimizer {missing}; they would never be updated. The Trainer's default "
             "optimizer covers them when AlternatingFreeze is in `callbacks` of `Trainer(...)`. If you "
             "pass `optimizers=(optimizer, scheduler)` or build the optimizer yourself, build it over "
             "every parameter the schedule trains, whether frozen now or not (e.g. "

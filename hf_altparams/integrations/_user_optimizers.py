@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..engine import _ddp
-from ..engine._built_optim import match_to_groups, uncovered
+from ..engine._built_optim import match_to_groups, uncovered_message
 from ..engine.optim import GroupedOptimizer, reapply_state_policy
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
@@ -247,14 +247,12 @@ def _touches(opt: Optimizer, module: nn.Module, ids: set[int]) -> bool:
 
 def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Optimizer) -> None:
     """Case 6: a parameter the schedule trains that the driving optimizer (``what``) does not hold."""
-    missing = uncovered(groups, schedule.group_names(), [opt])
-    if not missing:
+    missing = uncovered_message(groups, schedule.group_names(), [opt])
+    if missing is None:
         return
-    left = sorted({g or "<ungrouped>" for _, g in missing})
-    names = ", ".join(repr(n) for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
     raise PlanError(
-        f"{what} leaves out {len(missing)} parameter(s) that the schedule "
-        f"trains (group(s) {left}: {names}); they would never be updated. Build it over every parameter the schedule trains, whether frozen now or not "
+        f"{what} {missing}; they would never be updated. Build it over every parameter the schedule trains, "
+        "whether frozen now or not "
         "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
         f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}"
     )
