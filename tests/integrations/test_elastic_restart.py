@@ -1,9 +1,11 @@
-"""The elastic-restart recipe (``examples/elastic_restart.py``) under ``torchrun --max-restarts 1``.
+"""The elastic-restart recipes under ``torchrun --max-restarts 1``.
 
-A 2-rank ``PhasedAccelerator`` run where rank 1 SIGKILLs itself in the middle
-of a phase on the first attempt; torch elastic restarts both ranks, which resume
-from the latest complete checkpoint (also mid-phase) by themselves and end with
-parameters bit-equal to an uninterrupted run's.
+``examples/elastic_restart.py`` (``PhasedAccelerator``) and
+``examples/elastic_restart_trainer.py`` (the Trainer with ``AlternatingFreeze``):
+2-rank runs where rank 1 SIGKILLs itself in the middle of a phase on the first
+attempt; torch elastic restarts both ranks, which resume from the latest
+complete checkpoint (also mid-phase) by themselves and end with parameters
+bit-equal to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -16,8 +18,22 @@ import pytest
 
 from hf_altparams.testing.launch import LaunchError, _launch_env, _run_once, free_port, launch
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_restart.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "elastic_restart.py"
+TRAINER_EXAMPLE = EXAMPLES / "elastic_restart_trainer.py"
 DIGEST = re.compile(r"^final parameter sha256: ([0-9a-f]{64})$", re.MULTILINE)
+
+
+def _elastic_run(script: Path, *args: str) -> str:
+    """``torchrun --max-restarts 1`` of ``script`` on 2 CPU ranks; its output (it must exit 0)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           str(script), *args]
+    env = _launch_env("torchrun", {"ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    result, timed_out = _run_once(cmd, env, 180, None)
+    if timed_out or result.returncode != 0:
+        raise LaunchError(f"{cmd} exited {result.returncode} (timed out: {timed_out}):\n{result.stdout[-8000:]}")
+    return result.stdout
 
 
 @pytest.mark.distributed
@@ -34,14 +50,7 @@ def test_a_rank_killed_mid_phase_restarts_and_ends_bit_equal_to_an_uninterrupted
     # "connectFullMesh failed ... Connection refused" (the store outlives the attempt, with the dead
     # rank's address in it), and with the shared c10d store the restarted ranks hung once in 2
     # (pytorch/pytorch#135712 describes the same kind of stale store). See docs/troubleshooting.md.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           str(EXAMPLE), "--project-dir", str(tmp_path / "killed"), *steps, "--kill-at-step", "6"]
-    result, timed_out = _run_once(cmd, _launch_env("torchrun", {"ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
-                                  180, None)
-    killed = result.stdout
-    if timed_out or result.returncode != 0:
-        raise LaunchError(f"{cmd} exited {result.returncode} (timed out: {timed_out}):\n{killed[-8000:]}")
+    killed = _elastic_run(EXAMPLE, "--project-dir", str(tmp_path / "killed"), *steps, "--kill-at-step", "6")
 
     assert "rank 1: SIGKILL at step 6, mid-phase head" in killed, killed[-3000:]
     assert "exitcode: -9" in killed  # torch elastic saw the SIGKILL, then restarted the job
@@ -51,3 +60,27 @@ def test_a_rank_killed_mid_phase_restarts_and_ends_bit_equal_to_an_uninterrupted
     digests = DIGEST.findall(plain), DIGEST.findall(killed)
     assert len(digests[0]) == len(digests[1]) == 1, (plain[-2000:], killed[-2000:])
     assert digests[0] == digests[1]
+
+
+TRAINER_DIGEST = re.compile(r"^rank ([01]) final parameter sha256: ([0-9a-f]{64})$", re.MULTILINE)
+
+
+@pytest.mark.distributed
+def test_a_trainer_rank_killed_mid_phase_restarts_and_ends_bit_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    steps = ["--max-steps", "8", "--save-every", "4"]
+    plain = launch(TRAINER_EXAMPLE, "--output-dir", str(tmp_path / "plain"), *steps, nproc=2,
+                   env={"ACCELERATE_USE_CPU": "1"}, timeout=300).stdout
+    # Schedule: layer0 steps 0-2, layer1 3-4, head 5-6, layer0 7-9. Rank 1 dies after optimizer step 6
+    # (global_step 6: the next step is head's second); the latest complete checkpoint is checkpoint-4,
+    # mid-phase "layer1" (its state dropped while idle, layer0's offloaded): the restart trains steps
+    # 5-8 again, across the switches to "head" and back to "layer0".
+    killed = _elastic_run(TRAINER_EXAMPLE, "--output-dir", str(tmp_path / "killed"), *steps, "--kill-at-step", "6")
+
+    assert "rank 1: SIGKILL after step 6, mid-phase head" in killed, killed[-3000:]
+    assert "exitcode: -9" in killed  # torch elastic saw the SIGKILL, then restarted the job
+    assert "attempt 1: resuming from checkpoint-4" in killed, killed[-3000:]
+    assert "attempt 1: done, 8 steps" in killed
+    assert (tmp_path / "killed" / "checkpoint-8").is_dir()
+    digests = [dict(TRAINER_DIGEST.findall(out)) for out in (plain, killed)]
+    assert all(sorted(d) == ["0", "1"] for d in digests), (plain[-2000:], killed[-2000:])
+    assert len({*digests[0].values(), *digests[1].values()}) == 1, digests
