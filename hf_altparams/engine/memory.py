@@ -137,7 +137,7 @@ class HostHeap:
         free_bytes: heap glibc holds free (``arena_bytes - in_use_bytes``): the
             "free heap held". Pages of it that ``malloc_trim`` gave back
             (``madvise``) still count here but no longer in the RSS.
-        mmapped_bytes: live allocations served by ``mmap`` (above the threshold).
+        mmapped_bytes: live allocations served by ``mmap`` (at or above the threshold).
     """
 
     arena_bytes: int
