@@ -63,7 +63,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter  # noqa: E402
+from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, mmap_large_host_allocations,  # noqa: E402
+                                 register_comm_counter)
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.meters import PeakMemory  # noqa: E402
@@ -100,6 +101,8 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
 
 
 def run_worker(args: argparse.Namespace) -> None:
+    if args.mmap_threshold:  # before anything large is allocated
+        mmap_large_host_allocations(args.mmap_threshold)
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -265,7 +268,8 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            __file__, "--worker", scenario, "--device", device, "--result", str(result),
            "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--layers", str(args.layers)] + (["--bucket-view"] if args.bucket_view else [])
+           "--batch", str(args.batch), "--layers", str(args.layers),
+           "--mmap-threshold", str(args.mmap_threshold)] + (["--bucket-view"] if args.bucket_view else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     if proc.returncode != 0:
@@ -362,6 +366,7 @@ def run_driver(args: argparse.Namespace) -> None:
         title = (f"{machine(device, nproc)}; two halves of {half:.1f} MiB"
                  f"{f' ({args.layers} layers each)' if args.layers > 1 else ''}, batch {args.batch}/rank, "
                  f"gradient_as_bucket_view={args.bucket_view}, "
+                 f"{f'mmap_large_host_allocations({args.mmap_threshold}), ' if args.mmap_threshold else ''}"
                  f"{args.repeats} x {args.steps - args.warmup} measured steps after {args.warmup} warm-up; "
                  f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after")
         table = markdown(rows, title)
@@ -384,6 +389,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="build every DDP with gradient_as_bucket_view=True (gradients are bucket views)")
     parser.add_argument("--layers", type=int, default=1,
                         help="Linear layers per half (>1: several DDP buckets, to see DESIGN.md fact 3)")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="bytes: each rank calls mmap_large_host_allocations(N) first (glibc mmaps host "
+                             "blocks >= N); 0: glibc's default heap")
     parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
                         help="auto: cpu, plus cuda when a GPU is visible")
     parser.add_argument("--cpu-ranks", type=int, default=2, help="gloo ranks for the CPU run")

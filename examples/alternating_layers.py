@@ -47,7 +47,7 @@ All runs share one process, so on CPU two things would blur RSS: the first
 training run in a process pays one-time costs (gloo buffers, autograd threads),
 and glibc keeps freed blocks of one run for the next (it raises its mmap
 threshold after a big block is freed). So the script pins that threshold to
-1 MiB (big tensors are mmapped and returned to the OS when freed, and RSS
+1 MiB (``mmap_large_host_allocations``: big tensors are mmapped and returned to the OS when freed, and RSS
 follows live memory; the order of the runs then no longer matters) and starts
 with a short, unreported warm-up run of the baseline.
 """
@@ -55,7 +55,6 @@ with a short, unreported warm-up run of the baseline.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import gc
 import math
@@ -68,7 +67,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
-from hf_altparams.engine import CommCounter, GroupedOptimizer, counting_allreduce_hook, register_comm_counter
+from hf_altparams.engine import (CommCounter, GroupedOptimizer, counting_allreduce_hook, mmap_large_host_allocations,
+                                 register_comm_counter)
 from hf_altparams.engine.memory import malloc_trim, rss_bytes
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
@@ -118,14 +118,6 @@ class RandomRegression(torch.utils.data.Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         x = torch.randn(self.width, generator=gen)
         return x, 0.5 * x.roll(1)  # a target two linear layers can learn
-
-
-def pin_mmap_threshold(nbytes: int = MiB) -> None:
-    """glibc: serve blocks >= `nbytes` with mmap, always (a fixed threshold turns off its dynamic raise)."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # -3 is M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: RSS figures are then rougher
-        pass
 
 
 class PeakMemory:
@@ -271,7 +263,7 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
 
 def main() -> None:
     args = parse_args()
-    pin_mmap_threshold()
+    mmap_large_host_allocations(MiB)  # glibc: blocks >= 1 MiB from mmap, always (no-op elsewhere)
     if args.warmup_steps > 0:
         run("single", args, args.warmup_steps)  # pays the process's one-time costs; not reported
     results = {mode: run(mode, args, args.max_steps) for mode in args.runs}

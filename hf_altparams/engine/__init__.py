@@ -4,7 +4,7 @@ from ._fsdp2_units import shard_by_groups
 from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
-from .memory import release_memory, rss_bytes
+from .memory import HostHeap, host_heap, mmap_large_host_allocations, release_memory, rss_bytes
 from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
 from .precision import DynamicLossScale, PrecisionOptimizer
@@ -22,6 +22,7 @@ __all__ = [
     "DynamicLossScale",
     "GroupedLRScheduler",
     "GroupedOptimizer",
+    "HostHeap",
     "LocalBackend",
     "MemoryReport",
     "PhaseSwitcher",
@@ -31,7 +32,9 @@ __all__ = [
     "SwitchRecord",
     "counting_allreduce_hook",
     "expected_peak_bytes",
+    "host_heap",
     "memory_report",
+    "mmap_large_host_allocations",
     "non_resident_groups",
     "plan_buffer_sync",
     "reapply_state_policy",
