@@ -6,6 +6,7 @@ markdown table::
     python benchmarks/alternating.py                    # 2 CPU ranks (gloo), + CUDA if present
     python benchmarks/alternating.py --size-mib 8 --steps 12 --devices cpu   # a quick run
     python benchmarks/alternating.py --diagnose --repeats 2   # + where the switch time goes
+    python benchmarks/alternating.py --breakdown --devices cpu  # each part of a switch, gloo's floor
 
 The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
 ``--size-mib`` MiB of fp32 weights). Scenarios:
@@ -62,7 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
+import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
+from _machine import machine  # noqa: E402
 from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, mmap_large_host_allocations,  # noqa: E402
                                  register_comm_counter)
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
@@ -121,11 +123,14 @@ def run_worker(args: argparse.Namespace) -> None:
     ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
     ddp_kwargs["gradient_as_bucket_view"] = args.bucket_view
 
+    if args.breakdown:
+        _breakdown.activate()  # times each part of every switch (see benchmarks/_breakdown.py)
     memory = PeakMemory(device)
     memory.mark_baseline()
     loop = SCENARIO_LOOPS[args.scenario]
     step_s, switch_s, sent, trainable = loop(model, batches, args.steps, ddp_kwargs, half_bytes, device)
     peak = memory.peak_growth()
+    breakdown = _breakdown.worker_result(args.warmup) if args.breakdown else None  # collective: every rank
 
     warm = args.warmup
     result = {
@@ -140,6 +145,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "switch_s": switch_s[warm:],
         "bytes_per_step": sent[warm:],
         "trainable_bytes_per_step": trainable[warm:],
+        "breakdown": breakdown,
     }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
@@ -269,7 +275,8 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
            __file__, "--worker", scenario, "--device", device, "--result", str(result),
            "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch", str(args.batch), "--layers", str(args.layers),
-           "--mmap-threshold", str(args.mmap_threshold)] + (["--bucket-view"] if args.bucket_view else [])
+           "--mmap-threshold", str(args.mmap_threshold)] + (["--bucket-view"] if args.bucket_view else []) \
+        + (["--breakdown"] if args.breakdown else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     if proc.returncode != 0:
@@ -374,8 +381,14 @@ def run_driver(args: argparse.Namespace) -> None:
         payload = {"machine": machine(device, nproc), "device": device, "world_size": nproc,
                    "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
                    "load_average": load, "rows": rows, "runs": runs}
-        (out_dir / f"alternating_{device}.json").write_text(json.dumps(payload, indent=1))
-        (out_dir / f"alternating_{device}.md").write_text(table + "\n")
+        if args.breakdown:  # its own files: the diagnostic barrier slows every hf_* switch
+            step_s = next(r["step_ms"] for r in rows if r["scenario"] == "single") / 1e3
+            payload["breakdown"] = _breakdown.summarize(runs, step_s)
+            table += "\n\n" + _breakdown.markdown(payload["breakdown"], step_s, title)
+            print(table[table.index("### Switch breakdown"):], flush=True)
+        stem = f"alternating_{device}" + ("_breakdown" if args.breakdown else "")
+        (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+        (out_dir / f"{stem}.md").write_text(table + "\n")
     print(f"\nwrote {out_dir}/alternating_*.json and .md")
 
 
@@ -402,6 +415,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS + DIAGNOSTIC)
     parser.add_argument("--diagnose", action="store_true",
                         help=f"also run {', '.join(DIAGNOSTIC)} (where the switch time goes)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time each part of every hf_* switch and gloo's floor (benchmarks/_breakdown.py); "
+                        f"default scenarios then {' '.join(_breakdown.DEFAULT_SCENARIOS)}; writes "
+                        "alternating_<device>_breakdown.json/.md")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for JSON and markdown")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per scenario launch")
     parser.add_argument("--worker", choices=SCENARIOS + DIAGNOSTIC, help=argparse.SUPPRESS)
@@ -410,6 +427,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
         parser.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    if args.breakdown and args.scenarios == list(SCENARIOS):
+        args.scenarios = list(_breakdown.DEFAULT_SCENARIOS)
     if args.diagnose:
         args.scenarios += [d for d in DIAGNOSTIC if d not in args.scenarios]
     if "single" not in args.scenarios:
