@@ -7,6 +7,7 @@ freeing the old one, optimizer state policy, bookkeeping). Two halves
 
     python benchmarks/switch_profile.py                       # 32 MiB halves, keep, 50 switches
     python benchmarks/switch_profile.py --layers 8 --policy drop --sort tottime
+    python benchmarks/switch_profile.py --breakdown   # median per part instead of cProfile
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.launch import free_port  # noqa: E402
@@ -45,7 +47,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--sort", default="cumulative", help="pstats sort key")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time each part of the switches (benchmarks/_breakdown.py) instead of cProfile")
     args = parser.parse_args(argv)
+    if args.breakdown:
+        _breakdown.activate()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -77,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         started = time.perf_counter()
         step(ddp)
         steps.append(time.perf_counter() - started)
-        measured = i >= args.warmup
+        measured = i >= args.warmup and not args.breakdown
         started = time.perf_counter()
         if measured:
             profile.enable()
@@ -89,9 +95,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     step_ms = 1e3 * statistics.median(steps[args.warmup:])
     switch_ms = 1e3 * statistics.median(switches[args.warmup:])
     print(f"{device.type}, halves of {args.size_mib} MiB in {args.layers} layer(s), {args.policy}: median step "
-          f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step; "
-          "the profiled switches run slower)")
-    pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+          f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step"
+          + (", parts timed); median per part:" if args.breakdown else "; the profiled switches run slower)"))
+    if args.breakdown:
+        switches_ = _breakdown.RECORDER.switches[args.warmup:]
+        for part in list(_breakdown.PARTS) + ["switch"]:
+            print(f"  {part:17s} {1e3 * statistics.median(e[part] for e in switches_):.3f} ms")
+    else:
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
     del ddp
     dist.destroy_process_group()
 
