@@ -68,6 +68,7 @@ class Recorder:
     def __init__(self) -> None:
         self.switches: list[dict[str, float]] = []
         self.group: Optional[dist.ProcessGroup] = None
+        self.active = False  # activate() ran
         self._entry: Optional[dict[str, float]] = None
         self._stack: list[list[float]] = []  # per open timer: [started, time of timed parts inside]
 
@@ -94,12 +95,12 @@ class Recorder:
         timed_step_to = self.timed("unattributed", step_to)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            self._entry = dict.fromkeys(PARTS, 0.0)
+            entry = self._entry = dict.fromkeys(PARTS, 0.0)
             started = time.perf_counter()
             try:
                 record = timed_step_to(*args, **kwargs)
             finally:
-                entry, self._entry = self._entry, None
+                self._entry = None
             entry["switch"] = time.perf_counter() - started
             if record is not None:
                 self.switches.append(entry)
@@ -128,6 +129,9 @@ def _wrap(obj: Any, name: str, part: str) -> None:
 
 def _instrument(switcher: Any) -> None:
     """Wrap the attached ``switcher``'s per-instance calls (its backend exists only after attach)."""
+    if getattr(switcher, "_breakdown_timed", False):  # attached again: already wrapped
+        return
+    switcher._breakdown_timed = True
     rec = RECORDER
     rec.group = switcher.process_group
     switcher.step_to = rec.whole_switch(switcher.step_to)
@@ -160,6 +164,9 @@ def activate() -> None:
     nothing is restored.
     """
     rec = RECORDER
+    if rec.active:
+        return
+    rec.active = True
     for name in ("settle", "agree", "any_rank_failed"):
         setattr(switch_module, name, rec.with_barrier(getattr(switch_module, name)))
     switch_module.release_memory = rec.timed("release", switch_module.release_memory)
@@ -207,18 +214,27 @@ def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
             "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier)}
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 def worker_result(warmup: int) -> dict[str, Any]:
-    """This rank's per-switch parts (warm-up left out) and gloo's floor; a collective (floor)."""
-    floor = gloo_floor(RECORDER.group) if is_distributed(RECORDER.group) else {}
-    return {"switches": RECORDER.switches[warmup:], "floor": floor}
+    """This rank's per-switch parts (warm-up left out; seconds, to 0.1 us) and gloo's floor (its median,
+    p90 and min per operation); a collective (the floor)."""
+    samples = gloo_floor(RECORDER.group) if is_distributed(RECORDER.group) else {}
+    floor = {key: {"median_s": statistics.median(v), "p90_s": _percentile(v, 0.9), "min_s": min(v), "n": len(v)}
+             for key, v in samples.items()}
+    switches = [{part: round(v, 7) for part, v in entry.items()} for entry in RECORDER.switches[warmup:]]
+    return {"switches": switches, "floor": floor}
 
 
 # ============================================================== driver side
-def _stats(values: list[float], step_s: float) -> dict[str, float]:
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else 0.0
-    median = statistics.median(ordered) if ordered else 0.0
-    return {"median_ms": 1e3 * median, "p90_ms": 1e3 * p90, "pct_of_step": 100 * median / step_s if step_s else 0.0}
+def _stats(values: list[float], step_s: float, p90: Optional[list[float]] = None) -> dict[str, float]:
+    """Median and p90 of ``values`` (of ``p90`` when given: per-rank p90s) in ms, the median as % of ``step_s``."""
+    median = statistics.median(values) if values else 0.0
+    high = statistics.median(p90) if p90 else _percentile(values, 0.9)
+    return {"median_ms": 1e3 * median, "p90_ms": 1e3 * high, "pct_of_step": 100 * median / step_s if step_s else 0.0}
 
 
 def summarize(runs: dict[str, list[list[dict[str, Any]]]], step_s: float) -> dict[str, Any]:
@@ -240,7 +256,8 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]], step_s: float) -> dic
         per_rank = {str(k): {p: 1e3 * statistics.median([e[p] for r in ranks if r["rank"] == k
                                                          for e in r["breakdown"]["switches"]] or [0.0])
                              for p in list(PARTS) + ["switch"]} for k in range(world)}
-        floor = {key: _stats([v for r in ranks for v in r["breakdown"]["floor"].get(key, [])], step_s)
+        floors = [r["breakdown"]["floor"] for r in ranks if r["breakdown"]["floor"]]
+        floor = {key: _stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors])
                  for key in ("allreduce_s", "barrier_s", "allreduce_after_barrier_s")}
         out[scenario] = {"switches": len(entries), "parts": parts, "rank_median_ms": per_rank, "floor": floor}
     return out
@@ -261,8 +278,9 @@ def markdown(summary: dict[str, Any], step_s: float, title: str) -> str:
     for part in list(PARTS) + ["sum_of_parts", "switch"]:
         label = {"sum_of_parts": "**sum of parts**", "switch": "**switch (measured)**"}.get(part, f"`{part}`")
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["parts"][part]) for s in names) + " |")
-    lines += ["", "gloo's floor on the same process group (tight loop, "
-              f"{FLOOR_ITERS} iterations per rank):", "", head.replace("part", "operation"), rule]
+    lines += ["", f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank in a tight loop; "
+              "the median over ranks and repeats of each rank's median (p90)):", "",
+              head.replace("part", "operation"), rule]
     labels = {"allreduce_s": "all-reduce MAX, 4 x int64", "barrier_s": "barrier",
               "allreduce_after_barrier_s": "the all-reduce right after a barrier"}
     for key, label in labels.items():
