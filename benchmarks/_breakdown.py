@@ -17,8 +17,10 @@ barrier, so it is slower than without ``--breakdown`` by about one barrier.
 
 After its loop each worker measures gloo's floor on the same process group:
 the median time of a tiny all-reduce (MAX over 4 x int64, the ``settle``
-vector) in a tight loop, of a barrier, and of that all-reduce right after a
-barrier (the pattern the diagnostic barrier gives the switch).
+vector) in a tight loop, of a barrier, of that all-reduce right after a
+barrier (the pattern the diagnostic barrier gives the switch), and of it after
+64 MiB were written and a barrier (cold caches, as after a step: what a
+collective issued once per step meets).
 
 Example (driver side; the worker side is wired into ``alternating.py``)::
 
@@ -58,8 +60,12 @@ PARTS: dict[str, str] = {
 }
 #: ``--breakdown`` without ``--scenarios`` runs these.
 DEFAULT_SCENARIOS = ("single", "hf_keep", "hf_offload", "hf_drop")
-#: Tight-loop iterations of each floor measurement (after 20 warm-up ones).
+#: Tight-loop iterations of each floor measurement (after 20 warm-up ones); the cold one runs a quarter.
 FLOOR_ITERS = 200
+#: The floor measurements: key in the JSON -> label in the table.
+FLOORS = {"allreduce_s": "all-reduce MAX, 4 x int64 (tight loop)", "barrier_s": "barrier (tight loop)",
+          "allreduce_after_barrier_s": "that all-reduce right after a barrier",
+          "allreduce_cold_s": "that all-reduce after writing 64 MiB (caches evicted, as by a step) and a barrier"}
 
 
 class Recorder:
@@ -183,10 +189,10 @@ def activate() -> None:
     switch_module.PhaseSwitcher.attach = attach_and_instrument  # type: ignore[method-assign]
 
 
-def _floor_samples(op: Callable[[], None], device: torch.device, before: Optional[Callable[[], None]] = None
-                   ) -> list[float]:
+def _floor_samples(op: Callable[[], None], device: torch.device, before: Optional[Callable[[], None]] = None,
+                   iters: int = FLOOR_ITERS) -> list[float]:
     samples = []
-    for i in range(20 + FLOOR_ITERS):
+    for i in range(20 + iters):
         if before is not None:
             before()
         started = time.perf_counter()
@@ -199,9 +205,20 @@ def _floor_samples(op: Callable[[], None], device: torch.device, before: Optiona
 
 
 def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
-    """Seconds per tiny all-reduce, barrier, and all-reduce right after a barrier, on ``group``."""
+    """Seconds per operation of :data:`FLOORS`, on ``group``.
+
+    The cold one is what a collective issued once per step meets: caches
+    evicted by the step's tensors, the ranks aligned by a barrier first.
+    """
     device = collective_device(group)
     flags = torch.zeros(4, dtype=torch.int64, device=device)  # the settle vector
+    evict = torch.empty(16 * 2**20, device=device)  # 64 MiB of fp32
+
+    def cold() -> None:
+        evict.fill_(1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        barrier()
 
     def allreduce() -> None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
@@ -211,7 +228,8 @@ def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
 
     barrier()
     return {"allreduce_s": _floor_samples(allreduce, device), "barrier_s": _floor_samples(barrier, device),
-            "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier)}
+            "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier),
+            "allreduce_cold_s": _floor_samples(allreduce, device, before=cold, iters=FLOOR_ITERS // 4)}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -258,7 +276,7 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]], step_s: float) -> dic
                              for p in list(PARTS) + ["switch"]} for k in range(world)}
         floors = [r["breakdown"]["floor"] for r in ranks if r["breakdown"]["floor"]]
         floor = {key: _stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors])
-                 for key in ("allreduce_s", "barrier_s", "allreduce_after_barrier_s")}
+                 for key in FLOORS}
         out[scenario] = {"switches": len(entries), "parts": parts, "rank_median_ms": per_rank, "floor": floor}
     return out
 
@@ -278,11 +296,9 @@ def markdown(summary: dict[str, Any], step_s: float, title: str) -> str:
     for part in list(PARTS) + ["sum_of_parts", "switch"]:
         label = {"sum_of_parts": "**sum of parts**", "switch": "**switch (measured)**"}.get(part, f"`{part}`")
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["parts"][part]) for s in names) + " |")
-    lines += ["", f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank in a tight loop; "
-              "the median over ranks and repeats of each rank's median (p90)):", "",
-              head.replace("part", "operation"), rule]
-    labels = {"allreduce_s": "all-reduce MAX, 4 x int64", "barrier_s": "barrier",
-              "allreduce_after_barrier_s": "the all-reduce right after a barrier"}
-    for key, label in labels.items():
+    lines += ["", f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank, "
+              f"{FLOOR_ITERS // 4} for the cold one; the median over ranks and repeats of each rank's median (p90)):",
+              "", head.replace("part", "operation"), rule]
+    for key, label in FLOORS.items():
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["floor"][key]) for s in names) + " |")
     return "\n".join(lines)

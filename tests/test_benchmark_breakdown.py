@@ -71,7 +71,7 @@ def test_gloo_floor_is_measured_on_every_rank_and_reported(breakdown_run: tuple[
     for scenario in SCENARIOS:
         for r in payload["runs"][scenario][0]:
             floor = r["breakdown"]["floor"]
-            for key in ("allreduce_s", "barrier_s", "allreduce_after_barrier_s"):
+            for key in _breakdown_module().FLOORS:
                 assert floor[key]["n"] > 0 and 0 < floor[key]["min_s"] <= floor[key]["median_s"], (scenario, key)
         assert all(s["median_ms"] > 0 for s in payload["breakdown"][scenario]["floor"].values())
     table = (out / "alternating_cpu_breakdown.md").read_text()
