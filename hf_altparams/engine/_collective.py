@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 from typing import Any, Iterator, Optional
 
@@ -120,6 +121,13 @@ def _digest_int(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
+@functools.lru_cache(maxsize=256)
+def _phase_code(phase: Phase) -> int:
+    # Per phase (equal phases, equal digest): a switch runs cold after a training
+    # step, where hashing the phase again costs ~30 us on the critical path.
+    return _digest_int(phase.digest())
+
+
 def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
           local_error: Optional[str], timeout: Optional[float] = None) -> None:
     """Raise the same :class:`SwitchError` on every rank unless all ask for ``phase`` and none refuses.
@@ -130,12 +138,13 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
         if local_error:
             raise SwitchError(f"phase switch at step {step} refused: {local_error}")
         return
-    code = _digest_int(phase.digest())
+    code = _phase_code(phase)
     flags = torch.tensor([code, -code, int(local_error is not None)], dtype=torch.int64,
                          device=collective_device(group))
     with collective_errors(phase, step, group, timeout):
         _all_reduce_max(flags, group, timeout)
-    if int(flags[0]) == -int(flags[1]) and int(flags[2]) == 0:
+    high, neg_low, refused = flags.tolist()  # one read, not one per element
+    if high == -neg_low and refused == 0:
         return
     # Slow path, taken by every rank alike: gather the details for one clear message.
     world = dist.get_world_size(group)
@@ -187,12 +196,13 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
         if failure:
             return _failure_message(phase, step, [failure]), False
         return None, False
-    code = _digest_int(phase.digest())
+    code = _phase_code(phase)
     flags = torch.tensor([code, -code, int(local_error is not None), int(failure is not None)],
                          dtype=torch.int64, device=collective_device(group))
     with collective_errors(phase, step, group, timeout):
         _all_reduce_max(flags, group, timeout)
-    if int(flags[0]) == -int(flags[1]) and int(flags[2]) == 0 and int(flags[3]) == 0:
+    high, neg_low, refused, failed = flags.tolist()  # one read, not one per element
+    if high == -neg_low and refused == 0 and failed == 0:
         return None, False
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
