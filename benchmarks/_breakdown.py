@@ -276,8 +276,8 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]], step_s: float) -> dic
                                                          for e in r["breakdown"]["switches"]] or [0.0])
                              for p in list(PARTS) + ["switch"]} for k in range(world)}
         floors = [r["breakdown"]["floor"] for r in ranks if r["breakdown"]["floor"]]
-        floor = {key: _stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors])
-                 for key in FLOORS}
+        floor = {key: {**_stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors]),
+                       "min_ms": 1e3 * min((f[key]["min_s"] for f in floors), default=0.0)} for key in FLOORS}
         out[scenario] = {"switches": len(entries), "parts": parts, "rank_median_ms": per_rank, "floor": floor}
     return out
 
@@ -292,13 +292,14 @@ def markdown(summary: dict[str, Any], step_s: float, title: str) -> str:
              "times in ms.", "", head, rule]
 
     def cell(s: dict[str, float]) -> str:
-        return f"{s['median_ms']:.3f} ({s['p90_ms']:.3f}) | {s['pct_of_step']:.2f} %"
+        low = f" [min {s['min_ms']:.3f}]" if "min_ms" in s else ""
+        return f"{s['median_ms']:.3f} ({s['p90_ms']:.3f}){low} | {s['pct_of_step']:.2f} %"
 
     for part in list(PARTS) + ["sum_of_parts", "switch"]:
         label = {"sum_of_parts": "**sum of parts**", "switch": "**switch (measured)**"}.get(part, f"`{part}`")
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["parts"][part]) for s in names) + " |")
     lines += ["", f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank, "
-              f"{FLOOR_ITERS // 4} for the cold one; the median over ranks and repeats of each rank's median (p90)):",
+              f"{FLOOR_ITERS // 4} for the cold one; the median over ranks and repeats of each rank's median (p90) [the smallest sample]):",
               "", head.replace("part", "operation"), rule]
     for key, label in FLOORS.items():
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["floor"][key]) for s in names) + " |")

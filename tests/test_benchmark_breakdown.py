@@ -73,7 +73,7 @@ def test_gloo_floor_is_measured_on_every_rank_and_reported(breakdown_run: tuple[
             floor = r["breakdown"]["floor"]
             for key in _breakdown_module().FLOORS:
                 assert floor[key]["n"] > 0 and 0 < floor[key]["min_s"] <= floor[key]["median_s"], (scenario, key)
-        assert all(s["median_ms"] > 0 for s in payload["breakdown"][scenario]["floor"].values())
+        assert all(0 < s["min_ms"] <= s["median_ms"] for s in payload["breakdown"][scenario]["floor"].values())
     table = (out / "alternating_cpu_breakdown.md").read_text()
     assert "Switch breakdown" in table and "barrier" in table
     assert all(f"`{p}`" in table for p in _breakdown_module().PARTS)
