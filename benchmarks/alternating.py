@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,7 +73,7 @@ from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.meters import PeakMemory  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
-SCENARIOS = ("single", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
+SCENARIOS = ("single", "single_other", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
              "hf_keep_before", "hf_offload_before", "hf_drop_before")
 #: ``--diagnose`` adds these, to attribute the difference between ``hf_drop`` and
 #: ``hf_drop_before``: the release at every switch alone, the two all-reduces alone.
@@ -96,10 +97,18 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
     """
     _sync(device)
     dist.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
     fn()
     _sync(device)
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return elapsed
+
+
+#: Minor page faults of this process in each ``_timed`` region (fresh pages touched: a
+#: cost on CPU when large tensors come from new memory instead of reused heap).
+FAULTS: list[int] = []
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -133,6 +142,7 @@ def run_worker(args: argparse.Namespace) -> None:
     breakdown = _breakdown.worker_result(args.warmup) if args.breakdown else None  # collective: every rank
 
     warm = args.warmup
+    per_iteration = len(FAULTS) // args.steps  # timed regions per iteration: step, and switch if any
     result = {
         "scenario": args.scenario,
         "device": device.type,
@@ -145,6 +155,8 @@ def run_worker(args: argparse.Namespace) -> None:
         "switch_s": switch_s[warm:],
         "bytes_per_step": sent[warm:],
         "trainable_bytes_per_step": trainable[warm:],
+        "minor_faults_per_step": [sum(FAULTS[i:i + per_iteration])
+                                  for i in range(warm * per_iteration, len(FAULTS), per_iteration)],
         "breakdown": breakdown,
     }
     gathered: list[Any] = [None] * world
@@ -167,19 +179,30 @@ def _train_step(model: nn.Module, x: torch.Tensor, step: list[torch.optim.Optimi
         opt.zero_grad(set_to_none=True)
 
 
-def loop_single(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
-                half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
-    model.layer2.requires_grad_(False)
-    ddp = DDP(model, **ddp_kwargs)
-    counter = register_comm_counter(ddp)
-    opt = torch.optim.Adam(model.layer1.parameters(), lr=1e-4)
-    step_s, switch_s, sent, trainable = [], [], [], []
-    for step in range(steps):
-        step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opt])))
-        switch_s.append(0.0)
-        sent.append(counter.end_step())
-        trainable.append(half_bytes["layer1"])
-    return step_s, switch_s, sent, trainable
+def _single(half: str) -> Loop:
+    """Train ``half`` alone (the other frozen from the start): the baseline of one group alone.
+
+    ``single`` trains ``layer1``, whose backward also runs through ``layer2``
+    (its input gradient); ``single_other`` trains ``layer2``, whose backward
+    stops there. An alternating run does one of each per two steps, so its fair
+    baseline is the mean of the two (the ``/ mean single`` column).
+    """
+    def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
+             half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+        for other in HALVES:
+            getattr(model, other).requires_grad_(other == half)
+        ddp = DDP(model, **ddp_kwargs)
+        counter = register_comm_counter(ddp)
+        opt = torch.optim.Adam(getattr(model, half).parameters(), lr=1e-4)
+        step_s, switch_s, sent, trainable = [], [], [], []
+        for step in range(steps):
+            step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opt])))
+            switch_s.append(0.0)
+            sent.append(counter.end_step())
+            trainable.append(half_bytes[half])
+        return step_s, switch_s, sent, trainable
+
+    return loop
 
 
 def loop_naive(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
@@ -249,7 +272,8 @@ def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False) 
 
 
 SCENARIO_LOOPS: dict[str, Loop] = {
-    "single": loop_single,
+    "single": _single("layer1"),
+    "single_other": _single("layer2"),
     "naive": loop_naive,
     "find_unused": loop_find_unused,
     "hf_keep": _hf_loop("keep"),
@@ -310,6 +334,8 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
 
     base_mem = memory(runs["single"])
     base_step = med(pooled(runs["single"], "step_s"))
+    # What an alternating run would cost if each step cost what training its group alone costs.
+    pair_step = (base_step + med(pooled(runs["single_other"], "step_s"))) / 2 if "single_other" in runs else None
     rows = []
     for scenario, repeats in runs.items():
         r0 = {key: pooled(repeats, key) for key in
@@ -333,14 +359,19 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
             "switch_ms": med(r0["switch_s"]) * 1e3,
             "switch_ratio": med(r0["switch_s"]) / base_step,
             "iteration_ratio": (med(r0["step_s"]) + med(r0["switch_s"])) / base_step,
+            "minor_faults_per_step": med(pooled(repeats, "minor_faults_per_step")) if all(
+                "minor_faults_per_step" in ranks[0] for ranks in repeats) else None,
+            "iteration_ratio_pair": (med(r0["step_s"]) + med(r0["switch_s"])) / pair_step if pair_step else None,
         })
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
+    pair = all(r.get("iteration_ratio_pair") for r in rows)
     head = ("| scenario | peak memory growth | memory / single | all-reduced per step | bytes / trainable "
-            "| step | step / single | per round: min, median | switch | switch / single step |")
-    lines = [f"### {title}", "", head, "|" + "---|" * 10]
+            "| step | step / single | per round: min, median | switch | switch / single step |"
+            + (" step + switch / mean single |" if pair else "") + " page faults / step |")
+    lines = [f"### {title}", "", head, "|" + "---|" * (12 if pair else 11)]
     for r in rows:
         lo, hi = r["bytes_ratio_min"], r["bytes_ratio_max"]
         bytes_ratio = f"{lo:.2f}" if abs(hi - lo) < 5e-3 else f"{lo:.2f}-{hi:.2f}"
@@ -348,7 +379,9 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
             f"| {r['scenario']} | {r['peak_growth_mib']:.0f} MiB | {r['memory_ratio']:.2f}x "
             f"| {r['bytes_per_step_mib']:.1f} MiB | {bytes_ratio} | {r['step_ms']:.1f} ms "
             f"| {r['step_ratio']:.3f}x | {r['step_ratio_repeats_min']:.3f}x, {r['step_ratio_repeats_median']:.3f}x "
-            f"| {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |")
+            f"| {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |"
+            + (f" {r['iteration_ratio_pair']:.3f}x |" if pair else "")
+            + (f" {r['minor_faults_per_step']:,.0f} |" if r.get("minor_faults_per_step") is not None else " - |"))
     return "\n".join(lines)
 
 
