@@ -12,6 +12,9 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
 ``--size-mib`` MiB of fp32 weights). Scenarios:
 
 * ``single``: ``layer1`` trained alone (``layer2`` frozen), one Adam: the baseline.
+* ``single_other``: ``layer2`` trained alone; its backward stops at ``layer2``, so
+  its step is cheaper than ``single``'s. Alternating does one step of each, so
+  ``step + switch / mean single`` compares an iteration with their mean.
 * ``naive``: the loop users write: every step unwrap the DDP, toggle
   ``requires_grad``, re-wrap in a new DDP; two Adam optimizers.
 * ``find_unused``: one DDP built with both halves trainable and
@@ -35,7 +38,9 @@ does not carry over from one to the next. Per scenario and device:
   allocation; the larger of the ranks;
 * bytes all-reduced per step (a counting comm hook) / bytes of the trainable half;
 * median step time (forward, backward, optimizer step, ``zero_grad``) and
-  median switch time, both as ratios to the median step of ``single``.
+  median switch time, both as ratios to the median step of ``single``; with
+  ``single_other``, step + switch against the mean step of the two singles;
+* minor page faults per iteration (rank 0's median).
 
 Targets: bytes ratio 1.00; ``hf_drop`` memory <= 1.02 x ``single``; switch time
 <= 1 % of a step.
@@ -88,6 +93,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+#: Minor page faults of this process in each ``_timed`` region (fresh pages touched: a
+#: cost on CPU when large tensors come from new memory instead of reused heap).
+FAULTS: list[int] = []
+
+
 def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
     """Seconds ``fn`` takes on this rank, started when every rank is ready.
 
@@ -104,11 +114,6 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
     elapsed = time.perf_counter() - started
     FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
     return elapsed
-
-
-#: Minor page faults of this process in each ``_timed`` region (fresh pages touched: a
-#: cost on CPU when large tensors come from new memory instead of reused heap).
-FAULTS: list[int] = []
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -341,6 +346,7 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
         r0 = {key: pooled(repeats, key) for key in
               ("step_s", "switch_s", "bytes_per_step", "trainable_bytes_per_step")}
         mem = memory(repeats)
+        iteration = med(r0["step_s"]) + med(r0["switch_s"])
         ratio = [s / t for s, t in zip(r0["bytes_per_step"], r0["trainable_bytes_per_step"])]
         # Per repeat, against the `single` run of the same round (side by side in time).
         per_repeat = [med(ranks[0]["step_s"]) / med(base[0]["step_s"])
@@ -358,10 +364,10 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
             "step_ratio_repeats_median": med(per_repeat),
             "switch_ms": med(r0["switch_s"]) * 1e3,
             "switch_ratio": med(r0["switch_s"]) / base_step,
-            "iteration_ratio": (med(r0["step_s"]) + med(r0["switch_s"])) / base_step,
+            "iteration_ratio": iteration / base_step,
             "minor_faults_per_step": med(pooled(repeats, "minor_faults_per_step")) if all(
                 "minor_faults_per_step" in ranks[0] for ranks in repeats) else None,
-            "iteration_ratio_pair": (med(r0["step_s"]) + med(r0["switch_s"])) / pair_step if pair_step else None,
+            "iteration_ratio_pair": iteration / pair_step if pair_step else None,
         })
     return rows
 

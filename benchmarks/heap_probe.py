@@ -42,7 +42,7 @@ from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, host_heap,  # 
 from hf_altparams.engine.memory import malloc_trim  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
-from hf_altparams.testing import launch, rank_results  # noqa: E402
+from hf_altparams.testing import launch, rank_results, write_rank_result  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
 MIB = 2**20
@@ -73,7 +73,7 @@ def run_worker(args: argparse.Namespace) -> None:
         samples.append({"step": step, "rss_growth": rss_bytes() - baseline,
                         **(dataclasses.asdict(heap) if heap else {})})
     if dist.get_rank() == 0:
-        (Path(args.worker) / "rank0.json").write_text(json.dumps({"applied": applied, "samples": samples}))
+        write_rank_result(args.worker, {"applied": applied, "samples": samples})
     dist.barrier()
     del ddp
     shutdown()
