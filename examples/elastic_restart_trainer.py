@@ -144,7 +144,7 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"attempt {attempt}: done, {trainer.state.global_step} steps", flush=True)
     print(f"rank {training_args.process_index} final parameter sha256: {digest(model)}", flush=True)
-    shutdown()  # let the gloo threads finish, then destroy the process group
+    shutdown(trainer.model_wrapped)  # free the DDP reducer, let the gloo threads finish, destroy the group
 
 
 if __name__ == "__main__":

@@ -176,10 +176,10 @@ def main() -> None:
                 print(f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
                       f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}")
         print(f"accuracy after: {after:.3f}")
-    # Let the gloo threads finish, then destroy the group: a gloo thread still freeing the
-    # last all-reduce while Python finalizes aborts the process ("terminate called without
-    # an active exception"; hf_altparams.engine.shutdown explains why).
-    shutdown()
+    # Free the Trainer's DDP reducer, let the gloo threads finish, then destroy the group: a
+    # gloo thread still freeing the last all-reduce while Python finalizes aborts the process
+    # ("terminate called without an active exception"; hf_altparams.engine.shutdown explains why).
+    shutdown(trainer.model_wrapped)
 
 
 if __name__ == "__main__":
