@@ -48,7 +48,7 @@ PARTS: dict[str, str] = {
     "flags": "_apply_flags: grad = None, requires_grad flipped",
     "rebuild_checks": "check_ddp_supported at each rebuild: torch version, private attributes, modes",
     "rebuild": "the rest of rebuild_reducer: old reducer and logger freed, grads cleared, ignore list, hooks",
-    "rebuild_params": "DDP _build_params_for_reducer + _build_debug_param_to_name_mapping",
+    "rebuild_params": "reducer_inputs: parameters, names and buffers (DDP's own methods on a wrapper's first rebuild)",
     "rebuild_init": "DDP _ddp_init_helper: bucket assignment, new Reducer, Logger, construction log",
     "wait": "DIAGNOSTIC barrier before each switch collective: waiting for the slower rank",
     "allreduce": "the switch's all-reduce(s) (_all_reduce_max), ranks already aligned by `wait`",
@@ -150,8 +150,6 @@ def _instrument(switcher: Any) -> None:
     _wrap(switcher, "_apply_flags", "flags")
     _wrap(switcher.backend, "apply", "rebuild")
     if switcher.ddp is not None:
-        for name in ("_build_params_for_reducer", "_build_debug_param_to_name_mapping"):
-            _wrap(switcher.ddp, name, "rebuild_params")
         _wrap(switcher.ddp, "_ddp_init_helper", "rebuild_init")
     grouped = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
     if hasattr(grouped, "set_active"):
@@ -180,6 +178,7 @@ def activate() -> None:
     switch_module.SwitchRecord = rec.timed("record", switch_module.SwitchRecord)
     _collective._all_reduce_max = rec.timed("allreduce", _collective._all_reduce_max)
     _ddp.check_ddp_supported = rec.timed("rebuild_checks", _ddp.check_ddp_supported)
+    _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)
     attach = switch_module.PhaseSwitcher.attach
 
     def attach_and_instrument(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -80,6 +80,8 @@ else
 fi
 # Where a switch's time goes on the GPU (one process, no all-reduce): printed into gpu.log.
 step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25
+# A switch on a model with hundreds of modules, reducer inputs by hf_altparams vs DDP's own walks.
+step switch-inputs "$PY" benchmarks/switch_profile.py --device cuda --model bert --layers 24 --compare-inputs
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"
 echo "gpu.sh: $failed step(s) failed; outputs in $OUT" | tee -a "$LOG"

@@ -8,6 +8,15 @@ freeing the old one, optimizer state policy, bookkeeping). Two halves
     python benchmarks/switch_profile.py                       # 32 MiB halves, keep, 50 switches
     python benchmarks/switch_profile.py --layers 8 --policy drop --sort tottime
     python benchmarks/switch_profile.py --breakdown   # median per part instead of cProfile
+    python benchmarks/switch_profile.py --model bert --layers 12 --compare-inputs
+
+``--model bert`` alternates the lower and upper half of a BERT encoder built
+from a config (``--layers`` layers, hidden size 128, no download): hundreds of
+modules, as in a real model, where ``halves`` has a handful.
+``--compare-inputs`` times the switches with the reducer's inputs built by
+hf_altparams (``_ddp.reducer_inputs``, one walk of the module tree per wrapper)
+and by DDP's own methods (``_ddp.fast_inputs = False``), alternating every two
+switches in the same process, and prints both medians and their ratio.
 """
 
 from __future__ import annotations
@@ -20,10 +29,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +41,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher  # noqa: E402
+from _machine import machine  # noqa: E402
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, _ddp  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.launch import free_port  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
@@ -39,8 +50,9 @@ from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=float, default=32.0)
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--model", choices=["halves", "bert"], default="halves")
+    parser.add_argument("--size-mib", type=float, default=32.0, help="--model halves: MiB per half")
+    parser.add_argument("--layers", type=int, default=1, help="layers per half (halves) or in all (bert)")
     parser.add_argument("--policy", choices=["keep", "offload", "drop"], default="keep")
     parser.add_argument("--switches", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
@@ -49,7 +61,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--breakdown", action="store_true",
                         help="time each part of the switches (benchmarks/_breakdown.py) instead of cProfile")
+    parser.add_argument("--compare-inputs", action="store_true",
+                        help="time switches with hf_altparams' reducer inputs and with DDP's own methods")
     args = parser.parse_args(argv)
+    if args.model == "bert" and args.layers < 2:
+        parser.error(f"--model bert needs --layers >= 2 (two halves to alternate), got {args.layers}")
     if args.breakdown:
         _breakdown.activate()
 
@@ -58,32 +74,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     cuda = args.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    model = TwoHalves(args.size_mib, layers=args.layers).to(device)
-    groups = ParamGroups(model, {h: f"{h}.*" for h in ("layer1", "layer2")})
+    model, groups, loss = _model(args, device)
     opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=args.policy)
-    switcher = PhaseSwitcher(groups, Alternating(["layer1", "layer2"]), optimizer=opt)
+    switcher = PhaseSwitcher(groups, Alternating(list(groups.names)), optimizer=opt)
     switcher.step_to(0)
     ddp = DDP(model, device_ids=[0] if cuda else None)
     switcher.attach(ddp)
-    x = torch.randn(16, model.width, device=device)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
     def step(wrapped: DDP) -> None:
-        wrapped(x).pow(2).mean().backward()
+        loss(wrapped).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
 
     profile = cProfile.Profile()
-    steps, switches = [], []
+    steps, switches, ddp_methods = [], [], []
     for i in range(args.warmup + args.switches):
+        # --compare-inputs: two switches (one of each phase) one way, the next two the other way.
+        _ddp.fast_inputs = not (args.compare_inputs and (i // 2) % 2)
+        ddp_methods.append(not _ddp.fast_inputs)
         started = time.perf_counter()
         step(ddp)
         steps.append(time.perf_counter() - started)
-        measured = i >= args.warmup and not args.breakdown
+        measured = i >= args.warmup and not (args.breakdown or args.compare_inputs)
         started = time.perf_counter()
         if measured:
             profile.enable()
@@ -92,19 +109,53 @@ def main(argv: Optional[list[str]] = None) -> None:
         if measured:
             profile.disable()
         switches.append(time.perf_counter() - started)
+    _ddp.fast_inputs = True
+    print(f"{machine(device.type, 1)}; 1-minute load {os.getloadavg()[0]:.2f}")
     step_ms = 1e3 * statistics.median(steps[args.warmup:])
-    switch_ms = 1e3 * statistics.median(switches[args.warmup:])
-    print(f"{device.type}, halves of {args.size_mib} MiB in {args.layers} layer(s), {args.policy}: median step "
+    ours = [t for t, slow in zip(switches[args.warmup:], ddp_methods[args.warmup:]) if not slow]
+    switch_ms = 1e3 * statistics.median(ours)
+    what = (f"halves of {args.size_mib} MiB in {args.layers} layer(s)" if args.model == "halves" else
+            f"BERT, {args.layers} layers, {sum(1 for _ in model.modules())} modules, "
+            f"{sum(1 for _ in model.parameters())} parameters")
+    print(f"{device.type}, {what}, {args.policy}: median step "
           f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step"
-          + (", parts timed); median per part:" if args.breakdown else "; the profiled switches run slower)"))
+          + (", parts timed); median per part:" if args.breakdown else
+             ")" if args.compare_inputs else "; the profiled switches run slower)"))
+    if args.compare_inputs:
+        theirs = 1e3 * statistics.median(t for t, slow in zip(switches[args.warmup:], ddp_methods[args.warmup:])
+                                         if slow)
+        print(f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
+              f"({100 * theirs / step_ms:.2f} % of a step); hf_altparams' / DDP's = {switch_ms / theirs:.3f}x "
+              f"({len(ours)} and {len(switches) - args.warmup - len(ours)} switches, interleaved)")
     if args.breakdown:
         switches_ = _breakdown.RECORDER.switches[args.warmup:]
         for part in list(_breakdown.PARTS) + ["switch"]:
             print(f"  {part:17s} {1e3 * statistics.median(e[part] for e in switches_):.3f} ms")
-    else:
+    elif not args.compare_inputs:
         pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
     del ddp
     dist.destroy_process_group()
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, ParamGroups, Any]:
+    """The model, its two groups (``low``, ``high`` for BERT) and ``loss(wrapper)``."""
+    torch.manual_seed(0)
+    if args.model == "halves":
+        halves = TwoHalves(args.size_mib, layers=args.layers).to(device)
+        x = torch.randn(16, halves.width, device=device)
+        return (halves, ParamGroups(halves, {h: f"{h}.*" for h in ("layer1", "layer2")}),
+                lambda wrapped: wrapped(x).pow(2).mean())
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=args.layers, num_attention_heads=2,
+                        intermediate_size=256, max_position_embeddings=64)
+    bert = BertModel(config).to(device)
+    half = args.layers // 2
+    low = [r"re:embeddings\..*"] + [f"encoder.layer.{i}.*" for i in range(half)]
+    high = [f"encoder.layer.{i}.*" for i in range(half, args.layers)] + ["pooler.*"]
+    ids = torch.randint(0, config.vocab_size, (8, 32), device=device)
+    return (bert, ParamGroups(bert, {"low": low, "high": high}),
+            lambda wrapped: wrapped(input_ids=ids).last_hidden_state.pow(2).mean())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .errors import AltParamsError
@@ -38,6 +39,7 @@ TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
 _VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
 
 
+@functools.lru_cache(maxsize=8)  # read at every DDP rebuild; the string never changes in a process
 def parse_torch_version(version: str) -> tuple[int, int]:
     """Return ``(major, minor)`` of a torch version string.
 

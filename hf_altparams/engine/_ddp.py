@@ -9,6 +9,9 @@ does: drop the reducer and its logger, rebuild the parameter list from
 re-register the comm hooks and reset the lazy-init / bucket-rebuild flags.
 It never re-broadcasts parameters (the constructor's ``init_sync`` traffic):
 phase training keeps the ranks bit-identical, so there is nothing to sync.
+After a wrapper's first rebuild, the reducer's inputs (parameters, their
+names, the broadcast buffers) come from one walk of the module tree
+(:func:`reducer_inputs`, :mod:`._ddp_inputs`) instead of DDP's three walks.
 
 Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
 checked by :func:`check_ddp_supported` together with the torch version, so an
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable, Mapping
+import weakref
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._compat import TESTED_TORCH, torch_version
 from ..errors import SwitchError
+from ._ddp_inputs import ReducerInputs
 from .backend import Backend
 
 __all__ = [
@@ -45,6 +50,7 @@ __all__ = [
     "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
+    "reducer_inputs",
     "reducer_parameter_names",
     "unwrap",
 ]
@@ -69,6 +75,8 @@ PRIVATE_DDP_ATTRIBUTES = (
     "_delay_all_reduce_params",
     "_use_python_reducer",
     "mixed_precision",
+    "modules_buffers",
+    "named_module_buffers",
 )
 
 #: Private attributes the rebuild also resets when the wrapper uses ``static_graph=True``.
@@ -269,26 +277,30 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     hooks = list(ddp._comm_hooks)
     for _, state in hooks:
         _check_hook_state(ddp, state)
-    for param in ddp.module.parameters():
-        param.grad = None
-    if ignore is not None:
-        ddp.parameters_to_ignore = set(ignore)
-        ddp._module_parameters = [
-            p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore
-        ]
+    inputs = _INPUTS.get(ddp) if fast_inputs else None
+    if inputs is not None:
+        inputs.clear_grads()
+    else:
+        for param in ddp.module.parameters():
+            param.grad = None
+    ignore = set(ignore) if ignore is not None else None
+    if ignore is not None and (inputs is None or ignore != ddp.parameters_to_ignore):
+        ddp.parameters_to_ignore = ignore
+        ddp._module_parameters = (
+            inputs.module_parameters(ddp.parameters_to_ignore) if inputs is not None else
+            [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore])
     # The logger holds the reducer; dropping both frees the old reducer and its
     # buckets by reference count (no gc pass needed: they form no Python cycle).
     ddp.reducer = None
     ddp.logger = None
 
-    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    parameters, expect_sparse_gradient, name_mapping = reducer_inputs(ddp)
     if not parameters:
         # A reducer over zero parameters is an internal assert in torch; DDP's own
         # "delay all-reduce of all params" path skips the reducer in forward.
         ddp._delay_all_reduce_all_params = True
         return
     ddp._delay_all_reduce_all_params = False
-    name_mapping = ddp._build_debug_param_to_name_mapping(parameters)
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, name_mapping, ddp.static_graph)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
@@ -304,6 +316,44 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False
+
+
+#: ``False`` makes every rebuild use DDP's own methods (``benchmarks/switch_profile.py
+#: --compare-inputs`` times both ways in one run; a way out if the fast path is suspected).
+fast_inputs = True
+
+#: Per wrapper: its :class:`ReducerInputs`, checked against DDP's own methods on its
+#: first rebuild, or ``None`` where they differed (DDP's methods are used then).
+_INPUTS: "weakref.WeakKeyDictionary[DistributedDataParallel, Optional[ReducerInputs]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def reducer_inputs(ddp: DistributedDataParallel) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
+    """What a new reducer is built over, for the current flags and ignore list; assigns the buffers.
+
+    Returns what ``ddp._build_params_for_reducer()`` and
+    ``ddp._build_debug_param_to_name_mapping`` would (the parameters, whether
+    each expects a sparse gradient, index -> name), and sets the buffers DDP
+    broadcasts (``modules_buffers``, ``named_module_buffers``) as
+    ``_assign_modules_buffers`` would, without walking the module tree
+    (:mod:`._ddp_inputs`). The first call per wrapper uses DDP's own methods
+    and keeps the fast path for later calls only if both agree exactly.
+    """
+    inputs: Union[ReducerInputs, None, bool] = _INPUTS.get(ddp, False) if fast_inputs else None
+    if isinstance(inputs, ReducerInputs):
+        ignore = ddp.parameters_to_ignore
+        buffers = inputs.buffers(ignore)
+        ddp.modules_buffers = list(buffers.values())
+        ddp.named_module_buffers = buffers
+        return inputs.parameters(ignore)
+    parameters, sparse = ddp._build_params_for_reducer()  # assigns the buffers too
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    if inputs is False and parameters:  # no verdict while nothing trains: too little to compare
+        ours = ReducerInputs(ddp.module)
+        same = ours.same_as(ddp.parameters_to_ignore, parameters, list(sparse), names,
+                            ddp.named_module_buffers, ddp.modules_buffers)
+        _INPUTS[ddp] = ours if same else None
+    return parameters, sparse, names
 
 
 def free_reducer(ddp: DistributedDataParallel) -> None:

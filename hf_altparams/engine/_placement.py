@@ -54,6 +54,8 @@ class Placement:
 
     # ------------------------------------------------------------ placement
     def _place(self, check: frozenset[str], keep_state_off: Callable[[str], bool]) -> int:
+        if not check:  # a switch that moves no group (the usual case): nothing to look at
+            return 0
         off = self._offloaded
         state = self._optimizer_state()
         moved = 0

@@ -362,8 +362,7 @@ class PhaseSwitcher(SwitcherState):
                 or _misuse.unattached_error(self))
 
     def _pending_grads_error(self) -> Optional[str]:
-        pending = [n for n, p in self.groups.all_named_params()
-                   if p.grad is not None and bool(p.grad.ne(0).any())]
+        pending = [n for n, p in self.groups.all_named_params() if p.grad is not None and _nonzero(p.grad)]
         if pending:
             return (f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
                     "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
@@ -383,3 +382,10 @@ class PhaseSwitcher(SwitcherState):
         keep_off = self._state_stays_off(self.current) if self.current is not None else None
         rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
                  keep_off or (lambda group: False))
+
+
+def _nonzero(grad: Any) -> bool:
+    """Whether a gradient holds any non-zero value (a sparse one, e.g. from ``Embedding(sparse=True)``, too)."""
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    return bool(grad.ne(0).any())

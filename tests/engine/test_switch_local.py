@@ -113,6 +113,18 @@ def test_pending_gradients_refused_without_process_group() -> None:
     assert switcher.current == Phase(["a"]) and model[0].weight.requires_grad  # nothing changed
 
 
+def test_pending_sparse_gradients_refused_too() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    switcher = PhaseSwitcher(ParamGroups(model, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]))
+    switcher.step_to(0)
+    model(torch.tensor([1, 2])).sum().backward()
+    assert model[0].weight.grad.is_sparse
+    with pytest.raises(SwitchError, match="pending gradients"):
+        switcher.step_to(1)
+    model[0].weight.grad = None
+    assert switcher.step_to(1) is not None
+
+
 def test_zero_filled_gradients_are_not_pending_and_are_cleared() -> None:
     model = two_layers()
     switcher = PhaseSwitcher(groups_of(model), Alternating(["a", "b"]))
