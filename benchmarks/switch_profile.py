@@ -2,13 +2,16 @@
 
 World size 1 (gloo, or NCCL with ``--device cuda``), so no all-reduce runs:
 what is left is the switch's local work (flags, the DDP reducer rebuild and
-freeing the old one, optimizer state policy, bookkeeping). Two halves
+freeing the old one, optimizer state policy, bookkeeping). Under ``torchrun
+--nproc_per_node N`` it runs on N ranks (the switch's all-reduce and the
+gradients' included) and rank 0 reports. Two halves
 (``hf_altparams.testing.models.TwoHalves``) alternate every step::
 
     python benchmarks/switch_profile.py                       # 32 MiB halves, keep, 50 switches
     python benchmarks/switch_profile.py --layers 8 --policy drop --sort tottime
     python benchmarks/switch_profile.py --breakdown   # median per part instead of cProfile
     python benchmarks/switch_profile.py --model bert --layers 12 --compare-inputs
+    torchrun --nproc_per_node 2 benchmarks/switch_profile.py --model bert --layers 12 --compare-inputs
 
 ``--model bert`` alternates the lower and upper half of a BERT encoder built
 from a config (``--layers`` layers, hidden size 128, no download): hundreds of
@@ -69,16 +72,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.breakdown:
         _breakdown.activate()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     cuda = args.device == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if "WORLD_SIZE" in os.environ:  # under torchrun: its ranks, and the switch's all-reduce runs
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    world, rank = dist.get_world_size(), dist.get_rank()
     model, groups, loss = _model(args, device)
     opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=args.policy)
     switcher = PhaseSwitcher(groups, Alternating(list(groups.names)), optimizer=opt)
     switcher.step_to(0)
-    ddp = DDP(model, device_ids=[0] if cuda else None)
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
     switcher.attach(ddp)
 
     def sync() -> None:
@@ -110,7 +118,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             profile.disable()
         switches.append(time.perf_counter() - started)
     _ddp.fast_inputs = True
-    print(f"{machine(device.type, 1)}; 1-minute load {os.getloadavg()[0]:.2f}")
+    if rank != 0:  # rank 0 reports (every rank ran the same loop)
+        del ddp
+        dist.destroy_process_group()
+        return
+    print(f"{machine(device.type, world)}; 1-minute load {os.getloadavg()[0]:.2f}")
     step_ms = 1e3 * statistics.median(steps[args.warmup:])
     ours = [t for t, slow in zip(switches[args.warmup:], ddp_methods[args.warmup:]) if not slow]
     switch_ms = 1e3 * statistics.median(ours)
