@@ -1,0 +1,45 @@
+"""``benchmarks/switch_profile.py``: the BERT model and ``--compare-inputs`` run end to end.
+
+One process, tiny models and few switches (no timing thresholds: the box is
+shared); what is checked is that both ways of building the reducer's inputs
+ran on the same number of switches and that the report names the model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_profile.py"
+
+
+def _run(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("model", [["--model", "halves", "--size-mib", "0.05"], ["--model", "bert", "--layers", "2"]])
+def test_compare_inputs_times_both_ways_on_equal_halves_of_the_switches(model: list[str]) -> None:
+    out = _run(*model, "--switches", "8", "--warmup", "2", "--compare-inputs")
+    assert ("BERT, 2 layers" in out) == (model[1] == "bert")
+    match = re.search(r"median switch ([\d.]+) ms .*\n.*DDP's own methods: median switch ([\d.]+) ms.*"
+                      r"= ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)", out)
+    assert match is not None, out
+    ours, theirs, ratio = (float(match.group(i)) for i in (1, 2, 3))
+    assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=0.01)  # printed values are rounded
+    assert match.group(4) == match.group(5) == "4"
+
+
+def test_bert_needs_two_layers_to_alternate() -> None:
+    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "bert", "--layers", "1"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 2 and "--layers >= 2" in proc.stdout and "got 1" in proc.stdout
