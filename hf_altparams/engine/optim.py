@@ -215,24 +215,18 @@ class GroupedOptimizer(Optimizer):
 
     def _misplaced_state(self, name: str) -> list[tuple[nn.Parameter, str, torch.Tensor, torch.device]]:
         """Group ``name``'s state tensors not where torch keeps them for their parameter."""
-        opt = self.inner[name]
         groups_of: Optional[dict[int, Any]] = None
         out = []
-        for param in self.groups.params(name):
-            entry = opt.state.get(param)
-            if not entry:
+        for param, key, tensor in list(self._state_tensors(name)):
+            # The target is the parameter's device or "stays": state on that device is never
+            # misplaced, so the (rarer) exact rule runs only for state elsewhere.
+            if tensor.device == param.device:
                 continue
-            home = param.device
-            for key, tensor in list(entry.items()):
-                # The target is the parameter's device or "stays": state on that device is never
-                # misplaced, so the (rarer) exact rule runs only for state elsewhere.
-                if not isinstance(tensor, torch.Tensor) or tensor.device == home:
-                    continue
-                if groups_of is None:
-                    groups_of = param_group_map(opt.param_groups)
-                target = state_target_device(param, key, groups_of.get(id(param)))
-                if target is not None and tensor.device != target:
-                    out.append((param, key, tensor, target))
+            if groups_of is None:
+                groups_of = param_group_map(self.inner[name].param_groups)
+            target = state_target_device(param, key, groups_of.get(id(param)))
+            if target is not None and tensor.device != target:
+                out.append((param, key, tensor, target))
         return out
 
     def prefetch(self, name: str, max_bytes: Optional[int] = None) -> int:
