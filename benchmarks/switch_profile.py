@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from _machine import machine  # noqa: E402
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, _ddp  # noqa: E402
+from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.launch import free_port  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
@@ -118,13 +119,21 @@ def main(argv: Optional[list[str]] = None) -> None:
             profile.disable()
         switches.append(time.perf_counter() - started)
     _ddp.fast_inputs = True
-    if rank != 0:  # rank 0 reports (every rank ran the same loop)
-        del ddp
-        dist.destroy_process_group()
-        return
+    if rank == 0:  # rank 0 reports (every rank ran the same loop)
+        report(args, model, device, world, steps, switches, ddp_methods, profile)
+    # The switcher holds the wrapper too: free its reducer explicitly, let the gloo threads
+    # finish, then destroy the group (a gloo thread alive at interpreter exit aborts it).
+    shutdown(ddp)
+
+
+def report(args: argparse.Namespace, model: nn.Module, device: torch.device, world: int, steps: list[float],
+           switches: list[float], ddp_methods: list[bool], profile: cProfile.Profile) -> None:
+    """Print the medians (and the cProfile, the parts or the comparison) on rank 0."""
     print(f"{machine(device.type, world)}; 1-minute load {os.getloadavg()[0]:.2f}")
     step_ms = 1e3 * statistics.median(steps[args.warmup:])
-    ours = [t for t, slow in zip(switches[args.warmup:], ddp_methods[args.warmup:]) if not slow]
+    measured = list(zip(switches[args.warmup:], ddp_methods[args.warmup:]))
+    ours = [t for t, slow in measured if not slow]
+    by_ddp = [t for t, slow in measured if slow]
     switch_ms = 1e3 * statistics.median(ours)
     what = (f"halves of {args.size_mib} MiB in {args.layers} layer(s)" if args.model == "halves" else
             f"BERT, {args.layers} layers, {sum(1 for _ in model.modules())} modules, "
@@ -134,19 +143,16 @@ def main(argv: Optional[list[str]] = None) -> None:
           + (", parts timed); median per part:" if args.breakdown else
              ")" if args.compare_inputs else "; the profiled switches run slower)"))
     if args.compare_inputs:
-        theirs = 1e3 * statistics.median(t for t, slow in zip(switches[args.warmup:], ddp_methods[args.warmup:])
-                                         if slow)
+        theirs = 1e3 * statistics.median(by_ddp)
         print(f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
               f"({100 * theirs / step_ms:.2f} % of a step); hf_altparams' / DDP's = {switch_ms / theirs:.3f}x "
-              f"({len(ours)} and {len(switches) - args.warmup - len(ours)} switches, interleaved)")
+              f"({len(ours)} and {len(by_ddp)} switches, interleaved)")
     if args.breakdown:
         switches_ = _breakdown.RECORDER.switches[args.warmup:]
         for part in list(_breakdown.PARTS) + ["switch"]:
             print(f"  {part:17s} {1e3 * statistics.median(e[part] for e in switches_):.3f} ms")
     elif not args.compare_inputs:
         pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
-    del ddp
-    dist.destroy_process_group()
 
 
 def _model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, ParamGroups, Any]:
