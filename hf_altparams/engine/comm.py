@@ -120,8 +120,13 @@ def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch
     return counter
 
 
+#: FSDP2's default reduce-scatter calls ``dist.reduce_scatter_single`` (torch 2.13) or
+#: ``dist.reduce_scatter_tensor`` (2.11, which lacks the former); same arguments.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _CountingReduceScatter:
-    """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``), counting its input bytes.
+    """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``; 2.11: ``_tensor``), counting its input bytes.
 
     Duck-typed to FSDP2's ``ReduceScatter`` interface (``allocate`` and
     ``__call__``), given through the public ``FSDPModule.set_custom_reduce_scatter``.
@@ -138,8 +143,7 @@ class _CountingReduceScatter:
                  op: Any, async_op: bool = False) -> Any:
         self.counter.bytes_pending += input_tensor.numel() * input_tensor.element_size()
         self.counter.buckets_pending += 1
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        return _REDUCE_SCATTER(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
 
 
 def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:

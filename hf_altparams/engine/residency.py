@@ -79,11 +79,17 @@ def non_resident_groups(phase: Phase, groups: Iterable[str]) -> frozenset[str]:
 
 def _as_device(value: DeviceLike, argument: str) -> torch.device:
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise PlanError(
             f"`{argument}` is {value!r}, which is not a torch device; pass e.g. 'cpu' or 'cuda:0'"
         ) from exc
+    if device.type == "cuda":  # a CUDA build takes any index (a bare int too) without a check
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is not None and device.index >= count or count == 0:
+            raise PlanError(f"`{argument}` is {value!r} ({device}), but this process sees {count} CUDA "
+                            f"device(s); pass 'cpu'{' or cuda:0..cuda:%d' % (count - 1) if count else ''}")
+    return device
 
 
 class ResidencyManager(Placement):
