@@ -22,6 +22,9 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
 * ``hf_keep`` / ``hf_offload`` / ``hf_drop``: hf_altparams alternating every step
   (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy), default
   settings (``release="auto"``, one all-reduce per switch).
+* ``hf_keep_reducers``: ``hf_keep`` with ``keep_reducers=1``: the idle half's DDP
+  reducer is kept (one more copy of its gradients: its buckets) and re-installed at
+  the switch back, instead of a reducer built and freed at every switch.
 * ``hf_keep_before`` / ``hf_offload_before`` / ``hf_drop_before``: the same with the
   settings of the previous release: a memory release (gc, ``empty_cache``,
   ``malloc_trim``) at every switch (``release=True``) and two all-reduces per
@@ -79,7 +82,7 @@ from hf_altparams.testing.meters import PeakMemory  # noqa: E402
 from hf_altparams.testing.models import TwoHalves  # noqa: E402
 
 SCENARIOS = ("single", "single_other", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
-             "hf_keep_before", "hf_offload_before", "hf_drop_before")
+             "hf_keep_reducers", "hf_keep_before", "hf_offload_before", "hf_drop_before")
 #: ``--diagnose`` adds these, to attribute the difference between ``hf_drop`` and
 #: ``hf_drop_before``: the release at every switch alone, the two all-reduces alone.
 DIAGNOSTIC = ("hf_drop_release", "hf_drop_twocoll")
@@ -252,12 +255,13 @@ def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, 
     return step_s, switch_s, sent, trainable
 
 
-def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False) -> Loop:
+def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False, keep_reducers: int = 0) -> Loop:
     def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
              half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
         groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
         opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release)
+        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release,
+                                 keep_reducers=keep_reducers)
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)
@@ -284,6 +288,7 @@ SCENARIO_LOOPS: dict[str, Loop] = {
     "hf_keep": _hf_loop("keep"),
     "hf_offload": _hf_loop("offload"),
     "hf_drop": _hf_loop("drop"),
+    "hf_keep_reducers": _hf_loop("keep", keep_reducers=1),
     "hf_keep_before": _hf_loop("keep", release=True, two_collectives=True),
     "hf_offload_before": _hf_loop("offload", release=True, two_collectives=True),
     "hf_drop_before": _hf_loop("drop", release=True, two_collectives=True),

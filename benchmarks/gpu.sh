@@ -59,7 +59,7 @@ step cuda-tests "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --junitxml="$
 # phase after the warm-up (no leak per switch), and the switch history stays bounded.
 if [ "$QUICK" = 1 ]; then
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 \
-        --scenarios single hf_drop hf_drop_release hf_drop_before hf_keep --out "$RESULTS"
+        --scenarios single hf_drop hf_drop_release hf_drop_before hf_keep hf_keep_reducers --out "$RESULTS"
     step memory "$PY" benchmarks/memory.py --devices cuda --repeat 1 --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 500 --warmup 100 --out "$RESULTS"
     step large-model "$PY" benchmarks/large_model.py --device cuda --quick --out "$RESULTS"
@@ -67,8 +67,10 @@ if [ "$QUICK" = 1 ]; then
     step fsdp2-memory "$PY" benchmarks/fsdp2_memory.py --device cuda --nproc 1 --width 2048 --out "$RESULTS"
 else
     step alternating "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --diagnose --repeats 3 --out "$RESULTS"
+    # Eight layers per half: several buckets, so DDP's single first-iteration bucket after each
+    # rebuild (hf_keep) can be set against the learned layout of a kept reducer (hf_keep_reducers).
     step alternating-layers "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --layers 8 --repeats 3 \
-        --scenarios single hf_keep hf_drop hf_drop_release --out "$RESULTS/layers8"
+        --scenarios single hf_keep hf_keep_reducers hf_drop hf_drop_release --out "$RESULTS/layers8"
     step memory "$PY" benchmarks/memory.py --devices cuda --out "$RESULTS"
     step long-run "$PY" benchmarks/long_run.py --device cuda --ranks 1 --switches 5000 --warmup 500 --out "$RESULTS"
     # Llama-2-7B shape, 24 GB emulated (set_per_process_memory_fraction), seq 512, batch 1, checkpointing
@@ -82,6 +84,8 @@ fi
 step switch-profile "$PY" benchmarks/switch_profile.py --device cuda --size-mib 256 --top 25
 # A switch on a model with hundreds of modules, reducer inputs by hf_altparams vs DDP's own walks.
 step switch-inputs "$PY" benchmarks/switch_profile.py --device cuda --model bert --layers 24 --compare-inputs
+# keep_reducers=1 against a reducer built at every switch, interleaved in one process (switch and step).
+step switch-kept "$PY" benchmarks/switch_profile.py --device cuda --model bert --layers 24 --compare-kept
 
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RESULTS"
 echo "gpu.sh: $failed step(s) failed; outputs in $OUT" | tee -a "$LOG"

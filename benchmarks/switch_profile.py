@@ -20,6 +20,10 @@ modules, as in a real model, where ``halves`` has a handful.
 hf_altparams (``_ddp.reducer_inputs``, one walk of the module tree per wrapper)
 and by DDP's own methods (``_ddp.fast_inputs = False``), alternating every two
 switches in the same process, and prints both medians and their ratio.
+``--compare-kept`` does the same for two copies of the model in one process,
+one switched with ``keep_reducers=1`` (the idle half's reducer kept and
+re-installed) and one with the default (a reducer built at every switch);
+``--keep-reducers N`` sets the option for a plain run.
 """
 
 from __future__ import annotations
@@ -67,7 +71,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="time each part of the switches (benchmarks/_breakdown.py) instead of cProfile")
     parser.add_argument("--compare-inputs", action="store_true",
                         help="time switches with hf_altparams' reducer inputs and with DDP's own methods")
+    parser.add_argument("--keep-reducers", type=int, default=0, help="PhaseSwitcher(keep_reducers=N)")
+    parser.add_argument("--compare-kept", action="store_true",
+                        help="time switches with keep_reducers=1 and 0 (two copies of the model, interleaved)")
     args = parser.parse_args(argv)
+    if args.compare_inputs and args.compare_kept:
+        parser.error("--compare-inputs and --compare-kept are two separate runs")
     if args.model == "bert" and args.layers < 2:
         parser.error(f"--model bert needs --layers >= 2 (two halves to alternate), got {args.layers}")
     if args.breakdown:
@@ -83,33 +92,29 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, groups, loss = _model(args, device)
-    opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=args.policy)
-    switcher = PhaseSwitcher(groups, Alternating(list(groups.names)), optimizer=opt)
-    switcher.step_to(0)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
-    switcher.attach(ddp)
+    # --compare-kept: run 0 builds a reducer at every switch, run 1 keeps the idle one.
+    runs = [_setup(args, device, keep) for keep in ((0, 1) if args.compare_kept else (args.keep_reducers,))]
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def step(wrapped: DDP) -> None:
-        loss(wrapped).backward()
+    profile = cProfile.Profile()
+    steps, switches, other_way = [], [], []
+    comparing = args.compare_inputs or args.compare_kept
+    for i in range(args.warmup + args.switches):
+        # Comparing: two switches (one of each phase) one way, the next two the other way.
+        second = comparing and bool((i // 2) % 2)
+        _ddp.fast_inputs = not (args.compare_inputs and second)
+        other_way.append(second)
+        ddp, switcher, opt, loss = runs[1 if args.compare_kept and second else 0]
+        started = time.perf_counter()
+        loss(ddp).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-
-    profile = cProfile.Profile()
-    steps, switches, ddp_methods = [], [], []
-    for i in range(args.warmup + args.switches):
-        # --compare-inputs: two switches (one of each phase) one way, the next two the other way.
-        _ddp.fast_inputs = not (args.compare_inputs and (i // 2) % 2)
-        ddp_methods.append(not _ddp.fast_inputs)
-        started = time.perf_counter()
-        step(ddp)
         steps.append(time.perf_counter() - started)
-        measured = i >= args.warmup and not (args.breakdown or args.compare_inputs)
+        measured = i >= args.warmup and not (args.breakdown or comparing)
         started = time.perf_counter()
         if measured:
             profile.enable()
@@ -120,28 +125,46 @@ def main(argv: Optional[list[str]] = None) -> None:
         switches.append(time.perf_counter() - started)
     _ddp.fast_inputs = True
     if rank == 0:  # rank 0 reports (every rank ran the same loop)
-        report(args, model, device, world, steps, switches, ddp_methods, profile)
+        report(args, runs[0][0].module, device, world, steps, switches, other_way, profile)
     # The switcher holds the wrapper too: free its reducer explicitly, let the gloo threads
     # finish, then destroy the group (a gloo thread alive at interpreter exit aborts it).
-    shutdown(ddp)
+    shutdown(*(run[0] for run in runs))
+
+
+def _setup(args: argparse.Namespace, device: torch.device, keep: int) -> tuple[DDP, PhaseSwitcher, Any, Any]:
+    """A model in DDP, attached to a switcher (``keep_reducers=keep``): ``(ddp, switcher, optimizer, loss)``."""
+    model, groups, loss = _model(args, device)
+    opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=args.policy)
+    switcher = PhaseSwitcher(groups, Alternating(list(groups.names)), optimizer=opt, keep_reducers=keep)
+    switcher.step_to(0)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    switcher.attach(ddp)
+    return ddp, switcher, opt, loss
 
 
 def report(args: argparse.Namespace, model: nn.Module, device: torch.device, world: int, steps: list[float],
-           switches: list[float], ddp_methods: list[bool], profile: cProfile.Profile) -> None:
+           switches: list[float], other_way: list[bool], profile: cProfile.Profile) -> None:
     """Print the medians (and the cProfile, the parts or the comparison) on rank 0."""
     print(f"{machine(device.type, world)}; 1-minute load {os.getloadavg()[0]:.2f}")
-    step_ms = 1e3 * statistics.median(steps[args.warmup:])
-    measured = list(zip(switches[args.warmup:], ddp_methods[args.warmup:]))
-    ours = [t for t, slow in measured if not slow]
-    by_ddp = [t for t, slow in measured if slow]
+    measured = list(zip(switches[args.warmup:], other_way[args.warmup:], steps[args.warmup:]))
+    ours = [t for t, other, _ in measured if not other]
+    by_ddp = [t for t, other, _ in measured if other]
+    step_ms = 1e3 * statistics.median(s for _, other, s in measured if not other)
     switch_ms = 1e3 * statistics.median(ours)
     what = (f"halves of {args.size_mib} MiB in {args.layers} layer(s)" if args.model == "halves" else
             f"BERT, {args.layers} layers, {sum(1 for _ in model.modules())} modules, "
             f"{sum(1 for _ in model.parameters())} parameters")
-    print(f"{device.type}, {what}, {args.policy}: median step "
+    kept = "keep_reducers=0" if args.compare_kept else f"keep_reducers={args.keep_reducers}"
+    print(f"{device.type}, {what}, {args.policy}, {kept}: median step "
           f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step"
           + (", parts timed); median per part:" if args.breakdown else
-             ")" if args.compare_inputs else "; the profiled switches run slower)"))
+             ")" if args.compare_inputs or args.compare_kept else "; the profiled switches run slower)"))
+    if args.compare_kept:
+        kept_ms = 1e3 * statistics.median(by_ddp)
+        kept_step = 1e3 * statistics.median(s for _, other, s in measured if other)
+        print(f"  keep_reducers=1: median step {kept_step:.2f} ms, median switch {kept_ms:.3f} ms "
+              f"({100 * kept_ms / kept_step:.2f} % of a step); kept / built: switch {kept_ms / switch_ms:.3f}x, "
+              f"step {kept_step / step_ms:.3f}x ({len(ours)} and {len(by_ddp)} switches, interleaved)")
     if args.compare_inputs:
         theirs = 1e3 * statistics.median(by_ddp)
         print(f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
@@ -151,7 +174,7 @@ def report(args: argparse.Namespace, model: nn.Module, device: torch.device, wor
         switches_ = _breakdown.RECORDER.switches[args.warmup:]
         for part in list(_breakdown.PARTS) + ["switch"]:
             print(f"  {part:17s} {1e3 * statistics.median(e[part] for e in switches_):.3f} ms")
-    elif not args.compare_inputs:
+    elif not (args.compare_inputs or args.compare_kept):
         pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
@@ -173,7 +196,14 @@ def _model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, P
     high = [f"encoder.layer.{i}.*" for i in range(half, args.layers)] + ["pooler.*"]
     ids = torch.randint(0, config.vocab_size, (8, 32), device=device)
     return (bert, ParamGroups(bert, {"low": low, "high": high}),
-            lambda wrapped: wrapped(input_ids=ids).last_hidden_state.pow(2).mean())
+            lambda wrapped: _bert_loss(wrapped(input_ids=ids)))
+
+
+def _bert_loss(out: Any) -> torch.Tensor:
+    # Every trainable parameter must get a gradient (the pooler too): with
+    # find_unused_parameters=False an unused one leaves its bucket un-all-reduced,
+    # which a switch refuses.
+    return out.last_hidden_state.pow(2).mean() + out.pooler_output.pow(2).mean()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""``benchmarks/switch_profile.py``: the BERT model and ``--compare-inputs`` run end to end.
+"""``benchmarks/switch_profile.py``: the BERT model, ``--compare-inputs`` and ``--compare-kept`` run end to end.
 
 One process, tiny models and few switches (no timing thresholds: the box is
 shared); what is checked is that both ways of building the reducer's inputs
-ran on the same number of switches and that the report names the model.
+(or both reducer settings) ran on the same number of switches and that the
+report names the model.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def test_compare_inputs_times_both_ways_on_equal_halves_of_the_switches(model: l
     ours, theirs, ratio = (float(match.group(i)) for i in (1, 2, 3))
     assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=0.01)  # printed values are rounded
     assert match.group(4) == match.group(5) == "4"
+
+
+def test_compare_kept_times_both_reducer_settings_on_equal_halves_of_the_switches() -> None:
+    # BERT: its pooler is trained and used (an unused trainable parameter refuses the switch).
+    out = _run("--model", "bert", "--layers", "2", "--switches", "8", "--warmup", "4", "--compare-kept")
+    match = re.search(r"keep_reducers=0: median step ([\d.]+) ms, median switch ([\d.]+) ms .*\n"
+                      r"  keep_reducers=1: median step ([\d.]+) ms, median switch ([\d.]+) ms .*"
+                      r"switch ([\d.]+)x, step ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)", out)
+    assert match is not None, out
+    built_step, built, kept_step, kept, ratio, step_ratio = (float(match.group(i)) for i in range(1, 7))
+    assert ratio == pytest.approx(kept / built, rel=0.01) and step_ratio == pytest.approx(kept_step / built_step,
+                                                                                          rel=0.01)
+    assert match.group(7) == match.group(8) == "4"
 
 
 def test_bert_needs_two_layers_to_alternate() -> None:

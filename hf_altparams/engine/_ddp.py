@@ -16,12 +16,13 @@ names, the broadcast buffers) come from one walk of the module tree
 Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
 checked by :func:`check_ddp_supported` together with the torch version, so an
 untested torch fails with a clear message before any state is touched.
-:class:`DDPBackend` is the switch's DDP backend (see :mod:`.backend`).
+The switch's DDP backend, ``DDPBackend``, is in :mod:`._ddp_backend`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 import weakref
 from typing import Iterable, Mapping, Optional, Union
@@ -34,10 +35,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .._compat import TESTED_TORCH, torch_version
 from ..errors import SwitchError
 from ._ddp_inputs import ReducerInputs
-from .backend import Backend
+from ._reducer_cache import ReducerCache
 
 __all__ = [
-    "DDPBackend",
     "PRIVATE_DDP_ATTRIBUTES",
     "STATIC_GRAPH_ATTRIBUTES",
     "check_comm_hooks",
@@ -47,11 +47,14 @@ __all__ = [
     "free_reducer",
     "ignored_before_wrap",
     "is_ddp",
+    "keep_reducers",
+    "kept_reducers",
     "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
     "reducer_inputs",
     "reducer_parameter_names",
+    "unfinished_reduction_error",
     "unwrap",
 ]
 
@@ -251,6 +254,41 @@ def check_comm_hooks(ddp: DistributedDataParallel) -> None:
         _check_hook_state(ddp, state)
 
 
+def unfinished_reduction_error(ddp: DistributedDataParallel) -> Optional[str]:
+    """Why the last backward left gradients un-all-reduced, or ``None`` (the switch's precondition).
+
+    With ``find_unused_parameters=False`` a bucket is all-reduced once every
+    parameter in it has its gradient: a trainable parameter the forward did not
+    use leaves its bucket local on each rank. Plain DDP raises at its next
+    forward ("Expected to have finished reduction"); a switch replaces that
+    reducer before any next forward, so it must refuse instead. Reads the
+    reducer's own verdict (private ``Reducer._check_reducer_finalized``, in
+    torch 2.11-2.13; skipped where absent).
+    """
+    check = getattr(ddp.reducer, "_check_reducer_finalized", None) if ddp.reducer is not None else None
+    if check is None:
+        return None
+    try:
+        check()
+    except RuntimeError as exc:
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
+        indices = [int(i) for i in found.group(1).split()] if found else []
+        inputs = _INPUTS.get(ddp) if fast_inputs else None
+        if isinstance(inputs, ReducerInputs):
+            names = inputs.parameters(ddp.parameters_to_ignore)[2]
+        else:  # the live reducer was built for the current flags and ignore list
+            names = ddp._build_debug_param_to_name_mapping(ddp._build_params_for_reducer()[0])
+        unused = [names.get(i, f"#{i}") for i in indices]
+        which = (f"{len(unused)} trainable parameter(s) of the current phase got no gradient in the last "
+                 f"backward (e.g. {unused[:6]})" if unused else
+                 "a trainable parameter of the current phase got no gradient in the last backward")
+        return (f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
+                "and the ranks would diverge. Use every trainable parameter of the phase in the forward, "
+                "leave the unused ones out of the phase's groups, or build DDP with find_unused_parameters=True "
+                "(PhasedAccelerator(find_unused_parameters=True); TrainingArguments(ddp_find_unused_parameters=True))")
+    return None
+
+
 def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None) -> None:
     """Rebuild ``ddp``'s reducer in place for the current ``requires_grad`` flags.
 
@@ -266,7 +304,10 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ``static_graph``, bucket caps, buffer broadcast, comm hooks (re-registered
     with their state; PowerSGD's per-bucket memory is reset). When no parameter
     requires a gradient, DDP becomes a pass-through (no reducer, no gradient sync
-    and no buffer broadcast) until the next rebuild.
+    and no buffer broadcast) until the next rebuild. With :func:`keep_reducers`
+    on, the old reducer is put aside instead of freed, and a kept one built over
+    the same parameters, ignore list and comm hooks is re-installed instead of
+    building a new one.
 
     Example:
         >>> # on every rank, after optimizer.step(); optimizer.zero_grad(set_to_none=True)
@@ -291,16 +332,24 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
             [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore])
     # The logger holds the reducer; dropping both frees the old reducer and its
     # buckets by reference count (no gc pass needed: they form no Python cycle).
+    cache = _CACHES.get(ddp)
+    if cache is not None:
+        cache.keep(ddp)  # put aside (keep_reducers), not freed
     ddp.reducer = None
     ddp.logger = None
 
     parameters, expect_sparse_gradient, name_mapping = reducer_inputs(ddp)
+    # A kept reducer built over the same parameters, ignore list and hooks (its
+    # hooks registered); the oldest kept ones past the limit are freed either way.
+    reused = cache is not None and cache.take(ddp, parameters)
     if not parameters:
         # A reducer over zero parameters is an internal assert in torch; DDP's own
         # "delay all-reduce of all params" path skips the reducer in forward.
         ddp._delay_all_reduce_all_params = True
         return
     ddp._delay_all_reduce_all_params = False
+    if reused:
+        return
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, name_mapping, ddp.static_graph)
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
@@ -316,6 +365,8 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False
+    if cache is not None:
+        cache.built(ddp, parameters, expect_sparse_gradient)
 
 
 #: ``False`` makes every rebuild use DDP's own methods (``benchmarks/switch_profile.py
@@ -364,60 +415,34 @@ def free_reducer(ddp: DistributedDataParallel) -> None:
     the reducer, its buckets and its reference to the process group go before
     the group does.
     """
+    cache = _CACHES.get(ddp)
+    if cache is not None:
+        cache.clear()  # kept reducers hold the process group too
     ddp.reducer = None
     ddp.logger = None
 
 
-class DDPBackend(Backend):
-    """The switch's DDP backend: re-buckets the same wrapper in place at every switch.
+#: Per wrapper: its kept idle reducers, where ``keep_reducers`` asked for them.
+_CACHES: "weakref.WeakKeyDictionary[DistributedDataParallel, ReducerCache]" = weakref.WeakKeyDictionary()
 
-    Example:
-        >>> # backend = DDPBackend(ddp); backend.apply(ignore=set())  # after flipping requires_grad
+
+def keep_reducers(ddp: DistributedDataParallel, count: int) -> None:
+    """From the next rebuild on, keep up to ``count`` idle reducers of ``ddp`` (0: free each one).
+
+    Only for wrappers :func:`._reducer_cache.why_not_cacheable` accepts. DDP's
+    own first reducer is not kept (what it was built over is not recorded).
     """
+    cache = _CACHES.get(ddp)
+    if count <= 0:
+        if cache is not None:
+            del _CACHES[ddp]
+            cache.clear()
+        return
+    if cache is None:
+        cache = _CACHES[ddp] = ReducerCache(count)
+    cache.size = count
 
-    kind = "ddp"
-    #: The rebuild runs no collective (DDP's constructor syncs; its init helper does not).
-    collective_free_apply = True
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        check_ddp_supported(ddp)
-        self.wrapper = ddp
-        self.ddp = ddp
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        return self.ddp.process_group
-
-    @property
-    def device(self) -> torch.device | None:
-        return self.ddp.device
-
-    def ignored_at_wrap(self) -> set[str]:
-        return set(self.ddp.parameters_to_ignore)
-
-    def precondition_error(self, *, in_accumulation_window: bool = False) -> str | None:
-        if not in_accumulation_window and not self.ddp.require_backward_grad_sync:
-            return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
-                    "an optimizer-step boundary, after optimizer.step() and zero_grad()")
-        return self.hook_error()
-
-    def hook_error(self) -> str | None:
-        """Why the registered comm hooks forbid a rebuild (checked before anything changes)."""
-        # Failing inside the rebuild would also fail the rollback.
-        try:
-            check_comm_hooks(self.ddp)
-        except SwitchError as exc:
-            return str(exc)
-        return None
-
-    def snapshot(self) -> set[str]:
-        return set(self.ddp.parameters_to_ignore)
-
-    def apply(self, ignore: set[str]) -> None:
-        rebuild_reducer(self.ddp, ignore=ignore)
-
-    def restore(self, snapshot: set[str]) -> None:
-        rebuild_reducer(self.ddp, ignore=snapshot)
-
-    def reduced_bytes_per_step(self) -> int:
-        return sum(p.numel() * p.element_size() for p in reduced_parameters(self.ddp))
+def kept_reducers(ddp: DistributedDataParallel) -> Optional[ReducerCache]:
+    """``ddp``'s kept idle reducers (``None`` unless :func:`keep_reducers` turned them on)."""
+    return _CACHES.get(ddp)

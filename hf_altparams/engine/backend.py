@@ -7,7 +7,7 @@ roll back on failure, release, record). What differs per wrapper is behind
 API it needs fenced there:
 
 * :class:`LocalBackend` (here): a plain module, one process or no wrapper yet.
-* ``DDPBackend`` (:mod:`hf_altparams.engine._ddp`): rebuilds the DDP reducer
+* ``DDPBackend`` (:mod:`hf_altparams.engine._ddp_backend`, surgery in ``_ddp``): rebuilds the DDP reducer
   in place so that only the phase's gradients are bucketed and all-reduced.
 * ``FSDP2Backend`` (:mod:`hf_altparams.engine._fsdp2`): a ``fully_shard``
   model; no rebuild, mixed-precision dtypes re-initialised, shards moved with
@@ -88,6 +88,18 @@ class Backend:
         """Bytes of gradients the wrapper synchronises per optimizer step (0 without one)."""
         return 0
 
+    def keep_reducers(self, count: int) -> Optional[str]:
+        """Keep up to ``count`` idle phases' gradient-sync state for switches back (DDP: reducers).
+
+        Returns why the wrapper cannot, or ``None``. A backend that rebuilds
+        nothing at a switch has nothing to keep.
+        """
+        return None
+
+    def kept_reducer_bytes(self) -> int:
+        """Bytes the kept idle reducers hold (their gradient buckets)."""
+        return 0
+
 
 class LocalBackend(Backend):
     """A plain module: nothing to rebuild, nothing synchronised by a wrapper."""
@@ -100,12 +112,12 @@ class LocalBackend(Backend):
 
 def backend_for(model: nn.Module) -> Backend:
     """The backend for ``model``: DDP wrappers get ``DDPBackend``, anything else :class:`LocalBackend`."""
-    from . import _ddp, _fsdp2  # the backends import this module
+    from . import _ddp, _ddp_backend, _fsdp2  # the backends import this module
     from .shutdown import install_exit_hook
 
     if _fsdp2.is_fsdp2(model):
         return _fsdp2.FSDP2Backend(model)
     if _ddp.is_ddp(model):
         install_exit_hook()  # a wrapper's last all-reduce must not race interpreter exit
-        return _ddp.DDPBackend(model)  # type: ignore[arg-type]
+        return _ddp_backend.DDPBackend(model)  # type: ignore[arg-type]
     return LocalBackend(model)

@@ -15,7 +15,8 @@ it at every switch. Categories:
 ``ddp_buckets``            DDP's flat gradient buckets, beyond the gradients that are
                            views into them (``gradient_as_bucket_view=True``); computed
                            from the reducer's parameter list, as the C++ reducer sizes
-                           its buckets (they are not visible as Python tensors)
+                           its buckets (they are not visible as Python tensors), and
+                           the buckets of idle reducers kept by ``keep_reducers``
 ========================== ============================================================
 
 Every category but ``ddp_buckets`` is a sum over real tensors, each counted
@@ -251,7 +252,8 @@ def expected_peak_bytes(switcher: PhaseSwitcher, phase: Optional[Phase] = None) 
 
     everything = sum(params.values()) + loose + buffers
     everything += (sum(params.values()) + loose_train) * grad_copies + sum(state.values())
-    peak = loose + buffers + loose_train * grad_copies
+    # What the idle phases' kept reducers hold now (keep_reducers; 0 by default).
+    peak = loose + buffers + loose_train * grad_copies + switcher.backend.kept_reducer_bytes()
     for g in groups.names:
         if g in non_resident:
             continue
@@ -304,6 +306,9 @@ def memory_report(switcher: PhaseSwitcher, phase: Optional[Phase] = None) -> Mem
                 in_buckets += nbytes(param.grad)
     if ddp is not None and reduced:
         census.add_bytes(ddp.device, "ddp_buckets", sum(nbytes(p) for p in reduced) - in_buckets)
+    kept = switcher.backend.kept_reducer_bytes()  # idle phases' reducers (keep_reducers)
+    if ddp is not None and kept:
+        census.add_bytes(ddp.device, "ddp_buckets", kept)
 
     off_state = _offloaded_state_groups(switcher, phase)
     optimizers = _group_optimizers(switcher)

@@ -56,6 +56,7 @@ from ._collective import agree, any_rank_failed, check_timeout, collective_error
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
 from ._prefetch import PhasePrefetch, PrefetchSetting
+from ._reducer_cache import check_keep_reducers
 from ._release import ReleasePolicy, ReleaseSetting
 from ._switch_state import SwitcherState
 from ._transfer import optimizer_of
@@ -130,6 +131,15 @@ class PhaseSwitcher(SwitcherState):
             Accelerate, ``TrainingArguments(ddp_timeout=...)``; 30 min by
             default). A dead rank's peers fail at once either way (connection
             closed). Set it above the longest gap between ranks reaching a switch.
+        keep_reducers: how many idle phases' DDP reducers to keep for switches
+            back (default 0: a switch frees the old reducer and builds a new
+            one). Each kept reducer holds one copy of its phase's trainable
+            gradients (its buckets); in return a switch back re-installs it
+            instead of building one (faster), with the bucket layout it learned
+            in autograd order instead of DDP's first-iteration single bucket.
+            For per-step alternation of two sets, ``1``. Not used with
+            ``find_unused_parameters=True``, ``static_graph=True`` or PowerSGD
+            (a warning says so); see ``docs/switch.md``.
 
     Example:
         >>> import torch
@@ -161,9 +171,11 @@ class PhaseSwitcher(SwitcherState):
         buffer_updating_types: tuple[type, ...] = (),
         history_window: int = 256,
         collective_timeout: Optional[float] = None,
+        keep_reducers: int = 0,
     ) -> None:
         schedule.validate(groups)
         self.collective_timeout = check_timeout(collective_timeout)
+        self.keep_reducers = check_keep_reducers(keep_reducers)
         self.release_policy = ReleasePolicy(release)
         self.history = SwitchHistory(history_window)
         self.prefetcher = PhasePrefetch(prefetch)
@@ -225,6 +237,10 @@ class PhaseSwitcher(SwitcherState):
                 "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
             )
         self.backend = backend_for(model)
+        why_not = self.backend.keep_reducers(self.keep_reducers)
+        if why_not:
+            warnings.warn(f"hf_altparams: keep_reducers={self.keep_reducers} is not used with this DDP wrapper "
+                          f"({why_not}); every switch builds a new reducer", stacklevel=2)
         grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
         attach_ddp = getattr(grouped, "attach_ddp", None)  # PrecisionOptimizer: its comm hook
         if attach_ddp is not None:

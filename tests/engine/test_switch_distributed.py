@@ -248,6 +248,17 @@ def test_pending_gradients_refused_on_every_rank(key: str, ranks: list[dict[str,
     assert "pending gradients" in messages[0] and "zero_grad(set_to_none=True)" in messages[0]
 
 
+def test_a_trainable_parameter_without_gradient_refuses_the_switch_on_every_rank(
+        ranks: list[dict[str, Any]]) -> None:
+    # Its bucket was never all-reduced (find_unused_parameters=False): plain DDP raises at
+    # the next forward, which a switch (a new reducer) would skip; the ranks would diverge.
+    messages = _errors(ranks, "unused_all")
+    assert messages[0] == messages[1]
+    assert "got no gradient" in messages[0] and "'heads.1.weight'" in messages[0]
+    assert "find_unused_parameters=True" in messages[0]
+    assert all(r["bad_inputs"]["unused_phase_after"] == ["l0", "t0", "t1"] for r in ranks)
+
+
 def test_refused_switches_change_nothing_and_training_goes_on(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         bad = rank["bad_inputs"]
@@ -269,12 +280,13 @@ def test_compiled_python_reducer_detected_and_refused(ranks: list[dict[str, Any]
         assert "python_reducer" in message
 
 
-def test_failed_switch_rolls_back_on_every_rank(ranks: list[dict[str, Any]]) -> None:
-    schedule = check.CASES["Rollback"].schedule()
-    at = check.CASES["Rollback"].fail_switch_at
+@pytest.mark.parametrize("case", ["Rollback", "KeptReducersRollback"])
+def test_failed_switch_rolls_back_on_every_rank(case: str, ranks: list[dict[str, Any]]) -> None:
+    schedule = check.CASES[case].schedule()
+    at = check.CASES[case].fail_switch_at
     old_phase = sorted(schedule.phase_at(at - 1).trainable)
     assert sorted(schedule.phase_at(at).trainable) != old_phase
-    infos = [r["cases"]["Rollback"]["rollback"] for r in ranks]
+    infos = [r["cases"][case]["rollback"] for r in ranks]
     # One message on every rank, naming the rank that failed and why.
     assert infos[0]["error"] == infos[1]["error"]
     assert "rank 1: RuntimeError: injected rebuild failure" in infos[0]["error"]
@@ -287,6 +299,55 @@ def test_failed_switch_rolls_back_on_every_rank(ranks: list[dict[str, Any]]) -> 
         old_names = {f"{check.GROUP_LAYERS[g]}.{k}" for g in old_phase for k in ("weight", "bias")}
         assert set(info["probe_params_with_grad"]) == old_names
     # The retried switch worked and training went on (and matches the reference: see above).
-    steps = ranks[0]["cases"]["Rollback"]["steps"]
+    steps = ranks[0]["cases"][case]["steps"]
     assert steps[at - 1]["switch"] is not None and steps[at]["trainable"] == sorted(schedule.phase_at(at).trainable)
-    assert ranks[0]["cases"]["Rollback"]["records"] == 1 + sum(s["switch"] is not None for s in steps)
+    assert ranks[0]["cases"][case]["records"] == 1 + sum(s["switch"] is not None for s in steps)
+
+
+# ---------------------------------------------------------------- keep_reducers
+KEPT_CASES = [name for name, case in check.CASES.items() if case.switcher_kwargs.get("keep_reducers")]
+
+
+def _expected_cache(case: str, steps: list[dict[str, Any]]) -> tuple[int, list[tuple[str, ...]]]:
+    """Re-installs and kept phases, replaying the switches on an LRU of ``keep_reducers`` entries.
+
+    DDP's own first reducer is not kept (nothing recorded what it was built over).
+    """
+    size = check.CASES[case].switcher_kwargs["keep_reducers"]
+    kept: list[tuple[str, ...]] = []
+    live: tuple[str, ...] | None = None
+    hits = 0
+    for step in steps:
+        if step["switch"] is None:
+            continue
+        phase = tuple(step["switch"]["phase"])
+        if live is not None:
+            kept = [p for p in kept if p != live] + [live]
+        if phase in kept:
+            kept.remove(phase)
+            hits += 1
+        kept = kept[-size:]  # the oldest past the size are freed
+        live = phase
+    return hits, kept
+
+
+@pytest.mark.parametrize("name", [c for c in KEPT_CASES if check.CASES[c].fail_switch_at is None])
+def test_kept_reducers_are_reinstalled_and_hold_the_idle_phases_buckets(name: str,
+                                                                        ranks: list[dict[str, Any]]) -> None:
+    # Parameters equal the one-process reference and bytes all-reduced equal the
+    # trainable bytes every step: the generic tests above run these cases too.
+    runs = [r["cases"][name] for r in ranks]
+    hits, kept = _expected_cache(name, runs[0]["steps"])
+    assert hits >= len(runs[0]["steps"]) // 2  # most switches went back to a kept reducer
+    for run in runs:
+        assert run["reducers_reused"] == hits
+        assert run["kept_reducer_bytes"] == sum(layer_bytes(p, name) for p in kept)
+        assert tuple(run["final_phase"]) not in kept
+
+
+def test_kept_reducers_on_a_failed_switch_still_serve_later_switches(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        run = rank["cases"]["KeptReducersRollback"]
+        assert run["reducers_reused"] > 0
+        assert run["kept_reducer_bytes"] == layer_bytes(
+            [g for g in ("l1", "head") if g not in run["final_phase"]], "KeptReducersRollback")

@@ -158,6 +158,7 @@ class Case:
     build: Callable[[], nn.Module] = build_model
     group_modules: dict[str, str] = field(default_factory=lambda: dict(SEQ_GROUPS))
     forward: Callable[[nn.Module, torch.Tensor, Phase], torch.Tensor] = _plain_forward
+    switcher_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 CASES: dict[str, Case] = {c.name: c for c in [
@@ -205,6 +206,18 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("Fp16Hook",
          lambda: Alternating(["l0", "l2"]),
          grouped(SGD, "keep"), steps=6, hook="fp16", reference=False),
+    # keep_reducers: idle phases' reducers re-installed at a switch back. Three phases
+    # every step, ``head`` in two of them (an idle reducer's hooks fire on it).
+    Case("KeptReducers",
+         lambda: FnSchedule(_every_step_fn, groups=list(GROUP_LAYERS), name="every_step"),
+         grouped(ADAM, "keep"), switcher_kwargs={"keep_reducers": 2}),
+    Case("KeptReducersBucketView",
+         lambda: Alternating(["l0", ("l2", "head")]),
+         grouped(SGD, "drop"), steps=10, ddp_kwargs={"gradient_as_bucket_view": True},
+         switcher_kwargs={"keep_reducers": 1}),
+    Case("KeptReducersRollback",
+         lambda: Alternating(["l1", "head"]),
+         grouped(ADAM, "keep"), steps=9, fail_switch_at=5, switcher_kwargs={"keep_reducers": 1}),
 ]}
 
 
@@ -249,7 +262,7 @@ def train(case: Case, *, distributed: bool) -> dict[str, Any]:
     model = case.build()
     groups = make_groups(model, case.group_modules)
     optimizer = case.optimizer(groups)
-    switcher = PhaseSwitcher(groups, case.schedule(), optimizer=optimizer)
+    switcher = PhaseSwitcher(groups, case.schedule(), optimizer=optimizer, **case.switcher_kwargs)
     switcher.step_to(0)
     wrapped: nn.Module = model
     counter = None
@@ -291,8 +304,12 @@ def train(case: Case, *, distributed: bool) -> dict[str, Any]:
                 "seconds": record.seconds,
             },
         })
+    kept = _ddp.kept_reducers(wrapped) if isinstance(wrapped, DDP) else None
     return {"model": model, "steps": steps, "rollback": rollback,
-            "records": len(switcher.records)}
+            "records": len(switcher.records),
+            "reducers_reused": kept.hits if kept is not None else 0,
+            "kept_reducer_bytes": switcher.backend.kept_reducer_bytes(),
+            "final_phase": sorted(switcher.current.trainable) if switcher.current is not None else None}
 
 
 def _failed_switch(
@@ -586,6 +603,23 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
     out["params_after_refusal"] = sha256(list(model.parameters()))
     # After all refusals, the run goes on: a switch and a step work.
     out["recovered"] = _outcome(lambda: (switcher.step_to(1), one_step(1)))
+
+    # A trainable head the forward never uses (every rank alike), find_unused_parameters=False:
+    # its bucket is never all-reduced; the switch that would replace the reducer refuses.
+    tasks = TwoTasks()
+    task_groups = make_groups(tasks, TASK_GROUPS)
+    task_opt = GroupedOptimizer(task_groups, SGD)
+    task_switcher = PhaseSwitcher(task_groups, Alternating([("l0", "t0", "t1"), "l1"]), optimizer=task_opt)
+    task_switcher.step_to(0)
+    task_ddp = DDP(tasks)
+    task_switcher.attach(task_ddp)
+    x, y = batch(0, rank, world)
+    F.mse_loss(task_ddp(x, 0), y).backward()
+    task_opt.step()
+    task_opt.zero_grad(set_to_none=True)
+    out["unused_all"] = _outcome(lambda: task_switcher.step_to(1))
+    out["unused_phase_after"] = sorted(task_switcher.current.trainable)
+    _ddp.free_reducer(task_ddp)
 
     mp_model = build_model()
     mp_ddp = DDP(mp_model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
