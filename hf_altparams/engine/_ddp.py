@@ -330,11 +330,11 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
         ddp._module_parameters = (
             inputs.module_parameters(ddp.parameters_to_ignore) if inputs is not None else
             [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore])
-    # The logger holds the reducer; dropping both frees the old reducer and its
-    # buckets by reference count (no gc pass needed: they form no Python cycle).
     cache = _CACHES.get(ddp)
     if cache is not None:
         cache.keep(ddp)  # put aside (keep_reducers), not freed
+    # The logger holds the reducer; dropping both frees the old reducer and its
+    # buckets by reference count (no gc pass needed: they form no Python cycle).
     ddp.reducer = None
     ddp.logger = None
 
