@@ -275,6 +275,9 @@ def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False, 
             sent.append(counter.end_step())
             trainable.append(half_bytes[active])
             switch_s.append(_timed(device, lambda: switcher.step_to(step + 1)))
+        # The switcher holds the wrapper (and keep_reducers its idle reducers): free them
+        # here, not whenever gc gets to them, so none outlives the process group.
+        shutdown(ddp, destroy=False)
         return step_s, switch_s, sent, trainable
 
     return loop

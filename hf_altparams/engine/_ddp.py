@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._compat import TESTED_TORCH, torch_version
 from ..errors import SwitchError
 from ._ddp_inputs import ReducerInputs
-from ._reducer_cache import ReducerCache
+from ._reducer_cache import PER_BUCKET_HOOK_STATE, ReducerCache
 
 __all__ = [
     "PRIVATE_DDP_ATTRIBUTES",
@@ -230,7 +230,7 @@ def comm_hook_states(ddp: DistributedDataParallel) -> list[object]:
 def _reset_hook_state(state: object) -> None:
     # PowerSGD keeps per-bucket error feedback and low-rank factors keyed by bucket
     # index; bucket indices mean other parameters after a rebuild, so start fresh.
-    for attr in ("error_dict", "p_memory_dict", "q_memory_dict"):
+    for attr in PER_BUCKET_HOOK_STATE:
         value = getattr(state, attr, None)
         if isinstance(value, dict):
             value.clear()

@@ -31,7 +31,8 @@ from ..errors import PlanError
 __all__ = ["PER_BUCKET_HOOK_STATE", "ReducerCache", "check_keep_reducers", "why_not_cacheable"]
 
 #: Attributes of a comm hook state that hold memory per bucket index (PowerSGD's):
-#: such a state cannot be shared by reducers with different buckets.
+#: such a state cannot be shared by reducers with different buckets, and a
+#: rebuild clears them (``_ddp._reset_hook_state``).
 PER_BUCKET_HOOK_STATE = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
@@ -103,7 +104,7 @@ class ReducerCache:
         live, self._live = self._live, None
         if live is None or self.size <= 0 or ddp.reducer is None or live[1] is not ddp.reducer:
             return  # nothing recorded, or the wrapper's reducer was replaced behind our back
-        if why_not_cacheable(ddp) is not None:
+        if why_not_cacheable(ddp) is not None:  # e.g. PowerSGD registered after attach
             return
         key, reducer, nbytes = live
         self._kept.pop(key, None)
@@ -118,7 +119,7 @@ class ReducerCache:
         """
         key = self.key(ddp, parameters)
         kept = self._kept.pop(key, None)
-        while len(self._kept) > max(self.size, 0):
+        while len(self._kept) > self.size:
             self._kept.popitem(last=False)  # the oldest goes: its buckets are freed
         if kept is None:
             return False
