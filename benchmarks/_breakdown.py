@@ -12,15 +12,16 @@ switch on the 2-core dev box).
 Before each of the switch's collectives (``settle``, or ``agree`` and
 ``any_rank_failed`` on the two-collective path) a DIAGNOSTIC barrier runs, timed
 as ``wait``: the time one rank waits for the slower one (plus a barrier's own
-cost) lands there instead of in the all-reduce, which then shows the
-collective's own cost (``allreduce``). The measured switch includes that
+cost) lands there instead of in the all-gather, which then shows the
+collective's own cost (``collective``). The measured switch includes that
 barrier, so it is slower than without ``--breakdown`` by about one barrier.
 
 After its loop each worker measures gloo's floor on the same process group:
-the median time of a tiny all-reduce (MAX over 4 x int64, the ``settle``
-vector) in a tight loop, of a barrier, of that all-reduce right after a
-barrier (the pattern the diagnostic barrier gives the switch), and of it after
-64 MiB were written and a barrier (cold caches, as after a step: what a
+the median time of a tiny all-gather (3 x int64 per rank, the ``settle`` row)
+in a tight loop, of the tiny all-reduce that ``settle`` ran before 2026-11-27
+(MAX over 4 x int64), of a barrier, of each collective right after a barrier
+(the pattern the diagnostic barrier gives the switch), and of the all-gather
+after 64 MiB were written and a barrier (cold caches, as after a step: what a
 collective issued once per step meets).
 
 Example (driver side; the worker side is wired into ``alternating.py``)::
@@ -51,7 +52,7 @@ PARTS: dict[str, str] = {
     "rebuild_params": "reducer_inputs: parameters, names and buffers (DDP's own methods on a wrapper's first rebuild)",
     "rebuild_init": "DDP _ddp_init_helper: bucket assignment, new Reducer, Logger, construction log",
     "wait": "DIAGNOSTIC barrier before each switch collective: waiting for the slower rank",
-    "allreduce": "the switch's all-reduce(s) (_all_reduce_max), ranks already aligned by `wait`",
+    "collective": "the switch's all-gather(s) (_gather_rows), ranks already aligned by `wait`",
     "collective_local": "rest of settle / agree / any_rank_failed: phase digest, flag tensor",
     "optimizer": "GroupedOptimizer.set_active: idle-state policy (drop / offload) and restore",
     "buffers": "buffer_sync.apply: buffer broadcast plan, frozen norm layers",
@@ -64,9 +65,12 @@ DEFAULT_SCENARIOS = ("single", "hf_keep", "hf_offload", "hf_drop")
 #: Tight-loop iterations of each floor measurement (after 20 warm-up ones); the cold one runs a quarter.
 FLOOR_ITERS = 200
 #: The floor measurements: key in the JSON -> label in the table.
-FLOORS = {"allreduce_s": "all-reduce MAX, 4 x int64 (tight loop)", "barrier_s": "barrier (tight loop)",
+FLOORS = {"allgather_s": "all-gather, 3 x int64 per rank, the `settle` rows (tight loop)",
+          "allreduce_s": "all-reduce MAX, 4 x int64, the settle of before 2026-11-27 (tight loop)",
+          "barrier_s": "barrier (tight loop)",
+          "allgather_after_barrier_s": "that all-gather right after a barrier",
           "allreduce_after_barrier_s": "that all-reduce right after a barrier",
-          "allreduce_cold_s": "that all-reduce after writing 64 MiB (caches evicted, as by a step) and a barrier"}
+          "allgather_cold_s": "that all-gather after writing 64 MiB (caches evicted, as by a step) and a barrier"}
 
 
 class Recorder:
@@ -176,7 +180,7 @@ def activate() -> None:
         setattr(switch_module, name, rec.with_barrier(getattr(switch_module, name)))
     switch_module.release_memory = rec.timed("release", switch_module.release_memory)
     switch_module.SwitchRecord = rec.timed("record", switch_module.SwitchRecord)
-    _collective._all_reduce_max = rec.timed("allreduce", _collective._all_reduce_max)
+    _collective._gather_rows = rec.timed("collective", _collective._gather_rows)
     _ddp.check_ddp_supported = rec.timed("rebuild_checks", _ddp.check_ddp_supported)
     _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)
     attach = switch_module.PhaseSwitcher.attach
@@ -211,7 +215,9 @@ def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
     evicted by the step's tensors, the ranks aligned by a barrier first.
     """
     device = collective_device(group)
-    flags = torch.zeros(4, dtype=torch.int64, device=device)  # the settle vector
+    flags = torch.zeros(4, dtype=torch.int64, device=device)  # the settle vector before 2026-11-27
+    row = torch.zeros(3, dtype=torch.int64, device=device)  # settle's row since
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     evict = torch.empty(16 * 2**20, device=device)  # 64 MiB of fp32
 
     def cold() -> None:
@@ -223,13 +229,18 @@ def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
     def allreduce() -> None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
 
+    def allgather() -> None:
+        dist.all_gather(rows, row, group=group)
+
     def barrier() -> None:
         dist.barrier(group=group)
 
     barrier()
-    return {"allreduce_s": _floor_samples(allreduce, device), "barrier_s": _floor_samples(barrier, device),
+    return {"allgather_s": _floor_samples(allgather, device), "allreduce_s": _floor_samples(allreduce, device),
+            "barrier_s": _floor_samples(barrier, device),
+            "allgather_after_barrier_s": _floor_samples(allgather, device, before=barrier),
             "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier),
-            "allreduce_cold_s": _floor_samples(allreduce, device, before=cold, iters=FLOOR_ITERS // 4)}
+            "allgather_cold_s": _floor_samples(allgather, device, before=cold, iters=FLOOR_ITERS // 4)}
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -21,16 +21,16 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
   ``find_unused_parameters=True``; ``requires_grad`` toggled every step; two Adams.
 * ``hf_keep`` / ``hf_offload`` / ``hf_drop``: hf_altparams alternating every step
   (``PhaseSwitcher`` + ``GroupedOptimizer`` with that idle-state policy), default
-  settings (``release="auto"``, one all-reduce per switch).
+  settings (``release="auto"``, one small collective per switch).
 * ``hf_keep_reducers``: ``hf_keep`` with ``keep_reducers=1``: the idle half's DDP
   reducer is kept (one more copy of its gradients: its buckets) and re-installed at
   the switch back, instead of a reducer built and freed at every switch.
 * ``hf_keep_before`` / ``hf_offload_before`` / ``hf_drop_before``: the same with the
   settings of the previous release: a memory release (gc, ``empty_cache``,
-  ``malloc_trim``) at every switch (``release=True``) and two all-reduces per
+  ``malloc_trim``) at every switch (``release=True``) and two small collectives per
   switch (agree, then "did any rank fail"; ``collective_free_apply=False``).
 * with ``--diagnose``: ``hf_drop_release`` (only ``release=True``) and
-  ``hf_drop_twocoll`` (only the two all-reduces), to attribute the difference.
+  ``hf_drop_twocoll`` (only the two collectives), to attribute the difference.
 
 Each scenario runs in FRESH processes (its own ``torchrun`` launch), so memory
 does not carry over from one to the next. Per scenario and device:
@@ -84,7 +84,7 @@ from hf_altparams.testing.models import TwoHalves  # noqa: E402
 SCENARIOS = ("single", "single_other", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
              "hf_keep_reducers", "hf_keep_before", "hf_offload_before", "hf_drop_before")
 #: ``--diagnose`` adds these, to attribute the difference between ``hf_drop`` and
-#: ``hf_drop_before``: the release at every switch alone, the two all-reduces alone.
+#: ``hf_drop_before``: the release at every switch alone, the two collectives alone.
 DIAGNOSTIC = ("hf_drop_release", "hf_drop_twocoll")
 HALVES = ("layer1", "layer2")
 MIB = 2**20

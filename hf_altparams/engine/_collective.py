@@ -1,6 +1,6 @@
 """The switch's collectives: every rank agrees on the phase, and learns whether any rank failed.
 
-:func:`settle` does both in ONE small all-reduce (the switch's fast path, for
+:func:`settle` does both in ONE small all-gather (the switch's fast path, for
 backends whose apply runs no collective; see ``docs/switch.md``); :func:`agree`
 and :func:`any_rank_failed` are the two-step form for the other backends. A
 disagreement, a refusal or a failure takes a slow path that every rank takes
@@ -59,20 +59,31 @@ class _TimedOut(RuntimeError):
     """A collective of the switch did not complete within ``collective_timeout``."""
 
 
-def _all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], timeout: Optional[float]) -> None:
-    """All-reduce (MAX) that waits at most ``timeout`` seconds (``None``: the group's timeout)."""
+def _gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
+                 timeout: Optional[float]) -> list[list[int]]:
+    """Every rank's ``values`` (one row per rank, in rank order): one all-gather of int64.
+
+    An all-gather, not an all-reduce: with two gloo ranks it is one exchange
+    instead of a reduce-scatter and an all-gather (0.42-0.48 ms against
+    0.71-0.76 ms for 4 x int64 on the 2-core dev box, ``benchmarks/RESULTS.md``),
+    and each rank's row says who refused or failed. Waits at most ``timeout``
+    seconds (``None``: the group's timeout).
+    """
+    local = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     if timeout is None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    try:
-        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo: "Operation timed out!"; a dead peer: connection closed
-        if "timed out" in str(exc).lower():
-            raise _TimedOut(str(exc)) from exc
-        raise
-    if done is False:
-        raise _TimedOut("wait returned before completion")
+        dist.all_gather(rows, local, group=group)
+    else:
+        work = dist.all_gather(rows, local, group=group, async_op=True)
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:  # gloo: "Operation timed out!"; a dead peer: connection closed
+            if "timed out" in str(exc).lower():
+                raise _TimedOut(str(exc)) from exc
+            raise
+        if done is False:
+            raise _TimedOut("wait returned before completion")
+    return torch.stack(rows).tolist()  # one read (one device sync under NCCL), not one per row
 
 
 @contextlib.contextmanager
@@ -139,12 +150,9 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
             raise SwitchError(f"phase switch at step {step} refused: {local_error}")
         return
     code = _phase_code(phase)
-    flags = torch.tensor([code, -code, int(local_error is not None)], dtype=torch.int64,
-                         device=collective_device(group))
     with collective_errors(phase, step, group, timeout):
-        _all_reduce_max(flags, group, timeout)
-    high, neg_low, refused = flags.tolist()  # one read, not one per element
-    if high == -neg_low and refused == 0:
+        rows = _gather_rows([code, int(local_error is not None)], group, timeout)
+    if all(row == [code, 0] for row in rows):
         return
     # Slow path, taken by every rank alike: gather the details for one clear message.
     world = dist.get_world_size(group)
@@ -166,19 +174,18 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
 
 def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool, phase: Optional[Phase] = None,
                     step: Optional[int] = None, timeout: Optional[float] = None) -> bool:
-    """Whether ``failed`` is true on any rank (an all-reduce; the switch's closing barrier)."""
+    """Whether ``failed`` is true on any rank (an all-gather; the switch's closing barrier)."""
     if not is_distributed(group):
         return failed
-    flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device(group))
     with collective_errors(phase, step, group, timeout, "closing"):
-        _all_reduce_max(flag, group, timeout)
-    return bool(flag.item())
+        rows = _gather_rows([int(failed)], group, timeout)
+    return any(row[0] for row in rows)
 
 
 def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
            local_error: Optional[str], failure: Optional[str],
            timeout: Optional[float] = None) -> tuple[Optional[str], bool]:
-    """One all-reduce: did every rank ask for ``phase``, none refuse and none fail?
+    """One small all-gather: did every rank ask for ``phase``, none refuse and none fail?
 
     Returns ``(None, False)`` when so, else ``(message, every rank refused)``:
     the message of the error every rank must raise, the same text on every rank
@@ -187,8 +194,8 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
     its failed attempt (already rolled back locally). Single process: the
     local refusal or failure, if any.
 
-    The vector ``[digest, -digest, refused, failed]`` is all-reduced with MAX:
-    the digests agree exactly when ``max == -max(-digest) == min``.
+    Each rank contributes ``[digest, refused, failed]``; the ranks agree when
+    every row is ``[digest, 0, 0]`` with this rank's digest.
     """
     if not is_distributed(group):
         if local_error:
@@ -197,12 +204,9 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
             return _failure_message(phase, step, [failure]), False
         return None, False
     code = _phase_code(phase)
-    flags = torch.tensor([code, -code, int(local_error is not None), int(failure is not None)],
-                         dtype=torch.int64, device=collective_device(group))
     with collective_errors(phase, step, group, timeout):
-        _all_reduce_max(flags, group, timeout)
-    high, neg_low, refused, failed = flags.tolist()  # one read, not one per element
-    if high == -neg_low and refused == 0 and failed == 0:
+        rows = _gather_rows([code, int(local_error is not None), int(failure is not None)], group, timeout)
+    if all(row == [code, 0, 0] for row in rows):
         return None, False
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world

@@ -30,7 +30,7 @@ __all__ = ["unattached_error", "wrapper_mismatch"]
 def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why ``ddp``'s reducer does not match the current ``requires_grad`` flags on some rank, or ``None``.
 
-    Collective when ``group`` spans several ranks (one small all-reduce), so
+    Collective when ``group`` spans several ranks (one small all-gather), so
     every rank takes the same decision.
     """
     if not _ddp.is_ddp(ddp):

@@ -8,20 +8,20 @@ DDP wrapper and optimizer. At a switch it
 3. flips ``requires_grad`` to the new trainable set,
 4. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
    is rebuilt in place, :mod:`hf_altparams.engine._ddp`),
-5. settles, in ONE small all-reduce, that every rank asked for the same phase,
+5. settles, in ONE small all-gather, that every rank asked for the same phase,
    none refused and none failed (:func:`._collective.settle`); otherwise every
    rank restores the previous flags and reducer and raises the same
    :class:`~hf_altparams.errors.SwitchError`,
 6. re-applies the optimizer's idle-state policy,
 7. releases memory when the schedule says it pays (``release="auto"``,
-   :mod:`._release`; the all-reduce of step 5 is the barrier), and
+   :mod:`._release`; the all-gather of step 5 is the barrier), and
 8. records what it did in a :class:`SwitchRecord` (a bounded
    :class:`~hf_altparams.engine.records.SwitchHistory` keeps the recent ones
    and running totals).
 
 Steps 2-4 are local and undone on the slow path (:mod:`._undo`); a backend
 whose apply runs collectives agrees first and checks the outcome after, in two
-all-reduces. ``docs/switch.md`` explains the choice.
+all-gathers. ``docs/switch.md`` explains the choice.
 
 Memory (see :mod:`.residency`, :mod:`.buffers`, :mod:`.report`): before step 4,
 groups the phase does not keep resident (``Phase.resident``) move off the
@@ -84,7 +84,7 @@ class PhaseSwitcher(SwitcherState):
             call :meth:`attach` once it is).
         release: when to run, after a switch, a young-generation gc pass,
             ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`;
-            the ranks are already in step: the transaction ends with an all-reduce).
+            the ranks are already in step: the transaction ends with an all-gather).
             ``"auto"`` (default): when the coming phase needs less memory than
             was held and lasts long enough to amortise it; skipped when the next
             phase reuses the freed memory at once (equal-sized groups alternating);
@@ -343,7 +343,7 @@ class PhaseSwitcher(SwitcherState):
                                       ignore=self.residency.ignore_names())
         released, release_reason = self.release_policy.decide(self, self.current, phase, step, epoch)
         if released:
-            # No barrier: the settling all-reduce above is one every rank just passed.
+            # No barrier: the settling all-gather above is one every rank just passed.
             release_memory(barrier=False, full_gc=self.full_gc, trim=self.trim)
         self.current = phase
         self.prefetcher.switched(self, phase)
