@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -185,6 +186,13 @@ def test_world_size_one_counts_trainable_bytes_and_frees_buckets(gloo_world_1: d
         assert counter.end_step() == layer_bytes["ab"[step % 2]]
         assert not ref.expired()
         switcher.step_to(step + 1)
+        # gloo's worker thread drops its reference to the bucket it all-reduced a moment
+        # after completing the future (ProcessGroupGloo's run loop resets its work in
+        # progress after marking it done): under load that outlasts the switch, so wait
+        # for it (no training step runs), bounded; a reference the switch kept would stay.
+        deadline = time.monotonic() + 2.0
+        while not ref.expired() and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert ref.expired()
 
 
