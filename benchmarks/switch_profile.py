@@ -3,8 +3,8 @@
 World size 1 (gloo, or NCCL with ``--device cuda``), so no all-reduce runs:
 what is left is the switch's local work (flags, the DDP reducer rebuild and
 freeing the old one, optimizer state policy, bookkeeping). Under ``torchrun
---nproc_per_node N`` it runs on N ranks (the switch's all-reduce and the
-gradients' included) and rank 0 reports. Two halves
+--nproc_per_node N`` it runs on N ranks (the switch's collective and the
+gradients' all-reduce included) and rank 0 reports. Two halves
 (``hf_altparams.testing.models.TwoHalves``) alternate every step::
 
     python benchmarks/switch_profile.py                       # 32 MiB halves, keep, 50 switches
@@ -85,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cuda = args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if "WORLD_SIZE" in os.environ:  # under torchrun: its ranks, and the switch's all-reduce runs
+    if "WORLD_SIZE" in os.environ:  # under torchrun: its ranks, and the switch's collective runs
         dist.init_process_group("nccl" if cuda else "gloo")
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -148,7 +148,7 @@ def report(args: argparse.Namespace, model: nn.Module, device: torch.device, wor
     print(f"{machine(device.type, world)}; 1-minute load {os.getloadavg()[0]:.2f}")
     measured = list(zip(switches[args.warmup:], other_way[args.warmup:], steps[args.warmup:]))
     ours = [t for t, other, _ in measured if not other]
-    by_ddp = [t for t, other, _ in measured if other]
+    second_way = [t for t, other, _ in measured if other]
     step_ms = 1e3 * statistics.median(s for _, other, s in measured if not other)
     switch_ms = 1e3 * statistics.median(ours)
     what = (f"halves of {args.size_mib} MiB in {args.layers} layer(s)" if args.model == "halves" else
@@ -160,16 +160,16 @@ def report(args: argparse.Namespace, model: nn.Module, device: torch.device, wor
           + (", parts timed); median per part:" if args.breakdown else
              ")" if args.compare_inputs or args.compare_kept else "; the profiled switches run slower)"))
     if args.compare_kept:
-        kept_ms = 1e3 * statistics.median(by_ddp)
+        kept_ms = 1e3 * statistics.median(second_way)
         kept_step = 1e3 * statistics.median(s for _, other, s in measured if other)
         print(f"  keep_reducers=1: median step {kept_step:.2f} ms, median switch {kept_ms:.3f} ms "
               f"({100 * kept_ms / kept_step:.2f} % of a step); kept / built: switch {kept_ms / switch_ms:.3f}x, "
-              f"step {kept_step / step_ms:.3f}x ({len(ours)} and {len(by_ddp)} switches, interleaved)")
+              f"step {kept_step / step_ms:.3f}x ({len(ours)} and {len(second_way)} switches, interleaved)")
     if args.compare_inputs:
-        theirs = 1e3 * statistics.median(by_ddp)
+        theirs = 1e3 * statistics.median(second_way)
         print(f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
               f"({100 * theirs / step_ms:.2f} % of a step); hf_altparams' / DDP's = {switch_ms / theirs:.3f}x "
-              f"({len(ours)} and {len(by_ddp)} switches, interleaved)")
+              f"({len(ours)} and {len(second_way)} switches, interleaved)")
     if args.breakdown:
         switches_ = _breakdown.RECORDER.switches[args.warmup:]
         for part in list(_breakdown.PARTS) + ["switch"]:

@@ -64,8 +64,8 @@ def _gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
     """Every rank's ``values`` (one row per rank, in rank order): one all-gather of int64.
 
     An all-gather, not an all-reduce: with two gloo ranks it is one exchange
-    instead of a reduce-scatter and an all-gather (0.42-0.48 ms against
-    0.71-0.76 ms for 4 x int64 on the 2-core dev box, ``benchmarks/RESULTS.md``),
+    instead of a reduce-scatter and an all-gather (0.38-0.44 ms against
+    0.52-0.57 ms for the all-reduce on the 2-core dev box, ``benchmarks/RESULTS.md``),
     and each rank's row says who refused or failed. Waits at most ``timeout``
     seconds (``None``: the group's timeout).
     """
