@@ -12,6 +12,7 @@ leave the device, with training identical to the run that keeps them.
 from __future__ import annotations
 
 import functools
+import gc
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,7 +64,15 @@ def _state(opt: GroupedOptimizer, group: str) -> list[torch.Tensor]:
 
 
 def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[int], Any]:
-    """Six steps; returns full parameters, memory_allocated after each switch, and the objects."""
+    """Six steps; returns full parameters, memory_allocated after each switch, and the objects.
+
+    ``memory_allocated`` is taken over what was allocated before this run's model existed: the tests
+    keep the objects of an earlier run alive (and so out of the comparison), and other tests in the
+    same process may leave tensors behind.
+    """
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     model = TwoTasks().cuda()
     groups = shard_by_groups(model, ParamGroups(model, {"trunk": "trunk.*", "t0": "t0.*", "t1": "t1.*"}),
                              mp_policy=MP)
@@ -79,8 +88,9 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
         torch.cuda.reset_peak_memory_stats()
         switcher.step_to(step)
         torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated())
-        overshoot.append(torch.cuda.max_memory_allocated() - max(before, allocated[-1]))
+        now = torch.cuda.memory_allocated()
+        allocated.append(now - base)
+        overshoot.append(torch.cuda.max_memory_allocated() - max(before, now))
         model.task = switcher.current.task or ("t1" if step % 3 == 2 else "t0")
         model(torch.randn(8, WIDTH, device="cuda", generator=gen)).float().pow(2).mean().backward()
         opt.step()

@@ -29,7 +29,8 @@ def build(policy: Any = "drop", sizes: tuple[int, int] = (8, 8)) -> tuple[nn.Seq
 
 
 def step_all(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    model(torch.randn(3, 4)).pow(2).mean().backward()
+    device = next(model.parameters()).device  # the cuda tests move the model; the input follows it
+    model(torch.randn(3, 4, device=device)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 

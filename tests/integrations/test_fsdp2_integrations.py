@@ -60,7 +60,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.distributed
 def test_accelerate_fsdp2_matches_reference_counts_bytes_and_resumes_exactly(ranks: list[dict[str, Any]]) -> None:
     results = [r["accelerate"] for r in ranks]
-    assert all(r["forced_fsdp2_on_cpu"] for r in results)
+    assert all(r["forced_fsdp2"] for r in results)  # on CPU ranks Accelerate ignores the FSDP plugin
     _check(results)
 
 
@@ -70,7 +70,9 @@ def test_accelerate_and_trainer_fsdp2_on_a_gpu_for_real(tmp_out: Path) -> None:
            env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300)
     results = rank_results(tmp_out, nproc=1)
     accelerate = [r["accelerate"] for r in results]
-    assert not accelerate[0]["forced_fsdp2_on_cpu"] and accelerate[0]["device"].startswith("cuda")
+    # One GPU: Accelerate runs a single process without FSDP (distributed type NO), so the script
+    # switches it to FSDP2 as on CPU ranks; fully_shard, NCCL and the CUDA device are real.
+    assert accelerate[0]["device"].startswith("cuda")
     _check(accelerate)
     _check_trainer([r["trainer"] for r in results])
 

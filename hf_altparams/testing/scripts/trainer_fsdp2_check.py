@@ -69,7 +69,7 @@ def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) ->
                      **(FSDP if fsdp else {}), **saving)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64 * STEPS),
                       callbacks=[freeze, expected])
-    if fsdp and not torch.cuda.is_available():
+    if fsdp and not trainer.is_fsdp_enabled:  # CPU ranks, or a single GPU: Accelerate skips FSDP
         use_accelerate_fsdp2(trainer.accelerator, FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
         trainer.is_fsdp_enabled = True
     sums: list[dict[str, str]] = []
