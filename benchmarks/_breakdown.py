@@ -38,9 +38,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hf_altparams.engine import _collective, _ddp, switch as switch_module
+from hf_altparams.engine import _collective, switch as switch_module
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine._collective import collective_device, is_distributed
-from hf_altparams.engine._transfer import optimizer_of
+from hf_altparams.engine.memory._transfer import optimizer_of
 
 #: The parts of a switch, in transaction order, and what each times.
 PARTS: dict[str, str] = {

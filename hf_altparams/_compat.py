@@ -36,6 +36,9 @@ MIN_TORCH: tuple[int, int] = (2, 11)
 #: tested against: ``TESTED_TORCH[0] <= torch_version() <= TESTED_TORCH[1]``.
 TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
 
+#: Environment variable that lets an untested torch version through the backends' fences (with a warning).
+ALLOW_UNTESTED_ENV = "HF_ALTPARAMS_ALLOW_UNTESTED_TORCH"
+
 _VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
 
 

@@ -1,16 +1,14 @@
 """The engine: phase switches under torch.distributed (DDP re-bucketing, optimizers, memory)."""
 
-from ._fsdp2_units import shard_by_groups
+from .fsdp2 import shard_by_groups
 from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
 from .memory import HostHeap, host_heap, mmap_large_host_allocations, release_memory, rss_bytes
-from .optim import GroupedLRScheduler, GroupedOptimizer, reapply_state_policy
+from .optim import DynamicLossScale, GroupedLRScheduler, GroupedOptimizer, PrecisionOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
-from .precision import DynamicLossScale, PrecisionOptimizer
 
-from .report import MemoryReport, expected_peak_bytes, memory_report
-from .residency import ResidencyManager, non_resident_groups
+from .memory import MemoryReport, ResidencyManager, expected_peak_bytes, memory_report, non_resident_groups
 from .shutdown import shutdown
 from .switch import PhaseSwitcher
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _ddp
+from .ddp import _surgery as _ddp
 from ._collective import any_rank_failed, is_distributed
 
 if TYPE_CHECKING:

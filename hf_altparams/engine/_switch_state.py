@@ -23,11 +23,12 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from ._collective import is_distributed
-from ._transfer import optimizer_of
+from .memory._transfer import optimizer_of
 from .backend import Backend
-from .optim import GroupedOptimizer, reapply_state_policy
+from .optim._grouped import GroupedOptimizer
+from .optim._scheduler import reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
-from .residency import ResidencyManager
+from .memory._residency import ResidencyManager
 
 __all__ = ["SwitcherState"]
 

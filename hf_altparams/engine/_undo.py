@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import SwitchError
 from .backend import Backend
-from .residency import ResidencyManager
+from .memory._residency import ResidencyManager
 
 __all__ = ["resync_refusing", "rollback"]
 

@@ -7,15 +7,15 @@ roll back on failure, release, record). What differs per wrapper is behind
 API it needs fenced there:
 
 * :class:`LocalBackend` (here): a plain module, one process or no wrapper yet.
-* ``DDPBackend`` (:mod:`hf_altparams.engine._ddp_backend`, surgery in ``_ddp``): rebuilds the DDP reducer
+* ``DDPBackend`` (:mod:`hf_altparams.engine.ddp`): rebuilds the DDP reducer
   in place so that only the phase's gradients are bucketed and all-reduced.
-* ``FSDP2Backend`` (:mod:`hf_altparams.engine._fsdp2`): a ``fully_shard``
+* ``FSDP2Backend`` (:mod:`hf_altparams.engine.fsdp2._backend`): a ``fully_shard``
   model; no rebuild, mixed-precision dtypes re-initialised, shards moved with
   FSDP2's storage.
 
 Example:
     >>> import torch
-    >>> backend = backend_for(torch.nn.Linear(2, 2))
+    >>> backend = LocalBackend(torch.nn.Linear(2, 2))
     >>> backend.kind, backend.reduced_bytes_per_step(), backend.precondition_error()
     ('local', 0, None)
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Backend", "LocalBackend", "backend_for"]
+__all__ = ["Backend", "LocalBackend"]
 
 
 class Backend:
@@ -108,16 +108,3 @@ class LocalBackend(Backend):
 
     def __init__(self, module: Optional[nn.Module] = None) -> None:
         self.wrapper = None
-
-
-def backend_for(model: nn.Module) -> Backend:
-    """The backend for ``model``: DDP wrappers get ``DDPBackend``, anything else :class:`LocalBackend`."""
-    from . import _ddp, _ddp_backend, _fsdp2  # the backends import this module
-    from .shutdown import install_exit_hook
-
-    if _fsdp2.is_fsdp2(model):
-        return _fsdp2.FSDP2Backend(model)
-    if _ddp.is_ddp(model):
-        install_exit_hook()  # a wrapper's last all-reduce must not race interpreter exit
-        return _ddp_backend.DDPBackend(model)  # type: ignore[arg-type]
-    return LocalBackend(model)

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import PlanError
-from ._transfer import nbytes
+from .memory._transfer import nbytes
 
 __all__ = [
     "BufferPlan",

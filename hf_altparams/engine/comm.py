@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _ddp
+from .ddp import _surgery as _ddp
 
 __all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter", "register_reduce_scatter_counter"]
 

@@ -42,7 +42,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from . import _ddp
+from .ddp import _surgery as _ddp
 
 __all__ = ["install_exit_hook", "quiesce_comm_threads", "shutdown"]
 

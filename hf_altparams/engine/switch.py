@@ -7,7 +7,7 @@ DDP wrapper and optimizer. At a switch it
 2. clears every gradient (``None``: bucket views must not pin old buckets),
 3. flips ``requires_grad`` to the new trainable set,
 4. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
-   is rebuilt in place, :mod:`hf_altparams.engine._ddp`),
+   is rebuilt in place, :mod:`hf_altparams.engine.ddp._surgery`),
 5. settles, in ONE small all-gather, that every rank asked for the same phase,
    none refused and none failed (:func:`._collective.settle`); otherwise every
    rank restores the previous flags and reducer and raises the same
@@ -51,21 +51,23 @@ from ..errors import SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from . import _ddp, _misuse
+from . import _misuse
+from .ddp import _surgery as _ddp
 from ._collective import agree, any_rank_failed, check_timeout, collective_errors, settle
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
-from ._prefetch import PhasePrefetch, PrefetchSetting
-from ._reducer_cache import check_keep_reducers
-from ._release import ReleasePolicy, ReleaseSetting
+from .memory._prefetch import PhasePrefetch, PrefetchSetting
+from .ddp._reducer_cache import check_keep_reducers
+from .memory._release import ReleasePolicy, ReleaseSetting
 from ._switch_state import SwitcherState
-from ._transfer import optimizer_of
-from .backend import Backend, LocalBackend, backend_for
+from .memory._transfer import optimizer_of
+from ._backends import backend_for
+from .backend import Backend, LocalBackend
 from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
-from .memory import release_memory
-from .optim import GroupedOptimizer
+from .memory._host import release_memory
+from .optim._grouped import GroupedOptimizer
 from .records import SwitchHistory, SwitchRecord
-from .residency import DeviceLike, ResidencyManager
+from .memory._residency import DeviceLike, ResidencyManager
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
 
@@ -88,7 +90,7 @@ class PhaseSwitcher(SwitcherState):
             ``"auto"`` (default): when the coming phase needs less memory than
             was held and lasts long enough to amortise it; skipped when the next
             phase reuses the freed memory at once (equal-sized groups alternating);
-            see :mod:`hf_altparams.engine._release`. ``True``: at every switch;
+            see :mod:`hf_altparams.engine.memory._release`. ``True``: at every switch;
             ``False``: never. The decision is in each record (``released``,
             ``release_reason``).
         full_gc: make that gc pass a full collection (80-300 ms with torch and

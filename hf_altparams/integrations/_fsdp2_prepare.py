@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine._fsdp2 import is_fsdp2
+from ..engine.fsdp2 import is_fsdp2
 from ..engine.optim import GroupedOptimizer
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine._built_optim import uncovered_message
+from ..engine.optim._factories import uncovered_message
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 

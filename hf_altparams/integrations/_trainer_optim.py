@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.optim import GroupedOptimizer, StatePolicy
-from ..engine.precision import MasterPolicy, PrecisionOptimizer
+from ..engine.optim import MasterPolicy, PrecisionOptimizer
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 

@@ -28,8 +28,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine import _ddp
-from ..engine._built_optim import match_to_groups, uncovered_message
+from ..engine.ddp import _surgery as _ddp
+from ..engine.optim._factories import match_to_groups, uncovered_message
 from ..engine.optim import GroupedOptimizer, reapply_state_policy
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups

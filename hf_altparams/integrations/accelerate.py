@@ -51,12 +51,12 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine import _ddp
+from ..engine.ddp import _surgery as _ddp
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
 from ..engine._layout import remember
-from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine.memory._release import ReleasePolicy, ReleaseSetting
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.switch import PhaseSwitcher, SwitchRecord
 from ..errors import AltParamsError, PlanError

@@ -63,9 +63,9 @@ from transformers import (
     TrainingArguments,
 )
 
-from ..engine._fsdp2 import is_fsdp2
+from ..engine.fsdp2 import is_fsdp2
 from ..engine.comm import CommCounter, register_reduce_scatter_counter
-from ..engine._release import ReleasePolicy, ReleaseSetting
+from ..engine.memory._release import ReleasePolicy, ReleaseSetting
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError

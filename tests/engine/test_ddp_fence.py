@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams._compat import TESTED_TORCH, torch_version
-from hf_altparams.engine import PhaseSwitcher, _ddp
+from hf_altparams.engine import PhaseSwitcher
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 

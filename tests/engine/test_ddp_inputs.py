@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_altparams.engine import PhaseSwitcher, _ddp
-from hf_altparams.engine._ddp_inputs import ReducerInputs
+from hf_altparams.engine import PhaseSwitcher
+from hf_altparams.engine.ddp import _surgery as _ddp
+from hf_altparams.engine.ddp._inputs import ReducerInputs
 from hf_altparams.plan import Alternating, ParamGroups
 
 

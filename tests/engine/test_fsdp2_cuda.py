@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, shard_by_groups
-from hf_altparams.engine._fsdp2 import local_tensor
+from hf_altparams.engine.fsdp2._backend import local_tensor
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle
 
 pytestmark = pytest.mark.cuda

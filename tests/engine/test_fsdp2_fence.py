@@ -14,7 +14,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
 from hf_altparams._compat import TESTED_TORCH
-from hf_altparams.engine import PhaseSwitcher, _fsdp2
+from hf_altparams.engine import PhaseSwitcher
+from hf_altparams.engine.fsdp2 import _backend as _fsdp2
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from hf_altparams.engine import PhaseSwitcher, _fsdp2, shard_by_groups
-from hf_altparams.engine._fsdp2_units import mixed_units
-from hf_altparams.engine._transfer import nbytes, to_device, to_host
+from hf_altparams.engine import PhaseSwitcher, shard_by_groups
+from hf_altparams.engine import fsdp2 as _fsdp2
+from hf_altparams.engine.fsdp2._units import mixed_units
+from hf_altparams.engine.memory._transfer import nbytes, to_device, to_host
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle
 

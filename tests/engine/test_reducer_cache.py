@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, _ddp, memory_report
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups, PhaseSequence, Schedule
 

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter, rss_bytes
-from hf_altparams.engine import _ddp
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.engine.memory import malloc_trim
 from hf_altparams.errors import SwitchError

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report, shard_by_groups
-from hf_altparams.engine._transfer import to_host
+from hf_altparams.engine.memory._transfer import to_host
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, RandomBlocks
 from hf_altparams.planner import plan_cost
 from hf_altparams.testing import write_rank_result

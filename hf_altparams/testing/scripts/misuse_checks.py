@@ -31,7 +31,8 @@ from accelerate import PartialState
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, _ddp
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError, SwitchError
 from hf_altparams.integrations.accelerate import PhasedAccelerator

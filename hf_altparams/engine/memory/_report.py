@@ -37,13 +37,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..plan.phase import Phase
-from . import _ddp
+from ...plan.phase import Phase
+from ..ddp import _surgery as _ddp
 from ._transfer import nbytes, optimizer_of
-from .optim import GroupedOptimizer
+from ..optim._grouped import GroupedOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .switch import PhaseSwitcher
+    from ..switch import PhaseSwitcher
 
 __all__ = ["CATEGORIES", "MemoryReport", "expected_peak_bytes", "memory_report"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import SwitchError
+from ...errors import SwitchError
 
 __all__ = ["ForwardGuards", "Owner"]
 

@@ -32,7 +32,6 @@ Verified on gloo CPU ranks with torch 2.13.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any, Optional
 
@@ -40,24 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._compat import TESTED_TORCH, torch_version
-from ..errors import SwitchError
-from ._ddp import ALLOW_UNTESTED_ENV
-from .backend import Backend
+from ..._compat import ALLOW_UNTESTED_ENV, TESTED_TORCH, torch_version
+from ...errors import SwitchError
+from ..backend import Backend
+from ._dtensor import _param_groups, dtensor_with_local, fsdp2_units, is_fsdp2, local_tensor, set_data
+from ._units import check_groups_fit_units, install_unit_guards
 
-__all__ = [
-    "FSDP2Backend",
-    "MP_REINIT_METHOD",
-    "PRIVATE_FSDP2_ATTRIBUTES",
-    "check_fsdp2_supported",
-    "dtensor_with_local",
-    "fsdp2_units",
-    "is_dtensor",
-    "is_fsdp2",
-    "local_tensor",
-    "set_data",
-    "unit_params",
-]
+__all__ = ["FSDP2Backend", "MP_REINIT_METHOD", "PRIVATE_FSDP2_ATTRIBUTES", "check_fsdp2_supported"]
 
 #: Private names the backend relies on, by owner (present in torch 2.11-2.13).
 PRIVATE_FSDP2_ATTRIBUTES: dict[str, tuple[str, ...]] = {
@@ -69,69 +57,6 @@ PRIVATE_FSDP2_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 
 #: The ``FSDPParamGroup`` method re-run at a switch (needed only under a casting ``MixedPrecisionPolicy``).
 MP_REINIT_METHOD = "_init_mp_dtypes"
-
-
-def is_fsdp2(model: nn.Module) -> bool:
-    """True when ``model`` was passed to ``fully_shard`` (an ``FSDPModule``)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
-
-
-def is_dtensor(tensor: object) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, its state, its grad)."""
-    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise); no copy, no autograd."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def dtensor_with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``like``'s spec (mesh, placements, global shape) around ``local``.
-
-    Unlike ``DTensor.from_local`` this keeps ``local`` where it is (a host shard
-    of a CUDA-mesh DTensor, as FSDP2's CPU offload holds it) and runs no check.
-    """
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg,attr-defined]
-
-
-def set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
-    """``tensor.data = data``, also for a DTensor (whose local shard ``.data`` alone leaves in place).
-
-    Example:
-        >>> import torch
-        >>> t = torch.zeros(2); set_data(t, torch.ones(2)); t.tolist()
-        [1.0, 1.0]
-    """
-    tensor.data = data
-    if is_dtensor(tensor):
-        tensor._local_tensor = data._local_tensor  # type: ignore[attr-defined]
-
-
-def fsdp2_units(model: nn.Module) -> list[nn.Module]:
-    """Every ``fully_shard`` unit inside ``model`` (itself included)."""
-    return [m for m in model.modules() if is_fsdp2(m)]
-
-
-def _param_groups(unit: nn.Module) -> list[Any]:
-    state = unit._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a list
-    if groups is None:  # older releases: one optional group
-        group = getattr(state, "_fsdp_param_group", None)
-        return [] if group is None else [group]
-    return list(groups)
-
-
-def unit_params(unit: nn.Module) -> list[nn.Parameter]:
-    """The sharded parameters ``unit`` manages itself (not those of units inside it)."""
-    return [fp.sharded_param for group in _param_groups(unit) for fp in group.fsdp_params]
 
 
 def _uses_mixed_precision(group: Any) -> bool:
@@ -229,8 +154,6 @@ class FSDP2Backend(Backend):
 
     def bind(self, switcher: Any) -> None:
         """Check the switcher's groups against the units and route residency moves through here."""
-        from ._fsdp2_units import check_groups_fit_units, install_unit_guards
-
         check_groups_fit_units(self.model, switcher.groups)
         switcher.residency.place_data = self.place_data
         switcher.release_policy.forget_footprints()  # footprints are per-rank shards from now on
@@ -243,7 +166,7 @@ class FSDP2Backend(Backend):
 
     def apply(self, ignore: set[str]) -> None:
         if ignore and self._moves_residency:
-            from ._fsdp2_units import check_residency_fits_units
+            from ._units import check_residency_fits_units
 
             check_residency_fits_units(self.model, ignore)
         for group in self.param_groups:

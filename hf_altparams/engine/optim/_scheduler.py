@@ -5,7 +5,7 @@ only the groups that stepped, so a group's schedule pauses while it is idle;
 :func:`reapply_state_policy` puts idle groups' optimizer state back where their
 policy says after something else (a checkpoint load, Accelerate's preparation,
 the Trainer's resume) moved it. Both are re-exported by
-:mod:`hf_altparams.engine.optim`; import them from there or from
+:mod:`._grouped`; import them from :mod:`hf_altparams.engine.optim` or from
 :mod:`hf_altparams.engine`.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping, Union
 
 from torch.optim import Optimizer
 
-from ..errors import PlanError
-from ._transfer import optimizer_of
-from .optim import GroupedOptimizer
+from ...errors import PlanError
+from ..memory._transfer import optimizer_of
+from ._grouped import GroupedOptimizer
 
 __all__ = ["GroupedLRScheduler", "SchedulerFactory", "reapply_state_policy"]
 

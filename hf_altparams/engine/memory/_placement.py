@@ -1,6 +1,6 @@
 """How a residency's tensors move between the device and the offload device.
 
-:class:`Placement` is the half of :class:`~hf_altparams.engine.residency.ResidencyManager`
+:class:`Placement` is the half of :class:`~hf_altparams.engine.memory._residency.ResidencyManager`
 that moves tensors: parameters (their ``.data``, so their identity stays), their
 gradients, the buffers of modules whose parameters are all non-resident, and
 the optimizer state of those parameters, out to ``offload_device`` and back to
@@ -18,24 +18,15 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from ..plan.groups import ParamGroups
+from ...plan.groups import ParamGroups
 from ._owners import Owner
-from ._transfer import (
-    HostCopies,
-    Prefetcher,
-    nbytes,
-    optimizer_of,
-    param_group_map,
-    state_target_device,
-    to_device,
-    to_host,
-)
+from ._transfer import HostCopies, Prefetcher, nbytes, optimizer_of, param_group_map, state_target_device, to_device, to_host
 
 __all__ = ["Placement"]
 
 
 class Placement:
-    """Tensor moves for :class:`~hf_altparams.engine.residency.ResidencyManager` (a mixin).
+    """Tensor moves for :class:`~hf_altparams.engine.memory._residency.ResidencyManager` (a mixin).
 
     The manager sets every attribute annotated here in its ``__init__``.
     """

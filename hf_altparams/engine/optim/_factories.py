@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-from ..errors import PlanError
-from ..plan.groups import ParamGroups
+from ...errors import PlanError
+from ...plan.groups import ParamGroups
 
 __all__ = ["check_groups_argument", "as_factories", "match_to_groups", "uncovered"]
 

@@ -29,7 +29,7 @@ from typing import Any, Hashable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from ._fsdp2 import dtensor_with_local, is_dtensor, local_tensor, set_data
+from ..fsdp2._dtensor import dtensor_with_local, is_dtensor, local_tensor, set_data
 
 __all__ = [
     "HostCopies",

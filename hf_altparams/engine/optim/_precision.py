@@ -45,7 +45,7 @@ all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
 :meth:`PrecisionOptimizer.attach_ddp` registers (``PhaseSwitcher.attach``
 calls it); the masters get the fp32 sum. Gradient accumulation sums the
 micro-steps in fp32 (4 bytes per trainable parameter from the second
-micro-step; :mod:`hf_altparams.engine._grad32`), ``param.grad`` holding the
+micro-step; :mod:`hf_altparams.engine.optim._grad32`), ``param.grad`` holding the
 sum rounded to the storage dtype; a gradient changed before the step (clipped)
 is taken as changed.
 """
@@ -59,14 +59,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import AltParamsError, PlanError, SwitchError
-from ..plan.groups import ParamGroups
-from . import _ddp
+from ...errors import AltParamsError, PlanError, SwitchError
+from ...plan.groups import ParamGroups
+from ..ddp import _surgery as _ddp
 from ._grad32 import Fp32Grads
 from ._loss_scale import DynamicLossScale
-from ._transfer import HostCopies, to_device, to_host
-from .comm import CommCounter, register_comm_counter
-from .optim import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
+from ..memory._transfer import HostCopies, to_device, to_host
+from ..comm import CommCounter, register_comm_counter
+from ._grouped import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
 
 __all__ = ["MasterPolicy", "PrecisionOptimizer", "DynamicLossScale"]
 

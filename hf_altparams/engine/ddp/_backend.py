@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import SwitchError
-from . import _ddp
+from ...errors import SwitchError
+from . import _surgery as _ddp
 from ._reducer_cache import why_not_cacheable
-from .backend import Backend
+from ..backend import Backend
 
 __all__ = ["DDPBackend"]
 

@@ -1,7 +1,7 @@
 """Idle phases' DDP reducers, kept for the next switch back (opt-in: ``keep_reducers``).
 
 By default a switch drops the DDP reducer and builds a new one for the new
-trainable set (:func:`~hf_altparams.engine._ddp.rebuild_reducer`). With
+trainable set (:func:`~hf_altparams.engine.ddp._surgery.rebuild_reducer`). With
 per-step alternation the same few reducers are built and freed over and over,
 and each new reducer starts with DDP's first-iteration layout: every gradient
 in one bucket, so no all-reduce overlaps the backward (``docs/switch.md``).
@@ -26,7 +26,7 @@ from typing import Any, Hashable, Optional
 
 from torch import nn
 
-from ..errors import PlanError
+from ...errors import PlanError
 
 __all__ = ["PER_BUCKET_HOOK_STATE", "ReducerCache", "check_keep_reducers", "why_not_cacheable"]
 

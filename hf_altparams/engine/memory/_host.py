@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import AltParamsError
+from ...errors import AltParamsError
 
 __all__ = [
     "MAX_MMAP_THRESHOLD",

@@ -11,7 +11,7 @@ the other tasks go). For a non-resident group, :class:`ResidencyManager`
   hooks that hold them stay valid), together with the buffers of modules whose
   own parameters are all non-resident;
 * lists those parameters and buffers in DDP's ignore list (through
-  :func:`~hf_altparams.engine._ddp.rebuild_reducer` at a switch, and through
+  :func:`~hf_altparams.engine.ddp._surgery.rebuild_reducer` at a switch, and through
   the module attribute DDP's constructor reads before the first wrap), so DDP
   neither all-reduces nor broadcasts them;
 * guards every module whose own parameters are all non-resident with a
@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError
-from ..plan.groups import ParamGroups
-from ..plan.phase import Phase
-from . import _ddp
+from ...errors import PlanError
+from ...plan.groups import ParamGroups
+from ...plan.phase import Phase
+from ..ddp import _surgery as _ddp
 from ._owners import ForwardGuards, Owner
 from ._placement import Placement
 from ._transfer import HostCopies, Prefetcher, nbytes, set_data

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..errors import SwitchError
-from ..plan.phase import Phase
-from ._layout import remember
+from ...errors import SwitchError
+from ...plan.phase import Phase
+from .._layout import remember
 
 if TYPE_CHECKING:
-    from .switch import PhaseSwitcher
+    from ..switch import PhaseSwitcher
 
 __all__ = ["ReleasePolicy", "ReleaseSetting"]
 
@@ -74,7 +74,7 @@ class ReleasePolicy:
         """The phase's expected device footprint, computed once per phase."""
         cached = self._footprints.get(phase)
         if cached is None:
-            from .report import expected_peak_bytes  # report imports the switcher's types
+            from ._report import expected_peak_bytes
 
             cached = remember(self._footprints, phase, expected_peak_bytes(switcher, phase)[0])
         return cached

@@ -8,8 +8,7 @@ policy: ``keep`` it, ``offload`` it to CPU (pinned when the device is CUDA), or
 ``drop`` it (torch optimizers re-initialise empty state at the next step).
 
 :class:`GroupedLRScheduler` and :func:`reapply_state_policy`, which act on a
-built :class:`GroupedOptimizer` from outside, live in
-:mod:`hf_altparams.engine._optim_companions`; both are importable from here.
+built :class:`GroupedOptimizer` from outside, live in :mod:`._scheduler`.
 """
 
 from __future__ import annotations
@@ -20,13 +19,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..errors import PlanError
-from ..plan.groups import ParamGroups
-from ._built_optim import as_factories, check_groups_argument
-from ._transfer import HostCopies, Prefetcher, param_group_map, state_target_device, to_device, to_host
-from ._transfer import nbytes as _nbytes
+from ...errors import PlanError
+from ...plan.groups import ParamGroups
+from ._factories import as_factories, check_groups_argument
+from ..memory._transfer import HostCopies, Prefetcher, param_group_map, state_target_device, to_device, to_host
+from ..memory._transfer import nbytes as _nbytes
 
-__all__ = ["GroupedOptimizer", "GroupedLRScheduler", "StatePolicy", "OptimizerFactory", "reapply_state_policy"]
+__all__ = ["GroupedOptimizer", "OptimizerFactory", "StatePolicy"]
 
 StatePolicy = Literal["keep", "offload", "drop"]
 POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
@@ -371,7 +370,3 @@ class GroupedOptimizer(Optimizer):
         self._prefetcher.cancel()
         self.set_active(self.active)
 
-
-# They need GroupedOptimizer, defined above; imported last so this module re-exports them.
-from ._optim_companions import GroupedLRScheduler, reapply_state_policy  # noqa: E402
-from ._optim_companions import SchedulerFactory as SchedulerFactory  # noqa: E402

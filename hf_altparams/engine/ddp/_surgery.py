@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._compat import TESTED_TORCH, torch_version
-from ..errors import SwitchError
-from ._ddp_inputs import ReducerInputs
+from ..._compat import ALLOW_UNTESTED_ENV, TESTED_TORCH, torch_version
+from ...errors import SwitchError
+from ._inputs import ReducerInputs
 from ._reducer_cache import PER_BUCKET_HOOK_STATE, ReducerCache
 
 __all__ = [
@@ -58,8 +58,6 @@ __all__ = [
     "unwrap",
 ]
 
-#: Environment variable that lets an untested torch version through (with a warning).
-ALLOW_UNTESTED_ENV = "HF_ALTPARAMS_ALLOW_UNTESTED_TORCH"
 
 #: Private DDP attributes and methods the rebuild relies on (present in torch 2.11-2.13).
 PRIVATE_DDP_ATTRIBUTES = (

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..errors import SwitchError
-from ..plan.phase import Phase
+from ...errors import SwitchError
+from ...plan.phase import Phase
 from ._transfer import optimizer_of
-from .optim import GroupedOptimizer
+from ..optim._grouped import GroupedOptimizer
 
 if TYPE_CHECKING:
-    from .switch import PhaseSwitcher
+    from ..switch import PhaseSwitcher
 
 __all__ = ["PhasePrefetch", "PrefetchSetting"]
 
@@ -23,7 +23,7 @@ PrefetchSetting = Union[bool, int, str]
 
 
 def _expected_peak(switcher: PhaseSwitcher, phase: Phase) -> int:
-    from .report import expected_peak_bytes  # report imports the switcher's types
+    from ._report import expected_peak_bytes
 
     return expected_peak_bytes(switcher, phase)[0]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import PlanError
+from ...errors import PlanError
 
 __all__ = ["DynamicLossScale"]
 

@@ -21,9 +21,9 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from ..errors import SwitchError
-from ..plan.groups import ParamGroups
-from ._fsdp2 import fsdp2_units, is_fsdp2, unit_params
+from ...errors import SwitchError
+from ...plan.groups import ParamGroups
+from ._dtensor import fsdp2_units, is_fsdp2, unit_params
 
 __all__ = ["check_groups_fit_units", "check_residency_fits_units", "install_unit_guards", "mixed_units",
            "shard_by_groups"]
