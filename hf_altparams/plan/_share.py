@@ -113,17 +113,32 @@ class TrainShare:
         """`params` over :attr:`total_params`."""
         return params / self.total_params if self.total_params else 0.0
 
-    def __str__(self) -> str:
-        def pct(params: int) -> str:
-            return f"{100.0 * self.fraction(params):.1f}%"
+    @property
+    def warning(self) -> Optional[str]:
+        """The :class:`TrainShareWarning` text if :attr:`always_fraction` is over :data:`ALWAYS_SHARE_LIMIT`, else None."""
+        return _warning_text(self.kind, self.always, self.total_params)
 
-        floor = ", ".join(f"{g} {pct(n)}" for g, n in self.always.items())
-        text = (f"{self.kind} trains at most {pct(self.largest.params)} of {self.total_params:,} params in a "
-                f"phase ({self.largest.phase}); {pct(self.always_params)} in every phase"
+    def headline(self) -> str:
+        """One line: the largest phase's share and what trains in every phase.
+
+        Example:
+            >>> TrainShare("Alternating", 100, {"head": 5}, (), PhaseShare("a+head", ("a", "head"), 40), 2,
+            ...            True).headline()
+            'at most 40.0% of 100 params in a phase (a+head); 5.0% in every phase (head 5.0%)'
+        """
+        floor = ", ".join(f"{g} {self._pct(n)}" for g, n in self.always.items())
+        return (f"at most {self._pct(self.largest.params)} of {self.total_params:,} params in a phase "
+                f"({self.largest.phase}); {self._pct(self.always_params)} in every phase"
                 + (f" ({floor})" if floor else ""))
-        listed = ", ".join(f"{p.phase} {pct(p.params)}" for p in self.phases[:_LISTED])
+
+    def _pct(self, params: int) -> str:
+        return f"{100.0 * self.fraction(params):.1f}%"
+
+    def __str__(self) -> str:
+        listed = ", ".join(f"{p.phase} {self._pct(p.params)}" for p in self.phases[:_LISTED])
         more = len(self.phases) - _LISTED
-        text += f"; per phase: {listed}" + (f", ... ({more} more)" if more > 0 else "")
+        text = f"{self.kind} trains {self.headline()}; per phase: {listed}"
+        text += f", ... ({more} more)" if more > 0 else ""
         if not self.exact:
             text += f" (the largest met in the first {self.positions:,} positions)"
         return text
@@ -159,37 +174,34 @@ def train_share(kind: str, phases: Sequence[Phase], largest: Optional[Phase], al
                       positions=positions, exact=exact)
 
 
-def warn_if_always_dominates(kind: str, always: Iterable[str], groups: ParamGroups) -> None:
-    """Warn (:class:`TrainShareWarning`) when what trains in every phase is over :data:`ALWAYS_SHARE_LIMIT`."""
-    counts = _always_params(always, groups)
-    total = _total(groups)
+def _warning_text(kind: str, counts: Mapping[str, int], total: int) -> Optional[str]:
     held = sum(counts.values())
     if not total or held / total <= ALWAYS_SHARE_LIMIT:
-        return
+        return None
     named = [g for g in counts if g != _UNGROUPED]
-    parts = ", ".join(f"{g!r} {100.0 * n / total:.1f}%" for g, n in counts.items() if g != _UNGROUPED)
-    what = []
+    parts = ", ".join(f"{g!r} {100.0 * counts[g] / total:.1f}%" for g in named)
+    what, fixes = [], []
     if named:
         what.append(f"the `always` groups of this {kind} ({parts})")
-    if _UNGROUPED in counts:
-        what.append(f"the {counts[_UNGROUPED]:,} ungrouped parameters (ungrouped='trainable', "
-                    f"{100.0 * counts[_UNGROUPED] / total:.1f}%)")
-    fixes = []
-    if named:
         fixes.append("move the large ones (e.g. the embeddings) out of `always=`, into the groups that take "
                      "turns, or leave them frozen")
     if _UNGROUPED in counts:
+        what.append(f"the {counts[_UNGROUPED]:,} ungrouped parameters (ungrouped='trainable', "
+                    f"{100.0 * counts[_UNGROUPED] / total:.1f}%)")
         fixes.append("put the ungrouped parameters in groups or build the groups with ungrouped='frozen'")
-    warnings.warn(
-        f"hf_altparams: {' and '.join(what)} train in every phase: {100.0 * held / total:.1f}% of the model's "
-        f"{total:,} parameters (this warns above {100 * ALWAYS_SHARE_LIMIT:.0f}%, "
-        "hf_altparams.plan.ALWAYS_SHARE_LIMIT). Every phase "
-        "trains at least that share, so its gradients and optimizer state (and fp32 masters) stay near a "
-        f"full fine-tune's. To save memory, {'; '.join(fixes)}. `schedule.trained_share(groups)` (or "
-        "`python -m hf_altparams plan`) shows what each phase trains.",
-        TrainShareWarning,
-        stacklevel=3,
-    )
+    return (f"hf_altparams: {' and '.join(what)} train in every phase: {100.0 * held / total:.1f}% of the "
+            f"model's {total:,} parameters (this warns above {100 * ALWAYS_SHARE_LIMIT:.0f}%, "
+            "hf_altparams.plan.ALWAYS_SHARE_LIMIT). Every phase trains at least that share, so its gradients "
+            "and optimizer state (and fp32 masters) stay near a full fine-tune's. To save memory, "
+            f"{'; '.join(fixes)}. `schedule.trained_share(groups)` (or `python -m hf_altparams plan`) shows "
+            "what each phase trains.")
+
+
+def warn_if_always_dominates(kind: str, always: Iterable[str], groups: ParamGroups) -> None:
+    """Warn (:class:`TrainShareWarning`) when what trains in every phase is over :data:`ALWAYS_SHARE_LIMIT`."""
+    text = _warning_text(kind, _always_params(always, groups), _total(groups))
+    if text is not None:
+        warnings.warn(text, TrainShareWarning, stacklevel=3)
 
 
 def numel_by_group(groups: ParamGroups) -> Mapping[str, int]:
