@@ -29,9 +29,9 @@ def test_plan_of_lisa_on_minilm_shows_the_share_and_warns(capsys: pytest.Capture
     with pytest.warns(TrainShareWarning, match="'emb' 52"):  # as PhasedAccelerator/AlternatingFreeze would
         _, plan = plan_from_argv([*LISA_ON_MINILM, "--always", "emb,head"])
     model = build_model(str(_minilm_dir()))
-    emb = sum(p.numel() for p in model.embeddings.parameters())
-    head = sum(p.numel() for p in model.pooler.parameters())
-    layer = sum(p.numel() for p in model.encoder.layer[0].parameters())
+    emb = sum(p.numel() for p in model.get_submodule("embeddings").parameters())
+    head = sum(p.numel() for p in model.get_submodule("pooler").parameters())
+    layer = sum(p.numel() for p in model.get_submodule("encoder.layer.0").parameters())
     assert plan.trained is not None
     assert plan.trained.always == {"emb": emb, "head": head}
     assert plan.trained.largest.params == emb + head + 2 * layer

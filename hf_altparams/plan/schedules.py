@@ -206,9 +206,10 @@ class Alternating(_SequenceBacked):
         self.entries: tuple[tuple[str, ...], ...] = tuple(e for e, _ in pairs)
         self.durations: tuple[int, ...] = tuple(d for _, d in pairs)
         self.always = frozenset(_name_list(always, "always", one_str=True))
-        form = {"as_mapping": isinstance(ratios, Mapping), "every": every, "always": self.always}
-        check_unique_entries(self.entries, "ratios", hint=alternating_hint(self.entries, self.durations, **form))
-        check_always_apart(self.entries, self.durations, **form)
+        as_mapping = isinstance(ratios, Mapping)
+        hint = alternating_hint(self.entries, self.durations, as_mapping=as_mapping, every=every, always=self.always)
+        check_unique_entries(self.entries, "ratios", hint=hint)
+        check_always_apart(self.entries, self.durations, as_mapping=as_mapping, every=every, always=self.always)
         self.resident = None if resident is None else frozenset(_name_list(resident, "resident", one_str=True))
         extra = tuple(sorted(self.always))
         self._seq = PhaseSequence(
