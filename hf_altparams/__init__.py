@@ -48,6 +48,7 @@ from .plan import (
     ProgressiveFreeze,
     RandomBlocks,
     Schedule,
+    TrainShareWarning,
     badam,
     lisa,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "SwitchError",
     "SwitchHistory",
     "SwitchRecord",
+    "TrainShareWarning",
     "__version__",
     "badam",
     "grouped_optimizer",

@@ -130,3 +130,28 @@ class SwitchHistory:
     def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float]]:
         """The totals as flat tracker metrics."""
         return {f"{prefix}{k}": v for k, v in self.totals().items()}
+
+    def __repr__(self) -> str:
+        """How many switches, the window, the running totals and the last record, on one line.
+
+        Example:
+            >>> history = SwitchHistory(window=2)
+            >>> history
+            SwitchHistory(0 switches, window 2 (0 kept); no switch yet)
+            >>> for step in range(3):
+            ...     history.append(SwitchRecord(step, 0, "a", ("a",), 6, 24, 24, True, 0.002, moved_bytes=8))
+            >>> history
+            SwitchHistory(3 switches, window 2 (2 kept), 6.00 ms in all, 24 B moved, 0 B synced, 0 releases; last: step 2, epoch 0, phase 'a' (6 params, 24 B all-reduced/step), DDP rebuilt, 2.00 ms)
+        """
+        head = f"{self.count} switch{'' if self.count == 1 else 'es'}, window {self.window} ({len(self._recent)} kept)"
+        last = self.last
+        if last is None:
+            return f"SwitchHistory({head}; no switch yet)"
+        totals = (f"{1e3 * self.seconds:.2f} ms in all, {self.moved_bytes:,} B moved, {self.synced_bytes:,} B synced, "
+                  f"{self.releases} release{'' if self.releases == 1 else 's'}")
+        where = ", ".join(f"{name} {value}" for name, value in (("step", last.step), ("epoch", last.epoch))
+                          if value is not None)
+        record = (f"{where + ', ' if where else ''}phase {last.phase!r} ({last.trainable_params:,} params, "
+                  f"{last.allreduce_bytes_per_step:,} B all-reduced/step), "
+                  f"{'DDP rebuilt' if last.rebuilt_ddp else 'no DDP rebuild'}, {1e3 * last.seconds:.2f} ms")
+        return f"SwitchHistory({head}, {totals}; last: {record})"

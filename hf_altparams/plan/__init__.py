@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from ._share import ALWAYS_SHARE_LIMIT, PhaseShare, TrainShare, TrainShareWarning
 from .groups import ParamGroups
 from .phase import Phase
 from .recipes import badam, lisa
@@ -29,6 +30,7 @@ from .schedules import (
 )
 
 __all__ = [
+    "ALWAYS_SHARE_LIMIT",
     "Alternating",
     "Chain",
     "FnSchedule",
@@ -37,9 +39,12 @@ __all__ = [
     "PerTaskCycle",
     "Phase",
     "PhaseSequence",
+    "PhaseShare",
     "ProgressiveFreeze",
     "RandomBlocks",
     "Schedule",
+    "TrainShare",
+    "TrainShareWarning",
     "badam",
     "lisa",
 ]

@@ -12,7 +12,8 @@ import math
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..errors import PlanError
-from ._schedule_base import Schedule, _check_int, _Tail
+from ._checks import _check_int
+from ._schedule_base import Schedule, _Tail
 from .phase import Phase
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class Chain(Schedule):
 
     def group_names(self) -> frozenset[str]:
         return frozenset().union(*(s.group_names() for s in self.parts))
+
+    def always_groups(self) -> frozenset[str]:
+        """The groups every part trains in all its phases."""
+        return frozenset.intersection(*(s.always_groups() for s in self.parts))
 
     def validate(self, groups: ParamGroups | Iterable[str]) -> None:
         for i, part in enumerate(self.parts):

@@ -5,25 +5,28 @@ submodule, or a list mixing both; :func:`resolve_spec` expands one into the
 names it claims (aliases of tied parameters included) or raises a
 :class:`~hf_altparams.errors.PlanError` naming what is wrong.
 :func:`layer_specs` and :func:`check_module_specs` build and check the specs of
-the ``from_layers`` / ``from_modules`` constructors. :func:`_format_bytes` is
-re-exported by :mod:`hf_altparams.plan.groups` (the planner imports it there).
+the ``from_layers`` / ``from_modules`` constructors. The :data:`Spec` type and
+:func:`_format_bytes` are re-exported by :mod:`hf_altparams.plan.groups` (users and
+the planner import them there); this module imports nothing from it, so the two
+depend one way only.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..errors import PlanError
 
-if TYPE_CHECKING:
-    from .groups import Spec
+__all__ = ["Spec", "check_module_specs", "layer_specs", "overlap_message", "resolve_spec"]
 
-__all__ = ["check_module_specs", "layer_specs", "overlap_message", "resolve_spec"]
+#: One group's specification: a pattern, a submodule, or a list mixing both
+#: (re-exported by :mod:`hf_altparams.plan.groups`, where users import it).
+Spec = Union[str, nn.Module, Sequence[Union[str, nn.Module]]]
 
 _SPEC_HELP = (
     "a glob pattern str (e.g. 'encoder.layer.0.*'), a regex str starting with 're:', "

@@ -7,22 +7,11 @@ there or from :mod:`hf_altparams.plan`.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import PlanError
-from ._schedule_base import (
-    _UNITS,
-    Schedule,
-    Unit,
-    _as_phase,
-    _check_bool,
-    _check_choice,
-    _check_disjoint,
-    _check_int,
-    _name_list,
-    _ordered_groups,
-    _short,
-)
+from ._checks import _as_phase, _check_bool, _check_choice, _check_disjoint, _check_int, _name_list, _ordered_groups
+from ._schedule_base import _UNITS, Schedule, Unit, _short
 from .phase import Phase
 
 if TYPE_CHECKING:
@@ -77,6 +66,14 @@ class RandomBlocks(Schedule):
     def group_names(self) -> frozenset[str]:
         return self.always | set(self.groups)
 
+    def always_groups(self) -> frozenset[str]:
+        return self.always
+
+    def _largest_phase(self, numel: Mapping[str, int]) -> Phase:
+        """`always` plus the `k` largest groups: the largest draw there can be."""
+        largest = sorted(self.groups, key=lambda g: numel.get(g, 0), reverse=True)[: self.k]
+        return Phase(self.always | set(largest))
+
     def _stride(self) -> int:
         return self.every
 
@@ -99,12 +96,19 @@ class FnSchedule(Schedule):
     :meth:`validate` (run before training) already calls it on the first
     `probe` positions of its unit (steps at epoch 0, or epochs at step 0), so
     an undeclared or unknown group there fails before any step. Only `name`
-    goes into :meth:`state_dict`, so give each distinct function its own name.
+    goes into :meth:`state_dict` (and `always`, when given), so give each
+    distinct function its own name.
+
+    `always` declares groups trained in every phase: they are added to each
+    phase `fn` returns (a :class:`Phase`'s label is kept), reported by
+    :meth:`always_groups` and counted by :meth:`validate`'s share warning.
 
     Example:
         >>> s = FnSchedule(lambda step, epoch: ["a"] if step < 10 else ["a", "b"], groups=["a", "b"])
         >>> s.phase_at(3).name, s.phase_at(10).name, s.next_change(0)
         ('a', 'a+b', 10)
+        >>> FnSchedule(lambda step, epoch: ["a"], groups=["a"], always=["head"]).phase_at(0).name
+        'a+head'
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class FnSchedule(Schedule):
         allow_empty: bool = False,
         name: str = "fn",
         probe: int = 1000,
+        always: Iterable[str] = (),
     ) -> None:
         if not callable(fn):
             raise PlanError(f"`fn` must be a callable fn(step, epoch) -> Phase | list of group names, got {fn!r}")
@@ -131,6 +136,7 @@ class FnSchedule(Schedule):
         if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
             raise PlanError(f"`probe` must be an int >= 0 (positions validate() checks), got {probe!r}")
         self.probe = probe
+        self.always = frozenset(_name_list(always, "always", one_str=True))
 
     def validate(self, groups: ParamGroups | Iterable[str]) -> None:
         """Check the declared groups, then call `fn` on the first `probe` positions.
@@ -158,15 +164,22 @@ class FnSchedule(Schedule):
             phase = _as_phase(value, "fn result")
         except PlanError:
             raise PlanError(f"{where}; expected a Phase or a list of names from {sorted(self.groups)}") from None
-        unknown = sorted((phase.trainable | (phase.resident or frozenset())) - self.groups)
+        unknown = sorted((phase.trainable | (phase.resident or frozenset())) - self.group_names())
         if unknown:
             raise PlanError(f"{where}, naming undeclared group(s) {unknown}; declared `groups`: {sorted(self.groups)}")
+        if self.always and not self.always <= phase.trainable:
+            resident = None if phase.resident is None else phase.resident | self.always
+            phase = Phase(phase.trainable | self.always, resident=resident, label=phase.label, task=phase.task)
         if not phase.trainable and not self.allow_empty:
             raise PlanError(f"{where}, which trains no group; pass `allow_empty=True` to allow it")
         return phase
 
     def group_names(self) -> frozenset[str]:
-        return self.groups
+        return self.groups | self.always
+
+    def always_groups(self) -> frozenset[str]:
+        return self.always
 
     def _config(self) -> dict[str, Any]:
-        return {"name": self.name}
+        # `always` only when given: a state_dict saved before it existed still loads
+        return {"name": self.name, **({"always": sorted(self.always)} if self.always else {})}

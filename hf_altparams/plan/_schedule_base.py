@@ -1,4 +1,4 @@
-"""The :class:`Schedule` base class and the argument checks shared by every schedule kind.
+"""The :class:`Schedule` base class (the argument checks every kind shares are in :mod:`._checks`).
 
 A kind implements :meth:`Schedule.phase_at` and :meth:`Schedule.group_names`,
 and may describe its repeating pattern through two hooks, ``_tail()`` and
@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 import json
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Literal, Mapping, NamedTuple
 
 from ..errors import PlanError
+from ._checks import _check_int, _name_list
+from ._share import TrainShare, numel_by_group, train_share, warn_if_always_dominates
 from .groups import ParamGroups
 from .phase import Phase
 
@@ -24,6 +26,7 @@ __all__ = ["Schedule", "Unit"]
 Unit = Literal["step", "epoch"]
 _UNITS: tuple[str, ...] = ("step", "epoch")
 _DESCRIBE_SEGMENTS = 8  # segments listed by describe() for schedules with no known pattern
+_SHARE_POSITIONS = 1000  # positions trained_share() scans for schedules with no known pattern
 
 
 class _Tail(NamedTuple):
@@ -31,71 +34,6 @@ class _Tail(NamedTuple):
 
     start: int
     period: int | None
-
-
-# -- argument checks ----------------------------------------------------------------------------
-
-
-def _check_int(value: Any, argument: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlanError(f"`{argument}` must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_bool(value: Any, argument: str) -> bool:
-    if not isinstance(value, bool):
-        raise PlanError(f"`{argument}` must be True or False, got {value!r}")
-    return value
-
-
-def _check_choice(value: Any, argument: str, choices: Sequence[str]) -> Any:
-    if value not in choices:
-        raise PlanError(f"`{argument}` must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _name_list(value: Any, argument: str, *, one_str: bool) -> tuple[str, ...]:
-    """Group names from a str (if `one_str`) or an iterable of non-empty str; no duplicates."""
-    if isinstance(value, str) and one_str:
-        value = [value]
-    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
-        accepted = "a group name or " if one_str else ""
-        raise PlanError(f"`{argument}` must be {accepted}a list of group names, got {value!r}")
-    names = tuple(value)
-    bad = [n for n in names if not isinstance(n, str) or not n]
-    if bad:
-        raise PlanError(f"`{argument}` must hold non-empty str group names, got {bad[0]!r} in {value!r}")
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise PlanError(f"`{argument}` lists group(s) {dups} more than once: {value!r}")
-    return names
-
-
-def _ordered_groups(value: Any, argument: str) -> tuple[str, ...]:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise PlanError(f"`{argument}` must be a list of group names (in order), got {value!r}")
-    names = _name_list(value, argument, one_str=False)
-    if not names:
-        raise PlanError(f"`{argument}` must name at least one group, got {value!r}")
-    return names
-
-
-def _check_disjoint(a: Iterable[str], b: Iterable[str], a_arg: str, b_arg: str) -> None:
-    both = sorted(set(a) & set(b))
-    if both:
-        raise PlanError(f"group(s) {both} appear in both `{a_arg}` and `{b_arg}`; use each group once")
-
-
-def _as_phase(value: Any, argument: str) -> Phase:
-    if isinstance(value, Phase):
-        _name_list(sorted(value.trainable | (value.resident or frozenset()), key=str), argument, one_str=False)
-        return value
-    try:
-        return Phase(trainable=_name_list(value, argument, one_str=True))
-    except PlanError:
-        raise PlanError(
-            f"`{argument}` must be a Phase, a group name or a list of group names, got {value!r}"
-        ) from None
 
 
 def _phase_text(phase: Phase) -> str:
@@ -159,6 +97,15 @@ class Schedule(ABC):
     def _load_seed(self, seed: Any) -> None:
         del seed
 
+    def _largest_phase(self, numel: Mapping[str, int]) -> Phase | None:
+        """The phase training the most parameters, where scanning positions may miss it (random draws)."""
+        del numel
+        return None
+
+    def always_groups(self) -> frozenset[str]:
+        """The groups this schedule trains in every phase by its ``always=`` argument (none if it has none)."""
+        return frozenset()
+
     @property
     def kind(self) -> str:
         """The schedule's kind, e.g. ``"Alternating"``."""
@@ -178,6 +125,12 @@ class Schedule(ABC):
     def validate(self, groups: ParamGroups | Iterable[str]) -> None:
         """Check the schedule against the known groups, before training.
 
+        Given a :class:`ParamGroups`, it also warns
+        (:class:`~hf_altparams.plan.TrainShareWarning`) when the parameters
+        trained in every phase (:meth:`always_groups`, and the ungrouped ones
+        under ``ungrouped="trainable"``) are more than
+        :data:`~hf_altparams.plan.ALWAYS_SHARE_LIMIT` of the model.
+
         Raises:
             PlanError: if the schedule names unknown groups, or has a phase that
                 trains no group while ``allow_empty`` is False.
@@ -193,6 +146,41 @@ class Schedule(ABC):
                 f"known groups: {sorted(known)}"
             )
         self._check_nonempty()
+        if isinstance(groups, ParamGroups):
+            warn_if_always_dominates(self.kind, self.always_groups(), groups)
+
+    def trained_share(self, groups: ParamGroups, positions: int | None = None) -> TrainShare:
+        """What share of the parameters each phase trains, the largest, and what trains in every phase.
+
+        Validates the schedule against `groups` first (so it may warn as :meth:`validate` does).
+
+        Args:
+            groups: the model's groups (sizes are counted on their parameters,
+                ``meta`` ones included).
+            positions: positions to scan; by default :meth:`pattern_length`, or
+                1000 for a random or user-defined schedule (a random one's
+                largest possible draw is counted even if not met).
+
+        Example:
+            >>> from torch import nn
+            >>> from hf_altparams.plan import ParamGroups, lisa
+            >>> net = nn.ModuleDict({"emb": nn.Embedding(100, 8), "l0": nn.Linear(8, 8), "l1": nn.Linear(8, 8)})
+            >>> groups = ParamGroups(net, {"emb": "emb.*", "l0": "l0.*", "l1": "l1.*"})
+            >>> share = lisa(["l0", "l1"], k=1, always=["emb"]).trained_share(groups)  # warns: emb is 85%
+            >>> round(share.always_fraction, 3), round(share.largest_fraction, 3), share.largest.phase
+            (0.847, 0.924, 'emb+l0')
+        """
+        if not isinstance(groups, ParamGroups):
+            raise PlanError(f"`groups` must be a ParamGroups (sizes are read from it), got {type(groups).__name__}")
+        self.validate(groups)
+        pattern = self.pattern_length()
+        scanned = _check_int(positions, "positions", minimum=1) if positions is not None else (
+            pattern if pattern is not None else _SHARE_POSITIONS)
+        phases = [phase for _, _, phase in self.segments(scanned)]
+        largest = self._largest_phase(numel_by_group(groups))
+        exact = largest is not None or (pattern is not None and scanned >= pattern)
+        return train_share(self.kind, phases, largest, self.always_groups(), groups, positions=scanned,
+                           exact=exact)
 
     def _check_nonempty(self) -> None:
         tail = self._tail()

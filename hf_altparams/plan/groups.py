@@ -15,12 +15,13 @@ live in :mod:`hf_altparams.plan._group_specs`.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Literal, Mapping, Sequence, Union
+from typing import Iterable, Literal, Mapping, Sequence
 
 from torch import nn
 
 from ..errors import PlanError
 from ._group_specs import (
+    Spec,
     _format_bytes,
     _preview,
     _show,
@@ -35,9 +36,6 @@ __all__ = ["ParamGroups", "Spec", "UngroupedPolicy"]
 
 #: What happens to parameters that no group claims.
 UngroupedPolicy = Literal["frozen", "trainable", "error"]
-
-#: One group's specification: a pattern, a submodule, or a list mixing both.
-Spec = Union[str, nn.Module, Sequence[Union[str, nn.Module]]]
 
 _POLICIES: tuple[str, ...] = ("frozen", "trainable", "error")
 

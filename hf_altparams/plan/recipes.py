@@ -24,8 +24,10 @@ import random
 from typing import Iterable, Literal, Sequence
 
 from ..errors import PlanError
+from ._checks import _name_list
 from ._random_fn import FnSchedule, RandomBlocks
 from ._schedule_base import Schedule
+from .phase import Phase
 from .schedules import Alternating
 
 __all__ = ["badam", "lisa"]
@@ -44,6 +46,19 @@ def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable
          seed: int = 0) -> Schedule:
     """LISA: ``always`` groups train every step; ``k`` random ``layers`` re-drawn every ``every`` steps.
 
+    What it saves depends on the model: the ``always`` groups train in every
+    phase, so each phase trains at least their share of the parameters. LISA's
+    paper keeps the embeddings and head training; on a 7B decoder they are a few
+    percent of the model, but on a small one they can be most of it (MiniLM's
+    embeddings are 52 % of its parameters: LISA there trains 69 % of the model
+    per phase and needs about the memory of a full fine-tune). Before the run,
+    ``schedule.trained_share(groups)`` gives the share per phase and the largest;
+    ``schedule.validate(groups)``, which every entry point runs, warns
+    (:class:`~hf_altparams.plan.TrainShareWarning`) when what trains in every
+    phase is over :data:`~hf_altparams.plan.ALWAYS_SHARE_LIMIT` (25 %) of the
+    parameters. Then leave the embeddings out of ``always`` (``always=["head"]``),
+    or count them among the ``layers`` drawn.
+
     Args:
         layers: the layer groups to sample from (e.g. ``groups.names`` minus
             the embeddings and head of ``ParamGroups.from_layers``).
@@ -58,6 +73,13 @@ def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable
         True
         >>> len(phase.trainable)
         3
+        >>> from torch import nn
+        >>> from hf_altparams.plan import ParamGroups
+        >>> net = nn.ModuleDict({"emb": nn.Embedding(1000, 16), "l0": nn.Linear(16, 16), "l1": nn.Linear(16, 16),
+        ...                      "head": nn.Linear(16, 2)})
+        >>> groups = ParamGroups(net, {n: f"{n}.*" for n in net})
+        >>> print(lisa(["l0", "l1"], k=1, always=["head"]).trained_share(groups))
+        RandomBlocks trains at most 1.8% of 16,578 params in a phase (head+l0); 0.2% in every phase (head 0.2%); per phase: head+l0 1.8%, head+l1 1.8%
     """
     return RandomBlocks(_names(layers, "layers"), k=k, every=every, seed=seed, always=always)
 
@@ -72,8 +94,18 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
         order: ``"ascending"``, ``"descending"``, or ``"random"`` (a new
             permutation of all blocks every sweep, so each sweep trains each
             block once).
-        always: groups trained with every block (none in BAdam itself).
+        always: groups trained with every block (none in BAdam itself), e.g.
+            ``["head"]``; not among `blocks`. Phases are named ``block+always``.
+            They bound what a phase can save, as for :func:`lisa`.
         seed: seeds the ``"random"`` permutations.
+
+    Returns:
+        ``"ascending"`` / ``"descending"``: an :class:`~hf_altparams.plan.Alternating`
+        over the blocks with ``always=``; ``"random"``: a
+        :class:`~hf_altparams.plan.FnSchedule` named
+        ``badam-random-{seed}-{steps_per_block}-{len(blocks)}`` with ``always=``.
+        Both record `always` in their ``state_dict()``, so a resume with other
+        `always` groups is refused.
 
     Example:
         >>> s = badam(["l0", "l1", "l2"], steps_per_block=2, order="descending")
@@ -82,25 +114,33 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
         >>> r = badam(["l0", "l1", "l2"], steps_per_block=1, order="random")
         >>> sorted(r.phase_at(i).name for i in range(3))
         ['l0', 'l1', 'l2']
+        >>> [badam(["l0", "l1"], steps_per_block=1, always=["head"]).phase_at(i).name for i in range(3)]
+        ['l0+head', 'l1+head', 'l0+head']
     """
     names = _names(blocks, "blocks")
     if order not in ORDERS:
         raise PlanError(f"`order` is {order!r}; accepted: {list(ORDERS)}")
     if isinstance(steps_per_block, bool) or not isinstance(steps_per_block, int) or steps_per_block < 1:
         raise PlanError(f"`steps_per_block` must be an int >= 1, got {steps_per_block!r}")
-    extra = tuple(always) if not isinstance(always, str) else (always,)
+    extra = tuple(sorted(_name_list(always, "always", one_str=True)))
     overlap = sorted(set(extra) & set(names))
     if overlap:
-        raise PlanError(f"`always` groups {overlap} are also in `blocks`; a group is one or the other")
+        rest = [n for n in names if n not in overlap]
+        fix = (f"badam({rest!r}, always={list(extra)!r})" if rest else "badam(<the blocks>, always=...) with "
+               "at least one block that is not in `always`")
+        raise PlanError(f"`always` groups {overlap} are also in `blocks` {names!r}; a group is one or the "
+                        f"other (an `always` group trains with every block): {fix}")
     if order != "random":
         ordered = names if order == "ascending" else names[::-1]
-        return Alternating([(b, *extra) if extra else b for b in ordered], every=steps_per_block)
+        return Alternating(ordered, every=steps_per_block, always=extra)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PlanError(f"`seed` must be an int, got {seed!r}")
 
-    def sweep(step: int, epoch: int) -> list[str]:
+    def sweep(step: int, epoch: int) -> Phase:
         block = step // steps_per_block
         permutation = random.Random(f"{seed}:{block // len(names)}").sample(names, len(names))
-        return [permutation[block % len(names)], *extra]
+        chosen = permutation[block % len(names)]
+        return Phase([chosen, *extra], label="+".join([chosen, *extra]))
 
-    return FnSchedule(sweep, groups=[*names, *extra], name=f"badam-random-{seed}-{steps_per_block}-{len(names)}")
+    return FnSchedule(sweep, groups=names, always=extra,
+                      name=f"badam-random-{seed}-{steps_per_block}-{len(names)}")

@@ -24,20 +24,10 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from ..errors import PlanError
 from ._chain import Chain
+from ._entries import alternating_hint, check_always_apart, check_unique_entries, entry
+from ._checks import _as_phase, _check_bool, _check_choice, _check_disjoint, _check_int, _name_list, _ordered_groups
 from ._random_fn import FnSchedule, RandomBlocks
-from ._schedule_base import (
-    _UNITS,
-    Schedule,
-    Unit,
-    _as_phase,
-    _check_bool,
-    _check_choice,
-    _check_disjoint,
-    _check_int,
-    _name_list,
-    _ordered_groups,
-    _Tail,
-)
+from ._schedule_base import _UNITS, Schedule, Unit, _Tail
 from .phase import Phase
 
 __all__ = [
@@ -156,45 +146,34 @@ class _SequenceBacked(Schedule):
         return self._seq._stride()
 
 
-def _entry(value: Any, argument: str) -> tuple[str, ...]:
-    """One alternating entry or task: a group name or a non-empty tuple/list of them."""
-    if not isinstance(value, (str, tuple, list)):
-        raise PlanError(f"`{argument}` must be a group name or a tuple of group names, got {value!r}")
-    names = _name_list(value, argument, one_str=True)
-    if not names:
-        raise PlanError(f"`{argument}` must name at least one group, got {value!r}")
-    return names
-
-
-def _check_unique_entries(entries: Sequence[tuple[str, ...]], argument: str) -> None:
-    seen: dict[str, int] = {}
-    for i, entry in enumerate(entries):
-        for name in entry:
-            if name in seen:
-                raise PlanError(
-                    f"group {name!r} appears in `{argument}` entries {seen[name]} and {i} "
-                    f"({list(entries[seen[name]])} and {list(entry)}); each group may appear once"
-                )
-            seen[name] = i
-
-
 class Alternating(_SequenceBacked):
-    """Cycle through groups, training one entry at a time.
+    """Cycle through groups, training one entry at a time (plus the `always` groups).
 
     Args:
         ratios: a mapping entry -> duration (``{"gen": 3, "disc": 1}``: gen for
             3 positions, then disc for 1), or a list of entries that each last
             `every` positions. An entry is a group name or a tuple of names
-            trained together.
+            trained together; each group appears in one entry only.
         every: duration of each entry when `ratios` is a list (must stay 1 for a mapping).
         unit: ``"step"`` or ``"epoch"``.
         resident: groups kept on the device in every phase besides the trainable
             entry; ``None`` keeps every group resident.
+        always: groups trained in every phase along with the entry ("the head
+            always trains"); not in any entry. Phases are named
+            ``entry+always``, e.g. ``"lo+head"``. Groups trained in every phase
+            bound the memory a phase can save: see :meth:`Schedule.trained_share`.
+
+    Raises:
+        PlanError: on a group in two entries, or in an entry and in `always`;
+            the message gives the call that works (e.g. with ``always=``).
 
     Example:
         >>> s = Alternating(["a", ("b", "c")], every=2)
         >>> [s.phase_at(i).name for i in range(5)]
         ['a', 'a', 'b+c', 'b+c', 'a']
+        >>> s = Alternating({"lo": 2, "hi": 1}, always=["head"])
+        >>> [s.phase_at(i).name for i in range(4)], sorted(s.phase_at(2).trainable)
+        (['lo+head', 'lo+head', 'hi+head', 'lo+head'], ['head', 'hi'])
     """
 
     def __init__(
@@ -204,6 +183,7 @@ class Alternating(_SequenceBacked):
         every: int = 1,
         unit: Unit = "step",
         resident: Iterable[str] | None = None,
+        always: Iterable[str] = (),
     ) -> None:
         self.unit = _check_choice(unit, "unit", _UNITS)
         every = _check_int(every, "every", minimum=1)
@@ -213,10 +193,10 @@ class Alternating(_SequenceBacked):
                     f"`every` applies only when `ratios` is a list; got every={every} with the "
                     f"mapping {ratios!r}: put the durations in the mapping"
                 )
-            pairs = [(_entry(k, f"ratios key {k!r}"), _check_int(v, f"ratios[{k!r}]", minimum=1))
+            pairs = [(entry(k, f"ratios key {k!r}"), _check_int(v, f"ratios[{k!r}]", minimum=1))
                      for k, v in ratios.items()]
         elif isinstance(ratios, Sequence) and not isinstance(ratios, str):
-            pairs = [(_entry(k, f"ratios[{i}]"), every) for i, k in enumerate(ratios)]
+            pairs = [(entry(k, f"ratios[{i}]"), every) for i, k in enumerate(ratios)]
         else:
             raise PlanError(
                 f"`ratios` must be a mapping entry -> duration or a list of entries, got {ratios!r}"
@@ -225,21 +205,32 @@ class Alternating(_SequenceBacked):
             raise PlanError(f"`ratios` must hold at least one entry, got {ratios!r}")
         self.entries: tuple[tuple[str, ...], ...] = tuple(e for e, _ in pairs)
         self.durations: tuple[int, ...] = tuple(d for _, d in pairs)
-        _check_unique_entries(self.entries, "ratios")
+        self.always = frozenset(_name_list(always, "always", one_str=True))
+        as_mapping = isinstance(ratios, Mapping)
+        hint = alternating_hint(self.entries, self.durations, as_mapping=as_mapping, every=every, always=self.always)
+        check_unique_entries(self.entries, "ratios", hint=hint)
+        check_always_apart(self.entries, self.durations, as_mapping=as_mapping, every=every, always=self.always)
         self.resident = None if resident is None else frozenset(_name_list(resident, "resident", one_str=True))
+        extra = tuple(sorted(self.always))
         self._seq = PhaseSequence(
-            [(Phase(e, resident=self.resident, label="+".join(e)), d) for e, d in pairs],
+            [(Phase(set(e) | self.always, resident=self.resident, label="+".join(e + extra)), d) for e, d in pairs],
             repeat=True,
             unit=unit,
         )
 
+    def always_groups(self) -> frozenset[str]:
+        return self.always
+
     def _config(self) -> dict[str, Any]:
-        return {
+        config: dict[str, Any] = {
             "entries": [list(e) for e in self.entries],
             "durations": list(self.durations),
             "resident": None if self.resident is None else sorted(self.resident),
             "unit": self.unit,
         }
+        if self.always:  # only when given: a state_dict saved before `always` existed still loads
+            config["always"] = sorted(self.always)
+        return config
 
 
 class GradualUnfreeze(_SequenceBacked):
@@ -272,6 +263,9 @@ class GradualUnfreeze(_SequenceBacked):
         ordered = self.groups[::-1] if order == "last_to_first" else self.groups
         phases = [(Phase(self.always | set(ordered[: k + 1])), self.every) for k in range(len(ordered))]
         self._seq = PhaseSequence(phases, unit=unit)
+
+    def always_groups(self) -> frozenset[str]:
+        return self.always
 
     def _config(self) -> dict[str, Any]:
         return {"groups": list(self.groups), "every": self.every, "unit": self.unit,
@@ -312,6 +306,9 @@ class ProgressiveFreeze(_SequenceBacked):
         count = len(ordered) + 1 if allow_empty else len(ordered)
         phases = [(Phase(self.always | set(ordered[k:])), self.every) for k in range(count)]
         self._seq = PhaseSequence(phases, unit=unit, allow_empty=allow_empty)
+
+    def always_groups(self) -> frozenset[str]:
+        return self.always
 
     def _config(self) -> dict[str, Any]:
         return {"groups": list(self.groups), "every": self.every, "unit": self.unit,
@@ -358,9 +355,9 @@ class PerTaskCycle(_SequenceBacked):
         if not isinstance(tasks, Sequence) or isinstance(tasks, str) or not tasks:
             raise PlanError(f"`tasks` must be a non-empty list of task groups, got {tasks!r}")
         self.tasks: tuple[tuple[str, ...], ...] = tuple(
-            _entry(t, f"tasks[{i}]") for i, t in enumerate(tasks)
+            entry(t, f"tasks[{i}]") for i, t in enumerate(tasks)
         )
-        _check_unique_entries(self.tasks, "tasks")
+        check_unique_entries(self.tasks, "tasks")
         _check_disjoint(self.trunk, {n for t in self.tasks for n in t}, "trunk", "tasks")
         self.every = _check_int(every, "every", minimum=1)
         self.unit = _check_choice(unit, "unit", _UNITS)

@@ -22,6 +22,10 @@ A switch moves host<->device the state of groups going idle or coming back
 (``offload``) and the parameters, buffers and state of groups leaving or
 regaining residency; its time is estimated at a stated bandwidth.
 
+It also reports what share of the parameters each phase trains and what trains in
+every phase (``CostPlan.trained``, a :class:`~hf_altparams.plan.TrainShare`), with the
+warning a run would give when a schedule's ``always`` groups hold most of the model.
+
 Not counted: activations, temporaries of the forward, backward and optimizer
 step, Adam's 0-d ``step`` counters (4 B per tensor, on the host unless the
 optimizer is fused or capturable), and allocator rounding.
@@ -42,8 +46,8 @@ from ._build import build_model
 from ._cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
 from ._cost import plan_cost
 from ._results import CostPlan, PhaseCost, SwitchCost
-from ._sizes import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec
+from ._sizes import DEFAULT_PCIE_GBPS, DTYPE_NAMES, OPTIMIZER_STATES, POLICIES, OptimizerSpec
 
-__all__ = ["DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "CostPlan", "OptimizerSpec",
+__all__ = ["DEFAULT_PCIE_GBPS", "DTYPE_NAMES", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "CostPlan", "OptimizerSpec",
            "PhaseCost", "SwitchCost", "build_from_argv", "build_model", "build_parser", "main", "plan_cost",
            "plan_from_argv"]

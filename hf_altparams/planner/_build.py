@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from ..errors import PlanError
-from ._sizes import _DTYPES
+from ._sizes import dtype_from_name
 
 __all__ = ["build_model"]
 
 
-def build_model(model: str, *, model_class: str = "AutoModel", dtype: Optional[str] = None,
+def build_model(model: str, *, model_class: str = "AutoModel", dtype: Union[str, torch.dtype, None] = None,
                 device: str = "meta") -> nn.Module:
     """Build a model on ``device`` (``meta``: no memory) from a config, checkpoint folder or factory.
 
@@ -26,7 +26,8 @@ def build_model(model: str, *, model_class: str = "AutoModel", dtype: Optional[s
             takes no arguments and returns an ``nn.Module``.
         model_class: the transformers class for a config, e.g. ``"AutoModel"``
             or ``"AutoModelForSequenceClassification"``.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to cast to; ``None`` keeps it.
+        dtype: the dtype to cast to (``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``,
+            ``"fp32"``/``"float32"``, or a torch dtype); ``None`` keeps it.
         device: where to build (``"meta"``; ``"cpu"`` for a real model).
 
     Example:
@@ -34,8 +35,7 @@ def build_model(model: str, *, model_class: str = "AutoModel", dtype: Optional[s
         >>> type(net).__name__
         'Identity'
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise PlanError(f"`dtype` (--dtype) must be one of {list(_DTYPES)}, got {dtype!r}")
+    cast = None if dtype is None else dtype_from_name(dtype, "`dtype` (--dtype)")
     path = Path(model)
     if path.exists():
         built = _from_config(path, model_class, device)
@@ -45,7 +45,7 @@ def build_model(model: str, *, model_class: str = "AutoModel", dtype: Optional[s
         raise PlanError(f"`model` (--model) {model!r} is neither an existing config JSON or checkpoint "
                         "folder nor an import path 'pkg.module:factory' (hub names are not fetched: "
                         "save the config locally first)")
-    return built.to(_DTYPES[dtype]) if dtype else built
+    return built.to(cast) if cast is not None else built
 
 
 def _from_config(path: Path, model_class: str, device: str) -> nn.Module:

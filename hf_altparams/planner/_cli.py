@@ -11,21 +11,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence, Union
+import warnings
+from typing import Callable, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from ..errors import PlanError
 from ..plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
-                   RandomBlocks, Schedule)
+                   RandomBlocks, Schedule, TrainShareWarning)
 from ._build import build_model
 from ._cost import plan_cost
 from ._results import CostPlan
-from ._sizes import _DTYPES, DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec
+from ._sizes import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, dtype_from_name
 
 __all__ = ["SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv"]
 
 SCHEDULES = ("alternating", "gradual", "progressive", "per-task", "random-blocks", "sequence")
+_DTYPE_METAVAR = "{bf16,fp16,fp32,bfloat16,float16,float32}"
+
+
+def _dtype_flag(flag: str) -> Callable[[str], torch.dtype]:
+    """An argparse ``type=`` for a dtype flag: the names :func:`dtype_from_name` accepts."""
+    def parse(text: str) -> torch.dtype:
+        try:
+            return dtype_from_name(text, f"`{flag}`")
+        except PlanError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    parse.__name__ = flag  # argparse names the type in some messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "meta device (no memory).")
     p.add_argument("--model", required=True, help="config JSON, checkpoint folder, or pkg.module:factory")
     p.add_argument("--model-class", default="AutoModel", help="transformers class for a config (AutoModel)")
-    p.add_argument("--dtype", choices=list(_DTYPES), help="cast the parameters to this dtype")
+    p.add_argument("--dtype", type=_dtype_flag("--dtype"), metavar=_DTYPE_METAVAR,
+                   help="cast the parameters to this dtype")
     p.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN...]",
                    help="a parameter group (repeatable); globs, or 're:' regexes")
     p.add_argument("--layers", metavar="ATTR.PATH", help="one group per --per layers of this ModuleList")
@@ -49,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", help="alternating: a=3,b+c=1 (durations) or a,b+c (each --every long)")
     p.add_argument("--blocks", help="gradual/progressive/random-blocks: ordered groups (default: all but --always)")
     p.add_argument("--order", choices=["last_to_first", "first_to_last"], help="gradual/progressive direction")
-    p.add_argument("--always", default="", help="groups that train in every phase (comma list)")
+    p.add_argument("--always", default="",
+                   help="alternating/gradual/progressive/random-blocks: groups that train in every phase (comma list)")
     p.add_argument("--k", type=int, help="random-blocks: groups drawn per block")
     p.add_argument("--seed", type=int, default=0, help="random-blocks seed")
     p.add_argument("--trunk", help="per-task: shared groups (comma list)")
@@ -64,13 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)")
     p.add_argument("--state-policy", choices=list(POLICIES), default="keep")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--grad-dtype", choices=list(_DTYPES), help="gradient dtype (default: the parameters')")
-    p.add_argument("--storage-dtype", choices=list(_DTYPES),
+    p.add_argument("--grad-dtype", type=_dtype_flag("--grad-dtype"), metavar=_DTYPE_METAVAR,
+                   help="gradient dtype (default: the parameters')")
+    p.add_argument("--storage-dtype", type=_dtype_flag("--storage-dtype"), metavar=_DTYPE_METAVAR,
                    help="low-precision storage (PrecisionOptimizer): params and grads in this dtype, fp32 "
                         "masters and optimizer state for the groups that train")
     p.add_argument("--master-policy", choices=list(POLICIES), default="offload",
                    help="with --storage-dtype: where an idle group's fp32 master goes (default offload)")
-    p.add_argument("--allreduce-dtype", choices=list(_DTYPES),
+    p.add_argument("--allreduce-dtype", type=_dtype_flag("--allreduce-dtype"), metavar=_DTYPE_METAVAR,
                    help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
                         "default: the gradients' dtype)")
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
@@ -109,6 +126,9 @@ def _groups_from_args(args: argparse.Namespace, model: nn.Module) -> ParamGroups
 
 def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedule:
     kind, unit, always = args.schedule, args.unit, _names(args.always)
+    if always and kind in ("per-task", "sequence"):
+        fix = "the trunk trains in every phase: --trunk" if kind == "per-task" else "add them to each --phase"
+        raise PlanError(f"`--always` {args.always!r} does not apply to `--schedule {kind}`; {fix}")
     blocks = _names(args.blocks) or [g for g in groups.names if g not in always]
 
     def every() -> int:
@@ -117,7 +137,7 @@ def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedu
         return args.every
 
     if kind == "alternating":
-        items = _names(args.ratios) or list(groups.names)
+        items = _names(args.ratios) or [g for g in groups.names if g not in always]
         if all("=" in i for i in items):
             ratios = {}
             for item in items:
@@ -125,10 +145,10 @@ def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedu
                 if not count.strip().isdigit():
                     raise PlanError(f"`--ratios` entry {item!r} must be GROUP[+GROUP]=INT")
                 ratios[_entry(name)] = int(count)
-            return Alternating(ratios, unit=unit)
+            return Alternating(ratios, unit=unit, always=always)
         if any("=" in i for i in items):
             raise PlanError(f"`--ratios` mixes a=N and plain entries: {args.ratios!r}; use one form")
-        return Alternating([_entry(i) for i in items], every=args.every or 1, unit=unit)
+        return Alternating([_entry(i) for i in items], every=args.every or 1, unit=unit, always=always)
     if kind == "gradual":
         return GradualUnfreeze(blocks, every=every(), unit=unit, order=args.order or "last_to_first", always=always)
     if kind == "progressive":
@@ -188,12 +208,12 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
     args, model, groups, schedule = build_from_argv(argv)
     plan = plan_cost(model, groups, schedule, optimizer=_optimizer_arg(args.optimizer),
                      state_policy=args.state_policy, steps=args.steps, world_size=args.world_size,
-                     grad_dtype=_DTYPES[args.grad_dtype] if args.grad_dtype else None,
+                     grad_dtype=args.grad_dtype,
                      bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
                      offload_nonresident=not args.nonresident_on_device,
-                     storage_dtype=_DTYPES[args.storage_dtype] if args.storage_dtype else None,
+                     storage_dtype=args.storage_dtype,
                      master_policy=args.master_policy, backend="fsdp2" if args.fsdp2 else "ddp",
-                     allreduce_dtype=_DTYPES[args.allreduce_dtype] if args.allreduce_dtype else None)
+                     allreduce_dtype=args.allreduce_dtype)
     return args, plan
 
 
@@ -207,7 +227,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args, plan = plan_from_argv(argv)
+        with warnings.catch_warnings():  # the table and the JSON ("trained": {"warning": ...}) carry it
+            warnings.simplefilter("ignore", TrainShareWarning)
+            args, plan = plan_from_argv(argv)
     except PlanError as err:
         build_parser().error(str(err))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())

@@ -40,7 +40,9 @@ def plan_cost(
         model: the model ``groups`` was built on (plain, DDP-wrapped, or on ``meta``).
         groups: its parameter groups. Ungrouped parameters under ``ungrouped="trainable"``
             train in every phase and get optimizer state (as with a plain torch optimizer).
-        schedule: the schedule; validated against ``groups``.
+        schedule: the schedule; validated against ``groups`` (which warns, as before a
+            run, when its ``always`` groups hold most of the parameters); the plan's
+            ``trained`` is its :meth:`~hf_altparams.plan.Schedule.trained_share`.
         optimizer: ``"adam"``/``"adamw"`` (2 states per parameter), ``"sgd"`` (0),
             ``"sgd-momentum"`` (1), states in the parameter's dtype; or a number of
             state bytes per parameter (e.g. ``2`` for 8-bit Adam); or a callable
@@ -96,11 +98,11 @@ def plan_cost(
         raise PlanError(f"`backend` (--fsdp2) must be 'ddp' or 'fsdp2', got {backend!r}")
     if master_policy not in POLICIES:
         raise PlanError(f"`master_policy` (--master-policy) must be one of {list(POLICIES)}, got {master_policy!r}")
-    schedule.validate(groups)
-    label, state_fn = _state_bytes_fn(optimizer)
     if steps is None:
         pattern = schedule.pattern_length()
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
+    trained = schedule.trained_share(groups, positions=steps)  # validates; warns if `always` groups dominate
+    label, state_fn = _state_bytes_fn(optimizer)
     segments = schedule.segments(steps)
     size = _group_sizes(groups, state_fn, grad_dtype, storage_dtype, allreduce_dtype)
     if backend == "fsdp2":
@@ -190,6 +192,7 @@ def plan_cost(
         storage_dtype=None if storage_dtype is None else str(storage_dtype).replace("torch.", ""),
         master_policy=None if storage_dtype is None else master_policy,
         allreduce_dtype=None if allreduce_dtype is None else str(allreduce_dtype).replace("torch.", ""),
+        trained=trained,
     )
     if backend == "fsdp2":
         from ._fsdp2 import finish_fsdp2

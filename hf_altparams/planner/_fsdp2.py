@@ -126,7 +126,7 @@ def fsdp2_table(plan: Any) -> str:
         + ("" if plan.offload_nonresident else " | non-resident groups stay on the device")
         + ("" if plan.storage_dtype is None else f" | storage: {plan.storage_dtype}, fp32 masters "
            f"(idle: {plan.master_policy})"),
-        rule, fmt(head), rule, *map(fmt, body[:-1]), rule, fmt(body[-1]), rule,
+        rule, fmt(head), rule, *map(fmt, body[:-1]), rule, fmt(body[-1]), rule, *plan.share_lines(),
         "state policies: " + " | ".join(f"{p}: peak {_format_bytes(v['peak_device_bytes'])}"
                                         for p, v in plan.policies.items()),
         f"bytes per rank (rank 0's padded shards); sent/rank: reduce-scatter only; not in 'device': one unit "

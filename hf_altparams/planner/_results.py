@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..errors import PlanError
+from ..plan import TrainShare
 from ..plan.groups import _format_bytes
 from ._sizes import _SWITCH_LINES
 
@@ -78,6 +79,17 @@ class CostPlan:
     backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards (._fsdp2)
     ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # fsdp2: each phase's device bytes under DDP
     unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
+    trained: Optional[TrainShare] = None  # the share of the parameters each phase trains (Schedule.trained_share)
+
+    def share_lines(self) -> list[str]:
+        """The table's lines on the share trained: the largest phase, what trains in every phase, the warning."""
+        if self.trained is None:
+            return []
+        lines = [f"trains: {self.trained.headline()}"
+                 + ("" if self.trained.exact else f" (the largest met in {self.unit}s 0-{self.trained.positions - 1})")]
+        if self.trained.warning is not None:
+            lines.append("WARNING: " + self.trained.warning.removeprefix("hf_altparams: "))
+        return lines
 
     def row(self, phase: str) -> PhaseCost:
         """The row of the phase named ``phase``."""
@@ -91,6 +103,8 @@ class CostPlan:
         out = asdict(self)
         for row, data in zip([*self.phases, self.everything], [*out["phases"], out["everything"]]):
             data["device_bytes"] = row.device_bytes
+        if self.trained is not None:
+            out["trained"]["warning"] = self.trained.warning
         return out
 
     def table(self) -> str:
@@ -143,6 +157,7 @@ class CostPlan:
             lines.append(f"  {s.from_phase} -> {s.to_phase} (x{s.count}): to host "
                              f"{_format_bytes(s.bytes_to_host)}, to device {_format_bytes(s.bytes_to_device)}, "
                              f"re-initialised {_format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each")
+        lines.extend(self.share_lines())
         lines.append("state policies: " + " | ".join(
             f"{p}: peak {_format_bytes(v['peak_device_bytes'])}, moved {_format_bytes(v['moved_bytes'])}"
             for p, v in self.policies.items()))

@@ -26,9 +26,44 @@ DEFAULT_PCIE_GBPS = 25.0
 _DEFAULT_POSITIONS = 1000  # positions listed for schedules with no repeating pattern
 _UNGROUPED = "<ungrouped>"
 _SWITCH_LINES = 8  # kinds of switch listed by CostPlan.table()
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtype names the planner accepts (its ``--*dtype`` flags, ``build_model(dtype=)``): torch's, and the
+#: short ones of Accelerate's ``mixed_precision`` and the Trainer's ``bf16``/``fp16`` flags; any case, and
+#: ``torch.`` in front allowed.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
 
 OptimizerSpec = Union[str, float, Callable[[str, nn.Parameter], int]]
+
+
+def dtype_from_name(value: Union[str, torch.dtype], argument: str) -> torch.dtype:
+    """The torch dtype a planner flag names: ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``, ... (:data:`DTYPE_NAMES`).
+
+    `argument` is how the error names the flag or argument (e.g. ``"`--storage-dtype`"``).
+
+    Example:
+        >>> dtype_from_name("bf16", "`--storage-dtype`"), dtype_from_name("torch.Float16", "`dtype`")
+        (torch.bfloat16, torch.float16)
+        >>> dtype_from_name("int8", "`--storage-dtype`")
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: `--storage-dtype` must name a float dtype: bf16/bfloat16, fp16/float16/half, fp32/float32/float (any case, 'torch.' in front allowed), got 'int8'
+    """
+    if isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
+        return value
+    key = value.strip().lower() if isinstance(value, str) else None
+    if key is not None and key.startswith("torch."):
+        key = key[len("torch."):]
+    if key in DTYPE_NAMES:
+        return DTYPE_NAMES[key]
+    spellings: dict[torch.dtype, list[str]] = {}
+    for name, dtype in DTYPE_NAMES.items():
+        spellings.setdefault(dtype, []).append(name)
+    accepted = ", ".join("/".join(names) for names in spellings.values())
+    raise PlanError(f"{argument} must name a float dtype: {accepted} (any case, 'torch.' in front allowed), "
+                    f"got {value!r}")
 
 
 def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, Callable[[str, nn.Parameter], int]]:
