@@ -42,7 +42,8 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import _surgery as _ddp
+from .ddp._backend import free_reducer
+from .ddp._surgery import is_ddp
 
 __all__ = ["install_exit_hook", "quiesce_comm_threads", "shutdown"]
 
@@ -122,8 +123,8 @@ def shutdown(*wrappers: nn.Module, destroy: bool = True) -> None:
         >>> shutdown(torch.nn.Linear(2, 2))  # no process group: nothing to do
     """
     for wrapper in wrappers:
-        if _ddp.is_ddp(wrapper):
-            _ddp.free_reducer(wrapper)  # type: ignore[arg-type]
+        if is_ddp(wrapper):
+            free_reducer(wrapper)  # type: ignore[arg-type]
     quiesce_comm_threads()
     if destroy and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

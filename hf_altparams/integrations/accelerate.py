@@ -52,6 +52,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.ddp import _surgery as _ddp
+from ..engine.ddp import free_reducer
 from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.optim import GroupedLRScheduler, GroupedOptimizer
@@ -359,7 +360,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, ReportingMixin, HandleUns
         """
         ddp = None if self.switcher is None else self.switcher.ddp
         if ddp is not None:
-            _ddp.free_reducer(ddp)
+            free_reducer(ddp)
         quiesce_comm_threads()
         super().end_training()
         quiesce_comm_threads()

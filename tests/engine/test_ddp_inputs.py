@@ -131,9 +131,9 @@ def test_awkward_cases_come_out_as_ddp_has_them(world: None) -> None:
 
 def test_first_rebuild_compares_then_keeps_the_fast_path(world: None) -> None:
     ddp = DDP(Awkward())
-    _ddp._INPUTS.pop(ddp, None)
-    _ddp.rebuild_reducer(ddp)
-    assert isinstance(_ddp._INPUTS[ddp], ReducerInputs)
+    verdict = _ddp.InputsVerdict()  # what a DDPBackend keeps for its wrapper
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
+    assert verdict.checked and isinstance(verdict.inputs, ReducerInputs)
 
 
 def test_a_difference_from_ddp_falls_back_to_ddp_methods(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,10 +149,11 @@ def test_a_difference_from_ddp_falls_back_to_ddp_methods(world: None, monkeypatc
     calls = []
     build = DDP._build_params_for_reducer
     monkeypatch.setattr(DDP, "_build_params_for_reducer", lambda self: calls.append(1) or build(self))
-    _ddp.rebuild_reducer(ddp)
-    assert _ddp._INPUTS[ddp] is None
+    verdict = _ddp.InputsVerdict()
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
+    assert verdict.checked and verdict.inputs is None
     module[0].requires_grad_(False)
-    _ddp.rebuild_reducer(ddp)
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
     assert len(calls) == 2  # DDP's own method at both rebuilds, once each
     assert _ddp.reducer_parameter_names(ddp) == {"1.weight", "1.bias"}
 
@@ -161,11 +162,12 @@ def test_nothing_trainable_at_the_first_rebuild_decides_later(world: None) -> No
     module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     ddp = DDP(module)
     module.requires_grad_(False)
-    _ddp.rebuild_reducer(ddp)
-    assert ddp not in _ddp._INPUTS and ddp._delay_all_reduce_all_params
+    verdict = _ddp.InputsVerdict()
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
+    assert not verdict.checked and ddp._delay_all_reduce_all_params
     module[1].requires_grad_(True)
-    _ddp.rebuild_reducer(ddp)
-    assert isinstance(_ddp._INPUTS[ddp], ReducerInputs)
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
+    assert isinstance(verdict.inputs, ReducerInputs)
     assert _ddp.reducer_parameter_names(ddp) == {"1.weight", "1.bias"}
 
 
@@ -205,10 +207,11 @@ def test_switches_build_what_ddp_would(world: None, fast: bool, monkeypatch: pyt
 def test_a_buffer_replaced_after_wrapping_is_broadcast_from_the_next_rebuild(world: None) -> None:
     module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     ddp = DDP(module)
-    _ddp.rebuild_reducer(ddp)
-    _ddp.rebuild_reducer(ddp)  # the fast path from here on
-    assert isinstance(_ddp._INPUTS[ddp], ReducerInputs)
+    verdict = _ddp.InputsVerdict()
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
+    _ddp.rebuild_reducer(ddp, inputs=verdict)  # the fast path from here on
+    assert isinstance(verdict.inputs, ReducerInputs)
     module[1].running_mean = torch.full((4,), 2.0)  # a new tensor under the same name
-    _ddp.rebuild_reducer(ddp)
+    _ddp.rebuild_reducer(ddp, inputs=verdict)
     assert ddp.named_module_buffers["1.running_mean"] is module[1].running_mean
     assert any(b is module[1].running_mean for b in ddp.modules_buffers)

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
-from hf_altparams.engine.ddp import _surgery as _ddp
+from hf_altparams.engine.ddp import free_reducer
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups, PhaseSequence, Schedule
 
@@ -90,7 +90,7 @@ def test_a_switch_back_reinstalls_the_phase_reducer(world: None) -> None:
     # DDP's own first reducer (step 0) is freed; from the second visit on, one reducer per phase.
     assert len(set(seen["lower"][1:])) == 1 and len(set(seen["upper"])) == 1
     assert set(seen["lower"][1:]).isdisjoint(seen["upper"])
-    cache = _ddp.kept_reducers(ddp)
+    cache = switcher.backend.cache
     assert cache is not None and cache.hits == 8 - 2
     assert len(cache) == 1 and cache.kept_bytes == _half_bytes(model, 0 if switcher.current.name == "upper" else 1)
 
@@ -125,7 +125,7 @@ def test_memory_report_counts_the_kept_buckets(world: None) -> None:
 def test_the_limit_frees_the_oldest_and_zero_frees_all(world: None) -> None:
     model, ddp, switcher, opt = _setup(1, schedule=PhaseSequence(
         [("lower", 1), ("upper", 1), (["lower", "upper"], 1)], repeat=True))
-    cache = _ddp.kept_reducers(ddp)
+    cache = switcher.backend.cache
     assert cache is not None
     for step in range(9):
         _step(ddp, opt, step)
@@ -133,7 +133,7 @@ def test_the_limit_frees_the_oldest_and_zero_frees_all(world: None) -> None:
         assert len(cache) <= 1
     assert cache.hits == 0  # three phases in turn, one kept: the one coming back was the oldest, freed
     switcher.backend.keep_reducers(0)
-    assert _ddp.kept_reducers(ddp) is None and len(cache) == 0
+    assert switcher.backend.cache is None and len(cache) == 0
 
 
 def test_free_reducer_frees_the_kept_ones_too(world: None) -> None:
@@ -141,9 +141,9 @@ def test_free_reducer_frees_the_kept_ones_too(world: None) -> None:
     for step in range(3):
         _step(ddp, opt, step)
         switcher.step_to(step + 1)
-    cache = _ddp.kept_reducers(ddp)
+    cache = switcher.backend.cache
     assert cache is not None and len(cache) == 1
-    _ddp.free_reducer(ddp)  # the end of a run: nothing may hold the process group after this
+    free_reducer(ddp)  # the end of a run: nothing may hold the process group after this
     assert len(cache) == 0 and ddp.reducer is None
 
 
@@ -168,6 +168,6 @@ def test_settings_that_cannot_keep_a_reducer_warn_and_build_each_time(world: Non
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     with pytest.warns(UserWarning, match="keep_reducers=1 is not used with this DDP wrapper"):
         switcher.attach(ddp)
-    assert _ddp.kept_reducers(ddp) is None
+    assert switcher.backend.cache is None
     switcher.step_to(1)
     assert switcher.backend.kept_reducer_bytes() == 0

@@ -8,7 +8,7 @@ version-fenced), optionally keeping idle phases' reducers for switches back.
 :func:`free_reducer` ends a wrapper's training life before its process group goes.
 """
 
-from ._backend import DDPBackend
-from ._surgery import free_reducer, is_ddp, rebuild_reducer, unwrap
+from ._backend import DDPBackend, backend_of, free_reducer
+from ._surgery import is_ddp, rebuild_reducer, unwrap
 
-__all__ = ["DDPBackend", "free_reducer", "is_ddp", "rebuild_reducer", "unwrap"]
+__all__ = ["DDPBackend", "backend_of", "free_reducer", "is_ddp", "rebuild_reducer", "unwrap"]

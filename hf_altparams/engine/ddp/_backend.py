@@ -1,13 +1,18 @@
 """The switch's DDP backend: the same wrapper re-bucketed in place at every switch.
 
 The surgery itself (private torch APIs, fenced and version-checked) is in
-:mod:`._ddp`; this module is what :class:`~hf_altparams.engine.backend.Backend`
-asks of it. It calls ``_ddp.rebuild_reducer`` through the module, so a test
-that replaces that function (to inject a failed rebuild) reaches every switch.
+:mod:`._surgery`; this module is what :class:`~hf_altparams.engine.backend.Backend`
+asks of it, and the owner of each wrapper's state between switches: whether
+the fast reducer inputs were verified for it, and its kept idle reducers. The
+wrapper refers back to its backend weakly (``backend_of``), so that ending a
+wrapper's life (:func:`free_reducer`) also frees the reducers kept for it. It
+calls ``_ddp.rebuild_reducer`` through the module, so a test that replaces that
+function (to inject a failed rebuild) reaches every switch.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -16,10 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...errors import SwitchError
 from . import _surgery as _ddp
-from ._reducer_cache import why_not_cacheable
+from ._reducer_cache import ReducerCache, why_not_cacheable
 from ..backend import Backend
 
-__all__ = ["DDPBackend"]
+__all__ = ["DDPBackend", "backend_of", "free_reducer"]
+
+#: The attribute of a DDP wrapper that refers (weakly) to the backend driving it.
+_BACKEND_ATTRIBUTE = "_hf_altparams_backend"
 
 
 class DDPBackend(Backend):
@@ -37,6 +45,14 @@ class DDPBackend(Backend):
         _ddp.check_ddp_supported(ddp)
         self.wrapper = ddp
         self.ddp = ddp
+        #: The wrapper's reducer inputs, verified against DDP's own on the first rebuild.
+        self.inputs = _ddp.InputsVerdict()
+        #: The wrapper's kept idle reducers (``keep_reducers``), or ``None``.
+        self.cache: Optional[ReducerCache] = None
+        previous = backend_of(ddp)
+        if previous is not None and previous is not self:
+            previous.close()  # attached again: one backend per wrapper, its kept reducers freed
+        setattr(ddp, _BACKEND_ATTRIBUTE, weakref.ref(self))
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -53,7 +69,7 @@ class DDPBackend(Backend):
         if not in_accumulation_window and not self.ddp.require_backward_grad_sync:
             return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
                     "an optimizer-step boundary, after optimizer.step() and zero_grad()")
-        return self.hook_error() or _ddp.unfinished_reduction_error(self.ddp)
+        return self.hook_error() or _ddp.unfinished_reduction_error(self.ddp, self.inputs)
 
     def hook_error(self) -> str | None:
         """Why the registered comm hooks forbid a rebuild (checked before anything changes)."""
@@ -68,19 +84,48 @@ class DDPBackend(Backend):
         return set(self.ddp.parameters_to_ignore)
 
     def apply(self, ignore: set[str]) -> None:
-        _ddp.rebuild_reducer(self.ddp, ignore=ignore)
+        _ddp.rebuild_reducer(self.ddp, ignore=ignore, inputs=self.inputs, cache=self.cache)
 
     def restore(self, snapshot: set[str]) -> None:
-        _ddp.rebuild_reducer(self.ddp, ignore=snapshot)
+        _ddp.rebuild_reducer(self.ddp, ignore=snapshot, inputs=self.inputs, cache=self.cache)
 
     def reduced_bytes_per_step(self) -> int:
         return sum(p.numel() * p.element_size() for p in _ddp.reduced_parameters(self.ddp))
 
     def keep_reducers(self, count: int) -> Optional[str]:
         why = why_not_cacheable(self.ddp) if count else None
-        _ddp.keep_reducers(self.ddp, 0 if why else count)
+        count = 0 if why else count
+        if count <= 0:
+            if self.cache is not None:
+                self.cache.clear()
+            self.cache = None
+        elif self.cache is None:
+            self.cache = ReducerCache(count)  # DDP's own first reducer is not kept (what it was built over is unknown)
+        else:
+            self.cache.size = count
         return why
 
     def kept_reducer_bytes(self) -> int:
-        cache = _ddp.kept_reducers(self.ddp)
-        return cache.kept_bytes if cache is not None else 0
+        return self.cache.kept_bytes if self.cache is not None else 0
+
+    def close(self) -> None:
+        """Free the kept idle reducers (they hold the process group): this backend drives the wrapper no more."""
+        if self.cache is not None:
+            self.cache.clear()
+
+
+def backend_of(ddp: DistributedDataParallel) -> Optional[DDPBackend]:
+    """The live backend driving ``ddp``, if a switcher attached it."""
+    ref = getattr(ddp, _BACKEND_ATTRIBUTE, None)
+    return ref() if ref is not None else None
+
+
+def free_reducer(ddp: DistributedDataParallel) -> None:
+    """End ``ddp``'s training life: drop its reducer and logger, and the idle reducers kept for it.
+
+    The reducer, its buckets and its reference to the process group go before
+    the group does (call it before ``destroy_process_group``). The wrapper's
+    forward no longer works afterwards (a later rebuild makes it usable again).
+    """
+    backend = backend_of(ddp)
+    _ddp.drop_reducer(ddp, backend.cache if backend is not None else None)

@@ -24,8 +24,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-import weakref
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,14 +43,13 @@ __all__ = [
     "check_ddp_supported",
     "comm_hook_states",
     "ddp_settings",
-    "free_reducer",
+    "drop_reducer",
     "ignored_before_wrap",
     "is_ddp",
-    "keep_reducers",
-    "kept_reducers",
     "mark_ignored_before_wrap",
     "rebuild_reducer",
     "reduced_parameters",
+    "InputsVerdict",
     "reducer_inputs",
     "reducer_parameter_names",
     "unfinished_reduction_error",
@@ -252,7 +250,8 @@ def check_comm_hooks(ddp: DistributedDataParallel) -> None:
         _check_hook_state(ddp, state)
 
 
-def unfinished_reduction_error(ddp: DistributedDataParallel) -> Optional[str]:
+def unfinished_reduction_error(ddp: DistributedDataParallel,
+                               inputs: Optional[InputsVerdict] = None) -> Optional[str]:
     """Why the last backward left gradients un-all-reduced, or ``None`` (the switch's precondition).
 
     With ``find_unused_parameters=False`` a bucket is all-reduced once every
@@ -271,9 +270,9 @@ def unfinished_reduction_error(ddp: DistributedDataParallel) -> Optional[str]:
     except RuntimeError as exc:
         found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
         indices = [int(i) for i in found.group(1).split()] if found else []
-        inputs = _INPUTS.get(ddp) if fast_inputs else None
-        if isinstance(inputs, ReducerInputs):
-            names = inputs.parameters(ddp.parameters_to_ignore)[2]
+        known = inputs.inputs if inputs is not None and fast_inputs else None
+        if known is not None:
+            names = known.parameters(ddp.parameters_to_ignore)[2]
         else:  # the live reducer was built for the current flags and ignore list
             names = ddp._build_debug_param_to_name_mapping(ddp._build_params_for_reducer()[0])
         unused = [names.get(i, f"#{i}") for i in indices]
@@ -287,13 +286,18 @@ def unfinished_reduction_error(ddp: DistributedDataParallel) -> Optional[str]:
     return None
 
 
-def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None) -> None:
+def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None, *,
+                    inputs: Optional[InputsVerdict] = None, cache: Optional[ReducerCache] = None) -> None:
     """Rebuild ``ddp``'s reducer in place for the current ``requires_grad`` flags.
 
     Args:
         ddp: the wrapper to re-bucket; the same object keeps working afterwards.
         ignore: if given, the full set of parameter/buffer names DDP must ignore
             (neither all-reduced nor broadcast), replacing the current ignore list.
+        inputs: the wrapper's :class:`InputsVerdict` (the backend keeps one per
+            wrapper): with it, what the reducer is built over is read without
+            walking the module tree (:mod:`._inputs`); without it, DDP's own methods.
+        cache: the wrapper's kept idle reducers (``keep_reducers``), if any.
 
     Call it only at an optimizer-step boundary, on every rank, with the same
     ``requires_grad`` flags everywhere. It clears every ``.grad`` first (a grad
@@ -302,10 +306,10 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ``static_graph``, bucket caps, buffer broadcast, comm hooks (re-registered
     with their state; PowerSGD's per-bucket memory is reset). When no parameter
     requires a gradient, DDP becomes a pass-through (no reducer, no gradient sync
-    and no buffer broadcast) until the next rebuild. With :func:`keep_reducers`
-    on, the old reducer is put aside instead of freed, and a kept one built over
-    the same parameters, ignore list and comm hooks is re-installed instead of
-    building a new one.
+    and no buffer broadcast) until the next rebuild. With a ``cache``, the old
+    reducer is put aside instead of freed, and a kept one built over the same
+    parameters, ignore list and comm hooks is re-installed instead of building
+    a new one.
 
     Example:
         >>> # on every rank, after optimizer.step(); optimizer.zero_grad(set_to_none=True)
@@ -316,19 +320,18 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     hooks = list(ddp._comm_hooks)
     for _, state in hooks:
         _check_hook_state(ddp, state)
-    inputs = _INPUTS.get(ddp) if fast_inputs else None
-    if inputs is not None:
-        inputs.clear_grads()
+    known = inputs.inputs if inputs is not None and fast_inputs else None
+    if known is not None:
+        known.clear_grads()
     else:
         for param in ddp.module.parameters():
             param.grad = None
     ignore = set(ignore) if ignore is not None else None
-    if ignore is not None and (inputs is None or ignore != ddp.parameters_to_ignore):
+    if ignore is not None and (known is None or ignore != ddp.parameters_to_ignore):
         ddp.parameters_to_ignore = ignore
         ddp._module_parameters = (
-            inputs.module_parameters(ddp.parameters_to_ignore) if inputs is not None else
+            known.module_parameters(ddp.parameters_to_ignore) if known is not None else
             [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore])
-    cache = _CACHES.get(ddp)
     if cache is not None:
         cache.keep(ddp)  # put aside (keep_reducers), not freed
     # The logger holds the reducer; dropping both frees the old reducer and its
@@ -336,7 +339,7 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp.reducer = None
     ddp.logger = None
 
-    parameters, expect_sparse_gradient, name_mapping = reducer_inputs(ddp)
+    parameters, expect_sparse_gradient, name_mapping = reducer_inputs(ddp, inputs)
     # A kept reducer built over the same parameters, ignore list and hooks (its
     # hooks registered); the oldest kept ones past the limit are freed either way.
     reused = cache is not None and cache.take(ddp, parameters)
@@ -371,13 +374,21 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
 #: --compare-inputs`` times both ways in one run; a way out if the fast path is suspected).
 fast_inputs = True
 
-#: Per wrapper: its :class:`ReducerInputs`, checked against DDP's own methods on its
-#: first rebuild, or ``None`` where they differed (DDP's methods are used then).
-_INPUTS: "weakref.WeakKeyDictionary[DistributedDataParallel, Optional[ReducerInputs]]" = (
-    weakref.WeakKeyDictionary())
+class InputsVerdict:
+    """Per wrapper: its :class:`ReducerInputs` once checked against DDP's own methods.
+
+    ``checked`` is False until the first rebuild with something to train;
+    ``inputs`` is then the fast path, or ``None`` where the two differed (DDP's
+    own methods are used for that wrapper from then on). Held by the backend.
+    """
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.inputs: Optional[ReducerInputs] = None
 
 
-def reducer_inputs(ddp: DistributedDataParallel) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
+def reducer_inputs(ddp: DistributedDataParallel, verdict: Optional[InputsVerdict] = None
+                   ) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
     """What a new reducer is built over, for the current flags and ignore list; assigns the buffers.
 
     Returns what ``ddp._build_params_for_reducer()`` and
@@ -385,62 +396,36 @@ def reducer_inputs(ddp: DistributedDataParallel) -> tuple[list[nn.Parameter], li
     each expects a sparse gradient, index -> name), and sets the buffers DDP
     broadcasts (``modules_buffers``, ``named_module_buffers``) as
     ``_assign_modules_buffers`` would, without walking the module tree
-    (:mod:`._ddp_inputs`). The first call per wrapper uses DDP's own methods
-    and keeps the fast path for later calls only if both agree exactly.
+    (:mod:`._inputs`). With a ``verdict``, the first call uses DDP's own
+    methods and keeps the fast path for later calls only if both agree exactly;
+    without one (or with ``fast_inputs`` off), DDP's methods every time.
     """
-    inputs: Union[ReducerInputs, None, bool] = _INPUTS.get(ddp, False) if fast_inputs else None
-    if isinstance(inputs, ReducerInputs):
+    known = verdict.inputs if verdict is not None and fast_inputs else None
+    if known is not None:
         ignore = ddp.parameters_to_ignore
-        buffers = inputs.buffers(ignore)
+        buffers = known.buffers(ignore)
         ddp.modules_buffers = list(buffers.values())
         ddp.named_module_buffers = buffers
-        return inputs.parameters(ignore)
+        return known.parameters(ignore)
     parameters, sparse = ddp._build_params_for_reducer()  # assigns the buffers too
     names = ddp._build_debug_param_to_name_mapping(parameters)
-    if inputs is False and parameters:  # no verdict while nothing trains: too little to compare
+    if verdict is not None and fast_inputs and not verdict.checked and parameters:  # nothing trains: no verdict
         ours = ReducerInputs(ddp.module)
         same = ours.same_as(ddp.parameters_to_ignore, parameters, list(sparse), names,
                             ddp.named_module_buffers, ddp.modules_buffers)
-        _INPUTS[ddp] = ours if same else None
+        verdict.checked, verdict.inputs = True, (ours if same else None)
     return parameters, sparse, names
 
 
-def free_reducer(ddp: DistributedDataParallel) -> None:
+def drop_reducer(ddp: DistributedDataParallel, cache: Optional[ReducerCache] = None) -> None:
     """Drop ``ddp``'s reducer and logger (the logger holds the reducer): the end of its training life.
 
     The wrapper's forward no longer works afterwards (a later
     :func:`rebuild_reducer` makes it usable again). Used at the end of a run so
     the reducer, its buckets and its reference to the process group go before
-    the group does.
+    the group does; ``cache``'s kept reducers (which hold the group too) go with it.
     """
-    cache = _CACHES.get(ddp)
     if cache is not None:
-        cache.clear()  # kept reducers hold the process group too
+        cache.clear()
     ddp.reducer = None
     ddp.logger = None
-
-
-#: Per wrapper: its kept idle reducers, where ``keep_reducers`` asked for them.
-_CACHES: "weakref.WeakKeyDictionary[DistributedDataParallel, ReducerCache]" = weakref.WeakKeyDictionary()
-
-
-def keep_reducers(ddp: DistributedDataParallel, count: int) -> None:
-    """From the next rebuild on, keep up to ``count`` idle reducers of ``ddp`` (0: free each one).
-
-    Only for wrappers :func:`._reducer_cache.why_not_cacheable` accepts. DDP's
-    own first reducer is not kept (what it was built over is not recorded).
-    """
-    cache = _CACHES.get(ddp)
-    if count <= 0:
-        if cache is not None:
-            del _CACHES[ddp]
-            cache.clear()
-        return
-    if cache is None:
-        cache = _CACHES[ddp] = ReducerCache(count)
-    cache.size = count
-
-
-def kept_reducers(ddp: DistributedDataParallel) -> Optional[ReducerCache]:
-    """``ddp``'s kept idle reducers (``None`` unless :func:`keep_reducers` turned them on)."""
-    return _CACHES.get(ddp)

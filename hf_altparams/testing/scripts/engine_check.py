@@ -51,6 +51,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter, rss_bytes
 from hf_altparams.engine.ddp import _surgery as _ddp
+from hf_altparams.engine.ddp import free_reducer
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.engine.memory import malloc_trim
 from hf_altparams.errors import SwitchError
@@ -304,7 +305,7 @@ def train(case: Case, *, distributed: bool) -> dict[str, Any]:
                 "seconds": record.seconds,
             },
         })
-    kept = _ddp.kept_reducers(wrapped) if isinstance(wrapped, DDP) else None
+    kept = switcher.backend.cache if isinstance(wrapped, DDP) else None
     return {"model": model, "steps": steps, "rollback": rollback,
             "records": len(switcher.records),
             "reducers_reused": kept.hits if kept is not None else 0,
@@ -619,7 +620,7 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
     task_opt.zero_grad(set_to_none=True)
     out["unused_all"] = _outcome(lambda: task_switcher.step_to(1))
     out["unused_phase_after"] = sorted(task_switcher.current.trainable)
-    _ddp.free_reducer(task_ddp)
+    free_reducer(task_ddp)
 
     mp_model = build_model()
     mp_ddp = DDP(mp_model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
