@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+from torch import nn
+
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 
@@ -71,6 +73,7 @@ class PhaseLayouts:
         self.params = [param for _, param in named]
         self._by_groups: dict[frozenset[str], Layout] = {}
         self._flags: dict[frozenset[str], tuple[bool, ...]] = {}
+        self._split: dict[frozenset[str], tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]] = {}
 
     def get(self, trainable_groups: frozenset[str]) -> Layout:
         """The layout of the phase that trains ``trainable_groups``."""
@@ -83,6 +86,18 @@ class PhaseLayouts:
                 trainable=names, flags=flags, groups=tuple(sorted(trainable_groups)),
                 params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen)))
         return layout
+
+    def split(self, trainable_groups: frozenset[str]
+              ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+        """The phase's trainable ``(name, parameter)`` pairs and the idle ones, in ParamGroups order."""
+        split = self._split.get(trainable_groups)
+        if split is None:
+            flags = self.get(trainable_groups).flags
+            named = list(zip(self.names, self.params))
+            split = remember(self._split, trainable_groups, (
+                [pair for pair, flag in zip(named, flags) if flag],
+                [pair for pair, flag in zip(named, flags) if not flag]))
+        return split
 
     def flags(self, trainable_names: frozenset[str]) -> tuple[bool, ...]:
         """``requires_grad`` per parameter for a set of trainable parameter names."""

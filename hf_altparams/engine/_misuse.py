@@ -12,17 +12,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import _surgery as _ddp
+from ..plan.phase import Phase
 from ._collective import any_rank_failed, is_distributed
-
-if TYPE_CHECKING:
-    from .switch import PhaseSwitcher
+from .backend import Backend
+from .ddp import _surgery as _ddp
 
 __all__ = ["unattached_error", "wrapper_mismatch"]
 
@@ -50,11 +49,11 @@ def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Opti
     return local
 
 
-def unattached_error(switcher: PhaseSwitcher) -> Optional[str]:
+def unattached_error(current: Optional[Phase], backend: Backend, plain_attached: bool) -> Optional[str]:
     """The refusal for a switch in a multi-rank run that never attached its wrapper, or ``None``."""
-    if switcher.current is None or switcher.backend.kind != "local":
+    if current is None or backend.kind != "local":
         return None  # the first phase comes before DDP is built; a wrapper is attached
-    if getattr(switcher, "_plain_attached", False) or not is_distributed(None):
+    if plain_attached or not is_distributed(None):
         return None
     return (f"this run has {dist.get_world_size()} ranks but no DDP wrapper was attached to the switcher, "
             "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "

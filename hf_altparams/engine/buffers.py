@@ -54,6 +54,7 @@ __all__ = [
     "BufferSyncPolicy",
     "FrozenNormPolicy",
     "buffer_updating_modules",
+    "check_buffer_sync",
     "plan_buffer_sync",
 ]
 
@@ -121,6 +122,16 @@ def buffer_updating_modules(
 def _check(value: object, argument: str, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
         raise PlanError(f"`{argument}` is {value!r}; accepted: {list(accepted)}")
+
+
+def check_buffer_sync(policy: object, frozen_norms: object, updating_types: Iterable[object] = (), *,
+                      types_argument: str = "buffer_updating_types") -> None:
+    """Validate the buffer settings: ``buffer_sync``, ``frozen_norms`` and the buffer-updating module types."""
+    _check(policy, "buffer_sync", _POLICIES)
+    _check(frozen_norms, "frozen_norms", _FROZEN)
+    bad = [t for t in updating_types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise PlanError(f"`{types_argument}` must be nn.Module subclasses, got {bad!r}")
 
 
 @dataclass(frozen=True)
@@ -266,12 +277,8 @@ class BufferSync:
         frozen_norms: FrozenNormPolicy = "train",
         updating_types: Iterable[type] = (),
     ) -> None:
-        _check(policy, "buffer_sync", _POLICIES)
-        _check(frozen_norms, "frozen_norms", _FROZEN)
         types = tuple(updating_types)
-        bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
-        if bad:
-            raise PlanError(f"`updating_types` must be nn.Module subclasses, got {bad!r}")
+        check_buffer_sync(policy, frozen_norms, types, types_argument="updating_types")
         self.policy: BufferSyncPolicy = policy
         self.frozen_norms: FrozenNormPolicy = frozen_norms
         self.updating_types = types

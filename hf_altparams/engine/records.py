@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Union
 
 from ..errors import SwitchError
 
-__all__ = ["SwitchHistory", "SwitchRecord"]
+__all__ = ["SwitchHistory", "SwitchRecord", "check_history_window"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ class SwitchRecord:
         return {f"{prefix}{k}": v for k, v in data.items() if v is not None}
 
 
+def check_history_window(window: object) -> None:
+    """Validate ``history_window``: an int >= 1 (records kept)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise SwitchError(f"`history_window` is {window!r}; accepted: an int >= 1 (records kept)")
+
+
 class SwitchHistory:
     """The most recent :class:`SwitchRecord` s plus running totals over every switch.
 
@@ -76,8 +82,7 @@ class SwitchHistory:
     """
 
     def __init__(self, window: int = 256) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise SwitchError(f"`history_window` is {window!r}; accepted: an int >= 1 (records kept)")
+        check_history_window(window)
         self.window = window
         self._recent: deque[SwitchRecord] = deque(maxlen=window)
         self.count = 0

@@ -1,20 +1,22 @@
 """The phase switch: one collective transaction on every rank.
 
-:class:`PhaseSwitcher` owns the run's groups, schedule and (optionally) the
-DDP wrapper and optimizer. At a switch it
+:class:`PhaseSwitcher` owns the run's groups, its optional DDP (or FSDP2)
+wrapper and optimizer, and applies each phase its :class:`~.driver.PhaseDriver`
+asks for (the driver owns the schedule position and the current phase). At a
+switch it
 
 1. checks the preconditions (optimizer-step boundary, not inside ``no_sync``),
 2. clears every gradient (``None``: bucket views must not pin old buckets),
 3. flips ``requires_grad`` to the new trainable set,
 4. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
-   is rebuilt in place, :mod:`hf_altparams.engine.ddp._surgery`),
+   is rebuilt in place, :mod:`.ddp`),
 5. settles, in ONE small all-gather, that every rank asked for the same phase,
    none refused and none failed (:func:`._collective.settle`); otherwise every
    rank restores the previous flags and reducer and raises the same
    :class:`~hf_altparams.errors.SwitchError`,
 6. re-applies the optimizer's idle-state policy,
 7. releases memory when the schedule says it pays (``release="auto"``,
-   :mod:`._release`; the all-gather of step 5 is the barrier), and
+   :mod:`.memory._release`; the all-gather of step 5 is the barrier), and
 8. records what it did in a :class:`SwitchRecord` (a bounded
    :class:`~hf_altparams.engine.records.SwitchHistory` keeps the recent ones
    and running totals).
@@ -23,57 +25,57 @@ Steps 2-4 are local and undone on the slow path (:mod:`._undo`); a backend
 whose apply runs collectives agrees first and checks the outcome after, in two
 all-gathers. ``docs/switch.md`` explains the choice.
 
-Memory (see :mod:`.residency`, :mod:`.buffers`, :mod:`.report`): before step 4,
-groups the phase does not keep resident (``Phase.resident``) move off the
-device and the returning ones come back; step 5 passes DDP the matching ignore
-list; a failure there rolls the moves back too. After the transaction, groups
-resident for the first time since the wrap are broadcast from rank 0 once,
-guards go on modules of non-resident groups, and the buffer-sync policy is
-applied. With ``prefetch``, the next phase's offloaded parameters and state
-start copying back during the last step of the current phase.
+Memory (see :mod:`.memory`, :mod:`.buffers`): before step 4, groups the phase
+does not keep resident (``Phase.resident``) move off the device and the
+returning ones come back; step 5 passes DDP the matching ignore list; a failure
+there rolls the moves back too. After the transaction, groups resident for the
+first time since the wrap are broadcast from rank 0 once, guards go on modules
+of non-resident groups, and the buffer-sync policy is applied. With
+``prefetch``, the next phase's offloaded parameters and state start copying
+back during the last step of the current phase.
 
-This module holds the switcher's construction, ``attach`` and the transaction;
-its queries, ``reapply_placement`` and checkpoint state are in
-:mod:`._switch_state`, each backend's wrapper surgery in its own module
-(:mod:`._ddp`, :mod:`._fsdp2`).
+The settings are one :class:`~hf_altparams.engine.config.SwitchConfig`; wiring a
+wrapper (``attach``) is in :mod:`._attach`.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..errors import SwitchError
+from ..errors import AltParamsError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _misuse
-from .ddp import _surgery as _ddp
-from ._collective import agree, any_rank_failed, check_timeout, collective_errors, settle
+from ._attach import attach_wrapper
+from ._collective import agree, any_rank_failed, collective_errors, is_distributed, settle
 from ._layout import PhaseLayouts, remember
 from ._undo import resync_refusing, rollback
-from .memory._prefetch import PhasePrefetch, PrefetchSetting
-from .ddp._reducer_cache import check_keep_reducers
-from .memory._release import ReleasePolicy, ReleaseSetting
-from ._switch_state import SwitcherState
-from .memory._transfer import optimizer_of
-from ._backends import backend_for
 from .backend import Backend, LocalBackend
-from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
+from .buffers import BufferSync
+from .config import SwitchConfig
+from .driver import PhaseDriver
+from .invariants import check_before_step, check_each_step
 from .memory._host import release_memory
+from .memory._prefetch import PhasePrefetch
+from .memory._release import ReleasePolicy
+from .memory._residency import ResidencyManager
+from .memory._transfer import optimizer_of
 from .optim._grouped import GroupedOptimizer
+from .optim._scheduler import reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
-from .memory._residency import DeviceLike, ResidencyManager
 
 __all__ = ["PhaseSwitcher", "SwitchRecord"]
 
 
-class PhaseSwitcher(SwitcherState):
-    """Applies a schedule's phases to a model (plain or DDP) and its optimizer.
+class PhaseSwitcher:
+    """Applies a schedule's phases to a model (plain, DDP or FSDP2) and its optimizer.
 
     Args:
         groups: the parameter groups (their module is the model to switch).
@@ -84,64 +86,12 @@ class PhaseSwitcher(SwitcherState):
             all parameters needs nothing (torch skips parameters whose grad is None).
         model: the DDP wrapper around ``groups.module``, if already built (else
             call :meth:`attach` once it is).
-        release: when to run, after a switch, a young-generation gc pass,
-            ``empty_cache`` and ``malloc_trim`` (:func:`~hf_altparams.engine.release_memory`;
-            the ranks are already in step: the transaction ends with an all-gather).
-            ``"auto"`` (default): when the coming phase needs less memory than
-            was held and lasts long enough to amortise it; skipped when the next
-            phase reuses the freed memory at once (equal-sized groups alternating);
-            see :mod:`hf_altparams.engine.memory._release`. ``True``: at every switch;
-            ``False``: never. The decision is in each record (``released``,
-            ``release_reason``).
-        full_gc: make that gc pass a full collection (80-300 ms with torch and
-            transformers imported; a switch's garbage is freed by reference count,
-            so this is only for user-side reference cycles).
-        trim: let that release return freed host heap pages to the OS
-            (``malloc_trim``): host RSS stays at what live tensors need, at
-            10-50 ms per switch plus page faults in the next step. ``False``
-            for fast per-step alternation when host memory is not the limit.
-        offload_device: where the groups a phase does not keep resident live
-            (``Phase.resident``, e.g. the other tasks of ``PerTaskCycle``): their
-            parameters, gradients and optimizer state. Default the CPU; ``None``
-            leaves them in place (still out of DDP and guarded).
-        device: where resident groups live (default: where each tensor left from,
-            else the DDP wrapper's device).
-        guard_offloaded: refuse, with a :class:`SwitchError` naming the parameter,
-            a forward through a module whose parameters are all non-resident.
-        prefetch: start copying the next phase's offloaded parameters and
-            optimizer state back on a CUDA side stream during the last step of
-            the current phase, so the copy overlaps its compute. The trade-off:
-            during that step the device holds both phases' copies. ``False``
-            (default): copy at the switch, the peak stays that of the larger
-            phase. ``True``: prefetch everything. An ``int``: at most that many
-            bytes. ``"auto"``: at most the headroom between the current phase's
-            expected peak and the largest expected peak seen so far (or the next
-            phase's), so the run's expected peak does not rise (activations are
-            not part of that estimate). Step schedules only; a no-op off CUDA.
-        buffer_sync: ``"keep"`` (default: DDP's buffer broadcast as built) or
-            ``"auto"`` (broadcast only while a module that updates its buffers in
-            forward may train; see :mod:`hf_altparams.engine.buffers`).
-        frozen_norms: ``"train"`` (default) or ``"eval"``: hold norm layers whose
-            parameters are frozen in a phase in eval mode (running stats stop drifting).
-        buffer_updating_types: module types besides norm layers that update buffers in forward.
-        history_window: how many recent :class:`SwitchRecord` s :attr:`history`
-            keeps (its running totals cover every switch).
-        collective_timeout: seconds a rank waits in the switch's agreement for
-            the others before it raises a :class:`SwitchError` naming the switch
-            and the step (a rank died or hangs). ``None`` (default): the process
-            group's timeout (``InitProcessGroupKwargs(timeout=...)`` in
-            Accelerate, ``TrainingArguments(ddp_timeout=...)``; 30 min by
-            default). A dead rank's peers fail at once either way (connection
-            closed). Set it above the longest gap between ranks reaching a switch.
-        keep_reducers: how many idle phases' DDP reducers to keep for switches
-            back (default 0: a switch frees the old reducer and builds a new
-            one). Each kept reducer holds one copy of its phase's trainable
-            gradients (its buckets); in return a switch back re-installs it
-            instead of building one (faster), with the bucket layout it learned
-            in autograd order instead of DDP's first-iteration single bucket.
-            For per-step alternation of two sets, ``1``. Not used with
-            ``find_unused_parameters=True``, ``static_graph=True`` or PowerSGD
-            (a warning says so); see ``docs/switch.md``.
+        config: the switch's settings (:class:`~hf_altparams.engine.config.SwitchConfig`:
+            ``release``, ``prefetch``, ``offload_device``, ``keep_reducers``,
+            ``collective_timeout``, ...); the same names may be given as keyword
+            arguments (``**options``), which override it.
+        driver: the :class:`~.driver.PhaseDriver` that owns the schedule position
+            and the current phase (default: a new one for ``schedule``).
 
     Example:
         >>> import torch
@@ -161,55 +111,126 @@ class PhaseSwitcher(SwitcherState):
         *,
         optimizer: Optional[Optimizer] = None,
         model: Optional[nn.Module] = None,
-        release: ReleaseSetting = "auto",
-        full_gc: bool = False,
-        trim: bool = True,
-        offload_device: Optional[DeviceLike] = "cpu",
-        device: Optional[DeviceLike] = None,
-        guard_offloaded: bool = True,
-        prefetch: PrefetchSetting = False,
-        buffer_sync: BufferSyncPolicy = "keep",
-        frozen_norms: FrozenNormPolicy = "train",
-        buffer_updating_types: tuple[type, ...] = (),
-        history_window: int = 256,
-        collective_timeout: Optional[float] = None,
-        keep_reducers: int = 0,
+        config: Union[None, SwitchConfig, Mapping[str, Any]] = None,
+        driver: Optional[PhaseDriver] = None,
+        **options: Any,
     ) -> None:
+        self.config = SwitchConfig.build(config, argument="PhaseSwitcher's settings", **options)
+        if driver is not None and driver.schedule is not schedule:
+            raise AltParamsError("`driver` drives another schedule than `schedule`; pass the driver's own schedule")
         schedule.validate(groups)
-        self.collective_timeout = check_timeout(collective_timeout)
-        self.keep_reducers = check_keep_reducers(keep_reducers)
-        self.release_policy = ReleasePolicy(release)
-        self.history = SwitchHistory(history_window)
-        self.prefetcher = PhasePrefetch(prefetch)
-        self.residency = ResidencyManager(groups, offload_device=offload_device, device=device,
-                                          guard=guard_offloaded)
+        self.driver = driver if driver is not None else PhaseDriver(schedule)
+        self.driver.bind(self._apply_phase, moved=lambda: self.prefetcher.maybe_start(self),
+                         clear_grads=self._clear_grads)
+        self.release_policy = ReleasePolicy(self.config.release)
+        self.history = SwitchHistory(self.config.history_window)
+        self.prefetcher = PhasePrefetch(self.config.prefetch)
+        self.residency = ResidencyManager(groups, offload_device=self.config.offload_device,
+                                          device=self.config.device, guard=self.config.guard_offloaded)
         self.residency.optimizer = optimizer
-        self.buffer_sync = BufferSync(buffer_sync, frozen_norms, buffer_updating_types)
+        self.buffer_sync = BufferSync(self.config.buffer_sync, self.config.frozen_norms,
+                                      self.config.buffer_updating_types)
         self.groups = groups
         self.schedule = schedule
         self.optimizer = optimizer
-        self.release = release
-        self.full_gc = full_gc
-        self.trim = trim
         self.backend: Backend = LocalBackend()
-        self.current: Optional[Phase] = None
+        #: a plain module was attached on purpose (a multi-rank run without a wrapper)
+        self.plain_attached = False
         # Per-phase caches (the groups never change): flags, sizes, reduced bytes.
         self._layouts = PhaseLayouts(groups)
         self._names, self._params = self._layouts.names, self._layouts.params
         self._reduced_bytes: dict[Phase, int] = {}
+        self._warned_flags: set[str] = set()
+        self._step_hook = check_each_step(optimizer, self)
         if model is not None:
             self.attach(model)
 
+    # ------------------------------------------------------------ state
+    @property
+    def current(self) -> Optional[Phase]:
+        """The phase applied now (the driver's; ``None`` before the first switch)."""
+        return self.driver.current
+
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The phase that trains now (as ``PhasedAccelerator.phase``); same as :attr:`current`."""
+        return self.driver.current
+
+    @property
+    def records(self) -> list[SwitchRecord]:
+        """The recent switch records, oldest first (a copy of :attr:`history`'s window)."""
+        return self.history.recent
+
+    @property
+    def module(self) -> nn.Module:
+        return self.groups.module
+
+    @property
+    def ddp(self) -> Optional[DistributedDataParallel]:
+        """The attached DDP wrapper, or ``None``."""
+        return self.backend.wrapper if self.backend.kind == "ddp" else None  # type: ignore[return-value]
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group of the attached wrapper (``None``: no wrapper)."""
+        return self.backend.process_group
+
+    def _distributed(self) -> bool:
+        return is_distributed(self.process_group)
+
+    def phase_at(self, step: int, epoch: int = 0) -> Phase:
+        """The schedule's phase at ``step`` / ``epoch`` (pure; switches nothing)."""
+        return self.driver.phase_at(step, epoch)
+
+    def trainable_names(self, phase: Phase) -> frozenset[str]:
+        return self.groups.trainable_param_names(phase.trainable)
+
+    def allreduce_bytes_per_step(self) -> int:
+        """Bytes the current reducer all-reduces per optimizer step (0 without DDP)."""
+        return self.backend.reduced_bytes_per_step()
+
+    def reduced_bytes(self, phase: Phase) -> int:
+        """Bytes the reducer all-reduces per step in ``phase`` (now if current, else as when last applied)."""
+        if phase == self.current:
+            return self.allreduce_bytes_per_step()
+        return self._reduced_bytes.get(phase, 0)
+
+    def trainable_params(self) -> list[tuple[str, nn.Parameter]]:
+        """The current phase's trainable ``(name, parameter)`` pairs (empty before the first switch)."""
+        return [] if self.current is None else self._layouts.split(self.current.trainable)[0]
+
+    def check_before_step(self) -> int:
+        """Check gradients and ``requires_grad`` against the phase before an optimizer step (:mod:`.invariants`).
+
+        Runs by itself before every ``step()`` of the optimizer given to the
+        switcher (a step pre-hook); returns how many flags were put back.
+        """
+        phase = self.current
+        if phase is None:
+            return 0
+        trainable, idle = self._layouts.split(phase.trainable)
+        ddp = self.ddp
+        return check_before_step(phase, trainable, idle, ddp_reduces=ddp is not None,
+                                 find_unused=bool(ddp is not None and ddp.find_unused_parameters),
+                                 warned=self._warned_flags)
+
+    def close(self) -> None:
+        """Stop checking the optimizer's steps (the run that owns this switcher is over)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
     # ------------------------------------------------------------ wiring
     def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:
-        """Attach the DDP wrapper built around ``groups.module`` (no-op for a plain module).
+        """Attach the DDP wrapper built around ``groups.module`` (or the module itself, or an FSDP2 model).
 
         Without ``rebuild`` the wrapper must have been built while the current
         phase was applied (``requires_grad`` set); from now on switches
         re-bucket it in place.
 
         Args:
-            model: the DDP wrapper (or the plain grouped module).
+            model: the DDP wrapper (or the plain grouped module, or the
+                ``fully_shard`` model).
             rebuild: the wrapper was built before the current phase was applied
                 (the HF Trainer wraps the model before any callback can set the
                 phase, and on resume): re-bucket it now for the current phase, as
@@ -217,58 +238,7 @@ class PhaseSwitcher(SwitcherState):
                 Allowed at the start of a gradient-accumulation window (inside
                 ``no_sync``) as long as no gradient is pending.
         """
-        if not _ddp.is_ddp(model):
-            if model is not self.module:
-                raise SwitchError(
-                    f"`model` ({type(model).__name__}) is neither the grouped module nor a "
-                    "DistributedDataParallel around it; build ParamGroups on the model you train"
-                )
-            self._plain_attached = True  # no DDP wrapper, on purpose
-            backend = backend_for(model)
-            if backend.kind == "local":
-                return None
-            backend.bind(self)  # FSDP2: groups vs units checked, residency moves routed
-            self.backend = backend  # fully_shard changed the module in place (FSDP2)
-            self._reduced_bytes.clear()
-            if self.current is not None:
-                self.backend.apply(self.residency.ignore_names())
-            return None
-        if model.module is not self.module:
-            raise SwitchError(
-                "`model` is a DistributedDataParallel around a different module than the one "
-                "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
-            )
-        self.backend = backend_for(model)
-        why_not = self.backend.keep_reducers(self.keep_reducers)
-        if why_not:
-            warnings.warn(f"hf_altparams: keep_reducers={self.keep_reducers} is not used with this DDP wrapper "
-                          f"({why_not}); every switch builds a new reducer", stacklevel=2)
-        grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
-        attach_ddp = getattr(grouped, "attach_ddp", None)  # PrecisionOptimizer: its comm hook
-        if attach_ddp is not None:
-            attach_ddp(model)
-        self._reduced_bytes.clear()
-        self.release_policy.forget_footprints()  # DDP adds a gradient copy per trainable byte
-        if self.current is not None and not rebuild:
-            mismatch = _misuse.wrapper_mismatch(model, self.process_group if self._distributed() else None)
-            if mismatch:
-                warnings.warn(
-                    f"hf_altparams: the DDP wrapper passed to `attach` was built before phase "
-                    f"{self.current.name!r} was applied: its reducer {mismatch}, so the ranks would diverge. "
-                    "Re-bucketing it now for the current phase; build DDP after `switcher.step_to(0)` "
-                    "(or pass `attach(ddp, rebuild=True)`) to skip this.", stacklevel=2)
-                rebuild = True
-        self.residency.attached(self.backend.ignored_at_wrap(), self.backend.device)
-        self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
-        if self.current is not None:
-            # Accelerate's prepare() and the Trainer move the whole model to the device.
-            self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
-            self.residency.install_guards(self.current.name)
-            if not rebuild:
-                if self.backend.ignored_at_wrap() != self.residency.ignore_names():
-                    self.backend.apply(self.residency.ignore_names())
-                self.buffer_sync.apply(self.module, self.trainable_names(self.current), ddp=model,
-                                       ignore=self.residency.ignore_names())
+        rebuild = attach_wrapper(self, model, rebuild)
         if not rebuild:
             return None
         if self.current is None:
@@ -286,24 +256,25 @@ class PhaseSwitcher(SwitcherState):
         phase is unchanged (no collective is run then: every rank computes the
         same phase from the same step).
         """
-        phase = self.phase_at(step, epoch)
-        if phase == self.current:
-            self.prefetcher.maybe_start(self, step, epoch)
-            return None
-        return self.switch(phase, step=step, epoch=epoch)
+        return self.driver.move_to(step, epoch)  # type: ignore[no-any-return]
 
     def switch(self, phase: Phase, *, step: Optional[int] = None, epoch: Optional[int] = None) -> SwitchRecord:
         """Apply ``phase`` now, as one collective transaction (see the module docstring)."""
+        return self.driver.switch_to(phase, step, epoch)  # type: ignore[no-any-return]
+
+    def _apply_phase(self, phase: Phase, step: Optional[int], epoch: Optional[int]) -> SwitchRecord:
+        """The driver's ``apply``: one transaction into ``phase`` (the driver commits it after)."""
         return self._transaction(phase, step, epoch, self._precondition_error())
 
     def _transaction(
         self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
     ) -> SwitchRecord:
         started = time.perf_counter()
+        timeout = self.config.collective_timeout
         group = self.process_group if self._distributed() else None
         one_collective = self.backend.collective_free_apply
         if not one_collective:
-            agree(group, phase, step, local_error, self.collective_timeout)
+            agree(group, phase, step, local_error, timeout)
         layout = self._layouts.get(phase.trainable)
         before = [param.requires_grad for param in self._params]
         offloaded_before = self.residency.offloaded
@@ -321,8 +292,8 @@ class PhaseSwitcher(SwitcherState):
                 failure = exc
         if one_collective:
             reason = f"{type(failure).__name__}: {failure}" if failure else None
-            message, all_refused = settle(group, phase, step, local_error, reason, self.collective_timeout)
-        elif any_rank_failed(group, failure is not None, phase, step, self.collective_timeout):
+            message, all_refused = settle(group, phase, step, local_error, reason, timeout)
+        elif any_rank_failed(group, failure is not None, phase, step, timeout):
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
             message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
                                     "previous trainable set and DDP reducer were restored on every rank"), False
@@ -332,7 +303,7 @@ class PhaseSwitcher(SwitcherState):
             if applied:
                 self._rollback(before, offloaded_before, snapshot)
             elif group is not None and not all_refused:
-                self._resync_refusing(snapshot)
+                resync_refusing(self.backend, self._params, snapshot)
             raise SwitchError(message) from failure
 
         with collective_errors(phase, step, group, None, "broadcast of returning groups"):
@@ -346,10 +317,8 @@ class PhaseSwitcher(SwitcherState):
         released, release_reason = self.release_policy.decide(self, self.current, phase, step, epoch)
         if released:
             # No barrier: the settling all-gather above is one every rank just passed.
-            release_memory(barrier=False, full_gc=self.full_gc, trim=self.trim)
-        self.current = phase
+            release_memory(barrier=False, full_gc=self.config.full_gc, trim=self.config.trim)
         self.prefetcher.switched(self, phase)
-        self.prefetcher.maybe_start(self, step, epoch)
         reduced = self._reduced_bytes.get(phase)
         if reduced is None:
             reduced = remember(self._reduced_bytes, phase, self.allreduce_bytes_per_step())
@@ -374,10 +343,48 @@ class PhaseSwitcher(SwitcherState):
         self.history.append(record)
         return record
 
+    # ------------------------------------------------------------ memory
+    def reapply_placement(self) -> int:
+        """Put parameters and optimizer state back where the current phase wants them.
+
+        Call it on every rank after anything that moved them wholesale: a
+        ``model.to(device)`` (Accelerate's ``prepare``, the Trainer's model
+        placement), an optimizer ``load_state_dict`` outside
+        :class:`GroupedOptimizer`, Accelerate's optimizer preparation, a Trainer
+        resume. Returns the bytes moved.
+        """
+        moved = 0
+        if self.current is not None:
+            moved += self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
+            self.residency.install_guards(self.current.name)
+        if self.optimizer is not None:
+            moved += reapply_state_policy(self.optimizer)
+        return moved
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's state and the current phase (for checkpoints)."""
+        return {"schedule": self.schedule.state_dict(),
+                "phase": None if self.current is None else sorted(self.current.trainable)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check the saved schedule matches this one (the phase itself follows the step)."""
+        try:
+            self.schedule.load_state_dict(state["schedule"])
+        except KeyError as exc:
+            raise SwitchError(f"switcher state is missing {exc}; expected keys ['schedule', 'phase']") from exc
+
     # ------------------------------------------------------------ internals
+    def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
+        """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
+        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
+        if not isinstance(opt, GroupedOptimizer):
+            return lambda group: False
+        return lambda group: group not in phase.trainable and opt.policies.get(group, "keep") != "keep"
+
     def _precondition_error(self) -> Optional[str]:
         return (self.backend.precondition_error() or self._pending_grads_error()
-                or _misuse.unattached_error(self))
+                or _misuse.unattached_error(self.current, self.backend, self.plain_attached))
 
     def _pending_grads_error(self) -> Optional[str]:
         pending = [n for n, p in self.groups.all_named_params() if p.grad is not None and _nonzero(p.grad)]
@@ -386,14 +393,15 @@ class PhaseSwitcher(SwitcherState):
                     "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
         return None
 
+    def _clear_grads(self) -> None:
+        for param in self._params:
+            param.grad = None
+
     def _apply_flags(self, trainable: frozenset[str]) -> None:
         for param, flag in zip(self._params, self._layouts.flags(trainable)):
             param.grad = None
             if param.requires_grad != flag:
                 param.requires_grad_(flag)
-
-    def _resync_refusing(self, snapshot: Any) -> None:
-        resync_refusing(self.backend, self._params, snapshot)
 
     def _rollback(self, before: list[bool], offloaded: Optional[frozenset[str]] = None,
                   snapshot: Any = None) -> None:

@@ -304,10 +304,12 @@ class CheckpointMixin:
             return
         state = read_state(input_dir)
         self.switcher.load_state_dict(state["switcher"])
-        self.schedule_step, self.schedule_epoch = int(state["schedule_step"]), int(state["schedule_epoch"])
-        self._loop_guard.epoch_set_at = self.schedule_step  # the saved epoch counts as set here
-        self._backward_since_step = False
+        driver = self.driver
+        assert driver is not None
+        driver.load_position(int(state["schedule_step"]), int(state["schedule_epoch"]))  # the epoch counts as set
         for _, param in self.switcher.groups.all_named_params():
             param.grad = None  # loading replaces the run: in-flight gradients are void
-        self._advance()  # before the optimizer state loads: idle groups keep their policy
+        record = driver.move_to(driver.step, driver.epoch)  # before the optimizer state loads: idle groups keep their policy
+        if record is not None:
+            self.run.after_switch(record)
 

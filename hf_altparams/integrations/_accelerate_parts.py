@@ -9,8 +9,9 @@ switch reports in :mod:`._accelerate_reporting`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, DynamoBackend
@@ -19,8 +20,16 @@ from torch.optim import Optimizer
 from ..errors import AltParamsError
 from ._fsdp2_prepare import accelerator_refusal
 
-if TYPE_CHECKING:
-    from .accelerate import PhasedAccelerator
+
+
+class StepHooks(Protocol):
+    """What the prepared optimizer calls around a sync-boundary step (a :class:`~._accelerate_run.PhasedRun`)."""
+
+    guard: Any
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> Any: ...
 
 #: Refused distributed types (DeepSpeed and FSDP1: ``_fsdp2_prepare.fsdp_refusal``, naming FSDP2).
 UNSUPPORTED = {
@@ -30,9 +39,9 @@ UNSUPPORTED = {
 
 
 
-def check_supported(acc: PhasedAccelerator) -> None:
+def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
     """Refuse, with the reason, a configuration whose reducer or trainable set the phases cannot drive."""
-    reason = accelerator_refusal(acc) or UNSUPPORTED.get(acc.distributed_type)
+    reason = accelerator_refusal(acc, fsdp_plugin_given) or UNSUPPORTED.get(acc.distributed_type)
     parallelism = getattr(acc, "parallelism_config", None)
     if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
         reason = "tensor/context parallelism shards parameters outside DDP"
@@ -50,26 +59,35 @@ def check_supported(acc: PhasedAccelerator) -> None:
 class PhasedOptimizer(AcceleratedOptimizer):
     """The prepared optimizer: a sync-boundary ``step()`` is checked first, then drives the schedule.
 
-    Before the update, the loop guards run (:mod:`._loop_guard`); after it, the
-    accelerator counts the step and switches phase when the schedule says so,
-    so the next iteration, whatever its order, starts in the right phase.
+    Before the update, the run's loop checks run (:mod:`._loop_guard`; the
+    phase's invariants run in the inner optimizer's own step hook); after it,
+    the run's driver counts the step and switches phase when the schedule says
+    so, so the next iteration, whatever its order, starts in the right phase.
+
+    Args:
+        optimizer: the optimizer that drives the schedule.
+        run: the accelerator's :class:`~._accelerate_run.PhasedRun`.
+        accumulation_steps: the accelerator's gradient-accumulation steps (read at each call).
     """
 
-    def __init__(self, optimizer: Optimizer, owner: PhasedAccelerator, **kwargs: Any) -> None:
+    def __init__(self, optimizer: Optimizer, run: StepHooks, accumulation_steps: Callable[[], int],
+                 **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
-        self._owner = owner
+        self._run = run
+        self._accumulation_steps = accumulation_steps
 
     def step(self, closure: Any = None) -> None:
         at_boundary = self.gradient_state.sync_gradients
         if at_boundary:
-            self._owner._check_gradients()
+            self._run.before_step()
         super().step(closure)
         if at_boundary:
-            self._owner._sync_step_done()
+            self._run.after_step()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        if self.gradient_state.sync_gradients:  # Accelerate skips it inside an accumulation window
-            self._owner._loop_guard.zero_grad_at_boundary(self._owner)
+        guard = self._run.guard
+        if self.gradient_state.sync_gradients and guard is not None:  # Accelerate skips it inside a window
+            guard.zero_grad_at_boundary(self._accumulation_steps())
         super().zero_grad(set_to_none)
 
 

@@ -38,20 +38,20 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine.fsdp2 import is_fsdp2
+from ..engine.comm import CommCounter
 from ..engine.optim import GroupedOptimizer
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 
 if TYPE_CHECKING:
-    from .accelerate import PhasedAccelerator
+    from accelerate import Accelerator
 
 __all__ = [
     "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "forget_untrained_state",
     "fsdp2_metrics",
     "fsdp_refusal", "grouped_checkpoint_view", "groups_with_state", "rebind_groups", "rebind_optimizer",
-    "shard_trainer_groups", "start_sharded", "trainer_fsdp_version", "uses_fsdp2",
+    "shard_trainer_groups", "trainer_fsdp_version", "uses_fsdp2",
 ]
 
 FSDP1_MESSAGE = (
@@ -90,12 +90,12 @@ def fsdp_refusal(distributed_type: str, fsdp_version: Optional[int]) -> Optional
     return None
 
 
-def accelerator_refusal(acc: PhasedAccelerator) -> Optional[str]:
+def accelerator_refusal(acc: Accelerator, plugin_given: Any = None) -> Optional[str]:
     """:func:`fsdp_refusal` for an accelerator: its distributed type and its FSDP plugin's version.
 
-    The plugin given to the constructor counts even where Accelerate dropped it (on CPU).
+    The plugin given to the constructor (``plugin_given``) counts even where Accelerate dropped it (on CPU).
     """
-    plugin = acc._fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
+    plugin = plugin_given or getattr(acc.state, "fsdp_plugin", None)
     return fsdp_refusal(acc.distributed_type.value, getattr(plugin, "fsdp_version", None))
 
 
@@ -239,36 +239,14 @@ def grouped_checkpoint_view(optimizers: list[Any], names_by_index: Optional[dict
             param.requires_grad_(flag)
 
 
-def start_sharded(acc: PhasedAccelerator, model: nn.Module) -> None:
-    """After Accelerate's FSDP2 ``prepare``: groups rebound, switcher built and attached, first phase applied."""
-    from ..engine.comm import register_reduce_scatter_counter
-
-    if not is_fsdp2(model):
-        raise AltParamsError(
-            f"Accelerate runs FSDP2 but `prepare` returned a {type(model).__name__} that is not a fully_shard "
-            "module; PhasedAccelerator needs the sharded module itself"
-        )
-    if acc._prefix_option is not None:
-        raise AltParamsError("`frozen_prefix` is not supported with FSDP2 (not verified); leave it out")
-    assert acc.groups is not None
-    old = acc.groups
-    acc.groups = rebind_groups(old, model)
-    rebind_optimizer(acc._driving, old, acc.groups)
-    acc.switcher = PhaseSwitcher(acc.groups, acc.schedule, optimizer=acc._driving, release=acc._release,
-                                 **acc._switcher_options)
-    acc.switcher.attach(model)  # the FSDP2 backend: nothing is rebuilt at a switch
-    acc.switcher.step_to(acc.schedule_step, acc.schedule_epoch)  # the first phase, read at the next all-gather
-    if acc._count_comm:
-        acc.comm_counter = register_reduce_scatter_counter(model)
-
-
-def fsdp2_metrics(acc: PhasedAccelerator, record: Any, prefix: str) -> dict[str, int]:
+def fsdp2_metrics(switcher: Optional[PhaseSwitcher], counter: Optional[CommCounter], record: Any,
+                  prefix: str) -> dict[str, int]:
     """The switch log's FSDP2 figures: bytes reduce-scattered per step (expected; measured when counted)."""
-    if acc.switcher is None or acc.switcher.backend.kind != "fsdp2":
+    if switcher is None or switcher.backend.kind != "fsdp2":
         return {}
     out = {f"{prefix}reduce_scatter_bytes_per_step": int(record.allreduce_bytes_per_step)}
-    if acc.comm_counter is not None and acc.comm_counter.history:
-        out[f"{prefix}reduce_scatter_bytes_measured"] = int(acc.comm_counter.history[-1])
+    if counter is not None and counter.history:
+        out[f"{prefix}reduce_scatter_bytes_measured"] = int(counter.history[-1])
     return out
 
 

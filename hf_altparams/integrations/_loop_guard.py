@@ -9,7 +9,8 @@ applies the step:
   gradients, but no forward of the wrapper that would all-reduce them
   (gradients enabled, outside ``no_sync``) ran since the previous step, so the
   reducer never saw them. A forward pre-hook on the wrapper counts those
-  forwards. Raised on every rank (each rank runs the same loop).
+  forwards (in the driver's loop facts). Raised on every rank (each rank runs
+  the same loop).
 * **an epoch-unit schedule whose epoch is never set**: more optimizer steps
   than one pass over the longest prepared dataloader went by since the last
   ``accelerator.set_epoch(...)`` (or the start) and the schedule's phase for
@@ -17,42 +18,42 @@ applies the step:
   ``set_epoch`` was never called; a warning (once) when it was called before
   (an "epoch" longer than a pass is legitimate, if unusual).
 
-Also at that boundary, with ``find_unused_parameters=False``:
-**a trainable parameter of the phase got no gradient**
-(:func:`check_trainable_gradients`): its bucket was never all-reduced.
+One warning (once): a sync-boundary ``zero_grad()`` that drops gradients no
+``step()`` applied, the mark of ``zero_grad()`` called first inside
+``accumulate()`` (it wipes the window's earlier micro-batches there, with or
+without this library).
 
-And one refusal raised where the switch would happen: ``set_epoch`` called
-inside a gradient-accumulation window when the new epoch switches phase
-(:func:`mid_window_switch_error`). One warning (once): a sync-boundary
-``zero_grad()`` that drops gradients no ``step()`` applied, the mark of
-``zero_grad()`` called first inside ``accumulate()`` (it wipes the window's
-earlier micro-batches there, with or without this library).
+The facts checked (forwards seen, when the epoch was last set, a backward
+waiting for its step) are the :class:`~hf_altparams.engine.driver.PhaseDriver`'s;
+this guard keeps only its hook and its warned-once flags.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..engine.driver import PhaseDriver
 from ..errors import AltParamsError
 
-if TYPE_CHECKING:
-    from .accelerate import PhasedAccelerator
-
-__all__ = ["LoopGuard", "check_trainable_gradients", "mid_window_switch_error"]
+__all__ = ["LoopGuard"]
 
 
 class LoopGuard:
-    """Per-run state of the two checks; :meth:`check` runs at every sync-boundary ``step()``."""
+    """The two checks of :mod:`._loop_guard` for one run; :meth:`check` runs at every sync-boundary ``step()``.
 
-    def __init__(self) -> None:
-        self.syncing_forwards = 0
-        self.epoch_set_at: int = 0
-        self.epoch_calls = 0
+    Args:
+        driver: the run's driver (its loop facts are read and reset here).
+        steps_per_epoch: optimizer steps in one pass over the longest prepared
+            dataloader (0: unknown).
+    """
+
+    def __init__(self, driver: PhaseDriver, steps_per_epoch: Callable[[], int]) -> None:
+        self.driver = driver
+        self.steps_per_epoch = steps_per_epoch
         self.warned_epoch = False
         self.warned_zero_grad = False
         self._handle: Optional[Any] = None
@@ -65,43 +66,40 @@ class LoopGuard:
 
     def _seen(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
-            self.syncing_forwards += 1
+            self.driver.loop.syncing_forwards += 1
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
 
-    def zero_grad_at_boundary(self, acc: PhasedAccelerator) -> None:
+    def zero_grad_at_boundary(self, accumulation_steps: int) -> None:
         """A sync-boundary ``zero_grad()``: warn (once) if it drops gradients no step applied."""
-        if acc._backward_since_step and not self.warned_zero_grad and int(acc.gradient_accumulation_steps) > 1:
+        loop = self.driver.loop
+        if loop.backward_pending and not self.warned_zero_grad and accumulation_steps > 1:
             self.warned_zero_grad = True
             warnings.warn(
                 "hf_altparams: `optimizer.zero_grad()` ran at a gradient-sync boundary after a backward whose "
                 "gradients no `optimizer.step()` applied yet: they are dropped. Inside `accelerator.accumulate()` "
                 "this is `zero_grad()` called at the top of the iteration, which wipes the window's earlier "
                 "micro-batches (plain Accelerate does the same); call it after `optimizer.step()` there. If you "
-                "skipped the step on purpose (e.g. a non-finite loss), ignore this.", stacklevel=3)
-        acc._backward_since_step = False  # nothing is pending any more
-
-    def epoch_set(self, schedule_step: int) -> None:
-        self.epoch_set_at = schedule_step
-        self.epoch_calls += 1
+                "skipped the step on purpose (e.g. a non-finite loss), ignore this.", stacklevel=4)
+        loop.backward_pending = False  # nothing is pending any more
 
     # ------------------------------------------------------------ checks
-    def check(self, acc: PhasedAccelerator) -> None:
+    def check(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
         """Raise (or warn) before the optimizer applies a step the loop got wrong."""
         try:
-            self._check_forward(acc)
-            self._check_epoch(acc)
+            self._check_forward(trainable)
+            self._check_epoch()
         finally:
-            self.syncing_forwards = 0
+            self.driver.loop.syncing_forwards = 0
 
-    def _check_forward(self, acc: PhasedAccelerator) -> None:
+    def _check_forward(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
         if self._handle is None:
             return
-        with_grad = [name for name, p in acc._trainable if p.grad is not None]
-        if with_grad and self.syncing_forwards == 0:
+        with_grad = [name for name, p in trainable if p.grad is not None]
+        if with_grad and self.driver.loop.syncing_forwards == 0:
             raise AltParamsError(
                 f"{len(with_grad)} trainable parameter(s) (e.g. {with_grad[:3]}) hold gradients, but no "
                 "forward of the prepared DDP model ran since the last optimizer step, so DDP never "
@@ -111,68 +109,30 @@ class LoopGuard:
                 "unwrapped model only under `torch.no_grad()` (evaluation)."
             )
 
-    def _check_epoch(self, acc: PhasedAccelerator) -> None:
-        switcher = acc.switcher
-        if acc.schedule.unit != "epoch" or switcher is None or switcher.current is None:
+    def _check_epoch(self) -> None:
+        driver = self.driver
+        if driver.schedule.unit != "epoch" or driver.current is None:
             return
-        per_epoch = steps_per_epoch(acc)
+        per_epoch = self.steps_per_epoch()
         if not per_epoch:
             return
-        passed = (acc.schedule_step - self.epoch_set_at) // per_epoch
+        loop = driver.loop
+        passed = (driver.step - loop.epoch_set_at) // per_epoch
         if passed < 1:
             return
-        implied = acc.schedule_epoch + passed
-        due = acc.schedule.phase_at(acc.schedule_step, implied)
-        if due == switcher.current:
+        implied = driver.epoch + passed
+        due = driver.phase_at(driver.step, implied)
+        if due == driver.current:
             return
-        what = (f"{acc.schedule_step - self.epoch_set_at} optimizer steps went by since "
-                f"{'the last `accelerator.set_epoch(...)`' if self.epoch_calls else 'the start'}, more "
+        what = (f"{driver.step - loop.epoch_set_at} optimizer steps went by since "
+                f"{'the last `accelerator.set_epoch(...)`' if loop.epoch_calls else 'the start'}, more "
                 f"than one pass over the prepared dataloader ({per_epoch} steps), but the epoch-unit "
-                f"schedule is still at epoch {acc.schedule_epoch} (phase {switcher.current.name!r}); at "
+                f"schedule is still at epoch {driver.epoch} (phase {driver.current.name!r}); at "
                 f"epoch {implied} it trains {due.name!r}.")
         fix = "Call `accelerator.set_epoch(epoch)` at the top of every epoch, on every rank."
-        if self.epoch_calls == 0:
+        if loop.epoch_calls == 0:
             raise AltParamsError(f"{what} {fix}")
         if not self.warned_epoch:
             self.warned_epoch = True
             warnings.warn(f"hf_altparams: {what} If an epoch is meant to span several passes, ignore "
-                          f"this; otherwise: {fix}", stacklevel=4)
-
-
-def steps_per_epoch(acc: PhasedAccelerator) -> int:
-    """Optimizer steps in one pass over the longest prepared dataloader (0: unknown)."""
-    lengths = []
-    for loader in getattr(acc, "_dataloaders", []):
-        try:
-            lengths.append(len(loader))
-        except TypeError:  # an iterable dataset has no length
-            continue
-    if not lengths:
-        return 0
-    return math.ceil(max(lengths) / max(1, int(acc.gradient_accumulation_steps)))
-
-
-def check_trainable_gradients(acc: PhasedAccelerator) -> None:
-    """Refuse a sync-boundary step where a trainable parameter of the phase got no gradient (DDP, no unused search)."""
-    ddp = None if acc.switcher is None else acc.switcher.ddp
-    if ddp is None or ddp.find_unused_parameters:
-        return
-    missing = [n for n, p in acc._trainable if p.grad is None]
-    if missing:
-        phase = acc.phase.name if acc.phase else "?"
-        raise AltParamsError(
-            f"{len(missing)} trainable parameter(s) of phase {phase!r} got no gradient in this step"
-            f" (e.g. {missing[:3]}); DDP runs with `find_unused_parameters=False`, so "
-            "their bucket was not all-reduced and the ranks would diverge. If the forward skips them on "
-            "purpose (a branch or task head unused by this batch), pass `find_unused_parameters=True` to "
-            "PhasedAccelerator; otherwise move them out of the phase's groups."
-        )
-
-
-def mid_window_switch_error(phase: str, step: int, epoch: int) -> AltParamsError:
-    """A switch is due while a backward's gradients still wait for ``optimizer.step()``."""
-    return AltParamsError(
-        f"the schedule switches to phase {phase!r} now (step {step}, epoch {epoch}), but gradients of a "
-        "backward still wait for `optimizer.step()` (a gradient-accumulation window is open); switching "
-        "would drop them. Call `accelerator.set_epoch(epoch)` at the top of the epoch, before its first forward."
-    )
+                          f"this; otherwise: {fix}", stacklevel=5)

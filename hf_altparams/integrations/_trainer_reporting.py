@@ -1,72 +1,75 @@
-"""What :class:`~hf_altparams.integrations.trainer.AlternatingFreeze` reports: switch records and log metrics.
+"""What :class:`~hf_altparams.integrations.trainer.AlternatingFreeze` reports: the ``altparams/*`` log values.
 
-``records`` (the recent switches of the current ``train()``), ``metrics`` (the
-``altparams/*`` values the callback's ``on_log`` adds to the Trainer's logs) and
-the description of the current phase they are built from. A mixin of the
-callback, whose events stay in :mod:`.trainer`.
+:class:`TrainerReport` builds what the callback's ``on_log`` adds to the
+Trainer's logs, from the switcher (the phase of the step just trained, read
+from its driver; the switch history) and the comm counter, and remembers what
+the previous log already reported (switch seconds, measured steps).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Any, Optional, Union
 
-from ..engine.records import SwitchRecord
+from ..engine.comm import CommCounter
+from ..engine.switch import PhaseSwitcher
+from ..plan.phase import Phase
 
-if TYPE_CHECKING:
-    from .trainer import AlternatingFreeze
+__all__ = ["TrainerReport", "describe_phase"]
 
-__all__ = ["ReportingMixin"]
+Metrics = dict[str, Union[int, float, str]]
 
 
-class ReportingMixin:
-    """``records`` and ``metrics`` for :class:`~hf_altparams.integrations.trainer.AlternatingFreeze`."""
+def describe_phase(switcher: PhaseSwitcher, phase: Optional[Phase]) -> dict[str, Union[int, str]]:
+    """``phase``, ``trainable_params`` and ``allreduce_bytes_per_step`` of ``phase`` (as last applied)."""
+    if phase is None:
+        return {"phase": "", "trainable_params": 0, "allreduce_bytes_per_step": 0}
+    trainable = switcher.trainable_names(phase)
+    return {
+        "phase": phase.name,
+        "trainable_params": sum(p.numel() for n, p in switcher.groups.all_named_params() if n in trainable),
+        "allreduce_bytes_per_step": switcher.reduced_bytes(phase),
+    }
 
-    _logged_seconds: float  # switch seconds already reported by the previous log
-    _logged_comm: int  # measured steps already reported by the previous log
 
-    @property
-    def records(self: AlternatingFreeze) -> list[SwitchRecord]:
-        """What the recent switches of the current ``train()`` did (the first may be the wrapper's re-bucketing).
+class TrainerReport:
+    """The callback's log values, and what the previous log already covered.
 
-        At most ``switcher.history.window`` records, oldest first; the totals of
-        the whole run are in ``switcher.history``.
-        """
-        return [] if self.switcher is None else self.switcher.records
+    Args:
+        prefix: prefix of the keys (``"altparams/"``).
+    """
 
-    def metrics(self: AlternatingFreeze) -> dict[str, Union[int, float, str]]:
-        """The ``altparams/*`` values :meth:`on_log` adds to the Trainer's logs.
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.logged_seconds = 0.0  # switch seconds already reported by the previous log
+        self.logged_comm = 0  # measured steps already reported by the previous log
+
+    def reset(self) -> None:
+        """A new ``train()``: nothing reported yet."""
+        self.logged_seconds, self.logged_comm = 0.0, 0
+
+    def metrics(self, switcher: PhaseSwitcher, comm: Optional[CommCounter], frozen_prefix: Any) -> Metrics:
+        """The ``altparams/*`` values of the step just trained and of the switches since the last log.
 
         Describing the optimizer step just trained (the one whose loss is
         logged): ``phase``, ``trainable_params``, ``allreduce_bytes_per_step``
         (bytes the DDP reducer all-reduces per step; 0 without DDP); then
         ``switches`` (so far in this ``train()``, the wrapper's first
         re-bucketing included), ``switch_seconds`` (time spent switching since
-        the previous log), and with ``count_comm=True``
-        ``allreduce_bytes_measured`` (mean bytes per step since the previous log).
+        the previous log), and with a comm counter ``allreduce_bytes_measured``
+        (mean bytes per step since the previous log).
         """
-        assert self.switcher is not None
-        prefix, history = self.log_prefix, self.switcher.history
-        info = self._trained_info or self._phase_info
-        out: dict[str, Union[int, float, str]] = {f"{prefix}{k}": v for k, v in info.items()}
+        prefix, history, driver = self.prefix, switcher.history, switcher.driver
+        info = describe_phase(switcher, driver.trained or driver.current)
+        out: Metrics = {f"{prefix}{k}": v for k, v in info.items()}
         out.update({
             f"{prefix}switches": history.count,
-            f"{prefix}switch_seconds": history.seconds - self._logged_seconds,
+            f"{prefix}switch_seconds": history.seconds - self.logged_seconds,
         })
-        self._logged_seconds = history.seconds
-        if self.comm is not None:
-            recent = self.comm.history[self._logged_comm:]
-            self._logged_comm = len(self.comm.history)
+        self.logged_seconds = history.seconds
+        if comm is not None:
+            recent = comm.history[self.logged_comm:]
+            self.logged_comm = len(comm.history)
             out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
-        if self.frozen_prefix is not None:
-            out.update(self.frozen_prefix.metrics(prefix))
+        if frozen_prefix is not None:
+            out.update(frozen_prefix.metrics(prefix))
         return out
-
-    def _describe_phase(self: AlternatingFreeze) -> dict[str, Union[int, str]]:
-        assert self.switcher is not None
-        phase = self.switcher.current
-        trainable = self.switcher.trainable_names(phase) if phase is not None else frozenset()
-        return {
-            "phase": phase.name if phase is not None else "",
-            "trainable_params": sum(p.numel() for n, p in self.switcher.groups.all_named_params() if n in trainable),
-            "allreduce_bytes_per_step": self.switcher.allreduce_bytes_per_step(),
-        }

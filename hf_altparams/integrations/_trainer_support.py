@@ -15,7 +15,7 @@ import logging
 import os
 import weakref
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,11 @@ from torch.optim import Optimizer
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from ..engine.comm import CommCounter, register_comm_counter
 from ..engine.optim import GroupedOptimizer
-from ..errors import SwitchError
 from ._fsdp2_prepare import FSDP1_MESSAGE, trainer_fsdp_version
 
-if TYPE_CHECKING:
-    from .trainer import AlternatingFreeze
 
-__all__ = ["FirstCallCatcher", "WrapperMixin", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
+__all__ = ["FirstCallCatcher", "no_wrapper_error", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
 
 # The callback's logger (records keep the name they had when this code lived in `.trainer`).
 logger = logging.getLogger(__name__.rpartition(".")[0] + ".trainer")
@@ -163,46 +159,17 @@ def run_before_reporters(callback: TrainerCallback, event_frame: Optional[FrameT
             return
 
 
-class WrapperMixin:
-    """The callbacks :class:`FirstCallCatcher` calls for :class:`~hf_altparams.integrations.trainer.AlternatingFreeze`."""
-
-    comm: Optional[CommCounter]  # set here with `count_comm=True`
-    find_unused_parameters: Optional[bool]  # the wrapper's setting, once caught
-
-    def _attach(self: AlternatingFreeze, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
-        assert self.switcher is not None
-        if self.count_comm and self.comm is None:
-            try:
-                self.comm = register_comm_counter(ddp)
-            except RuntimeError as err:
-                raise SwitchError(
-                    f"`count_comm=True` could not register its comm hook on the Trainer's DDP ({err}); "
-                    "DDP takes one comm hook: drop the other one, or pass `count_comm=False`"
-                ) from err
-        self.switcher.attach(ddp, rebuild=True)
-        self._phase_info = self._describe_phase()
-        self.find_unused_parameters = bool(ddp.find_unused_parameters)
-        if self.find_unused_parameters and self._is_main:
-            logger.warning(
-                "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default "
-                "without gradient checkpointing), which walks the autograd graph and all-reduces a "
-                "used-parameter map on every step. "
-                "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
-                "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips "
-                "some trainable parameters."
-            )
-
-    def _no_wrapper(self: AlternatingFreeze) -> None:
-        """Called when the model trains without a DDP wrapper (single process)."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            raise SwitchError(
-                f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
-                "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
-                "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
-                "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
-                "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
-                "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
-                "Trainer's default for multi-process runs) is supported."
-            )
+def no_wrapper_error() -> Optional[str]:
+    """Why a model training without a DDP wrapper is refused (several processes), or ``None``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world <= 1:
+        return None
+    return (
+        f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
+        "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
+        "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
+        "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
+        "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
+        "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
+        "Trainer's default for multi-process runs) is supported."
+    )

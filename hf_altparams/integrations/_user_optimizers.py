@@ -22,7 +22,7 @@ leaves out a parameter the schedule trains (it would never be updated).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
@@ -36,10 +36,8 @@ from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
 from ._accelerate_parts import refuse_user_ddp, refuse_without_groups
 
-if TYPE_CHECKING:
-    from .accelerate import PhasedAccelerator
 
-__all__ = ["FORMS", "Found", "GradientArrivals", "HandleUnscaleMixin", "OptimizerHandle", "find_grouped"]
+__all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "find_grouped", "unscale_once"]
 
 FORMS = (
     "Accepted next to the grouped model, in the same `prepare` call: one GroupedOptimizer(groups, ...); "
@@ -161,37 +159,31 @@ class OptimizerHandle(AcceleratedOptimizer):
         )
 
 
-class HandleUnscaleMixin:
-    """``accelerator.unscale_gradients`` for the handles: the one grouped optimizer, unscaled once per step.
+def unscale_once(optimizer: Any, prepared: list[Any], arrivals: Optional[GradientArrivals]) -> Any:
+    """What ``accelerator.unscale_gradients(optimizer)`` should unscale: the grouped optimizer once per step.
 
     Accelerate unwraps ``unscale_gradients(optimizer=opt1)`` to the user's own
     ``opt1`` and unscales its gradients; the grouped step would then unscale
-    them a second time (an update about ``scale`` times too small). Here a handle
-    stands for the grouped optimizer it drives, and a grouped optimizer already
-    unscaled since its last step (by a handle, or by ``clip_grad_norm_``) is not
-    unscaled again, so ``unscale_gradients(opt1)``, ``unscale_gradients(opt2)``
-    and ``clip_grad_norm_`` may all run in one iteration.
+    them a second time (an update about ``scale`` times too small). Here a
+    handle stands for the grouped optimizer it drives, and a grouped optimizer
+    already unscaled since its last step (by a handle, or by
+    ``clip_grad_norm_``) is left out, so ``unscale_gradients(opt1)``,
+    ``unscale_gradients(opt2)`` and ``clip_grad_norm_`` may all run in one
+    iteration. Returns the argument to pass on to Accelerate.
     """
-
-    _arrivals: Optional[GradientArrivals]
-    _optimizers: list[Any]
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        arrivals = self._arrivals
-        if arrivals is None:
-            super().unscale_gradients(optimizer)  # type: ignore[misc]
-            return
-        listed = (list(self._optimizers) if optimizer is None
-                  else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
-        chosen: list[Any] = []
-        for opt in listed:
-            opt = opt.driving if isinstance(opt, OptimizerHandle) else opt
-            if opt is arrivals.driving:
-                if arrivals.unscaled:
-                    continue
-                arrivals.unscaled = True
-            chosen.append(opt)
-        super().unscale_gradients(chosen)  # type: ignore[misc]
+    if arrivals is None:
+        return optimizer
+    listed = (list(prepared) if optimizer is None
+              else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+    chosen: list[Any] = []
+    for opt in listed:
+        opt = opt.driving if isinstance(opt, OptimizerHandle) else opt
+        if opt is arrivals.driving:
+            if arrivals.unscaled:
+                continue
+            arrivals.unscaled = True
+        chosen.append(opt)
+    return chosen
 
 
 @dataclasses.dataclass
@@ -219,15 +211,18 @@ class Found:
         return (tuple(self.driving if i == first else args[i] for i in keep),
                 None if placement is None else [placement[i] for i in keep])
 
-    def hand_back(self, args: tuple[Any, ...], items: list[Any], accelerator: PhasedAccelerator) -> list[Any]:
-        """What the user gets: ``items`` in the order of ``args``, a handle per optimizer passed."""
+    def hand_back(self, args: tuple[Any, ...], items: list[Any]
+                  ) -> tuple[list[Any], Optional[GradientArrivals]]:
+        """What the user gets: ``items`` in the order of ``args``, a handle per optimizer passed.
+
+        Also returns the handles' shared :class:`GradientArrivals` (``None`` without handles).
+        """
         if not self.user:
-            return items
+            return items, None
         assert self.groups is not None
         first = min(self.user)
         prepared = items[sum(1 for i in range(first) if i not in self.user)]
         arrivals = GradientArrivals([p for g in self.groups.names for p in self.groups.params(g)], prepared)
-        accelerator._arrivals = arrivals
         rest = iter(items)
         out = []
         for i, arg in enumerate(args):
@@ -236,7 +231,7 @@ class Found:
             if i in self.user:
                 item = OptimizerHandle(arg, self.user[i], prepared, arrivals)
             out.append(item)
-        return out
+        return out, arrivals
 
 
 def _touches(opt: Optimizer, module: nn.Module, ids: set[int]) -> bool:

@@ -63,29 +63,32 @@ from transformers import (
     TrainingArguments,
 )
 
+from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
+from ..engine.config import SwitchConfig
+from ..engine.driver import PhaseDriver
 from ..engine.fsdp2 import is_fsdp2
-from ..engine.comm import CommCounter, register_reduce_scatter_counter
-from ..engine.memory._release import ReleasePolicy, ReleaseSetting
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
+from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, PlanError
+from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
 from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
-from ._trainer_groups import GroupsMixin
-from ._trainer_optim import grouped_optimizer
 from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
 from ._trainer_checkpoints import resumed_checkpoint
-from ._trainer_reporting import ReportingMixin
-from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
-from ._trainer_support import (
-    FirstCallCatcher,
-    WrapperMixin,
-    run_before_reporters,
-    unsupported_backend,
-    unwrap_optimizer,
+from ._trainer_groups import (
+    GroupsSpec,
+    check_optimizer_covers,
+    make_scheduled_trainable,
+    resolve_groups,
+    scheduled_param_names,
 )
+from ._trainer_optim import grouped_optimizer
+from ._trainer_reporting import Metrics, TrainerReport
+from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
+from ._trainer_support import FirstCallCatcher, no_wrapper_error, run_before_reporters, unsupported_backend
+from ._trainer_support import unwrap_optimizer
 
 __all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer", "last_complete_checkpoint"]
 
@@ -98,7 +101,7 @@ GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamG
 # ----------------------------------------------------------------------------- the callback
 
 
-class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin, TrainerCallback):
+class AlternatingFreeze(PhaseQueries, TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
     Args:
@@ -177,10 +180,10 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         extra: Optional[Mapping[str, Spec]] = None,
         ungrouped: UngroupedPolicy = "frozen",
         count_comm: bool = False,
-        release: ReleaseSetting = "auto",
+        release: Any = "auto",
         check_resume: bool = True,
         log_prefix: str = "altparams/",
-        switcher_options: Optional[Mapping[str, Any]] = None,
+        switcher_options: Union[None, SwitchConfig, Mapping[str, Any]] = None,
         frozen_prefix: Union[None, bool, FrozenPrefix] = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
@@ -207,18 +210,18 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
             raise PlanError("`extra` only goes with `layers`; put those groups in `groups` instead")
         if isinstance(groups, Mapping):
             schedule.validate(list(groups))  # unknown group names fail here, before any model
+        if isinstance(switcher_options, Mapping):
+            clash = sorted({"optimizer", "model", "release"} & set(switcher_options))
+            if clash:
+                raise PlanError(f"`switcher_options` may not set {clash}: AlternatingFreeze sets them")
+        #: the switch's settings, checked here (before any model is built)
+        self.config = SwitchConfig.build(switcher_options, release=release)
         self.schedule = schedule
-        self._groups_arg = groups
-        self._layers = (layers, per, prefix, dict(extra or {}))
-        self.ungrouped: UngroupedPolicy = ungrouped
+        self.spec = GroupsSpec(groups, layers, per, prefix, dict(extra or {}), ungrouped)
         self.count_comm = bool(count_comm)
-        self.release = ReleasePolicy(release).setting  # checked before any model is built
         self.check_resume = bool(check_resume)
         self.log_prefix = log_prefix
-        self.switcher_options = dict(switcher_options or {})
-        clash = sorted({"optimizer", "model", "release"} & set(self.switcher_options))
-        if clash:
-            raise PlanError(f"`switcher_options` may not set {clash}: AlternatingFreeze sets them")
+        self.report = TrainerReport(log_prefix)
 
         prefix_option = as_frozen_prefix(frozen_prefix)
         if prefix_option is not None and prefix_option.blocks is None and layers is not None:
@@ -231,11 +234,35 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         self.find_unused_parameters: Optional[bool] = None
         self._catcher: Optional[FirstCallCatcher] = None
         self._is_main = True
-        self._logged_seconds = 0.0
-        self._logged_comm = 0
-        self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
-        self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
-        self._trained: set[str] = set()  # groups that trained at least one step (saved in the record)
+
+    @property
+    def driver(self) -> Optional[PhaseDriver]:
+        """The schedule position and current phase of the current ``train()`` (``None`` before it)."""
+        return None if self.switcher is None else self.switcher.driver
+
+    # ------------------------------------------------------------------ groups, reports
+    def resolve(self, model: nn.Module) -> ParamGroups:
+        """Build the groups on ``model`` and validate the schedule against them."""
+        return resolve_groups(self.spec, self.schedule, model)
+
+    def scheduled_param_names(self) -> frozenset[str]:
+        """Canonical names of every parameter some phase of the schedule may train."""
+        assert self.groups is not None
+        return scheduled_param_names(self.groups, self.schedule)
+
+    @property
+    def records(self) -> list[SwitchRecord]:
+        """What the recent switches of the current ``train()`` did (the first may be the wrapper's re-bucketing).
+
+        At most ``switcher.history.window`` records, oldest first; the totals of
+        the whole run are in ``switcher.history``.
+        """
+        return [] if self.switcher is None else self.switcher.records
+
+    def metrics(self) -> Metrics:
+        """The ``altparams/*`` values :meth:`on_log` adds to the Trainer's logs (see :class:`TrainerReport`)."""
+        assert self.switcher is not None
+        return self.report.metrics(self.switcher, self.comm, self.frozen_prefix)
 
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -246,7 +273,7 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
-        self._make_scheduled_trainable(only=uses_fsdp2(args))
+        make_scheduled_trainable(self.groups, self.schedule, only=uses_fsdp2(args))
         self._attach_prefix(model)
         run_before_reporters(self, sys._getframe(0))
 
@@ -259,35 +286,35 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
-        self._trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
+        trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
         sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
         if sharded is not None:
-            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, self._trained,
+            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, trained,
                                                has_prefix=self._prefix_option is not None)
         self._attach_prefix(self.groups.module)
-        self._check_optimizer(optimizer)
+        check_optimizer_covers(self.groups, self.schedule, optimizer)
         resumed = resumed_checkpoint(sys._getframe(0))
         if resumed is not None:
             saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
             check_resumed(resumed, state, saved)
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
-        self.switcher = PhaseSwitcher(
-            self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer), release=self.release,
-            **self.switcher_options,
-        )
+        if self.switcher is not None:
+            self.switcher.close()  # the last train()'s: its optimizer step check goes
+        self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer),
+                                      config=self.config)
+        self.switcher.driver.trained_groups = trained
         self.comm = None
         if sharded is not None:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
             self.switcher.attach(sharded)
             self.comm = register_reduce_scatter_counter(sharded) if self.count_comm else None
-        self._logged_seconds, self._logged_comm = 0.0, 0
+        self.report.reset()
         self.switcher.step_to(state.global_step, self._epoch(state))
-        self._phase_info, self._trained_info = self._describe_phase(), {}
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
         if dist.is_available() and dist.is_initialized() and sharded is None:
-            self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
+            self._catcher = FirstCallCatcher(self.groups.module, self._attach_ddp, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
                         self.groups.summary(self.switcher.current.trainable if self.switcher.current else None))
@@ -298,14 +325,10 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
             return
         if self.comm is not None:
             self.comm.end_step()
-        self._trained_info = self._phase_info
-        self._trained |= self.switcher.current.trainable if self.switcher.current else set()
         if control.should_save:
             drop_stale_marker(args, state)  # the folder the Trainer saves next may be an old run's
-        if state.max_steps and state.global_step >= state.max_steps:
-            return  # no step follows: a switch now would only cost a rebuild
-        if self.switcher.step_to(state.global_step, self._epoch(state)) is not None:
-            self._phase_info = self._describe_phase()
+        last = bool(state.max_steps and state.global_step >= state.max_steps)  # no step follows: no switch
+        if self.switcher.driver.stepped(state.global_step, self._epoch(state), switch=not last) is not None:
             self._save_state(state)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -341,6 +364,34 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
             self._catcher = None
 
     # ------------------------------------------------------------------ internals
+    def _attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
+        assert self.switcher is not None
+        if self.count_comm and self.comm is None:
+            try:
+                self.comm = register_comm_counter(ddp)
+            except RuntimeError as err:
+                raise SwitchError(
+                    f"`count_comm=True` could not register its comm hook on the Trainer's DDP ({err}); "
+                    "DDP takes one comm hook: drop the other one, or pass `count_comm=False`"
+                ) from err
+        self.switcher.attach(ddp, rebuild=True)
+        self.find_unused_parameters = bool(ddp.find_unused_parameters)
+        if self.find_unused_parameters and self._is_main:
+            logger.warning(
+                "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default "
+                "without gradient checkpointing), which walks the autograd graph and all-reduces a "
+                "used-parameter map on every step. AlternatingFreeze re-buckets DDP for exactly the "
+                "phase's parameters, so pass `ddp_find_unused_parameters=False` to TrainingArguments "
+                "unless your forward skips some trainable parameters."
+            )
+
+    def _no_wrapper(self) -> None:
+        """Called when the model trains without a DDP wrapper: refused in a multi-process run."""
+        error = no_wrapper_error()
+        if error is not None:
+            raise SwitchError(error)
+
     def _attach_prefix(self, model: nn.Module) -> None:
         if self._prefix_option is None:
             return
@@ -360,7 +411,7 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
         save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state),
-                            self._trained)
+                            self.switcher.driver.trained_groups)
 
     def _check_saved_state(self, state: TrainerState) -> None:
         if self.check_resume:

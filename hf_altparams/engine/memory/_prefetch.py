@@ -7,25 +7,29 @@ nothing. The budget decides how much device memory the overlap may cost.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Optional, Union
 
 from ...errors import SwitchError
 from ...plan.phase import Phase
+from ._report import expected_peak_bytes
 from ._transfer import optimizer_of
 from ..optim._grouped import GroupedOptimizer
 
-if TYPE_CHECKING:
-    from ..switch import PhaseSwitcher
 
-__all__ = ["PhasePrefetch", "PrefetchSetting"]
+__all__ = ["PhasePrefetch", "PrefetchSetting", "check_prefetch"]
 
 PrefetchSetting = Union[bool, int, str]
 
 
-def _expected_peak(switcher: PhaseSwitcher, phase: Phase) -> int:
-    from ._report import expected_peak_bytes
-
+def _expected_peak(switcher: Any, phase: Phase) -> int:
     return expected_peak_bytes(switcher, phase)[0]
+
+
+def check_prefetch(setting: object) -> None:
+    """Validate the ``prefetch`` setting: ``False``, ``True``, ``"auto"`` or a byte budget."""
+    if not (setting in (True, False, "auto") or
+            (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)):
+        raise SwitchError(f"`prefetch` is {setting!r}; accepted: False, True, 'auto' or a byte budget (int >= 0)")
 
 
 class PhasePrefetch:
@@ -41,34 +45,29 @@ class PhasePrefetch:
     """
 
     def __init__(self, setting: PrefetchSetting) -> None:
-        if not (setting in (True, False, "auto") or
-                (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)):
-            raise SwitchError(
-                f"`prefetch` is {setting!r}; accepted: False, True, 'auto' or a byte budget (int >= 0)"
-            )
+        check_prefetch(setting)
         self.setting = setting
-        self._prefetched_for: Optional[int] = None
+        self._started_for: Optional[int] = None
         self._peak_seen = 0
 
-    def switched(self, switcher: PhaseSwitcher, phase: Phase) -> None:
+    def switched(self, switcher: Any, phase: Phase) -> None:
         """Note the expected peak of a phase just applied (for the ``"auto"`` budget)."""
         if self.setting:
             self._peak_seen = max(self._peak_seen, _expected_peak(switcher, phase))
 
-    def maybe_start(self, switcher: PhaseSwitcher, step: Optional[int], epoch: Optional[int]) -> int:
-        """Start the next phase's copies if ``step`` is the current phase's last; return the bytes started."""
-        if not self.setting or step is None or switcher.current is None or switcher.schedule.unit != "step":
+    def maybe_start(self, switcher: Any) -> int:
+        """Start the next phase's copies if the driver's step is the current phase's last; return the bytes."""
+        driver = switcher.driver
+        if not self.setting:
             return 0
-        if self._prefetched_for == step + 1:
+        upcoming = driver.upcoming()  # None: same phase next step, epoch unit, or nothing applied yet
+        if upcoming is None or self._started_for == driver.step + 1:
             return 0
-        upcoming = switcher.phase_at(step + 1, epoch or 0)
-        if upcoming == switcher.current:
-            return 0
-        self._prefetched_for = step + 1
+        self._started_for = driver.step + 1  # the copies now in flight are for that step
         budget: Optional[int]
         if self.setting == "auto":
             upcoming_peak = _expected_peak(switcher, upcoming)
-            budget = max(0, max(self._peak_seen, upcoming_peak) - _expected_peak(switcher, switcher.current))
+            budget = max(0, max(self._peak_seen, upcoming_peak) - _expected_peak(switcher, driver.current))
         elif self.setting is True:
             budget = None
         else:

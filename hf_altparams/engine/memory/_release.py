@@ -24,19 +24,24 @@ go into the switch's :class:`~hf_altparams.engine.SwitchRecord`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Optional, Union
 
 from ...errors import SwitchError
 from ...plan.phase import Phase
+from ._report import expected_peak_bytes
 from .._layout import remember
 
-if TYPE_CHECKING:
-    from ..switch import PhaseSwitcher
 
-__all__ = ["ReleasePolicy", "ReleaseSetting"]
+__all__ = ["ReleasePolicy", "ReleaseSetting", "check_release"]
 
 ReleaseSetting = Union[bool, str]
 _MIB = 2**20
+
+
+def check_release(setting: object) -> None:
+    """Validate the ``release`` setting: ``"auto"``, ``True`` or ``False``."""
+    if not (setting is True or setting is False or setting == "auto"):
+        raise SwitchError(f"`release` is {setting!r}; accepted: 'auto', True or False")
 
 
 class ReleasePolicy:
@@ -59,8 +64,7 @@ class ReleasePolicy:
     """
 
     def __init__(self, setting: ReleaseSetting = "auto", min_steps: int = 8) -> None:
-        if not (setting is True or setting is False or setting == "auto"):
-            raise SwitchError(f"`release` is {setting!r}; accepted: 'auto', True or False")
+        check_release(setting)
         self.setting = setting
         self.min_steps = min_steps
         self._footprints: dict[Phase, int] = {}
@@ -70,16 +74,14 @@ class ReleasePolicy:
         """Drop cached footprints (the wrapper changed: gradient copies differ)."""
         self._footprints.clear()
 
-    def footprint(self, switcher: PhaseSwitcher, phase: Phase) -> int:
+    def footprint(self, switcher: Any, phase: Phase) -> int:
         """The phase's expected device footprint, computed once per phase."""
         cached = self._footprints.get(phase)
         if cached is None:
-            from ._report import expected_peak_bytes
-
             cached = remember(self._footprints, phase, expected_peak_bytes(switcher, phase)[0])
         return cached
 
-    def decide(self, switcher: PhaseSwitcher, previous: Optional[Phase], phase: Phase,
+    def decide(self, switcher: Any, previous: Optional[Phase], phase: Phase,
                step: Optional[int], epoch: Optional[int]) -> tuple[bool, str]:
         """``(release now?, why)`` for a switch from ``previous`` to ``phase``."""
         if self.setting is True:
@@ -102,7 +104,7 @@ class ReleasePolicy:
         self._held = coming
         return True, f"released: the coming phase needs {_size(coming)} of the {_size(held)} held"
 
-    def _lasts(self, switcher: PhaseSwitcher, step: Optional[int], epoch: Optional[int]) -> Optional[int]:
+    def _lasts(self, switcher: Any, step: Optional[int], epoch: Optional[int]) -> Optional[int]:
         """Steps the coming phase lasts (``None``: unknown or longer than the horizon, or epochs)."""
         schedule = switcher.schedule
         if schedule.unit != "step" or step is None:

@@ -31,7 +31,7 @@ with training every group at once, all resident.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -42,8 +42,6 @@ from ..ddp import _surgery as _ddp
 from ._transfer import nbytes, optimizer_of
 from ..optim._grouped import GroupedOptimizer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..switch import PhaseSwitcher
 
 __all__ = ["CATEGORIES", "MemoryReport", "expected_peak_bytes", "memory_report"]
 
@@ -181,14 +179,14 @@ class _Census:
         return out
 
 
-def _group_optimizers(switcher: PhaseSwitcher) -> dict[str, Optional[Optimizer]]:
+def _group_optimizers(switcher: Any) -> dict[str, Optional[Optimizer]]:
     opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
     if isinstance(opt, GroupedOptimizer):
         return dict(opt.inner)
     return {g: opt for g in switcher.groups.names}
 
 
-def _offloaded_state_groups(switcher: PhaseSwitcher, phase: Optional[Phase]) -> set[str]:
+def _offloaded_state_groups(switcher: Any, phase: Optional[Phase]) -> set[str]:
     out = set(switcher.residency.offloaded) if switcher.residency is not None else set()
     opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
     if isinstance(opt, GroupedOptimizer):
@@ -224,7 +222,7 @@ def _group_state_estimate(opt: Optional[Optimizer], params: list[nn.Parameter]) 
     return existing + int(rest * _state_factor(opt))
 
 
-def expected_peak_bytes(switcher: PhaseSwitcher, phase: Optional[Phase] = None) -> tuple[int, int]:
+def expected_peak_bytes(switcher: Any, phase: Optional[Phase] = None) -> tuple[int, int]:
     """``(phase's expected device peak, training everything)``, activations excluded.
 
     Args:
@@ -265,7 +263,7 @@ def expected_peak_bytes(switcher: PhaseSwitcher, phase: Optional[Phase] = None) 
     return peak, everything
 
 
-def memory_report(switcher: PhaseSwitcher, phase: Optional[Phase] = None) -> MemoryReport:
+def memory_report(switcher: Any, phase: Optional[Phase] = None) -> MemoryReport:
     """A census of the switcher's model and optimizer, per device and category.
 
     Cheap: one pass over parameters, buffers and optimizer state; no device

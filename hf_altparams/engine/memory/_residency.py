@@ -54,7 +54,7 @@ from ._owners import ForwardGuards, Owner
 from ._placement import Placement
 from ._transfer import HostCopies, Prefetcher, nbytes, set_data
 
-__all__ = ["ResidencyManager", "non_resident_groups"]
+__all__ = ["DeviceLike", "ResidencyManager", "as_device", "non_resident_groups"]
 
 DeviceLike = Union[str, torch.device]
 
@@ -77,7 +77,7 @@ def non_resident_groups(phase: Phase, groups: Iterable[str]) -> frozenset[str]:
     return frozenset(groups) - phase.resident
 
 
-def _as_device(value: DeviceLike, argument: str) -> torch.device:
+def as_device(value: DeviceLike, argument: str) -> torch.device:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
@@ -135,8 +135,8 @@ class ResidencyManager(Placement):
         guard: bool = True,
     ) -> None:
         self.groups = groups
-        self.offload_device = None if offload_device is None else _as_device(offload_device, "offload_device")
-        self.device = None if device is None else _as_device(device, "device")
+        self.offload_device = None if offload_device is None else as_device(offload_device, "offload_device")
+        self.device = None if device is None else as_device(device, "device")
         self.guard = bool(guard)
         self.optimizer: Any = None
         self.ddp_device: Optional[torch.device] = None
