@@ -17,8 +17,8 @@ gradients' all-reduce included) and rank 0 reports. Two halves
 from a config (``--layers`` layers, hidden size 128, no download): hundreds of
 modules, as in a real model, where ``halves`` has a handful.
 ``--compare-inputs`` times the switches with the reducer's inputs built by
-hf_altparams (``_ddp.reducer_inputs``, one walk of the module tree per wrapper)
-and by DDP's own methods (``_ddp.fast_inputs = False``), alternating every two
+hf_altparams (``_inputs.reducer_inputs``, one walk of the module tree per wrapper)
+and by DDP's own methods (``_inputs.fast_inputs = False``), alternating every two
 switches in the same process, and prints both medians and their ratio.
 ``--compare-kept`` does the same for two copies of the model in one process,
 one switched with ``keep_reducers=1`` (the idle half's reducer kept and
@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from _machine import machine  # noqa: E402
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
-from hf_altparams.engine.ddp import _surgery as _ddp  # noqa: E402
+from hf_altparams.engine.ddp import _inputs  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.launch import free_port  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for i in range(args.warmup + args.switches):
         # Comparing: two switches (one of each phase) one way, the next two the other way.
         second = comparing and bool((i // 2) % 2)
-        _ddp.fast_inputs = not (args.compare_inputs and second)
+        _inputs.fast_inputs = not (args.compare_inputs and second)
         other_way.append(second)
         ddp, switcher, opt, loss = runs[1 if args.compare_kept and second else 0]
         started = time.perf_counter()
@@ -124,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if measured:
             profile.disable()
         switches.append(time.perf_counter() - started)
-    _ddp.fast_inputs = True
+    _inputs.fast_inputs = True
     if rank == 0:  # rank 0 reports (every rank ran the same loop)
         report(args, runs[0][0].module, device, world, steps, switches, other_way, profile)
     # The switcher holds the wrapper too: free its reducer explicitly, let the gloo threads

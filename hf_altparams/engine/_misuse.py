@@ -8,11 +8,13 @@
   while no wrapper was ever attached (``switcher.attach(ddp)`` forgotten): the
   new phase's gradients would never be all-reduced, so the switch is refused on
   every rank, naming ``attach``.
+* :func:`pending_grads_error`: a switch while gradients no optimizer step
+  applied are pending (they would reach the next phase).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -23,7 +25,7 @@ from ._collective import any_rank_failed, is_distributed
 from .backend import Backend
 from .ddp import _surgery as _ddp
 
-__all__ = ["unattached_error", "wrapper_mismatch"]
+__all__ = ["pending_grads_error", "unattached_error", "wrapper_mismatch"]
 
 
 def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional[str]:
@@ -59,3 +61,19 @@ def unattached_error(current: Optional[Phase], backend: Backend, plain_attached:
             "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "
             "built with). Call `switcher.attach(ddp)` right after building the wrapper (or "
             "`switcher.attach(module)` if this run trains the module without a wrapper on purpose)")
+
+
+def pending_grads_error(named_params: Iterable[tuple[str, nn.Parameter]]) -> Optional[str]:
+    """The refusal for a switch while parameters hold gradients no optimizer step applied, or ``None``."""
+    pending = [n for n, p in named_params if p.grad is not None and _nonzero(p.grad)]
+    if pending:
+        return (f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
+                "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
+    return None
+
+
+def _nonzero(grad: Any) -> bool:
+    """Whether a gradient holds any non-zero value (a sparse one, e.g. from ``Embedding(sparse=True)``, too)."""
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    return bool(grad.ne(0).any())

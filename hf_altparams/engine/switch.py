@@ -25,17 +25,13 @@ Steps 2-4 are local and undone on the slow path (:mod:`._undo`); a backend
 whose apply runs collectives agrees first and checks the outcome after, in two
 all-gathers. ``docs/switch.md`` explains the choice.
 
-Memory (see :mod:`.memory`, :mod:`.buffers`): before step 4, groups the phase
-does not keep resident (``Phase.resident``) move off the device and the
-returning ones come back; step 5 passes DDP the matching ignore list; a failure
-there rolls the moves back too. After the transaction, groups resident for the
-first time since the wrap are broadcast from rank 0 once, guards go on modules
-of non-resident groups, and the buffer-sync policy is applied. With
-``prefetch``, the next phase's offloaded parameters and state start copying
-back during the last step of the current phase.
-
-The settings are one :class:`~hf_altparams.engine.config.SwitchConfig`; wiring a
-wrapper (``attach``) is in :mod:`._attach`.
+Memory (:mod:`.memory`, :mod:`.buffers`): before step 4, groups the phase does
+not keep resident move off the device and returning ones come back (rolled back
+on failure); after it, returning groups are broadcast from rank 0 once, guards
+go on non-resident modules, the buffer-sync policy is applied, and with
+``prefetch`` the next phase's offloaded tensors start copying back during the
+last step of the current one. Settings: one
+:class:`~hf_altparams.engine.config.SwitchConfig`; wiring a wrapper: :mod:`._attach`.
 """
 
 from __future__ import annotations
@@ -387,11 +383,7 @@ class PhaseSwitcher:
                 or _misuse.unattached_error(self.current, self.backend, self.plain_attached))
 
     def _pending_grads_error(self) -> Optional[str]:
-        pending = [n for n, p in self.groups.all_named_params() if p.grad is not None and _nonzero(p.grad)]
-        if pending:
-            return (f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
-                    "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
-        return None
+        return _misuse.pending_grads_error(self.groups.all_named_params())
 
     def _clear_grads(self) -> None:
         for param in self._params:
@@ -408,10 +400,3 @@ class PhaseSwitcher:
         keep_off = self._state_stays_off(self.current) if self.current is not None else None
         rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
                  keep_off or (lambda group: False))
-
-
-def _nonzero(grad: Any) -> bool:
-    """Whether a gradient holds any non-zero value (a sparse one, e.g. from ``Embedding(sparse=True)``, too)."""
-    if grad.is_sparse:
-        grad = grad.coalesce().values()
-    return bool(grad.ne(0).any())

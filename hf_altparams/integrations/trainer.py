@@ -26,6 +26,8 @@ How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
   pre-hook catches that wrapper on its first call, before ``DDP.forward``
   runs, and the engine re-buckets it in place for the phase
   (``PhaseSwitcher.attach(ddp, rebuild=True)``): before the first backward.
+* before each optimizer step (the optimizer's own step hook): gradients and
+  ``requires_grad`` are checked against the phase (:mod:`hf_altparams.engine.invariants`).
 * ``on_step_end`` (after the Trainer's ``optimizer.step()`` and
   ``model.zero_grad()``): switches to the phase of the new global step, on
   every rank at the same step.
@@ -35,15 +37,11 @@ How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
   a folder whose save was interrupted, and :func:`last_complete_checkpoint`
   finds the latest complete one (:mod:`._trainer_checkpoints`).
 
-The engine (:class:`~hf_altparams.engine.PhaseSwitcher`) does every switch;
-this module only decides *when*, with the Trainer's step and epoch: it holds
-the callback's arguments and events. The rest of the callback lives in private
-siblings: building the groups and checking the optimizer covers them
-(:mod:`._trainer_groups`), ``records`` and ``metrics``
-(:mod:`._trainer_reporting`), backend refusals and the DDP wrapper's first call
-(:mod:`._trainer_support`), the saved schedule (:mod:`._trainer_state`),
-checkpoint markers (:mod:`._trainer_checkpoints`) and
-:func:`grouped_optimizer` (:mod:`._trainer_optim`).
+The engine (a :class:`~hf_altparams.engine.PhaseSwitcher` and its driver) does
+every switch; this module holds the callback's arguments and events. Groups:
+:mod:`._trainer_groups`; log values: :mod:`._trainer_reporting`; refusals and
+the wrapper's first call: :mod:`._trainer_support`; the saved schedule and the
+checkpoint markers: :mod:`._trainer_state`, :mod:`._trainer_checkpoints`.
 """
 
 from __future__ import annotations
@@ -98,9 +96,6 @@ logger = logging.getLogger(__name__)
 #: function model -> ParamGroups, or ParamGroups built on the Trainer's model.
 GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamGroups]
 
-# ----------------------------------------------------------------------------- the callback
-
-
 class AlternatingFreeze(PhaseQueries, TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
@@ -131,9 +126,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         check_resume: on resume, refuse a checkpoint saved with a different
             schedule or groups.
         log_prefix: prefix of the keys added to the Trainer's logs.
-        switcher_options: more keyword arguments for the engine's
-            :class:`~hf_altparams.engine.PhaseSwitcher` (e.g.
-            ``{"buffer_sync": "auto", "frozen_norms": "eval"}``).
+        switcher_options: the switch's other settings: a
+            :class:`~hf_altparams.engine.config.SwitchConfig` or a mapping of its
+            names (e.g. ``{"buffer_sync": "auto", "frozen_norms": "eval"}``), checked here.
         frozen_prefix: ``True`` or a :class:`~hf_altparams.engine.prefix.FrozenPrefix`:
             the frozen leading layers run in eval mode and, cached per sample,
             not at all. The dataset needs an index column (``sample_index`` by
@@ -142,10 +137,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
 
     ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
     ``visiting(groups)`` (evaluate a non-resident group) answer from
-    ``trainer.train()`` on; see :class:`~._phase_queries.PhaseQueries`.
-    ``resolve(model)`` and ``scheduled_param_names()`` come from
-    :class:`~._trainer_groups.GroupsMixin`; ``records`` and ``metrics()`` from
-    :class:`~._trainer_reporting.ReportingMixin`.
+    ``trainer.train()`` on (:class:`~._phase_queries.PhaseQueries`).
 
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.engine.ddp import _surgery as _ddp
+from hf_altparams.engine.ddp import _inputs
 from hf_altparams.engine.ddp._inputs import ReducerInputs
 from hf_altparams.plan import Alternating, ParamGroups
 
@@ -92,9 +93,9 @@ def _assert_same(ours: tuple, theirs: tuple) -> None:
 
 @pytest.fixture
 def world(gloo_world_1: dist.ProcessGroup) -> Iterator[None]:
-    _ddp.fast_inputs = True
+    _inputs.fast_inputs = True
     yield
-    _ddp.fast_inputs = True
+    _inputs.fast_inputs = True
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -179,7 +180,7 @@ def test_switches_build_what_ddp_would(world: None, fast: bool, monkeypatch: pyt
                                   "b": ["twice.*", "norm.*", "head.bias"]})
     switcher = PhaseSwitcher(groups, Alternating(["a", "b"]))
     switcher.step_to(0)
-    _ddp.fast_inputs = fast
+    _inputs.fast_inputs = fast
     ddp = DDP(module)
     switcher.attach(ddp)
     calls = []

@@ -19,19 +19,20 @@ list, in DDP's order and with DDP's de-duplication:
 * buffers and the wrapper's full parameter list: ``named_buffers()`` /
   ``named_parameters()`` names (no leading dot), each tensor once.
 
-:mod:`._ddp` checks these against DDP's own methods on the first rebuild of
+:func:`reducer_inputs` checks these against DDP's own methods on the first rebuild of
 each wrapper and uses DDP's methods for that wrapper on any difference, so a
 torch whose DDP builds its inputs another way is slower, never wrong.
 """
 
 from __future__ import annotations
 
-from typing import AbstractSet, Mapping, Sequence
+from typing import AbstractSet, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ReducerInputs"]
+__all__ = ["InputsVerdict", "ReducerInputs", "fast_inputs", "reducer_inputs"]
 
 
 def _sparse(module: nn.Module) -> bool:
@@ -123,3 +124,50 @@ class ReducerInputs:
                 seen.add(id(tensor))
                 out.append((prefix + attr, tensor))
         return out
+
+
+#: ``False`` makes every rebuild use DDP's own methods (``benchmarks/switch_profile.py
+#: --compare-inputs`` times both ways in one run; a way out if the fast path is suspected).
+fast_inputs = True
+
+class InputsVerdict:
+    """Per wrapper: its :class:`ReducerInputs` once checked against DDP's own methods.
+
+    ``checked`` is False until the first rebuild with something to train;
+    ``inputs`` is then the fast path, or ``None`` where the two differed (DDP's
+    own methods are used for that wrapper from then on). Held by the backend.
+    """
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.inputs: Optional[ReducerInputs] = None
+
+
+def reducer_inputs(ddp: DistributedDataParallel, verdict: Optional[InputsVerdict] = None
+                   ) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
+    """What a new reducer is built over, for the current flags and ignore list; assigns the buffers.
+
+    Returns what ``ddp._build_params_for_reducer()`` and
+    ``ddp._build_debug_param_to_name_mapping`` would (the parameters, whether
+    each expects a sparse gradient, index -> name), and sets the buffers DDP
+    broadcasts (``modules_buffers``, ``named_module_buffers``) as
+    ``_assign_modules_buffers`` would, without walking the module tree
+    (:mod:`._inputs`). With a ``verdict``, the first call uses DDP's own
+    methods and keeps the fast path for later calls only if both agree exactly;
+    without one (or with ``fast_inputs`` off), DDP's methods every time.
+    """
+    known = verdict.inputs if verdict is not None and fast_inputs else None
+    if known is not None:
+        ignore = ddp.parameters_to_ignore
+        buffers = known.buffers(ignore)
+        ddp.modules_buffers = list(buffers.values())
+        ddp.named_module_buffers = buffers
+        return known.parameters(ignore)
+    parameters, sparse = ddp._build_params_for_reducer()  # assigns the buffers too
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    if verdict is not None and fast_inputs and not verdict.checked and parameters:  # nothing trains: no verdict
+        ours = ReducerInputs(ddp.module)
+        same = ours.same_as(ddp.parameters_to_ignore, parameters, list(sparse), names,
+                            ddp.named_module_buffers, ddp.modules_buffers)
+        verdict.checked, verdict.inputs = True, (ours if same else None)
+    return parameters, sparse, names

@@ -11,7 +11,7 @@ It never re-broadcasts parameters (the constructor's ``init_sync`` traffic):
 phase training keeps the ranks bit-identical, so there is nothing to sync.
 After a wrapper's first rebuild, the reducer's inputs (parameters, their
 names, the broadcast buffers) come from one walk of the module tree
-(:func:`reducer_inputs`, :mod:`._ddp_inputs`) instead of DDP's three walks.
+(:func:`._inputs.reducer_inputs`) instead of DDP's three walks.
 
 Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
 checked by :func:`check_ddp_supported` together with the torch version, so an
@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..._compat import ALLOW_UNTESTED_ENV, TESTED_TORCH, torch_version
 from ...errors import SwitchError
-from ._inputs import ReducerInputs
+from . import _inputs
+from ._inputs import InputsVerdict, reducer_inputs
 from ._reducer_cache import PER_BUCKET_HOOK_STATE, ReducerCache
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "rebuild_reducer",
     "reduced_parameters",
     "InputsVerdict",
-    "reducer_inputs",
     "reducer_parameter_names",
     "unfinished_reduction_error",
     "unwrap",
@@ -270,7 +270,7 @@ def unfinished_reduction_error(ddp: DistributedDataParallel,
     except RuntimeError as exc:
         found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(exc))
         indices = [int(i) for i in found.group(1).split()] if found else []
-        known = inputs.inputs if inputs is not None and fast_inputs else None
+        known = inputs.inputs if inputs is not None and _inputs.fast_inputs else None
         if known is not None:
             names = known.parameters(ddp.parameters_to_ignore)[2]
         else:  # the live reducer was built for the current flags and ignore list
@@ -320,7 +320,7 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     hooks = list(ddp._comm_hooks)
     for _, state in hooks:
         _check_hook_state(ddp, state)
-    known = inputs.inputs if inputs is not None and fast_inputs else None
+    known = inputs.inputs if inputs is not None and _inputs.fast_inputs else None
     if known is not None:
         known.clear_grads()
     else:
@@ -368,53 +368,6 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     ddp._lazy_init_ran = False
     if cache is not None:
         cache.built(ddp, parameters, expect_sparse_gradient)
-
-
-#: ``False`` makes every rebuild use DDP's own methods (``benchmarks/switch_profile.py
-#: --compare-inputs`` times both ways in one run; a way out if the fast path is suspected).
-fast_inputs = True
-
-class InputsVerdict:
-    """Per wrapper: its :class:`ReducerInputs` once checked against DDP's own methods.
-
-    ``checked`` is False until the first rebuild with something to train;
-    ``inputs`` is then the fast path, or ``None`` where the two differed (DDP's
-    own methods are used for that wrapper from then on). Held by the backend.
-    """
-
-    def __init__(self) -> None:
-        self.checked = False
-        self.inputs: Optional[ReducerInputs] = None
-
-
-def reducer_inputs(ddp: DistributedDataParallel, verdict: Optional[InputsVerdict] = None
-                   ) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
-    """What a new reducer is built over, for the current flags and ignore list; assigns the buffers.
-
-    Returns what ``ddp._build_params_for_reducer()`` and
-    ``ddp._build_debug_param_to_name_mapping`` would (the parameters, whether
-    each expects a sparse gradient, index -> name), and sets the buffers DDP
-    broadcasts (``modules_buffers``, ``named_module_buffers``) as
-    ``_assign_modules_buffers`` would, without walking the module tree
-    (:mod:`._inputs`). With a ``verdict``, the first call uses DDP's own
-    methods and keeps the fast path for later calls only if both agree exactly;
-    without one (or with ``fast_inputs`` off), DDP's methods every time.
-    """
-    known = verdict.inputs if verdict is not None and fast_inputs else None
-    if known is not None:
-        ignore = ddp.parameters_to_ignore
-        buffers = known.buffers(ignore)
-        ddp.modules_buffers = list(buffers.values())
-        ddp.named_module_buffers = buffers
-        return known.parameters(ignore)
-    parameters, sparse = ddp._build_params_for_reducer()  # assigns the buffers too
-    names = ddp._build_debug_param_to_name_mapping(parameters)
-    if verdict is not None and fast_inputs and not verdict.checked and parameters:  # nothing trains: no verdict
-        ours = ReducerInputs(ddp.module)
-        same = ours.same_as(ddp.parameters_to_ignore, parameters, list(sparse), names,
-                            ddp.named_module_buffers, ddp.modules_buffers)
-        verdict.checked, verdict.inputs = True, (ours if same else None)
-    return parameters, sparse, names
 
 
 def drop_reducer(ddp: DistributedDataParallel, cache: Optional[ReducerCache] = None) -> None:
