@@ -147,10 +147,11 @@ class SwitchConfig:
         else:
             raise PlanError(f"`{argument}` must be a SwitchConfig or a mapping of its settings "
                             f"({cls.names()}), got {type(options).__name__}: {options!r}")
-        unknown = sorted(set(base) - set(cls.names()), key=str)
+        merged = {**base, **overrides}
+        unknown = sorted(set(merged) - set(cls.names()), key=str)
         if unknown:
             raise PlanError(f"`{argument}` has unknown keys {unknown}; accepted: {cls.names()}")
-        return cls(**{**base, **overrides})
+        return cls(**merged)
 
     def replace(self, **changes: Any) -> SwitchConfig:
         """A copy with ``changes`` (validated again)."""

@@ -16,10 +16,11 @@ pre-hook) and:
 * re-applies the phase's ``requires_grad`` where it was changed but no
   gradient arrived yet (the change would bite at the next forward), with one
   warning naming the parameters;
-* refuses, under DDP with ``find_unused_parameters=False``, a step where a
-  trainable parameter of the phase got no gradient (its bucket was never
-  all-reduced); the message gives the fix for each cause, since the library
-  cannot tell a branch skipped on purpose from the wrong adapter or task.
+* refuses, under DDP with ``find_unused_parameters=False``, a step where some
+  trainable parameters of the phase got a gradient and others none (their
+  bucket was never all-reduced); the message gives the fix for each cause,
+  since the library cannot tell a branch skipped on purpose from the wrong
+  adapter or task. A step where none has a gradient applies nothing and passes.
 
 The library re-applies the flags itself (it owns them) but never clears a
 gradient it did not expect: a refused step changes nothing.
@@ -105,7 +106,7 @@ def check_before_step(
                 stacklevel=4)
     if ddp_reduces and not find_unused:
         missing = [name for name, p in trainable if p.grad is None]
-        if missing:
+        if missing and len(missing) < len(trainable):  # none at all: a step with nothing to apply
             raise AltParamsError(
                 f"{len(missing)} trainable parameter(s) of phase {phase.name!r} got no gradient in this step "
                 f"(e.g. {missing[:4]}); DDP runs with `find_unused_parameters=False`, so their bucket was not "

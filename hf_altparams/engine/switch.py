@@ -137,6 +137,9 @@ class PhaseSwitcher:
         self._names, self._params = self._layouts.names, self._layouts.params
         self._reduced_bytes: dict[Phase, int] = {}
         self._warned_flags: set[str] = set()
+        #: called with the new phase inside each switch, before ``requires_grad`` is set (and with
+        #: the previous phase if the switch is rolled back): what else must follow the phase
+        self.phase_hooks: list[Callable[[Phase], Any]] = []
         self._step_hook = check_each_step(optimizer, self)
         if model is not None:
             self.attach(model)
@@ -282,6 +285,8 @@ class PhaseSwitcher:
                 applied = True
                 moved = self.residency.apply(self.residency.non_resident(phase),
                                              keep_state_off=self._state_stays_off(phase))
+                for hook in self.phase_hooks:  # e.g. peft's active adapters; the flags below win
+                    hook(phase)
                 self._apply_flags(layout.trainable)
                 self.backend.apply(self.residency.ignore_names())
             except Exception as exc:  # rolled back below, once every rank has heard of it
@@ -398,5 +403,8 @@ class PhaseSwitcher:
     def _rollback(self, before: list[bool], offloaded: Optional[frozenset[str]] = None,
                   snapshot: Any = None) -> None:
         keep_off = self._state_stays_off(self.current) if self.current is not None else None
+        if self.current is not None:
+            for hook in self.phase_hooks:
+                hook(self.current)
         rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
                  keep_off or (lambda group: False))
