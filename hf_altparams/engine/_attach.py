@@ -25,6 +25,7 @@ from .backend import Backend
 from .buffers import BufferSync
 from .config import SwitchConfig
 from .ddp._surgery import is_ddp
+from ._models import ModelsBackend, model_name_in
 from .memory._release import ReleasePolicy
 from .memory._residency import ResidencyManager
 from .memory._transfer import optimizer_of
@@ -66,12 +67,17 @@ def attach_wrapper(switcher: Any, model: nn.Module, rebuild: bool) -> bool:
     if not is_ddp(model):
         _attach_plain(sw, model)
         return False
-    if model.module is not sw.module:
+    part = model_name_in(sw.module, model.module)
+    if model.module is not sw.module and part is None:
         raise SwitchError(
             "`model` is a DistributedDataParallel around a different module than the one "
-            "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping)"
+            "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping), or on "
+            "the models together with ParamGroups.of_models({...}) when each has its own wrapper"
         )
-    sw.backend = backend_for(model)
+    backend = backend_for(model)
+    if part is not None:
+        return _attach_part(sw, part, backend)
+    sw.backend = backend
     keep = sw.config.keep_reducers
     why_not = sw.backend.keep_reducers(keep)
     if why_not:
@@ -105,6 +111,31 @@ def attach_wrapper(switcher: Any, model: nn.Module, rebuild: bool) -> bool:
             sw.buffer_sync.apply(sw.module, sw.trainable_names(current), ddp=model,
                                  ignore=sw.residency.ignore_names())
     return rebuild
+
+
+def _attach_part(sw: _Switcher, name: str, backend: Backend) -> bool:
+    """One model of several (``ParamGroups.of_models``): its wrapper joins the others'; always re-bucketed.
+
+    Its DDP was built over every parameter of the model (DDP refuses a module
+    with nothing to train), so it is re-bucketed for the current phase now.
+    """
+    if sw.config.buffer_sync != "keep":
+        raise SwitchError(f"`buffer_sync={sw.config.buffer_sync!r}` is not supported with one wrapper per model; "
+                          "leave it at 'keep'")
+    models = sw.backend if isinstance(sw.backend, ModelsBackend) else ModelsBackend()
+    if sw.backend is not models and sw.backend.kind != "local":
+        raise SwitchError(f"model {name!r} has its own wrapper, but the switcher already drives a "
+                          f"{sw.backend.kind} wrapper around the whole module; wrap either the models or the root")
+    why_not = backend.keep_reducers(sw.config.keep_reducers)
+    if why_not:
+        warnings.warn(f"hf_altparams: keep_reducers={sw.config.keep_reducers} is not used with model {name!r}'s "
+                      f"wrapper ({why_not}); every switch builds a new reducer", stacklevel=4)
+    models.add(name, backend)
+    sw.backend = models
+    sw._reduced_bytes.clear()
+    sw.release_policy.forget_footprints()
+    sw.residency.attached(models.ignored_at_wrap(), models.device)
+    return sw.current is not None
 
 
 def _attach_plain(sw: _Switcher, model: nn.Module) -> None:

@@ -90,7 +90,7 @@ def counting_allreduce_hook(
 
 
 def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch.dtype] = None,
-                          grads: Optional[Any] = None) -> CommCounter:
+                          grads: Optional[Any] = None, counter: Optional[CommCounter] = None) -> CommCounter:
     """Register :func:`counting_allreduce_hook` on ``ddp`` and return its counter.
 
     DDP accepts one comm hook per wrapper, so this replaces DDP's default
@@ -104,6 +104,7 @@ def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch
         ddp: the wrapper.
         dtype: the dtype buckets are all-reduced in (default: the gradients' dtype).
         grads: a PrecisionOptimizer's fp32 gradients (set by ``PrecisionOptimizer.attach_ddp``).
+        counter: count into this counter (several wrappers of one run, one per model, share one).
 
     Example:
         >>> # ddp = DistributedDataParallel(model); counter = register_comm_counter(ddp)
@@ -115,7 +116,8 @@ def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch
             state.dtype = dtype if dtype is not None else state.dtype
             state.grads = grads if grads is not None else state.grads
             return state
-    counter = CommCounter(process_group=ddp.process_group, dtype=dtype, grads=grads)
+    if counter is None:
+        counter = CommCounter(process_group=ddp.process_group, dtype=dtype, grads=grads)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     return counter
 

@@ -170,6 +170,11 @@ class PhaseSwitcher:
         return self.backend.wrapper if self.backend.kind == "ddp" else None  # type: ignore[return-value]
 
     @property
+    def wrappers(self) -> list[nn.Module]:
+        """Every DDP wrapper the switcher drives: one, one per model (``ParamGroups.of_models``), or none."""
+        return list(getattr(self.backend, "wrappers", [])) or ([self.ddp] if self.ddp is not None else [])
+
+    @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """The process group of the attached wrapper (``None``: no wrapper)."""
         return self.backend.process_group
@@ -208,10 +213,21 @@ class PhaseSwitcher:
         if phase is None:
             return 0
         trainable, idle = self._layouts.split(phase.trainable)
-        ddp = self.ddp
-        return check_before_step(phase, trainable, idle, ddp_reduces=ddp is not None,
-                                 find_unused=bool(ddp is not None and ddp.find_unused_parameters),
+        wrappers = self.wrappers
+        return check_before_step(phase, trainable, idle, ddp_reduces=bool(wrappers),
+                                 find_unused=any(bool(w.find_unused_parameters) for w in wrappers),
                                  warned=self._warned_flags)
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Take ``optimizer`` as the run's optimizer when it comes after the model (a separate ``prepare``)."""
+        if self.optimizer is not None:
+            raise AltParamsError("the switcher has an optimizer already; a second would step outside the schedule")
+        self.optimizer = self.residency.optimizer = optimizer
+        self._step_hook = check_each_step(optimizer, self)
+        grouped = optimizer_of(optimizer)
+        if isinstance(grouped, GroupedOptimizer) and self.current is not None:
+            grouped.set_active(self.current.trainable)
+        self.reapply_placement()
 
     def close(self) -> None:
         """Stop checking the optimizer's steps (the run that owns this switcher is over)."""
@@ -331,7 +347,7 @@ class PhaseSwitcher:
             trainable_params=layout.params,
             trainable_bytes=layout.nbytes,
             allreduce_bytes_per_step=reduced,
-            rebuilt_ddp=self.ddp is not None,
+            rebuilt_ddp=bool(self.wrappers),
             seconds=time.perf_counter() - started,
             moved_bytes=moved,
             offloaded_bytes=self.residency.offloaded_bytes(),

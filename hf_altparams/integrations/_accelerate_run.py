@@ -78,6 +78,8 @@ class PhasedRun:
         self.arrivals: Optional[GradientArrivals] = None  # one optimizer per group (_user_optimizers)
         self.comm_counter: Optional[CommCounter] = None
         self.frozen_prefix: Optional[FrozenPrefixCache] = None
+        self.prepared_models: set[Optional[str]] = set()  # grouped models prepared (None: the groups' module)
+        self.driving_bound = False  # the optimizer that drives the schedule was prepared
         self.reset()
 
     def reset(self) -> None:
@@ -85,6 +87,7 @@ class PhasedRun:
         self.close()
         self.groups = self.groups_given
         self.switcher, self.grouped, self.driving, self.comm_counter = None, None, None, None
+        self.prepared_models, self.driving_bound = set(), False
         self.driver = (PhaseDriver(self.schedule, set_epoch_call="accelerator.set_epoch(epoch)")
                        if self.schedule is not None else None)
         self.guard = LoopGuard(self.driver, self._steps_per_epoch) if self.driver is not None else None
@@ -103,17 +106,30 @@ class PhasedRun:
             self.switcher.close()
 
     # ------------------------------------------------------------ prepare
-    def start(self, groups: ParamGroups, driving: Optimizer, apply_first: bool = True) -> None:
-        """Build the switcher for ``groups`` and apply the first phase (before DDP's constructor reads the flags)."""
+    def start(self, groups: ParamGroups, driving: Optional[Optimizer], apply_first: bool = True) -> None:
+        """Build the switcher for ``groups`` and apply the first phase (before DDP's constructor reads the flags).
+
+        ``driving`` may come in a later ``prepare`` call (:meth:`bind_optimizer`).
+        """
         assert self.driver is not None and self.schedule is not None
         self.groups = groups
-        self.grouped = driving if isinstance(driving, GroupedOptimizer) else None
-        self.driving = driving
+        self._take_driving(driving)
         if not apply_first:  # FSDP2: the phases start after fully_shard (start_sharded)
             return
         self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, config=self.settings.config,
                                       driver=self.driver)
         self.driver.move_to(self.driver.step, self.driver.epoch)
+
+    def bind_optimizer(self, driving: Optimizer) -> None:
+        """The optimizer that drives the schedule, prepared after the model (a separate ``prepare`` call)."""
+        assert self.switcher is not None
+        self._take_driving(driving)
+        self.switcher.set_optimizer(driving)
+
+    def _take_driving(self, driving: Optional[Optimizer]) -> None:
+        self.grouped = driving if isinstance(driving, GroupedOptimizer) else None
+        self.driving = driving
+        self.driving_bound = driving is not None
 
     def start_sharded(self, model: nn.Module) -> None:
         """After Accelerate's FSDP2 ``prepare``: groups rebound, switcher built and attached, first phase applied."""
@@ -139,10 +155,26 @@ class PhasedRun:
         """DDP's ``find_unused_parameters``: the setting given, else the handler's (default ``False``)."""
         return handler_value if self.settings.find_unused is None else self.settings.find_unused
 
-    def attach(self, prepared: nn.Module) -> None:
-        """After Accelerate's ``prepare``: attach the wrapper, put state back, log the first phase."""
+    def attach(self, prepared: nn.Module, part: Optional[str] = None) -> None:
+        """After Accelerate's ``prepare``: attach the wrapper, put state back, log the first phase.
+
+        ``part``: the model's name among several (``ParamGroups.of_models``); its
+        wrapper was built over all its parameters and is re-bucketed now.
+        """
         switcher = self.switcher
         assert switcher is not None and self.guard is not None
+        self.prepared_models.add(part)
+        if part is not None:
+            if not is_ddp(prepared):
+                return  # one process: the model trains unwrapped
+            if self.settings.count_comm:
+                self.comm_counter = register_comm_counter(prepared, counter=self.comm_counter)
+            record = switcher.attach(prepared, rebuild=True)
+            self.guard.watch_many(switcher.wrappers)
+            switcher.reapply_placement()
+            if record is not None:
+                self.after_switch(record)
+            return
         if is_ddp(prepared):
             switcher.attach(prepared)
             if self.settings.count_comm:
@@ -165,6 +197,11 @@ class PhasedRun:
         if self.settings.prefix is not None:
             self.frozen_prefix = FrozenPrefixCache(switcher.module, self.settings.prefix).attach()
         self.after_switch(history.last)  # type: ignore[arg-type]
+
+    def wrapping_all(self, models: list[nn.Module]) -> Any:
+        """Every parameter of ``models`` trainable while DDP wraps them (it refuses a module with nothing to
+        train); their wrappers are re-bucketed for the phase right after (:meth:`attach`)."""
+        return _all_trainable(models)
 
     # ------------------------------------------------------------ the loop
     def before_step(self) -> None:
@@ -201,3 +238,18 @@ class PhasedRun:
     def after_switch(self, record: SwitchRecord) -> None:
         if self.settings.log_switches:
             self._log(self._metrics(record), step=record.step)
+
+
+class _all_trainable:
+    """Context: every parameter of ``models`` has ``requires_grad=True`` inside (restored on exit)."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        self.flags = {p: p.requires_grad for m in models for p in m.parameters()}
+
+    def __enter__(self) -> None:
+        for param in self.flags:
+            param.requires_grad_(True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for param, flag in self.flags.items():
+            param.requires_grad_(flag)

@@ -31,7 +31,7 @@ this guard keeps only its hook and its warned-once flags.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -56,22 +56,26 @@ class LoopGuard:
         self.steps_per_epoch = steps_per_epoch
         self.warned_epoch = False
         self.warned_zero_grad = False
-        self._handle: Optional[Any] = None
+        self._handles: list[Any] = []
 
     # ------------------------------------------------------------ wiring
     def watch(self, ddp: nn.Module) -> None:
         """Count ``ddp``'s forwards that will all-reduce their gradients."""
+        self.watch_many([ddp])
+
+    def watch_many(self, wrappers: Sequence[nn.Module]) -> None:
+        """Count the forwards of every wrapper in ``wrappers`` (one per model) that will all-reduce."""
         self.close()
-        self._handle = ddp.register_forward_pre_hook(self._seen)
+        self._handles = [w.register_forward_pre_hook(self._seen) for w in wrappers]
 
     def _seen(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
             self.driver.loop.syncing_forwards += 1
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def zero_grad_at_boundary(self, accumulation_steps: int) -> None:
         """A sync-boundary ``zero_grad()``: warn (once) if it drops gradients no step applied."""
@@ -96,7 +100,7 @@ class LoopGuard:
             self.driver.loop.syncing_forwards = 0
 
     def _check_forward(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
-        if self._handle is None:
+        if not self._handles:
             return
         with_grad = [name for name, p in trainable if p.grad is not None]
         if with_grad and self.driver.loop.syncing_forwards == 0:

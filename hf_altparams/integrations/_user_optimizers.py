@@ -21,39 +21,23 @@ leaves out a parameter the schedule trains (it would never be updated).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine.ddp import _surgery as _ddp
-from ..engine.optim._factories import match_to_groups, uncovered_message
-from ..engine.optim import GroupedOptimizer, reapply_state_policy
-from ..errors import AltParamsError, PlanError
-from ..plan.groups import ParamGroups
-from ..plan.schedules import Schedule
-from ._accelerate_parts import refuse_user_ddp, refuse_without_groups
+from ..engine.optim import reapply_state_policy
+from ..errors import PlanError
 
 
-__all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "find_grouped", "unscale_once"]
-
-FORMS = (
-    "Accepted next to the grouped model, in the same `prepare` call: one GroupedOptimizer(groups, ...); "
-    "one optimizer over every parameter the schedule trains (with `groups=` given to PhasedAccelerator); "
-    "or one optimizer per group, each built on exactly that group's parameters (with `groups=` given), "
-    "e.g. `model, opt1, opt2 = accelerator.prepare(model, opt1, opt2)` with "
-    "opt1 = Adam(model.layer1.parameters()) and opt2 = Adam(model.layer2.parameters())."
-)
+__all__ = ["GradientArrivals", "OptimizerHandle", "held", "unscale_once"]
 
 
-def _held(opt: Optimizer) -> list[nn.Parameter]:
+
+def held(opt: Optimizer) -> list[nn.Parameter]:
+    """Every parameter ``opt`` holds, in its param groups' order."""
     return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _label(index: int) -> str:
-    return f"`prepare` argument #{index + 1}"
 
 
 class GradientArrivals:
@@ -184,138 +168,3 @@ def unscale_once(optimizer: Any, prepared: list[Any], arrivals: Optional[Gradien
             arrivals.unscaled = True
         chosen.append(opt)
     return chosen
-
-
-@dataclasses.dataclass
-class Found:
-    """What ``prepare`` found: the groups, the model and the optimizer that drives the schedule.
-
-    ``model_index`` is the model's index in :meth:`arguments` (what Accelerate
-    prepares). ``user`` maps ``prepare`` argument indexes to group names when the
-    user passed one optimizer per group (``driving`` is then the GroupedOptimizer
-    built from them, prepared in the first one's place).
-    """
-
-    groups: Optional[ParamGroups] = None
-    model_index: Optional[int] = None
-    driving: Optional[Optimizer] = None
-    user: dict[int, str] = dataclasses.field(default_factory=dict)
-
-    def arguments(self, args: tuple[Any, ...], placement: Optional[list[bool]]
-                  ) -> tuple[tuple[Any, ...], Optional[list[bool]]]:
-        """``prepare``'s arguments with the user's optimizers replaced by the grouped one."""
-        if not self.user:
-            return args, placement
-        first = min(self.user)
-        keep = [i for i in range(len(args)) if i == first or i not in self.user]
-        return (tuple(self.driving if i == first else args[i] for i in keep),
-                None if placement is None else [placement[i] for i in keep])
-
-    def hand_back(self, args: tuple[Any, ...], items: list[Any]
-                  ) -> tuple[list[Any], Optional[GradientArrivals]]:
-        """What the user gets: ``items`` in the order of ``args``, a handle per optimizer passed.
-
-        Also returns the handles' shared :class:`GradientArrivals` (``None`` without handles).
-        """
-        if not self.user:
-            return items, None
-        assert self.groups is not None
-        first = min(self.user)
-        prepared = items[sum(1 for i in range(first) if i not in self.user)]
-        arrivals = GradientArrivals([p for g in self.groups.names for p in self.groups.params(g)], prepared)
-        rest = iter(items)
-        out = []
-        for i, arg in enumerate(args):
-            if i == first or i not in self.user:
-                item = next(rest)
-            if i in self.user:
-                item = OptimizerHandle(arg, self.user[i], prepared, arrivals)
-            out.append(item)
-        return out, arrivals
-
-
-def _touches(opt: Optimizer, module: nn.Module, ids: set[int]) -> bool:
-    if isinstance(opt, GroupedOptimizer):
-        return opt.groups.module is module
-    return any(id(p) in ids for p in _held(opt))
-
-
-def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Optimizer) -> None:
-    """Case 6: a parameter the schedule trains that the driving optimizer (``what``) does not hold."""
-    missing = uncovered_message(groups, schedule.group_names(), [opt])
-    if missing is None:
-        return
-    raise PlanError(
-        f"{what} {missing}; they would never be updated. Build it over every parameter the schedule trains, "
-        "whether frozen now or not "
-        "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
-        f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}"
-    )
-
-
-def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule: Schedule, *,
-                 started: bool) -> Found:
-    """Find the grouped model and the optimizer(s) that drive its schedule in ``prepare``'s ``args``.
-
-    ``groups`` are the accelerator's (``None`` when only a GroupedOptimizer can tell);
-    ``started``: a grouped model was prepared already. Refuses, before anything is
-    prepared, every form the schedule could not drive.
-    """
-    optimizers = [(i, a) for i, a in enumerate(args)
-                  if isinstance(a, Optimizer) and not getattr(a, "_is_accelerate_prepared", False)]
-    grouped = [o for _, o in optimizers if isinstance(o, GroupedOptimizer)]
-    if groups is None and grouped:
-        groups = grouped[0].groups
-    if groups is None:
-        if not started and optimizers:
-            refuse_without_groups([o for _, o in optimizers])
-        return Found()
-    module = groups.module
-    model_index = next((i for i, a in enumerate(args) if a is module), None)
-    if model_index is None and any(_ddp.is_ddp(a) and a.module is module for a in args):
-        refuse_user_ddp()
-    ids = {id(p) for p in module.parameters()}
-    mine = [(i, o) for i, o in optimizers if _touches(o, module, ids)]
-    if model_index is None:
-        if mine:
-            i, opt = mine[0]
-            raise AltParamsError(
-                f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, passed without "
-                "the model" + (" after the model was prepared: it would step outside the schedule" if started
-                               else "") + "; pass the model and the optimizer(s) that drive the schedule to the "
-                f"same `prepare` call (the first phase must be applied before DDP wraps the model). {FORMS}"
-            )
-        return Found(groups)
-    if started:
-        raise AltParamsError(
-            "`prepare` got the grouped model a second time. Preparing the raw module again would add it "
-            "to `accelerator._models` twice (two model files in save_state) and wrap its autocast forward "
-            "twice; keep using the object the first `prepare` returned: switches rebuild it in place."
-        )
-    mine_grouped = [(i, o) for i, o in mine if isinstance(o, GroupedOptimizer)]
-    if not mine:
-        raise AltParamsError(
-            f"`prepare` got the grouped model without an optimizer over its parameters (optimizers passed: "
-            f"{[type(o).__name__ for _, o in optimizers]}); the schedule is driven by its optimizer's steps. "
-            + FORMS
-        )
-    if mine_grouped and len(mine) > 1:
-        raise AltParamsError(
-            f"`prepare` got a GroupedOptimizer and {len(mine) - 1} more optimizer(s) over the grouped model's "
-            f"parameters ({[f'{_label(i)} ({type(o).__name__})' for i, o in mine]}); one optimizer (or one "
-            f"per group) drives the schedule: a second would step outside it. {FORMS}"
-        )
-    if len(mine) == 1:
-        index, driving = mine[0]
-        _check_coverage(groups, schedule, f"{_label(index)} ({type(driving).__name__})", driving)
-        return Found(groups, model_index, driving)
-    matched = match_to_groups(groups, [(_label(i), o) for i, o in mine], forms=FORMS)
-    group_of = {id(opt): name for name, opt in matched.items()}
-    user = {i: group_of[id(o)] for i, o in mine}
-    driving = GroupedOptimizer(groups, matched)
-    # what no group holds: ungrouped parameters under ungrouped="trainable"
-    _check_coverage(groups, schedule, "the optimizers passed, one per group,", driving)
-    found = Found(groups, None, driving, user)
-    call_args, _ = found.arguments(args, None)
-    found.model_index = next(i for i, a in enumerate(call_args) if a is module)
-    return found

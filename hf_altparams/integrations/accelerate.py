@@ -45,6 +45,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.comm import CommCounter
@@ -65,7 +66,8 @@ from ._accelerate_parts import PhasedOptimizer, PreparedGroupedLRScheduler, chec
 from ._accelerate_run import PhasedRun, RunSettings
 from ._fsdp2_prepare import fsdp2_metrics
 from ._phase_queries import PhaseQueries
-from ._user_optimizers import OptimizerHandle, find_grouped, unscale_once
+from ._prepare_forms import find_grouped
+from ._user_optimizers import OptimizerHandle, unscale_once
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
@@ -75,10 +77,14 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
 
     Args:
         schedule: which groups train at each optimizer step (or epoch); checked
-            against the groups at ``prepare``, before any step.
-        groups: the :class:`~hf_altparams.plan.ParamGroups` of the model. Leave it
-            out when the optimizer is a :class:`~hf_altparams.engine.GroupedOptimizer`
-            (its groups are used).
+            against the groups at ``prepare``, before any step. ``None``
+            (default): no phases, the accelerator is a plain ``Accelerator``
+            until :meth:`set_phases` gives it a schedule.
+        groups: the :class:`~hf_altparams.plan.ParamGroups` of the model, or, for
+            several models trained by one schedule (a GAN), a mapping of names to
+            the models (``{"generator": gen, "discriminator": disc}``, see
+            ``ParamGroups.of_models``). Leave it out when the optimizer is a
+            :class:`~hf_altparams.engine.GroupedOptimizer` (its groups are used).
         find_unused_parameters: DDP's setting. ``None`` (default) keeps the value of
             a ``DistributedDataParallelKwargs`` handler, else ``False``: frozen groups
             are outside the reducer, so ``True`` is only needed when the forward skips
@@ -124,9 +130,9 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
 
     def __init__(
         self,
-        schedule: Schedule,
+        schedule: Optional[Schedule] = None,
         *,
-        groups: Optional[ParamGroups] = None,
+        groups: Union[None, ParamGroups, Mapping[str, nn.Module]] = None,
         find_unused_parameters: Optional[bool] = None,
         count_comm: bool = False,
         log_switches: bool = True,
@@ -135,14 +141,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         frozen_prefix: Union[None, bool, FrozenPrefix] = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(schedule, Schedule):
-            raise PlanError(
-                f"`schedule` must be an hf_altparams Schedule, got {type(schedule).__name__}: {schedule!r}"
-            )
-        if groups is not None and not isinstance(groups, ParamGroups):
-            raise PlanError(f"`groups` must be a ParamGroups or None, got {type(groups).__name__}")
-        if groups is not None:
-            schedule.validate(groups)
+        schedule, groups = _checked_phases(schedule, groups)
         if find_unused_parameters not in (None, True, False):
             raise PlanError(
                 f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
@@ -205,6 +204,28 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
     def frozen_prefix(self) -> Optional[FrozenPrefixCache]:
         return self.run.frozen_prefix
 
+    def set_phases(self, schedule: Schedule, *, groups: Union[None, ParamGroups, Mapping[str, nn.Module]] = None
+                   ) -> None:
+        """Give a ``PhasedAccelerator()`` built without a schedule its schedule (and groups), before ``prepare``.
+
+        For scripts that build the accelerator before the model: the accelerator
+        line stays where it was, and this one line goes anywhere before the
+        ``prepare`` of the grouped model(s). Same arguments as the constructor's.
+
+        Example:
+            >>> # accelerator = PhasedAccelerator(mixed_precision="bf16")   # was Accelerator(...)
+            >>> # gen, disc = Generator(), Discriminator()
+            >>> # accelerator.set_phases(Alternating({"discriminator": 5, "generator": 1}),
+            >>> #                        groups={"generator": gen, "discriminator": disc})
+            >>> # gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
+        """
+        if self.run.prepared_models or self.run.switcher is not None:
+            raise PlanError("`set_phases` came after `prepare` of the grouped model; call it before, so the first "
+                            "phase is applied before DDP wraps the model")
+        schedule, checked = _checked_phases(schedule, groups)
+        self.run.schedule, self.run.groups_given = schedule, checked
+        self.run.reset()
+
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """``Accelerator.prepare``, plus the phase set-up for the grouped model.
@@ -220,30 +241,35 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
             raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
                             "give one bool (or None) per object")
         run = self.run
-        assert run.schedule is not None
-        found = find_grouped(args, run.groups, run.schedule, started=run.switcher is not None)
+        found = find_grouped(args, run.groups, run.schedule, prepared_models=run.prepared_models,
+                             driving_bound=run.driving_bound)
         check_supported(self, self._fsdp_plugin_given)
-        sharded = found.model_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
-        if found.model_index is not None:
+        root_index = next((i for i, part in found.models.items() if part is None), None)
+        sharded = root_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
+        if found.models and run.switcher is None and not run.prepared_models:
             run.start(found.groups, found.driving, apply_first=not sharded)  # type: ignore[arg-type]
             handler = self.ddp_handler
             wanted = run.find_unused(handler.find_unused_parameters if handler is not None else False)
             self.ddp_handler = (DistributedDataParallelKwargs(find_unused_parameters=wanted) if handler is None
                                 else dataclasses.replace(handler, find_unused_parameters=wanted))
+        elif found.driving is not None:
+            run.bind_optimizer(found.driving)  # the model came in an earlier call
         call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
+        parts = [call_args[i] for i, part in found.models.items() if part is not None]
         try:
-            result = super().prepare(*call_args, device_placement=placement)
+            with run.wrapping_all(parts):
+                result = super().prepare(*call_args, device_placement=placement)
             items = [result] if len(call_args) == 1 else list(result)
             if sharded:
-                run.start_sharded(items[found.model_index])  # type: ignore[index]
+                run.start_sharded(items[root_index])  # type: ignore[index]
                 found.groups = run.groups  # rebound to the shards (hand_back hooks them)
         finally:
             run.driving = None
         for i, obj in enumerate(items):
             if isinstance(obj, GroupedLRScheduler):
                 items[i] = self._prepare_grouped_scheduler(obj)
-        if found.model_index is not None:
-            run.attach(items[found.model_index])
+        for i, part in found.models.items():
+            run.attach(items[i], part)
         items, arrivals = found.hand_back(args, items)
         if arrivals is not None:
             run.arrivals = arrivals
@@ -276,6 +302,11 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``."""
+        if self.run.prepared_models and not self.run.driving_bound:
+            raise PlanError(
+                "the grouped model was prepared, but no optimizer over its parameters was passed to `prepare` "
+                "yet: the schedule is driven by that optimizer's steps, so the phases would never advance. "
+                "Pass the optimizer to `accelerator.prepare` (with the model, or in a later call) before training.")
         super().backward(loss, **kwargs)
         if self.run.driver is not None:
             self.run.driver.loop.backward_pending = True
@@ -346,3 +377,21 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         """``Accelerator.free_memory``; also forgets the phase set-up so a new model can be prepared."""
         self.run.reset()
         return super().free_memory(*objects)
+
+
+def _checked_phases(schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]
+                    ) -> tuple[Optional[Schedule], Optional[ParamGroups]]:
+    """The constructor's (or ``set_phases``') schedule and groups, checked; a mapping of models becomes groups."""
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise PlanError(f"`schedule` must be an hf_altparams Schedule or None, got {type(schedule).__name__}: "
+                        f"{schedule!r}")
+    if isinstance(groups, Mapping) and all(isinstance(m, nn.Module) for m in groups.values()):
+        groups = ParamGroups.of_models(groups)
+    if groups is not None and not isinstance(groups, ParamGroups):
+        raise PlanError(f"`groups` must be a ParamGroups, a mapping of names to models, or None; got "
+                        f"{type(groups).__name__}")
+    if groups is not None and schedule is None:
+        raise PlanError("`groups` was given without a `schedule`; pass both (or neither, for a plain Accelerator)")
+    if groups is not None and schedule is not None:
+        schedule.validate(groups)
+    return schedule, groups

@@ -15,7 +15,7 @@ live in :mod:`hf_altparams.plan._group_specs`.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Iterable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -288,6 +288,32 @@ class ParamGroups:
             )
         specs = {g: ["re:" + re.escape(n) for n in m] for g, m in self._members.items()}
         return ParamGroups(target, specs, ungrouped=self.ungrouped)
+
+    @classmethod
+    def of_models(cls, models: Mapping[str, nn.Module], groups: Optional[Mapping[str, Spec]] = None, *,
+                  ungrouped: UngroupedPolicy = "frozen") -> ParamGroups:
+        """Groups over several models trained by one schedule, each with its own wrapper and optimizer.
+
+        The models go under one root (an ``nn.ModuleDict`` holding them, not
+        copies), so a parameter is named ``"<model>.<its name>"``. By default one
+        group per model, named like it; ``groups`` gives finer ones over the
+        root's names (e.g. ``{"d_head": "discriminator.head.*", ...}``). A GAN:
+        ``ParamGroups.of_models({"generator": gen, "discriminator": disc})``.
+
+        Example:
+            >>> from torch import nn
+            >>> groups = ParamGroups.of_models({"generator": nn.Linear(2, 4), "discriminator": nn.Linear(4, 1)})
+            >>> groups.names, groups.param_names("discriminator")
+            (('generator', 'discriminator'), ('discriminator.weight', 'discriminator.bias'))
+        """
+        if not isinstance(models, Mapping) or not models:
+            raise PlanError(f"`models` must be a non-empty mapping of name -> nn.Module, got {models!r}")
+        bad = {k: type(v).__name__ for k, v in models.items()
+               if not isinstance(k, str) or not k or "." in k or not isinstance(v, nn.Module)}
+        if bad:
+            raise PlanError(f"`models` needs names without '.' mapped to nn.Module objects; refused: {bad}")
+        root = nn.ModuleDict(dict(models))
+        return cls(root, dict(groups) if groups is not None else dict(root.items()), ungrouped=ungrouped)
 
     @classmethod
     def from_layers(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,6 +64,27 @@ def _state(opt: GroupedOptimizer, group: str) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
+def _settled_allocated(timeout: float = 5.0) -> int:
+    """``memory_allocated`` once it stops moving (bounded wait).
+
+    NCCL keeps the tensors of a finished asynchronous collective alive until
+    its watchdog thread, which polls, notices the work completed; until then a
+    reading includes buffers the switch already let go of. Garbage in cycles is
+    collected first.
+    """
+    gc.collect()
+    torch.cuda.synchronize()
+    last, since, deadline = torch.cuda.memory_allocated(), time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = torch.cuda.memory_allocated()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.3:
+            break
+    return last
+
+
 def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tensor], list[int], Any]:
     """Six steps; returns full parameters, memory_allocated after each switch, and the objects.
 
@@ -70,9 +92,7 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
     keep the objects of an earlier run alive (and so out of the comparison), and other tests in the
     same process may leave tensors behind.
     """
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base = _settled_allocated()
     model = TwoTasks().cuda()
     groups = shard_by_groups(model, ParamGroups(model, {"trunk": "trunk.*", "t0": "t0.*", "t1": "t1.*"}),
                              mp_policy=MP)
@@ -88,7 +108,7 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
         torch.cuda.reset_peak_memory_stats()
         switcher.step_to(step)
         torch.cuda.synchronize()
-        now = torch.cuda.memory_allocated()
+        now = _settled_allocated()
         allocated.append(now - base)
         overshoot.append(torch.cuda.max_memory_allocated() - max(before, now))
         model.task = switcher.current.task or ("t1" if step % 3 == 2 else "t0")
@@ -99,7 +119,8 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
 
 
 def test_cuda_offload_moves_idle_dtensor_state_to_pinned_host_and_equals_keep(nccl_world_1: None) -> None:
-    keep, keep_alloc, _ = _train(False, policy="keep")
+    keep, keep_alloc, first = _train(False, policy="keep")
+    del first  # the keep run's model and state go before the offload run is measured
     offload, off_alloc, (model, opt, switcher, overshoot) = _train(False, policy="offload")
     assert all(torch.equal(keep[n], offload[n]) for n in keep)
     switcher.step_to(6)  # phase "trunk": t0 and t1 idle, both have Adam state

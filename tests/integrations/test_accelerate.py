@@ -643,7 +643,7 @@ def _refused(acc: Any, model: nn.Module, *optimizers: Any) -> str:
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("case", ["spans", "missing", "extra", "twice", "group_left_out", "single_leaves_out",
-                                  "no_optimizer", "grouped_and_plain"])
+                                  "grouped_and_plain"])
 def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: str) -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
@@ -664,13 +664,43 @@ def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: 
         "group_left_out": ([opt1, opt2], r"no optimizer holds group\(s\) \['extra'\]"),
         "single_leaves_out": ([opt1], r"argument #2 \(Adam\) leaves out 2 parameter\(s\) that the schedule trains "
                                       r"\(group\(s\) \['layer2'\]: 'layer2.weight', 'layer2.bias'\)"),
-        "no_optimizer": ([], r"without an optimizer over its parameters"),
         "grouped_and_plain": ([GroupedOptimizer(groups, _adam), opt2],
                               r"a GroupedOptimizer and 1 more optimizer\(s\)"),
     }[case]
     message = _refused(acc, model, *passed)
     assert re.search(expected, message), message
     assert "Accepted next to the grouped model" in message
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_model_and_its_optimizer_may_come_in_separate_prepare_calls() -> None:
+    """`model = acc.prepare(model)` then `opt = acc.prepare(opt)` (the form FSDP2 users are told to use)."""
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model, reference = _Seed(), _Seed()
+    groups = ParamGroups(model, SEED_SPECS)
+    acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=groups, cpu=True)
+    model = acc.prepare(model)
+    assert acc.phase is not None and acc.phase.name == "layer1"  # applied before DDP was built
+    assert not any(p.requires_grad for p in model.layer2.parameters())
+    x, y = _seed_batches(1)[0]
+    with pytest.raises(PlanError, match=r"no optimizer over its parameters was passed to `prepare` yet"):
+        acc.backward(nn.functional.mse_loss(model(x), y))  # the phases could never advance
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_seed_batches(4)):
+        active = reference.layer1 if step % 2 == 0 else reference.layer2
+        reference.requires_grad_(False)
+        active.requires_grad_(True)
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert acc.schedule_step == 4 and acc.phase.name == "layer1"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")

@@ -28,10 +28,13 @@ def _check(results: list[dict[str, Any]]) -> None:
     for r in results:
         # same parameters as one process running the schedule on the concatenated batch
         assert r["max_diff"] < 1e-5, r["max_diff"]
-        # bytes each rank fed to reduce-scatter per step == the phase's trainable (padded) bytes
-        assert r["counted"] == r["expected"]
         assert len(set(r["expected"])) == 3  # three phases, three different amounts
         assert r["reduce_scatter_first"] >= r["trainable_bytes_first"] > 0  # in the switch log
+        if len(results) > 1:
+            # bytes each rank fed to reduce-scatter per step == the phase's trainable (padded) bytes
+            assert r["counted"] == r["expected"]
+        else:  # one GPU: FSDP2 calls no reduce-scatter at all (seen on an H100, torch 2.11)
+            assert set(r["counted"]) == {0}
         # a run resumed from Accelerate's sharded (DCP) checkpoint mid-run ends bitwise equal
         assert (r["loaded_step"], r["loaded_phase"]) == (3, "c")
         assert r["resume_bitwise_equal"], r["resume_max_diff"]
@@ -130,7 +133,8 @@ def _check_trainer(results: list[dict[str, Any]]) -> None:
         # the same schedule through the Trainer's DDP gives the same parameters
         assert r["max_diff_to_ddp"] < 1e-5, r["max_diff_to_ddp"]
         assert r["phases"] == ["head", "head+layer1", "layer0", "head+layer1"]
-        assert r["counted"] == r["expected"] and len(set(r["expected"])) == 3
+        assert len(set(r["expected"])) == 3
+        assert r["counted"] == r["expected"] if len(results) > 1 else set(r["counted"]) == {0}
         # each step changed exactly the groups of its phase
         changed = [{g for g in after if after[g] != before[g]} for before, after in zip(r["sums"], r["sums"][1:])]
         assert changed == [{"head"}, {"head", "layer1"}, {"head", "layer1"}, {"layer0"}, {"layer0"},

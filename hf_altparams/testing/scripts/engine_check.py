@@ -237,7 +237,7 @@ def _fail_rebuild_once() -> None:
     """Make the next ``_ddp.rebuild_reducer`` call raise (this process only), then restore it."""
     original = _ddp.rebuild_reducer
 
-    def failing(ddp: DDP, ignore: Any = None) -> None:
+    def failing(ddp: DDP, ignore: Any = None, **state: Any) -> None:
         _ddp.rebuild_reducer = original
         raise RuntimeError("injected rebuild failure")
 
