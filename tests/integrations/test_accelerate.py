@@ -22,7 +22,8 @@ from torch import nn
 from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.plan import Alternating, ParamGroups
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 

@@ -27,7 +27,7 @@ from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import _accelerate_checkpoints
 from hf_altparams.integrations.trainer import AlternatingFreeze, last_complete_checkpoint
 from hf_altparams.plan import Alternating
-from hf_altparams.testing import script_path
+from tests.scripts import script_path
 
 
 def _load_script() -> Any:
