@@ -6,8 +6,8 @@ raises :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a
 failure) with the command and the tail of the output when anything goes wrong.
 :func:`hf_altparams.testing.nodes.launch_nodes` builds on it to simulate
 several nodes (one ``torchrun`` per node on this machine). hf_altparams' own
-test suite starts all its ranks this way; ``docs/testing.md`` shows how to test
-a training set-up of your own with it.
+test suite runs its multi-process tests with it; ``docs/testing.md`` shows how
+to test a training set-up of your own with it.
 
 Scripts report back through files, not through stdout: each rank writes
 ``{out_dir}/rank{r}.json`` (:func:`write_rank_result`) and the test reads them
