@@ -78,8 +78,8 @@ from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, mmap_large_hos
                                  register_comm_counter)
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
-from hf_altparams.testing.meters import PeakMemory  # noqa: E402
-from hf_altparams.testing.models import TwoHalves  # noqa: E402
+from tests.support.meters import PeakMemory  # noqa: E402
+from tests.support.models import TwoHalves  # noqa: E402
 
 SCENARIOS = ("single", "single_other", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
              "hf_keep_reducers", "hf_keep_before", "hf_offload_before", "hf_drop_before")

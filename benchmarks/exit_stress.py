@@ -2,8 +2,8 @@
 
 Each run trains a tiny model a few steps on 2 gloo ranks and returns from the
 script without tearing anything down (see
-``hf_altparams/testing/scripts/exit_check.py``, run by
-:func:`hf_altparams.testing.exits.repeat_exits`); a rank that dies of SIGABRT
+``tests/scripts/exit_check.py``, run by
+:func:`tests.support.exits.repeat_exits`); a rank that dies of SIGABRT
 counts as an abort. Scenarios, run one after the other in one command, once per ``--loads``
 value (that many busy-loop processes run meanwhile; the abort is a race that
 CPU load makes *rarer*, so the quiet pass matters as much as the loaded one):
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import machine  # noqa: E402
 
-from hf_altparams.testing.exits import repeat_exits  # noqa: E402
+from tests.support.exits import repeat_exits  # noqa: E402
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from hf_altparams.engine.memory import malloc_trim  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing import launch, rank_results, write_rank_result  # noqa: E402
-from hf_altparams.testing.models import TwoHalves  # noqa: E402
+from tests.support.models import TwoHalves  # noqa: E402
 
 MIB = 2**20
 HALVES = ("layer1", "layer2")

@@ -14,7 +14,7 @@ Scenarios, each in a fresh ``torchrun`` launch:
   (the bf16 gradients all-reduced in fp32).
 
 Per scenario: the model state measured directly on the rank
-(:class:`~hf_altparams.testing.meters.ModelStateMeter`: the storages of the
+(:class:`~tests.support.meters.ModelStateMeter`: the storages of the
 parameters, buffers, gradients, DDP buckets, optimizer state and fp32 masters,
 each once, sampled after every inner optimizer step, where the planner puts
 its peak; Adam's 0-d step counters listed apart) next to the planner's model
@@ -84,7 +84,7 @@ def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: 
              bucket_as_view: bool = False, steps: int | None = None) -> Any:
     """The planner's view of ``scenario`` for a model of ``shape`` (built on meta)."""
     from hf_altparams.planner import plan_cost
-    from hf_altparams.testing.models import llama_decoder
+    from tests.support.models import llama_decoder
 
     model = llama_decoder(**shape, device="meta")
     groups = _groups(model)
@@ -117,8 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     from hf_altparams.engine.comm import counting_allreduce_hook
     from hf_altparams.engine.memory import rss_bytes
     from hf_altparams.testing.launch import write_rank_result
-    from hf_altparams.testing.meters import ModelStateMeter, PeakMemory, total_state
-    from hf_altparams.testing.models import llama_decoder
+    from tests.support.meters import ModelStateMeter, PeakMemory, total_state
+    from tests.support.models import llama_decoder
 
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from _machine import machine
-    from hf_altparams.testing.models import LLAMA_7B
+    from tests.support.models import LLAMA_7B
 
     cuda = args.device == "cuda"
     if cuda:

@@ -7,7 +7,7 @@ each, so nothing carries over) and writes a markdown report and its JSON::
     python benchmarks/memory.py --devices cpu --repeat 1 --size-mib 16   # quick
     python benchmarks/memory.py --devices cuda          # 1 GPU, NCCL world size 1, a 1 GiB model
 
-The worker is ``hf_altparams/testing/scripts/memory_peak.py`` (its docstring
+The worker is ``tests/scripts/memory_peak.py`` (its docstring
 defines every scenario and how memory is measured). Criteria checked here:
 
 * CPU, 2 gloo ranks: ``alt_drop`` (alternating, idle optimizer state dropped)
@@ -43,7 +43,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
-from hf_altparams.testing.launch import free_port, rank_results, script_path  # noqa: E402
+from hf_altparams.testing.launch import free_port, rank_results  # noqa: E402
+from tests.scripts import script_path  # noqa: E402
 
 MIB = 2**20
 CPU_HALVES = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop")

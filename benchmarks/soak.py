@@ -1,6 +1,6 @@
 """Soak: 10,000 switches of a random schedule on 2 ranks; ranks bit-identical, RSS flat, history bounded.
 
-The ranks run ``hf_altparams/testing/scripts/soak_check.py`` (a tiny trunk /
+The ranks run ``tests/scripts/soak_check.py`` (a tiny trunk /
 four blocks / two task heads model under ``PhasedAccelerator``; each step draws
 a ``RandomBlocks`` phase or a ``PerTaskCycle`` phase whose other task head is
 not resident; per-group ``keep`` / ``offload`` / ``drop`` optimizer state).
@@ -57,7 +57,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    from hf_altparams.testing.launch import launch, rank_results, script_path
+    from hf_altparams.testing.launch import launch, rank_results
+    from tests.scripts import script_path
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

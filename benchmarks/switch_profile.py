@@ -5,7 +5,7 @@ what is left is the switch's local work (flags, the DDP reducer rebuild and
 freeing the old one, optimizer state policy, bookkeeping). Under ``torchrun
 --nproc_per_node N`` it runs on N ranks (the switch's collective and the
 gradients' all-reduce included) and rank 0 reports. Two halves
-(``hf_altparams.testing.models.TwoHalves``) alternate every step::
+(``tests.support.models.TwoHalves``) alternate every step::
 
     python benchmarks/switch_profile.py                       # 32 MiB halves, keep, 50 switches
     python benchmarks/switch_profile.py --layers 8 --policy drop --sort tottime
@@ -54,7 +54,7 @@ from hf_altparams.engine.ddp import _inputs  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from hf_altparams.testing.launch import free_port  # noqa: E402
-from hf_altparams.testing.models import TwoHalves  # noqa: E402
+from tests.support.models import TwoHalves  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> None:

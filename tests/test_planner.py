@@ -17,7 +17,8 @@ from hf_altparams.engine.memory import rss_bytes
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence
 from hf_altparams.planner import CostPlan, build_model, main, plan_cost, plan_from_argv
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 #: Measured memory may exceed the estimate by what the planner leaves out on purpose. In the
 #: CPU census that is Adam's 0-d `step` counters (4 B per parameter tensor; on the host on a
@@ -372,7 +373,7 @@ def test_memory_matches_the_measured_census(measured: Any, scenario: str) -> Non
 
 # ------------------------------------------------------------- low-precision storage
 def _llama_7b_plan(**kwargs: Any) -> CostPlan:
-    from hf_altparams.testing.models import LLAMA_7B, llama_decoder
+    from tests.support.models import LLAMA_7B, llama_decoder
 
     model = llama_decoder(**LLAMA_7B, device="meta")
     groups = ParamGroups.from_layers(model, "model.layers",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing import LaunchError, launch, rank_results, script_path
+from hf_altparams.testing import LaunchError, launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -33,38 +33,25 @@ STATE_FILE = "hf_altparams_state.json"
 _STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
 #: File written last by ``save_state``, once every rank has written its part.
 COMPLETE_MARKER = "hf_altparams_complete.json"
-#: Fault-injection hook for tests: the process exits at once at the save stage this names
-#: (``state_file_tmp``, ``state_file``, ``before_marker``, ``marker_tmp``, ``marker``).
-FAULT_ENV = "HF_ALTPARAMS_FAULT_AT"
-FAULT_EXIT_CODE = 17
-_hard_exit: Callable[[int], Any] = os._exit  # replaced in tests, which cannot lose their process
 
 
-def fault_point(stage: str) -> None:
-    """Exit the process at once (no cleanup) when ``$HF_ALTPARAMS_FAULT_AT`` names ``stage``."""
-    if os.environ.get(FAULT_ENV) == stage:
-        _hard_exit(FAULT_EXIT_CODE)
-
-
-def _write_atomically(path: str, payload: dict[str, Any], stage: str) -> None:
+def _write_atomically(path: str, payload: dict[str, Any]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    fault_point(f"{stage}_tmp")
     os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
-    fault_point(stage)
 
 
 def write_state(output_dir: str, **state: Any) -> None:
     """Write the schedule position and switcher state into checkpoint folder ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state}, "state_file")
+    _write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state})
 
 
 def mark_complete(output_dir: str) -> None:
     """Write the completion marker: call after every rank finished writing ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT}, "marker")
+    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT})
 
 
 def check_complete(input_dir: str) -> None:
@@ -216,7 +203,6 @@ class CheckpointMixin:
             self._fsdp2_saved_groups = saved
             location = super().save_state(  # type: ignore[misc]
                 output_dir, safe_serialization=safe_serialization, **kwargs)
-        fault_point("before_marker")
         self.wait_for_everyone()
         if self.switcher is not None and self._writes_state_files():
             mark_complete(location)

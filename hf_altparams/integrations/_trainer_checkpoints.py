@@ -32,7 +32,7 @@ from typing import Any, Optional
 from transformers import TrainerState, TrainingArguments
 
 from ..errors import AltParamsError
-from ._accelerate_checkpoints import COMPLETE_MARKER, _write_atomically, fault_point
+from ._accelerate_checkpoints import COMPLETE_MARKER, _write_atomically
 
 __all__ = ["COMPLETE_MARKER", "check_resumed", "drop_stale_marker", "last_complete_checkpoint",
            "mark_complete", "resumed_checkpoint"]
@@ -47,10 +47,9 @@ def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
 def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str, Any]) -> None:
     """Write the marker into the checkpoint the Trainer just saved (the process that wrote its state)."""
     folder = _checkpoint_dir(args, state)
-    fault_point("trainer_saved")
     if args.should_save and os.path.isdir(folder):
         _write_atomically(os.path.join(folder, COMPLETE_MARKER),
-                          {"format": _FORMAT, "step": state.global_step, **record}, "marker")
+                          {"format": _FORMAT, "step": state.global_step, **record})
 
 
 def drop_stale_marker(args: TrainingArguments, state: TrainerState) -> None:

@@ -1,35 +1,38 @@
-"""Helpers for hf_altparams' own multi-process tests (and for users who test their set-ups).
+"""Test a multi-process training set-up on CPU ranks (``docs/testing.md``).
 
-See :mod:`hf_altparams.testing.launch` for the example. Note that the function
-``launch`` re-exported here shadows the submodule of the same name as an
-attribute of this package: ``from hf_altparams.testing.launch import X`` works,
-but ``import hf_altparams.testing.launch as m`` binds the function; use
-``sys.modules["hf_altparams.testing.launch"]`` to reach the module (to
-monkeypatch ``free_port``, say).
+* :func:`launch` runs a script as ``nproc`` real processes (``torchrun`` or
+  ``accelerate launch``, gloo on the CPU, offline) and raises
+  :class:`LaunchError` with the output's tail when it fails or hangs;
+  :func:`write_rank_result` / :func:`rank_results` carry each rank's figures
+  back to the test (see :mod:`hf_altparams.testing.launch` for the example).
+* :func:`launch_nodes` simulates several nodes on one machine (one ``torchrun``
+  per node, :mod:`hf_altparams.testing.nodes`).
+* :func:`use_accelerate_fsdp2` makes an ``Accelerator`` (or a Trainer's)
+  built on CPU ranks run Accelerate's FSDP2 code, which Accelerate skips on CPU
+  (:mod:`hf_altparams.testing.fsdp2`); :func:`fresh_accelerator_state` lets the
+  next ``Accelerator`` of the process read its own plugins.
+
+Note that the function ``launch`` re-exported here shadows the submodule of the
+same name as an attribute of this package: ``from hf_altparams.testing.launch
+import X`` works, but ``import hf_altparams.testing.launch as m`` binds the
+function; use ``sys.modules["hf_altparams.testing.launch"]`` to reach the module
+(to monkeypatch ``free_port``, say).
 """
 
 from __future__ import annotations
 
-from .launch import (
-    SCRIPTS_DIR,
-    LaunchError,
-    free_port,
-    launch,
-    launch_command,
-    rank_results,
-    script_path,
-    write_rank_result,
-)
+from .fsdp2 import fresh_accelerator_state, use_accelerate_fsdp2
+from .launch import LaunchError, free_port, launch, launch_command, rank_results, write_rank_result
 from .nodes import launch_nodes
 
 __all__ = [
-    "SCRIPTS_DIR",
     "LaunchError",
     "free_port",
+    "fresh_accelerator_state",
     "launch",
     "launch_command",
     "launch_nodes",
     "rank_results",
-    "script_path",
+    "use_accelerate_fsdp2",
     "write_rank_result",
 ]

@@ -1,39 +1,53 @@
-"""Driving Accelerate's FSDP2 code on CPU, for tests (no GPU needed).
+"""Run Accelerate's FSDP2 code on CPU ranks (gloo), to test an FSDP2 set-up without a GPU.
 
-Accelerate picks ``MULTI_CPU`` on CPU and ignores an FSDP plugin (DESIGN fact
-13), although ``fully_shard`` itself runs on CPU with gloo. :func:`use_accelerate_fsdp2`
-sets the distributed type of an ``Accelerator`` built on gloo CPU ranks to
-``FSDP`` with the given plugin *after* its construction, so that ``prepare``,
-``save_state`` and ``load_state`` run Accelerate's real FSDP2 code
-(``_prepare_fsdp2`` -> ``fsdp2_prepare_model`` -> ``fully_shard``; DCP sharded
-checkpoints). What it skips is what Accelerate does in ``__init__`` for FSDP2
-on a GPU (mixed-precision grad scaler, device placement choices): GPU runs of
-the same scripts are in ``benchmarks/gpu.sh``.
+On CPU, Accelerate chooses ``MULTI_CPU`` (plain DDP) and leaves an FSDP plugin
+unused, although torch's ``fully_shard`` itself runs on CPU with gloo.
+:func:`use_accelerate_fsdp2` sets the distributed type of an ``Accelerator``
+already built on CPU ranks to ``FSDP`` with the given plugin, so that
+``prepare``, ``save_state`` and ``load_state`` then run Accelerate's own FSDP2
+code (``fully_shard`` of the model, sharded ``torch.distributed.checkpoint``
+files). What it does not give is what Accelerate's ``__init__`` does for FSDP
+on a GPU only (the fp16 grad scaler, device choice): test those on a GPU.
+``docs/testing.md`` shows the Accelerate and Trainer forms.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+__all__ = ["fresh_accelerator_state", "use_accelerate_fsdp2"]
 
 
 def fresh_accelerator_state() -> None:
-    """Forget Accelerate's shared ``AcceleratorState`` (not the process group), so that the next
-    ``Accelerator`` reads its own plugins: a script running a DDP run, then an FSDP2 run, needs it."""
-    from accelerate.state import AcceleratorState
+    """Forget Accelerate's shared ``AcceleratorState`` (not the process group).
 
+    The next ``Accelerator`` then reads its own plugins: a script that runs a
+    DDP run and then an FSDP2 run in one process needs it between the two.
+
+    Example::
+
+        fresh_accelerator_state()
+        acc = PhasedAccelerator(schedule, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    """
     AcceleratorState._reset_state()
 
 
-def use_accelerate_fsdp2(accelerator: Any, plugin: Any) -> None:
+def use_accelerate_fsdp2(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
     """Make ``accelerator`` (built on gloo CPU ranks) run Accelerate's FSDP2 path with ``plugin``.
 
-    Example:
-        >>> # acc = PhasedAccelerator(schedule, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        >>> # use_accelerate_fsdp2(acc, acc._fsdp_plugin_given)   # before prepare()
-    """
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
+    Call it right after constructing the accelerator (or the Trainer), before
+    ``prepare``.
 
+    Example (every rank; ``launch(script, ..., launcher="torchrun")`` starts them)::
+
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        acc = PhasedAccelerator(schedule, fsdp_plugin=plugin)
+        if acc.distributed_type != DistributedType.FSDP:  # CPU ranks: Accelerate chose MULTI_CPU
+            use_accelerate_fsdp2(acc, plugin)
+        model, optimizer = acc.prepare(model, optimizer)  # fully_shard, as on GPUs
+    """
     state = AcceleratorState()
     state.distributed_type = DistributedType.FSDP
     if state.mixed_precision != "no":  # what AcceleratorState.__init__ does for an FSDP run

@@ -1,12 +1,13 @@
-"""Run a script as real separate processes (gloo on CPU) for multi-process tests.
+"""Run a script as real separate processes (gloo on CPU), to test a multi-process set-up.
 
-This is the ONE way the test suite starts several ranks. :func:`launch` runs a
-script under ``torchrun`` or ``accelerate launch`` on a free local port, with an
-environment that keeps it on the CPU and offline, and raises
-:class:`LaunchError` (an ``AssertionError``, so pytest shows it as a failure)
-with the command and the tail of the output when anything goes wrong.
+:func:`launch` runs a script under ``torchrun`` or ``accelerate launch`` on a
+free local port, with an environment that keeps it on the CPU and offline, and
+raises :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a
+failure) with the command and the tail of the output when anything goes wrong.
 :func:`hf_altparams.testing.nodes.launch_nodes` builds on it to simulate
-several nodes (one ``torchrun`` per node on this machine).
+several nodes (one ``torchrun`` per node on this machine). hf_altparams' own
+test suite runs its multi-process tests with it; ``docs/testing.md`` shows how
+to test a training set-up of your own with it.
 
 Scripts report back through files, not through stdout: each rank writes
 ``{out_dir}/rank{r}.json`` (:func:`write_rank_result`) and the test reads them
@@ -15,24 +16,23 @@ all with :func:`rank_results`.
 Example (a test)::
 
     import pytest
-    from hf_altparams.testing import launch, rank_results, script_path
+    from hf_altparams.testing import launch, rank_results
 
-    @pytest.mark.distributed
     @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
     def test_two_ranks_agree(tmp_path, launcher):
-        launch(script_path("smoke_allreduce.py"), str(tmp_path), nproc=2, launcher=launcher)
+        launch("check_ranks.py", str(tmp_path), nproc=2, launcher=launcher)
         rank0, rank1 = rank_results(tmp_path, nproc=2)
         assert rank0["param_sha256"] == rank1["param_sha256"]
 
-and the script it runs (``hf_altparams/testing/scripts/*.py``)::
+and the script it runs (``check_ranks.py``)::
 
     import sys
     import torch.distributed as dist
     from hf_altparams.testing import write_rank_result
 
     dist.init_process_group("gloo")
-    ...
-    write_rank_result(sys.argv[1], {"world_size": dist.get_world_size()})
+    ...  # train a few steps
+    write_rank_result(sys.argv[1], {"param_sha256": digest_of_the_parameters})
 
 Environment given to every launch (the caller's ``env`` overrides it):
 
@@ -80,21 +80,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil  # a dependency of accelerate
+import psutil  # required by accelerate, so always installed with hf_altparams (which does not name it)
 
 __all__ = [
-    "SCRIPTS_DIR",
     "LaunchError",
     "free_port",
     "launch",
     "launch_command",
     "rank_results",
-    "script_path",
     "write_rank_result",
 ]
-
-#: Folder of the check scripts shipped inside the package.
-SCRIPTS_DIR: Path = Path(__file__).resolve().parent / "scripts"
 
 Launcher = Literal["torchrun", "accelerate"]
 
@@ -121,21 +116,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def script_path(name: str) -> Path:
-    """Return the path of a check script shipped in ``hf_altparams/testing/scripts``.
-
-    Example::
-
-        >>> script_path("smoke_allreduce.py").name
-        'smoke_allreduce.py'
-    """
-    path = SCRIPTS_DIR / name
-    if not path.is_file():
-        available = sorted(p.name for p in SCRIPTS_DIR.glob("*.py"))
-        raise FileNotFoundError(f"no script named {name!r} in {SCRIPTS_DIR}; available: {available}")
-    return path
 
 
 def launch_command(

@@ -17,13 +17,13 @@ Every rank sees the usual torchrun variables (``RANK``, ``LOCAL_RANK``,
 a script can use to give each simulated node its own folder ("disk"). The
 environment is the one :func:`~hf_altparams.testing.launch.launch` gives.
 
-Example (a test)::
+Example (a test; ``check_ranks.py`` writes ``rank{r}.json`` with
+:func:`~hf_altparams.testing.launch.write_rank_result`)::
 
-    from hf_altparams.testing import rank_results, script_path
-    from hf_altparams.testing.nodes import launch_nodes
+    from hf_altparams.testing import launch_nodes, rank_results
 
     def test_two_nodes(tmp_path):
-        launch_nodes(script_path("smoke_allreduce.py"), str(tmp_path), nnodes=2, nproc_per_node=2)
+        launch_nodes("check_ranks.py", str(tmp_path), nnodes=2, nproc_per_node=2)
         assert len(rank_results(tmp_path, nproc=4)) == 4
 """
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from hf_altparams.engine import BufferSync, plan_buffer_sync
 from hf_altparams.errors import PlanError
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_altparams.testing.exits import repeat_exits
+from tests.support.exits import repeat_exits
 
 
 @pytest.mark.distributed

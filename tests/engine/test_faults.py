@@ -1,7 +1,7 @@
 """A dead or stuck rank during a phase switch: the survivor fails in bounded time, naming the switch.
 
 Three 2-rank ``PhasedAccelerator`` jobs run side by side
-(``hf_altparams/testing/scripts/fault_switch.py``); right before the switch at
+(``tests/scripts/fault_switch.py``); right before the switch at
 step 2, rank 1 dies (``os._exit``) or hangs (sleeps for a minute). Rank 0 must
 raise a :class:`~hf_altparams.errors.SwitchError` naming the phase and the step,
 and its process must end non-zero within 60 s of the fault (the hung rank sleeps
@@ -31,7 +31,8 @@ import pytest
 from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups
-from hf_altparams.testing.launch import _launch_env, free_port, script_path
+from hf_altparams.testing.launch import _launch_env, free_port
+from tests.scripts import script_path
 
 # name: (mode, process-group timeout s, collective_timeout)
 SCENARIOS = {

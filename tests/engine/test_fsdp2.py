@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 
 @pytest.mark.distributed

@@ -20,7 +20,8 @@ from hf_altparams.engine import HostHeap, host_heap, mmap_large_host_allocations
 from hf_altparams.engine.memory import _host as memory_module
 from hf_altparams.engine.memory import MAX_MMAP_THRESHOLD
 from hf_altparams.errors import AltParamsError
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 

@@ -251,7 +251,7 @@ def test_planner_equals_the_model_state_measured_on_the_rank(gloo_world_1: objec
     from hf_altparams.engine import CommCounter, GroupedOptimizer
     from hf_altparams.engine.comm import counting_allreduce_hook
     from hf_altparams.planner import plan_cost
-    from hf_altparams.testing.meters import ModelStateMeter, total_state
+    from tests.support.meters import ModelStateMeter, total_state
 
     model = _model(storage)
     groups = ParamGroups(model, GROUPS)

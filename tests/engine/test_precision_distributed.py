@@ -1,6 +1,6 @@
 """Low-precision storage under DDP: bf16 parameters, fp32 masters for the active groups.
 
-One launch of ``hf_altparams/testing/scripts/precision_check.py`` per world
+One launch of ``tests/scripts/precision_check.py`` per world
 size (2 and 4 gloo ranks on CPU); the single-process reference is the same
 script's :func:`train` run here without a process group, doing the same
 arithmetic (per-shard bf16 forward/backward, DDP's gradient average, fp32
@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 pytestmark = pytest.mark.distributed
 

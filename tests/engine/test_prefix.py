@@ -17,7 +17,7 @@ from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.plan import GradualUnfreeze, ParamGroups, ProgressiveFreeze, Schedule
-from hf_altparams.testing.models import TinyEncoder
+from tests.support.models import TinyEncoder
 
 N, SEQ, BATCH, LAYERS = 24, 6, 6, 4
 GROUPS = {"emb": "embeddings.*", **{f"layer{i}": f"layers.{i}.*" for i in range(LAYERS)}, "head": "head.*"}

@@ -23,7 +23,8 @@ from torch import nn
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, ResidencyManager, non_resident_groups
 from hf_altparams.errors import PlanError, SwitchError
 from hf_altparams.plan import ParamGroups, PerTaskCycle, Phase
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 

@@ -1,6 +1,6 @@
 """The phase switch under DDP: 2 gloo ranks on CPU, real processes.
 
-One launch of ``hf_altparams/testing/scripts/engine_check.py`` runs every
+One launch of ``tests/scripts/engine_check.py`` runs every
 scenario; the tests below read its per-rank JSON (and saved parameters). The
 single-process references are computed here, in this process, with the same
 ``train`` function and no process group.
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 pytestmark = pytest.mark.distributed
 

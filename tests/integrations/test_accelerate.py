@@ -13,7 +13,7 @@ import functools
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import pytest
 import torch
@@ -22,7 +22,8 @@ from torch import nn
 from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.plan import Alternating, ParamGroups
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 
@@ -436,7 +437,7 @@ def test_user_built_ddp_is_refused_with_a_message_that_says_so() -> None:
 
 
 class _Killed(Exception):
-    """Stands for the process dying at a fault point (a test cannot lose its own process)."""
+    """Stands for the process dying part-way through a save (a test cannot lose its own process)."""
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -446,13 +447,13 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
 ) -> None:
     from accelerate.utils import ProjectConfiguration
 
-    from hf_altparams.integrations import _accelerate_checkpoints as _accelerate_parts
     from hf_altparams.integrations.accelerate import PhasedAccelerator
+    from tests.support.faults import SaveFault
 
-    def killed(code: int) -> None:
-        raise _Killed(code)
+    def killed(at: str) -> NoReturn:
+        raise _Killed(at)
 
-    monkeypatch.setattr(_accelerate_parts, "_hard_exit", killed)
+    fault = SaveFault(monkeypatch, killed)
 
     def make() -> tuple[Any, Any, Any]:
         config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
@@ -465,10 +466,10 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
     _train_steps(acc, model, opt, 2)
     acc.save_state()  # checkpoint_0, complete: step 2 trains "b"
     _train_steps(acc, model, opt, 1)  # step 3 trains "a"
-    monkeypatch.setenv(_accelerate_parts.FAULT_ENV, stage)
+    fault.arm(stage)
     with pytest.raises(_Killed):
         acc.save_state()  # checkpoint_1, torn at `stage`
-    monkeypatch.delenv(_accelerate_parts.FAULT_ENV)
+    fault.disarm()
     torn = tmp_path / "checkpoints" / "checkpoint_1"
     assert torn.is_dir()
     acc.free_memory()

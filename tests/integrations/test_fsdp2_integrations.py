@@ -19,7 +19,8 @@ from torch import nn
 
 from hf_altparams.errors import AltParamsError
 from hf_altparams.plan import Alternating
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 
 def _check(results: list[dict[str, Any]]) -> None:

@@ -22,9 +22,10 @@ import torch
 
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
-from hf_altparams.testing import LaunchError, rank_results, script_path
+from hf_altparams.testing import LaunchError, rank_results
+from tests.scripts import script_path
 from hf_altparams.testing.nodes import launch_nodes
-from hf_altparams.testing.scripts import engine_check
+from tests.scripts import engine_check
 
 NNODES, PER_NODE = 2, 2
 WORLD = NNODES * PER_NODE

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from hf_altparams.testing import launch, rank_results, script_path
-from hf_altparams.testing.scripts.prefix_checks import N
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
+from tests.scripts.prefix_checks import N
 
 NPROC = 2
 PER_RANK = N // NPROC

@@ -11,7 +11,7 @@ import torch
 from hf_altparams.engine.prefix import FrozenPrefix
 from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan import GradualUnfreeze
-from hf_altparams.testing.scripts import trainer_phases as S
+from tests.scripts import trainer_phases as S
 
 N, BATCH = 16, 4  # 4 optimizer steps per epoch
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 SWITCHES = 300  # more than the history's default window (256): the bound is exercised
 

@@ -1,7 +1,7 @@
 """The 🤗 Trainer integration: AlternatingFreeze under DDP (2 gloo ranks), alone, and on bad input.
 
 The multi-process scenarios run once, in one launch of
-``hf_altparams/testing/scripts/trainer_phases.py`` (see its docstring), and
+``tests/scripts/trainer_phases.py`` (see its docstring), and
 the tests below read its per-rank results. Single-process runs and error
 cases run in this process on the same tiny BERT.
 """
@@ -23,7 +23,8 @@ from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.integrations.trainer import AlternatingFreeze, grouped_optimizer
 from hf_altparams.plan.groups import ParamGroups
 from hf_altparams.plan.schedules import Alternating, GradualUnfreeze, PhaseSequence
-from hf_altparams.testing import launch, rank_results, script_path
+from hf_altparams.testing import launch, rank_results
+from tests.scripts import script_path
 
 NPROC = 2
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import pytest
 import torch
@@ -27,7 +27,8 @@ from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import _accelerate_checkpoints
 from hf_altparams.integrations.trainer import AlternatingFreeze, last_complete_checkpoint
 from hf_altparams.plan import Alternating
-from hf_altparams.testing import script_path
+from tests.scripts import script_path
+from tests.support.faults import SaveFault
 
 
 def _load_script() -> Any:
@@ -56,14 +57,18 @@ def _fresh_accelerate_state() -> Any:
 
 
 class _ArmFault(TrainerCallback):
-    """Sets ``$HF_ALTPARAMS_FAULT_AT`` right before the Trainer saves at ``KILLED_AT``."""
+    """Arms ``fault`` at ``stage`` right before the Trainer saves at ``KILLED_AT``."""
 
-    def __init__(self, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.stage, self.monkeypatch = stage, monkeypatch
+    def __init__(self, stage: str, fault: SaveFault) -> None:
+        self.stage, self.fault = stage, fault
 
     def on_step_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
         if state.global_step == KILLED_AT:
-            self.monkeypatch.setenv(_accelerate_checkpoints.FAULT_ENV, self.stage)
+            self.fault.arm(self.stage)
+
+
+def _die(stage: str) -> NoReturn:
+    raise _Killed(stage)
 
 
 def _trainer(out: Path, *extra: TrainerCallback) -> tuple[Trainer, torch.nn.Module]:
@@ -114,14 +119,13 @@ STAGES = {
 def test_a_trainer_save_killed_at_any_stage_never_resumes_wrong(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict[str, torch.Tensor], stage: str
 ) -> None:
-    monkeypatch.setattr(_accelerate_checkpoints, "_hard_exit", lambda code: (_ for _ in ()).throw(_Killed(code)))
     extra: list[TrainerCallback] = []
     if stage == "optimizer":
         _kill_in(monkeypatch, Trainer, "_save_optimizer_and_scheduler")
     elif stage == "trainer_state":
         _kill_in(monkeypatch, TrainerState, "save_to_json", partial=True)
     else:
-        extra.append(_ArmFault(stage, monkeypatch))
+        extra.append(_ArmFault(stage, SaveFault(monkeypatch, _die)))
     if stage == "trainer_saved":  # an earlier run's complete checkpoint-4 is in the way: its marker must go
         (tmp_path / "checkpoint-4").mkdir()
         (tmp_path / "checkpoint-4" / _accelerate_checkpoints.COMPLETE_MARKER).write_text(

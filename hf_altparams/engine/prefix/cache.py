@@ -91,10 +91,12 @@ def find_stages(model: nn.Module, config: FrozenPrefix) -> tuple[list[str], list
     """The stages (names and modules): the embeddings, then every block.
 
     Example:
-        >>> from hf_altparams.testing.models import TinyEncoder
-        >>> names, _ = find_stages(TinyEncoder(layers=2), FrozenPrefix())
+        >>> from transformers import BertConfig, BertModel
+        >>> config = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        ...                     intermediate_size=16)
+        >>> names, _ = find_stages(BertModel(config), FrozenPrefix())
         >>> names
-        ['embeddings', 'layers.0', 'layers.1']
+        ['embeddings', 'encoder.layer.0', 'encoder.layer.1']
     """
     if config.blocks is not None:
         blocks = _get(model, config.blocks, "blocks")
@@ -147,12 +149,14 @@ class FrozenPrefixCache:
 
     Example:
         >>> import torch
-        >>> from hf_altparams.testing.models import TinyEncoder
-        >>> model = TinyEncoder(layers=3, dropout=0.0)
+        >>> from transformers import BertConfig, BertModel
+        >>> model = BertModel(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=3, num_attention_heads=2,
+        ...                              intermediate_size=16, hidden_dropout_prob=0.0,
+        ...                              attention_probs_dropout_prob=0.0))
         >>> cache = FrozenPrefixCache(model, FrozenPrefix()).attach()
-        >>> _ = model.embeddings.requires_grad_(False), model.layers[0].requires_grad_(False)
+        >>> _ = model.embeddings.requires_grad_(False), model.encoder.layer[0].requires_grad_(False)
         >>> x, idx = torch.randint(0, 50, (4, 6)), torch.arange(4)
-        >>> a = model(x, sample_index=idx); b = model(x, sample_index=idx)
+        >>> a = model(x, sample_index=idx).last_hidden_state; b = model(x, sample_index=idx).last_hidden_state
         >>> torch.allclose(a, b), cache.depth, cache.record.hit_samples, cache.record.miss_samples
         (True, 2, 4, 4)
         >>> cache.detach()

@@ -1,6 +1,6 @@
 """One rank of an exit check: train a few steps on 2 gloo ranks, then return without teardown.
 
-Started by :func:`hf_altparams.testing.exits.repeat_exits` (``python exit_check.py MODE``
+Started by :func:`tests.support.exits.repeat_exits` (``python exit_check.py MODE``
 with torchrun's environment variables), the way many user scripts end: the
 last backward runs just before the interpreter exits. ``MODE``:
 

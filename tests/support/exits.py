@@ -1,6 +1,6 @@
 """Count the aborts at interpreter exit of repeated 2-rank runs (see :mod:`hf_altparams.engine.shutdown`).
 
-:func:`repeat_exits` starts 2-rank jobs of ``scripts/exit_check.py`` one after
+:func:`repeat_exits` starts 2-rank jobs of ``tests/scripts/exit_check.py`` one after
 the other (optionally next to busy-loop processes that load every core) and
 counts the runs where a rank died of SIGABRT ("terminate called without an
 active exception"). ``benchmarks/exit_stress.py`` runs it 200 times;
@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .launch import _launch_env, free_port, script_path
+from hf_altparams.testing.launch import _launch_env, free_port
+from tests.scripts import script_path
 
 __all__ = ["MODES", "ExitTally", "repeat_exits"]
 

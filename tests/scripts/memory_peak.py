@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -48,8 +49,13 @@ from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence
 from hf_altparams.testing.launch import write_rank_result
-from hf_altparams.testing.meters import PeakMemory
-from hf_altparams.testing.models import TwoHalves
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.meters import PeakMemory  # noqa: E402
+from tests.support.models import TwoHalves  # noqa: E402
 
 MIB = 2**20
 HALF_SCENARIOS = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop", "alt_offload",

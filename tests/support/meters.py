@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..engine.memory import malloc_trim, rss_bytes
+from hf_altparams.engine.memory import malloc_trim, rss_bytes
 
 __all__ = ["ModelStateMeter", "PeakMemory", "total_state"]
 

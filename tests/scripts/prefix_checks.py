@@ -36,8 +36,13 @@ from hf_altparams.engine.prefix import FrozenPrefix, ShardSampler
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import GradualUnfreeze, ParamGroups, ProgressiveFreeze, Schedule
 from hf_altparams.testing.launch import write_rank_result
-from hf_altparams.testing.models import TinyEncoder
-from hf_altparams.testing.scripts.accelerate_checks import ListTracker
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.scripts.accelerate_checks import ListTracker  # noqa: E402
+from tests.support.models import TinyEncoder  # noqa: E402
 
 N, SEQ, BATCH, LAYERS, EPOCHS = 32, 6, 4, 4, 6
 GROUPS = {"emb": "embeddings.*", **{f"layer{i}": f"layers.{i}.*" for i in range(LAYERS)}, "head": "head.*"}

@@ -28,7 +28,12 @@ from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
-from hf_altparams.testing.scripts.accelerate_checks import (
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.scripts.accelerate_checks import (  # noqa: E402
     LR,
     RESUME_POLICY,
     RESUME_SAVE_AT,

@@ -7,11 +7,11 @@ Usage (every rank runs it; results go to ``OUT_DIR/rank{r}.json``)::
 Each rank calls :func:`~hf_altparams.engine.mmap_large_host_allocations` first
 (unless ``--mmap-threshold 0``), trains ``a`` alone for two steps as a warm-up
 that pays the process's one-time costs (gloo buffers, autograd threads), then
-measures two scenarios, each on a fresh :class:`~hf_altparams.testing.models.TwoHalves`
+measures two scenarios, each on a fresh :class:`~tests.support.models.TwoHalves`
 model built before its baseline: ``alt_drop`` (``a`` and ``b`` alternating
 every step, ``GroupedOptimizer(state_policy="drop")``) and then ``alone_a``
 (``b`` frozen). Peak memory growth is the process's peak RSS over the baseline
-(:class:`~hf_altparams.testing.meters.PeakMemory`). One launch measures both,
+(:class:`~tests.support.meters.PeakMemory`). One launch measures both,
 so the comparison costs one start of torch instead of two.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -31,8 +32,13 @@ from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, host_heap, mmap
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
-from hf_altparams.testing.meters import PeakMemory
-from hf_altparams.testing.models import TwoHalves
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.meters import PeakMemory  # noqa: E402
+from tests.support.models import TwoHalves  # noqa: E402
 
 AdamW = functools.partial(torch.optim.AdamW, lr=1e-4)
 

@@ -33,7 +33,12 @@ from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan.schedules import PhaseSequence
 from hf_altparams.testing.fsdp2 import fresh_accelerator_state, use_accelerate_fsdp2
 from hf_altparams.testing.launch import write_rank_result
-from hf_altparams.testing.scripts.trainer_phases import TokenDataset, arguments, groups_of, sha, tiny_bert
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.scripts.trainer_phases import TokenDataset, arguments, groups_of, sha, tiny_bert  # noqa: E402
 
 PHASES = [(["head"], 2), (["layer1", "head"], 2), (["layer0"], 2), (["layer1", "head"], 2)]
 # The checkpoint at step 3 is inside the second phase, before layer0 first trains (at step 4): the
@@ -109,7 +114,7 @@ def check(out: Path) -> dict[str, Any]:
 
 def main() -> None:
     """The Trainer checks, then (same processes, one launch) PhasedAccelerator's: ``accelerate_fsdp2_check``."""
-    from hf_altparams.testing.scripts.accelerate_fsdp2_check import check as accelerate_check
+    from tests.scripts.accelerate_fsdp2_check import check as accelerate_check
 
     out = Path(sys.argv[1])
     trainer = check(out)
