@@ -448,7 +448,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--bucket-view", action="store_true",
                         help="build every DDP with gradient_as_bucket_view=True (gradients are bucket views)")
     parser.add_argument("--layers", type=int, default=1,
-                        help="Linear layers per half (>1: several DDP buckets, to see DESIGN.md fact 3)")
+                        help="Linear layers per half (>1: several DDP buckets, to see docs/design.md, fact 3)")
     parser.add_argument("--mmap-threshold", type=int, default=0,
                         help="bytes: each rank calls mmap_large_host_allocations(N) first (glibc mmaps host "
                              "blocks >= N); 0: glibc's default heap")

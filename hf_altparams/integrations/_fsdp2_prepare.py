@@ -13,7 +13,7 @@ the old parameters, so after ``prepare`` the integrations:
   the new groups (its per-group state is keyed by parameter object);
 * build the :class:`~hf_altparams.engine.PhaseSwitcher` on them and apply the
   first phase *after* sharding: FSDP2 reads ``requires_grad`` at every
-  all-gather (DESIGN fact 10), and with mixed precision Accelerate upcasts only
+  all-gather (docs/design.md, fact 12), and with mixed precision Accelerate upcasts only
   the parameters trainable at ``prepare`` to fp32, so every parameter must be
   trainable then for a later-unfrozen one to match its unit's dtype;
 * :func:`grouped_checkpoint_view`: Accelerate saves an FSDP2 optimizer with

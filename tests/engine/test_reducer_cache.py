@@ -96,7 +96,7 @@ def test_a_switch_back_reinstalls_the_phase_reducer(world: None) -> None:
 
 
 def test_a_kept_reducer_keeps_the_bucket_layout_it_learned(world: None) -> None:
-    # DESIGN.md fact 3: a new reducer puts every gradient in one bucket in its first
+    # docs/design.md, fact 3: a new reducer puts every gradient in one bucket in its first
     # iteration and re-buckets (here: one bucket per layer, by a tiny cap) in the next.
     for keep, learned in ((0, False), (1, True)):
         model, ddp, switcher, opt = _setup(keep, bucket_cap_mb=WIDTH * WIDTH * 4 / 2**20)

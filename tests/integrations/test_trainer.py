@@ -146,7 +146,7 @@ def test_logs_describe_the_step_just_trained(ranks: list[dict[str, Any]]) -> Non
 
 @pytest.mark.distributed
 def test_plain_freeze_unfreeze_callback_lets_ranks_diverge(ranks: list[dict[str, Any]]) -> None:
-    """The bug AlternatingFreeze fixes (DESIGN.md fact 7), documented.
+    """The bug AlternatingFreeze fixes (docs/design.md, fact 10), documented.
 
     The encoder is frozen before ``Trainer(...)``, so DDP leaves it out; a plain
     callback unfreezes it at step 2; its gradients are never all-reduced and

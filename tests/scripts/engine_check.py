@@ -592,7 +592,7 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
 
     out["pending_all"] = _outcome(lambda: pending((0, 1)))
-    one_step(1)  # two iterations: both reducers have re-bucketed (DESIGN.md fact 3)
+    one_step(1)  # two iterations: both reducers have re-bucketed (docs/design.md, fact 3)
     one_step(2)
     out["pending_rank1"] = _outcome(lambda: pending((1,)))
     out["flags_unchanged"] = flags == {n: p.requires_grad for n, p in model.named_parameters()}

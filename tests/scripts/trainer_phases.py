@@ -24,7 +24,7 @@ from a config, no dropout, a synthetic data set):
     gradient accumulation 2.
 ``naive``
     no AlternatingFreeze: the encoder frozen before ``Trainer(...)`` and
-    unfrozen by a plain callback (DESIGN.md fact 7): the bug the callback fixes.
+    unfrozen by a plain callback (docs/design.md, fact 10): the bug the callback fixes.
 ``eval_first``
     ``trainer.evaluate()`` before ``trainer.train()``: Accelerate then skips the
     DDP wrapper; AlternatingFreeze must refuse to train unsynchronised.
