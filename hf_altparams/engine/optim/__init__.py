@@ -11,6 +11,7 @@
 * :class:`GroupedLRScheduler` and :func:`reapply_state_policy` act on a built one.
 """
 
+from ..memory._model import StatePolicyLike
 from ._grouped import GroupedOptimizer, OptimizerFactory, StatePolicy
 from ._loss_scale import DynamicLossScale
 from ._precision import MasterPolicy, PrecisionOptimizer
@@ -26,6 +27,7 @@ __all__ = [
     "PrecisionOptimizer",
     "SchedulerFactory",
     "StatePolicy",
+    "StatePolicyLike",
     "reapply_state_policy",
     "store_model",
 ]
