@@ -63,6 +63,7 @@ from .memory._prefetch import PhasePrefetch
 from .memory._release import ReleasePolicy
 from .memory._residency import ResidencyManager
 from .memory._transfer import optimizer_of
+from .memory._model import StatePolicy
 from .optim._grouped import GroupedOptimizer
 from .optim._scheduler import reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
@@ -397,7 +398,8 @@ class PhaseSwitcher:
         opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
         if not isinstance(opt, GroupedOptimizer):
             return lambda group: False
-        return lambda group: group not in phase.trainable and opt.policies.get(group, "keep") != "keep"
+        return lambda group: (group not in phase.trainable
+                              and opt.policies.get(group, StatePolicy.KEEP) is not StatePolicy.KEEP)
 
     def _precondition_error(self) -> Optional[str]:
         return (self.backend.precondition_error() or self._pending_grads_error()

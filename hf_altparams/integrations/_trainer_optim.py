@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine.optim import GroupedOptimizer, StatePolicy
-from ..engine.optim import MasterPolicy, PrecisionOptimizer
+from ..engine.optim import GroupedOptimizer, StatePolicyLike
+from ..engine.optim import PrecisionOptimizer
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 
@@ -40,8 +40,8 @@ def grouped_optimizer(
     optimizer_cls: type[Optimizer] = torch.optim.AdamW,
     *,
     weight_decay: float = 0.0,
-    state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
-    master_policy: Optional[Union[MasterPolicy, Mapping[str, MasterPolicy]]] = None,
+    state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
+    master_policy: Optional[Union[StatePolicyLike, Mapping[str, StatePolicyLike]]] = None,
     allreduce_dtype: Optional[torch.dtype] = None,
     **optimizer_kwargs: Any,
 ) -> GroupedOptimizer:

@@ -34,10 +34,14 @@ optimizer is fused or capturable), and allocator rounding.
 builds the model on ``meta`` from a transformers config JSON, a checkpoint folder,
 or ``pkg.module:factory``.
 
-The package's modules: ``_sizes`` (what each group weighs, the low-precision
-storage part included, and what a switch moves), ``_cost`` (:func:`plan_cost`,
-the walk over phases and switches), ``_results`` (:class:`CostPlan` and its
-table), ``_build`` (:func:`build_model`) and ``_cli`` (the command line).
+The arithmetic is the engine's memory model (:mod:`hf_altparams.engine.memory._model`),
+which :func:`~hf_altparams.engine.memory_report` runs on the live model: on the
+same model and run its expected peak equals the planner's figure to the byte.
+The package's modules: ``_sizes`` (the planner's arguments, the sizes of a
+``ParamGroups`` and what a switch moves), ``_cost`` (:func:`plan_cost`, the walk
+over phases and switches), ``_fsdp2`` (the sharded sizes), ``_results``
+(:class:`CostPlan` and its table), ``_build`` (:func:`build_model`) and ``_cli``
+(the command line).
 """
 
 from __future__ import annotations

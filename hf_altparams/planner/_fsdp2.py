@@ -25,11 +25,13 @@ largest group; printed under the table) and its reduce-scatter input.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..engine.memory._model import Sizes
 from ..plan import ParamGroups
 from ..plan.groups import _format_bytes
 
@@ -68,28 +70,27 @@ class _ShardView:
         return self._groups.ungrouped_names()
 
 
-def fsdp2_sizes(full: dict[str, dict[str, int]], group_sizes: Callable[..., dict[str, dict[str, int]]],
-                groups: ParamGroups, world_size: int, *args: Any) -> dict[str, dict[str, int]]:
-    """Per group: the sizes ``group_sizes(groups, *args)`` gives, for one rank's shards.
+def fsdp2_sizes(full: dict[str, Sizes], group_sizes: Callable[..., dict[str, Sizes]],
+                groups: ParamGroups, world_size: int, *args: Any) -> dict[str, Sizes]:
+    """Per group: the :class:`Sizes` ``group_sizes(groups, *args)`` gives, for one rank's shards.
 
     Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
-    the bytes a rank feeds to reduce-scatter (its padded shard times ``world_size``).
+    the bytes a rank feeds to reduce-scatter (its padded shard times ``world_size``;
+    ``reduced`` in the all-reduce dtype if one is set).
     """
     size = group_sizes(_ShardView(groups, world_size), *args)
-    for key, entry in size.items():
-        entry["numel"] = full[key]["numel"]
-        entry["bucket"] *= world_size
-        entry["reduced"] *= world_size  # what is reduce-scattered, in the all-reduce dtype if one is set
-    return size
+    return {key: replace(entry, numel=full[key].numel, bucket=entry.bucket * world_size,
+                         bucket_kept=entry.bucket_kept * world_size, reduced=entry.reduced * world_size)
+            for key, entry in size.items()}
 
 
-def finish_fsdp2(plan: Any, ddp: Any, full: dict[str, dict[str, int]], world_size: int) -> Any:
+def finish_fsdp2(plan: Any, ddp: Any, full: dict[str, Sizes], world_size: int) -> Any:
     """Fill the FSDP2-only fields of ``plan``: reduce-scatter traffic, DDP's device bytes, the unit transient."""
     for row in [*plan.phases, plan.everything]:
         row.wire_bytes = (world_size - 1) * row.allreduce_bytes // world_size
     plan.backend = "fsdp2"
     plan.ddp_device_bytes = {row.phase: row.device_bytes for row in [*ddp.phases, ddp.everything]}
-    plan.unit_bytes = max((entry["param"] for entry in full.values()), default=0)  # groups and <ungrouped>
+    plan.unit_bytes = max((entry.param for entry in full.values()), default=0)  # groups and <ungrouped>
     return plan
 
 

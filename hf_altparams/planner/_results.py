@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 from ..errors import PlanError
 from ..plan import TrainShare
 from ..plan.groups import _format_bytes
+from ._fsdp2 import fsdp2_table
 from ._sizes import _SWITCH_LINES
 
 
@@ -76,7 +77,7 @@ class CostPlan:
     storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
     master_policy: Optional[str] = None
     allreduce_dtype: Optional[str] = None  # all-reduced in this dtype, if not the gradients'
-    backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards (._fsdp2)
+    backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards (._fsdp2); "local": no DDP
     ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # fsdp2: each phase's device bytes under DDP
     unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
     trained: Optional[TrainShare] = None  # the share of the parameters each phase trains (Schedule.trained_share)
@@ -110,8 +111,6 @@ class CostPlan:
     def table(self) -> str:
         """A readable report: one row per phase, the train-everything row, then the switch cost."""
         if self.backend == "fsdp2":
-            from ._fsdp2 import fsdp2_table
-
             return fsdp2_table(self)
         host = any(r.host_bytes for r in self.phases)
         head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
@@ -136,7 +135,8 @@ class CostPlan:
             return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
         rule = "-" * len(fmt(head))
-        buckets = "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate"
+        buckets = ("none (no DDP)" if self.backend == "local" else
+                   "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate")
         lines = [
             f"model: {self.model}, {self.total_params:,} params | {self.unit}s 0-{self.positions - 1} listed",
             f"optimizer: {self.optimizer} | state policy: {self.state_policy} | world size: "

@@ -1,30 +1,34 @@
-"""What each parameter group weighs (parameters, gradients, optimizer state, fp32 masters) and
-what a switch moves: the pure arithmetic under :func:`~hf_altparams.planner.plan_cost`.
+"""What each parameter group weighs and what a switch moves: the planner's side of the memory model.
 
-The low-precision storage part (``storage_dtype``, :class:`~hf_altparams.engine.PrecisionOptimizer`)
-lives in :func:`_group_sizes` (what is stored in which dtype) and in ``_Layout.masters``
-(where each group's fp32 master is).
+The arithmetic itself (bytes per parameter as stored, gradients, DDP buckets,
+optimizer state per optimizer kind, fp32 masters; where state and masters are
+under each :class:`~hf_altparams.engine.optim.StatePolicy`) is
+:mod:`hf_altparams.engine.memory._model`, which
+:func:`~hf_altparams.engine.memory_report` uses on the live model. Here: the
+planner's arguments (optimizer spec, dtype names), the sizes of a
+:class:`~hf_altparams.plan.ParamGroups` built on ``meta``, and the bytes a
+switch moves between two layouts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
+from ..engine.memory._model import (OPTIMIZER_STATES, UNGROUPED, Layout, Sizes, StatePolicy, Storage,
+                                    state_bytes_for, tensor_sizes)
 from ..errors import PlanError
 from ..plan import ParamGroups
 
-#: Optimizer name -> number of state tensors it keeps per parameter (each of the parameter's shape and dtype).
-OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
-POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
+#: The state policies (``--state-policy``, ``--master-policy``): :class:`~hf_altparams.engine.optim.StatePolicy`'s values.
+POLICIES: tuple[str, ...] = tuple(p.value for p in StatePolicy)
 #: Host<->device bandwidth assumed for offload time estimates (GB/s; PCIe 4.0 x16, pinned memory).
 DEFAULT_PCIE_GBPS = 25.0
 _DEFAULT_POSITIONS = 1000  # positions listed for schedules with no repeating pattern
-_UNGROUPED = "<ungrouped>"
+_UNGROUPED = UNGROUPED
 _SWITCH_LINES = 8  # kinds of switch listed by CostPlan.table()
 #: The dtype names the planner accepts (its ``--*dtype`` flags, ``build_model(dtype=)``): torch's, and the
 #: short ones of Accelerate's ``mixed_precision`` and the Trainer's ``bf16``/``fp16`` flags; any case, and
@@ -73,8 +77,8 @@ def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, Callable[[str, nn.Pa
         if states is None:
             raise PlanError(f"`optimizer` must be one of {list(OPTIMIZER_STATES)}, a number of state bytes "
                             f"per parameter, or a callable (name, param) -> bytes; got {optimizer!r}")
-        return (f"{optimizer.lower()} ({states} state(s) per parameter, in its dtype)",
-                lambda name, p: states * p.numel() * p.element_size())
+        return (f"{optimizer.lower()} ({states:g} state(s) per parameter, in its dtype)",
+                lambda name, p: state_bytes_for(states, p))
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if not math.isfinite(optimizer) or optimizer < 0:
             raise PlanError(f"`optimizer` as bytes per parameter must be a finite number >= 0, got {optimizer!r}")
@@ -90,10 +94,7 @@ def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, Callable[[str, nn.Pa
                     f"got {optimizer!r}")
 
 
-def _check_args(state_policy: str, steps: Optional[int], world_size: int, pcie_gbps: float,
-                grad_dtype: Optional[torch.dtype]) -> None:
-    if state_policy not in POLICIES:
-        raise PlanError(f"`state_policy` must be one of {list(POLICIES)}, got {state_policy!r}")
+def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype]) -> None:
     for value, name in ((steps, "steps"), (world_size, "world_size")):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PlanError(f"`{name}` must be an int >= 1, got {value!r}")
@@ -103,94 +104,28 @@ def _check_args(state_policy: str, steps: Optional[int], world_size: int, pcie_g
         raise PlanError(f"`grad_dtype` must be a torch.dtype or None, got {grad_dtype!r}")
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where things are in a phase: non-resident groups, each group's optimizer state, offloaded buffers."""
-
-    off: frozenset[str]
-    state: dict[str, str]  # group -> "device" | "host" (absent: no state)
-    buffers_off: int
-    masters: dict[str, str] = field(default_factory=dict)  # group -> "device" | "host" (absent: none)
-
-
 def _group_sizes(groups: ParamGroups, state_fn: Callable[[str, nn.Parameter], int],
-                 grad_dtype: Optional[torch.dtype],
-                 storage_dtype: Optional[torch.dtype] = None,
-                 allreduce_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
-    """Per group (and ``<ungrouped>``): elements, parameter, gradient, optimizer state and master bytes.
-
-    With ``storage_dtype``, floating parameters are counted in it, their gradients too
-    (unless ``grad_dtype``), their optimizer state in fp32 (it lives on the masters)
-    and each has a 4-byte master.
-    """
+                 storage: Storage) -> dict[str, Sizes]:
+    """:class:`Sizes` per group (and ``<ungrouped>``) of ``groups``' parameters, stored as ``storage`` says."""
     by_name = dict(groups.all_named_params())
     members = {g: groups.param_names(g) for g in groups.names}
     members[_UNGROUPED] = groups.ungrouped_names()
-    size = {}
-    for key, names in members.items():
-        params = [(n, by_name[n]) for n in names]
-        if storage_dtype is not None:
-            stored = [(n, _as_dtype(p, storage_dtype)) for n, p in params]
-            fp32 = [(n, _as_dtype(p, torch.float32)) for n, p in params]
-            masters = sum(p.numel() * 4 for _, p in params if p.is_floating_point() and storage_dtype != torch.float32)
-        else:
-            stored, fp32, masters = params, params, 0
-        fp32_grads = {n for n, p in params if storage_dtype is not None and p.is_floating_point()}
-        size[key] = {
-            "numel": sum(p.numel() for _, p in params),
-            "param": sum(p.numel() * p.element_size() for _, p in stored),
-            "bucket": sum(p.numel() * (grad_dtype.itemsize if grad_dtype else p.element_size()) for _, p in stored),
-            # what is all-reduced: the bucket, or a copy of it in `allreduce_dtype` (PrecisionOptimizer)
-            "reduced": sum(p.numel() * (allreduce_dtype.itemsize if allreduce_dtype else
-                                        (grad_dtype.itemsize if grad_dtype else p.element_size()))
-                           for _, p in stored),
-            # storage mode: the step casts each gradient to fp32 on its master and frees it
-            "grad": sum(p.numel() * (4 if n in fp32_grads else
-                                     (grad_dtype.itemsize if grad_dtype else p.element_size()))
-                        for n, p in stored),
-            "state": sum(state_fn(n, p) for n, p in fp32),
-            "master": masters,
-        }
-    return size
+    return {key: tensor_sizes([(n, by_name[n]) for n in names], state_fn, storage)  # type: ignore[arg-type]
+            for key, names in members.items()}
 
 
-def _as_dtype(param: nn.Parameter, dtype: torch.dtype) -> Any:
-    """A stand-in of ``param``'s shape in ``dtype`` on ``meta`` (no memory), for floating parameters."""
-    if not param.is_floating_point() or param.dtype == dtype:
-        return param
-    return nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=False)
-
-
-def _buffer_owners(groups: ParamGroups) -> list[tuple[frozenset[Optional[str]], int]]:
-    """Per module with buffers: the groups of its own parameters (None: ungrouped or none) and the bytes.
-
-    As the engine does, a module's buffers leave the device only with its own
-    parameters, when all of them are in non-resident groups.
-    """
-    out = []
-    for mname, module in groups.module.named_modules():
-        held = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False) if b is not None)
-        if held:
-            own = [groups.group_of(f"{mname}.{n}" if mname else n) for n, _ in module.named_parameters(recurse=False)]
-            out.append((frozenset(own or [None]), held))
-    return out
-
-
-def _moves(before: _Layout, after: _Layout, size: dict[str, dict[str, int]],
+def _moves(before: Layout, after: Layout, size: dict[str, Sizes],
            owners: list[tuple[frozenset[Optional[str]], int]]) -> tuple[int, int]:
-    """(bytes to host, bytes to device) from one layout to the next: parameters, buffers, optimizer state."""
-    to_host = sum(size[g]["param"] for g in after.off - before.off)
-    to_device = sum(size[g]["param"] for g in before.off - after.off)
+    """(bytes to host, bytes to device) from one layout to the next: parameters, buffers, optimizer state, masters."""
+    to_host = sum(size[g].param for g in after.off - before.off)
+    to_device = sum(size[g].param for g in before.off - after.off)
     for owned, n in owners:
         was, now = (None not in owned and owned <= layout.off for layout in (before, after))
         to_host += n if now and not was else 0
         to_device += n if was and not now else 0
-    for g, at in before.state.items():
-        now_at = after.state.get(g)
-        to_host += size[g]["state"] if (at, now_at) == ("device", "host") else 0
-        to_device += size[g]["state"] if (at, now_at) == ("host", "device") else 0
-    for g, at in before.masters.items():
-        now_at = after.masters.get(g)
-        to_host += size[g]["master"] if (at, now_at) == ("device", "host") else 0
-        to_device += size[g]["master"] if (at, now_at) == ("host", "device") else 0
+    for placed, now_placed, kind in ((before.state, after.state, "state"), (before.masters, after.masters, "master")):
+        for g, at in placed.items():
+            moved = getattr(size[g], kind)
+            to_host += moved if (at, now_placed.get(g)) == ("device", "host") else 0
+            to_device += moved if (at, now_placed.get(g)) == ("host", "device") else 0
     return to_host, to_device

@@ -90,17 +90,26 @@ def test_non_resident_parameters_are_counted_as_offloaded() -> None:
 
 @pytest.mark.parametrize("policy", ["keep", "drop"])
 def test_expected_peak_before_any_state_exists(policy: str) -> None:
-    model, _, switcher = setup(policy=policy)
+    model, opt, switcher = setup(policy=policy)
     switcher.step_to(0)
     a = nbytes([*model[0].parameters(), *model[1].parameters()])
     b = nbytes(model[2].parameters())
     total, buffers = a + b, nbytes(model.buffers())
     peak, everything = expected_peak_bytes(switcher)
-    # AdamW keeps two moments per parameter. Phase "a": its gradients and state; the idle
-    # group's state too under "keep" (it stays on the device), not under "drop".
-    idle_state = 2 * b if policy == "keep" else 0
-    assert peak == total + buffers + a * (1 + 2) + idle_state
+    # AdamW keeps two moments per parameter. Phase "a": its gradients and state. The idle
+    # group "b" has not trained yet, so it has no state to keep: none during a's first steps.
+    assert peak == total + buffers + a * (1 + 2)
     assert everything == total + buffers + total * (1 + 2)
+    train_step(model, opt)
+    moments = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]  # not Adam's 0-d step counters
+    assert nbytes(moments) == 2 * a  # measured at a's first step: no state of "b"
+    opt.zero_grad(set_to_none=True)
+    switcher.step_to(1)
+    train_step(model, opt)
+    opt.zero_grad(set_to_none=True)
+    switcher.step_to(2)  # "a" again: "b" has trained, its state stays on the device under "keep" only
+    idle_state = 2 * b if policy == "keep" else 0
+    assert expected_peak_bytes(switcher) == (total + buffers + a * (1 + 2) + idle_state, everything)
 
 
 def test_as_log_is_flat_numbers() -> None:

@@ -298,7 +298,7 @@ def test_plain_adamw_skips_frozen_params_weight_decay_included() -> None:
          r"`state_policy` names unknown groups \['z'\]"),
         ({"optimizers": SGD, "state_policy": {"a": "keep"}}, r"`state_policy` has no entry for groups \['b'\]"),
         ({"optimizers": SGD, "state_policy": "archive"},
-         r"`state_policy` for group 'a' is 'archive'; accepted: \['keep', 'offload', 'drop'\]"),
+         r"`state_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'archive'"),
         ({"optimizers": lambda params: params}, r"`optimizers` factory for group 'a' returned list"),
     ],
 )

@@ -112,7 +112,7 @@ def test_state_dict_round_trip_restores_masters_and_fp32_state_exactly() -> None
 
 def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
     groups = ParamGroups(_model(), GROUPS)
-    with pytest.raises(PlanError, match="`master_policy` for group 'a' is 'swap'"):
+    with pytest.raises(PlanError, match=r"`master_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'swap'"):
         PrecisionOptimizer(groups, ADAMW, master_policy="swap")  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="`storage_dtype`"):
         PrecisionOptimizer(groups, ADAMW, storage_dtype=torch.int8)
@@ -123,6 +123,44 @@ def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
         opt.load_state_dict({k: v for k, v in opt.state_dict().items() if k != "precision"})
     with pytest.raises(PlanError, match="`allreduce_dtype` is torch.int8"):
         PrecisionOptimizer(groups, ADAMW, allreduce_dtype=torch.int8)
+
+
+class _WithFrozenParts(nn.Module):
+    """An fp32 model whose groups leave out an embedding; a BatchNorm; a parameter-less module with a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        self.scale = nn.Module()
+        self.scale.register_buffer("freq", torch.full((2,), 0.5))  # computed constant: its module has no parameter
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.body(self.emb(ids).mean(1))
+        return out * self.scale.freq.to(out.dtype)
+
+
+def test_the_whole_model_is_stored_in_the_storage_dtype_ungrouped_parameters_included() -> None:
+    """An embedding left out of the groups used to stay fp32 and fail in the first bf16 matmul."""
+    model = _WithFrozenParts()
+    emb = model.emb.weight.detach().clone()
+    groups = ParamGroups(model, {"lo": "body.0.*", "hi": ["body.1.*", "body.2.*"]})  # emb: ungrouped, frozen
+    opt = PrecisionOptimizer(groups, ADAMW, storage_dtype=torch.bfloat16)
+    assert {n: p.dtype for n, p in model.named_parameters()} == dict.fromkeys(
+        ["emb.weight", "body.0.weight", "body.0.bias", "body.1.weight", "body.1.bias", "body.2.weight", "body.2.bias"],
+        torch.bfloat16)
+    assert model.body[1].running_mean.dtype == torch.bfloat16  # a module's buffers follow its parameters
+    assert model.scale.freq.dtype == torch.float32  # a parameter-less module's buffer keeps its dtype
+    assert torch.equal(model.emb.weight.float(), emb.to(torch.bfloat16).float())  # the same values, rounded
+    switcher = PhaseSwitcher(groups, Alternating(["lo", "hi"]), optimizer=opt)
+    for step in range(4):
+        switcher.step_to(step)
+        model(torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model.emb.weight.float(), emb.to(torch.bfloat16).float())  # ungrouped: frozen, never stepped
+    assert set(opt.master_bytes()) == {"cpu"} and model.emb.weight.grad is None
 
 
 def test_gradient_accumulation_sums_the_micro_steps_in_fp32() -> None:

@@ -6,7 +6,9 @@
   device and the host (pinned, asynchronous, prefetched);
 * release (:func:`release_memory`, the ``release`` policy of a switch) and the
   host heap (glibc's ``malloc_trim`` and mmap threshold);
-* the census (:func:`memory_report`) and the expected peak of a phase.
+* the memory model (:mod:`._model`: bytes per group and category under each
+  :class:`StatePolicy`, shared with the planner), the census
+  (:func:`memory_report`) and the expected peak of a phase.
 """
 
 from ._host import (
@@ -18,7 +20,8 @@ from ._host import (
     release_memory,
     rss_bytes,
 )
-from ._report import CATEGORIES, MemoryReport, expected_peak_bytes, memory_report
+from ._model import StatePolicy
+from ._report import CATEGORIES, MemoryReport, expected_footprint, expected_peak_bytes, memory_report
 from ._residency import DeviceLike, ResidencyManager, non_resident_groups
 
 __all__ = [
@@ -28,6 +31,8 @@ __all__ = [
     "MAX_MMAP_THRESHOLD",
     "MemoryReport",
     "ResidencyManager",
+    "StatePolicy",
+    "expected_footprint",
     "expected_peak_bytes",
     "host_heap",
     "malloc_trim",

@@ -67,7 +67,7 @@ class ReleasePolicy:
         check_release(setting)
         self.setting = setting
         self.min_steps = min_steps
-        self._footprints: dict[Phase, int] = {}
+        self._footprints: dict[tuple[Phase, frozenset[str]], int] = {}
         self._held = 0  # the largest expected footprint since the last release
 
     def forget_footprints(self) -> None:
@@ -75,10 +75,16 @@ class ReleasePolicy:
         self._footprints.clear()
 
     def footprint(self, switcher: Any, phase: Phase) -> int:
-        """The phase's expected device footprint, computed once per phase."""
-        cached = self._footprints.get(phase)
+        """The phase's expected device footprint, computed once per phase and set of groups trained so far.
+
+        An idle group's optimizer state (and fp32 master) exists only once it has
+        trained, so a phase's figure grows until every group has: the driver's
+        ``trained_groups`` is part of the key.
+        """
+        key = (phase, frozenset(switcher.driver.trained_groups))
+        cached = self._footprints.get(key)
         if cached is None:
-            cached = remember(self._footprints, phase, expected_peak_bytes(switcher, phase)[0])
+            cached = remember(self._footprints, key, expected_peak_bytes(switcher, phase)[0])
         return cached
 
     def decide(self, switcher: Any, previous: Optional[Phase], phase: Phase,

@@ -12,6 +12,12 @@ it at every switch. Categories:
 ``grads``                  ``.grad`` tensors
 ``optimizer_state``        optimizer state of groups that step or keep their state
 ``optimizer_state_offloaded`` state of idle groups under ``offload`` and of non-resident groups
+``masters``                :class:`~hf_altparams.engine.PrecisionOptimizer`'s fp32 master
+                           weights of the groups that train or keep them
+``masters_offloaded``      fp32 masters of idle groups under ``master_policy="offload"``
+``master_grads``           fp32 gradients held for the masters: sums of a gradient-
+                           accumulation window, buckets all-reduced in fp32, a
+                           master's ``.grad`` during the step
 ``ddp_buckets``            DDP's flat gradient buckets, beyond the gradients that are
                            views into them (``gradient_as_bucket_view=True``); computed
                            from the reducer's parameter list, as the C++ reducer sizes
@@ -20,30 +26,45 @@ it at every switch. Categories:
 ========================== ============================================================
 
 Every category but ``ddp_buckets`` is a sum over real tensors, each counted
-once, under the device it lives on. The *expected peak* of a phase is the
-device memory that training it needs, activations excluded: resident
-parameters and buffers, the trainable parameters' gradients and DDP buckets,
-and the optimizer state that lives on the device (measured where it exists,
-estimated from the optimizer's kind where it does not yet). It is compared
-with training every group at once, all resident.
+once, under the device it lives on.
+
+The *expected peak* of a phase is the device memory its optimizer step needs,
+activations excluded, computed by the memory model the planner uses
+(:mod:`._model`; ``plan_cost`` gives the same bytes for the same model and
+run): resident parameters and buffers, the trainable parameters' gradients
+(fp32 on the masters under ``PrecisionOptimizer``) and DDP's buckets beyond
+them, the optimizer state and fp32 masters on the device. Optimizer state is
+measured where it exists (its tensors of the parameter's shape; Adam's 0-d
+``step`` counters left out, as the planner does) and estimated from the
+optimizer's kind where it does not yet; an idle group holds state or a master
+only once it has trained (torch creates state at a group's first step), so a
+phase's expected peak grows as the groups it keeps have trained: it is the
+peak of the phase's coming step. The idle phases' reducers kept by
+``keep_reducers`` add their buckets. It is compared with training every
+parameter at once, all resident.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ...plan.groups import ParamGroups
 from ...plan.phase import Phase
 from ..ddp import _surgery as _ddp
-from ._transfer import nbytes, optimizer_of
+from ..fsdp2._dtensor import local_tensor
 from ..optim._grouped import GroupedOptimizer
+from ..optim._precision import PrecisionOptimizer
+from ._model import (UNGROUPED, Footprint, Sizes, StatePolicy, Storage, buffer_owners, everything_layout, footprint,
+                     layout, state_bytes_for, state_tensors, tensor_sizes)
+from ._transfer import nbytes, optimizer_of
 
 
-__all__ = ["CATEGORIES", "MemoryReport", "expected_peak_bytes", "memory_report"]
+__all__ = ["CATEGORIES", "MemoryReport", "expected_footprint", "expected_peak_bytes", "memory_report"]
 
 CATEGORIES: tuple[str, ...] = (
     "params_trainable",
@@ -53,16 +74,11 @@ CATEGORIES: tuple[str, ...] = (
     "grads",
     "optimizer_state",
     "optimizer_state_offloaded",
+    "masters",
+    "masters_offloaded",
+    "master_grads",
     "ddp_buckets",
 )
-
-#: Optimizer state bytes per parameter byte, by optimizer class name, used for
-#: groups whose state does not exist yet (torch creates it at the first step).
-_STATE_FACTOR: dict[str, float] = {
-    "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
-    "SparseAdam": 2, "Adagrad": 1, "RMSprop": 1, "ASGD": 1, "Adafactor": 0.1,
-}  # fmt: skip
-
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
@@ -87,7 +103,7 @@ class MemoryReport:
         phase: the phase name.
         by_device: ``{device: {category: bytes}}`` (only non-zero entries).
         expected_peak_bytes: the phase's expected device peak, activations excluded.
-        expected_peak_all_bytes: the same for training every group at once.
+        expected_peak_all_bytes: the same for training every parameter at once.
         prefetched_bytes: device bytes held by prefetched copies for the next phase.
         switches: the run's switch totals so far (``switches``, ``switch_seconds``,
             ``switch_moved_bytes``, ...; :meth:`SwitchHistory.totals`).
@@ -179,51 +195,98 @@ class _Census:
         return out
 
 
+def _optimizer(switcher: Any) -> Optional[Optimizer]:
+    return optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
+
+
 def _group_optimizers(switcher: Any) -> dict[str, Optional[Optimizer]]:
-    opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
+    opt = _optimizer(switcher)
     if isinstance(opt, GroupedOptimizer):
         return dict(opt.inner)
     return {g: opt for g in switcher.groups.names}
 
 
-def _offloaded_state_groups(switcher: Any, phase: Optional[Phase]) -> set[str]:
+def _offloaded_state_groups(switcher: Any) -> set[str]:
     out = set(switcher.residency.offloaded) if switcher.residency is not None else set()
-    opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
+    opt = _optimizer(switcher)
     if isinstance(opt, GroupedOptimizer):
-        out |= {g for g, p in opt.policies.items() if p == "offload" and g not in opt.active}
+        out |= {g for g, p in opt.policies.items() if p is StatePolicy.OFFLOAD and g not in opt.active}
     return out
 
 
-def _state_bytes(opt: Optional[Optimizer], params: Iterable[nn.Parameter]) -> tuple[int, int]:
-    """(bytes of existing state, bytes of the parameters that have state)."""
-    if opt is None:
-        return 0, 0
-    state, with_state = 0, 0
-    for param in params:
-        entry = opt.state.get(param) if hasattr(opt.state, "get") else None
-        if entry:
-            with_state += nbytes(param)
-            state += sum(nbytes(v) for v in entry.values() if isinstance(v, torch.Tensor))
-    return state, with_state
+def _measured_or_estimated(opt: Optional[Optimizer], params: Mapping[str, nn.Parameter]
+                           ) -> Callable[[str, torch.Tensor], int]:
+    """The model's ``state_bytes``: a parameter's state tensors where they exist, its optimizer's estimate if not."""
+    states = state_tensors(opt) if opt is not None else 0
+
+    def state_bytes(name: str, like: torch.Tensor) -> int:
+        entry = opt.state.get(params[name]) if opt is not None else None
+        if entry:  # Adam's 0-d `step` counters are left out, as the planner leaves them out
+            return sum(nbytes(v) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return state_bytes_for(states, like)
+    return state_bytes
 
 
-def _state_factor(opt: Optional[Optimizer]) -> float:
-    if opt is None:
-        return 0.0
-    name = type(opt).__name__
-    if name == "SGD":
-        return 1.0 if any(g.get("momentum", 0) for g in opt.param_groups) else 0.0
-    return _STATE_FACTOR.get(name, 2.0)
+def _live_sizes(groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer]], plain: Optional[Optimizer],
+                masters: bool) -> dict[str, Sizes]:
+    """:class:`Sizes` per group (and ``<ungrouped>``) of the live model, per rank (a DTensor's shard)."""
+    by_name = dict(groups.all_named_params())
+    storage = Storage(masters=masters)
+    members = {g: (groups.param_names(g), optimizers[g], storage) for g in groups.names}
+    # ungrouped parameters (frozen, in the train-everything reference) as the groups' optimizer would hold them
+    first = next((o for o in optimizers.values() if o is not None), None)
+    members[UNGROUPED] = (groups.ungrouped_names(), plain if plain is not None else first, storage)
+    return {key: tensor_sizes([(n, local_tensor(by_name[n])) for n in names],
+                              _measured_or_estimated(opt, by_name), storage)
+            for key, (names, opt, storage) in members.items()}
 
 
-def _group_state_estimate(opt: Optional[Optimizer], params: list[nn.Parameter]) -> int:
-    existing, covered = _state_bytes(opt, params)
-    rest = sum(nbytes(p) for p in params) - covered
-    return existing + int(rest * _state_factor(opt))
+def _trained(switcher: Any, optimizers: Mapping[str, Optional[Optimizer]]) -> set[str]:
+    """The groups that have trained: they have optimizer state or fp32 masters now."""
+    groups, opt = switcher.groups, _optimizer(switcher)
+    out = {g for g in groups.names if optimizers[g] is not None
+           and any(optimizers[g].state.get(p) for p in groups.params(g))}  # type: ignore[union-attr]
+    if isinstance(opt, PrecisionOptimizer):
+        out |= {g for g, held in opt.masters.items() if held}
+    return out
+
+
+def expected_footprint(switcher: Any, phase: Optional[Phase] = None) -> tuple[Footprint, Footprint]:
+    """The memory model's ``(phase's footprint at its peak, training everything)`` for the live run.
+
+    The same arithmetic as :func:`~hf_altparams.planner.plan_cost`'s rows, on the
+    switcher's model, optimizer, DDP wrapper and residency (see the module
+    docstring); :func:`expected_peak_bytes` is its device total.
+
+    Example:
+        >>> # peak, everything = expected_footprint(switcher); peak.optimizer, peak.masters, peak.buckets
+    """
+    groups = switcher.groups
+    phase = phase or switcher.current or Phase(groups.names)
+    opt = _optimizer(switcher)
+    optimizers = _group_optimizers(switcher)
+    plain = None if isinstance(opt, GroupedOptimizer) else opt
+    sizes = _live_sizes(groups, optimizers, plain, isinstance(opt, PrecisionOptimizer))
+    residency = switcher.residency
+    off = residency.non_resident(phase) if residency is not None and residency.offload_device is not None \
+        else frozenset()
+    active = set(phase.trainable) | ({UNGROUPED} if groups.ungrouped == "trainable" else set())
+    state_policy = opt.policies if isinstance(opt, GroupedOptimizer) else {}
+    master_policy = opt.master_policies if isinstance(opt, PrecisionOptimizer) else {}
+    where = layout(active, off, _trained(switcher, optimizers), state_policy, master_policy)
+    owners = buffer_owners(groups.module, groups.group_of)
+    ddp = switcher.ddp
+    view = ddp is not None and ddp.gradient_as_bucket_view
+    return (footprint(sizes, where, owners, ddp=ddp is not None, bucket_view=view),
+            footprint(sizes, everything_layout(sizes), owners, ddp=ddp is not None, bucket_view=view))
 
 
 def expected_peak_bytes(switcher: Any, phase: Optional[Phase] = None) -> tuple[int, int]:
     """``(phase's expected device peak, training everything)``, activations excluded.
+
+    The phase's figure adds to the memory model's device bytes
+    (:func:`expected_footprint`) the buckets of idle phases' reducers kept by
+    ``keep_reducers`` (none by default).
 
     Args:
         switcher: the phase switcher (groups, optimizer, DDP, residency).
@@ -232,35 +295,35 @@ def expected_peak_bytes(switcher: Any, phase: Optional[Phase] = None) -> tuple[i
     Example:
         >>> # peak, everything = expected_peak_bytes(switcher, switcher.phase_at(100))
     """
+    peak, everything = expected_footprint(switcher, phase)
+    return peak.device + switcher.backend.kept_reducer_bytes(), everything.device
+
+
+def _census_optimizer(census: _Census, switcher: Any) -> None:
+    """Add the optimizer state, fp32 masters and their gradients to ``census``."""
     groups = switcher.groups
-    phase = phase or switcher.current or Phase(groups.names)
-    non_resident = switcher.residency.non_resident(phase) if switcher.residency is not None else frozenset()
-    opts = _group_optimizers(switcher)
-    opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
-    policies = opt.policies if isinstance(opt, GroupedOptimizer) else {}
-    bucket_view = switcher.ddp is not None and switcher.ddp.gradient_as_bucket_view
-    grad_copies = (1 if switcher.ddp is not None else 0) + (0 if bucket_view else 1)
-
-    by_name = dict(groups.all_named_params())
-    loose = sum(nbytes(by_name[n]) for n in groups.ungrouped_names())
-    loose_train = loose if groups.ungrouped == "trainable" else 0
-    buffers = sum(nbytes(b) for _, b in groups.module.named_buffers())
-    params = {g: sum(nbytes(p) for p in groups.params(g)) for g in groups.names}
-    state = {g: _group_state_estimate(opts[g], groups.params(g)) for g in groups.names}
-
-    everything = sum(params.values()) + loose + buffers
-    everything += (sum(params.values()) + loose_train) * grad_copies + sum(state.values())
-    # What the idle phases' kept reducers hold now (keep_reducers; 0 by default).
-    peak = loose + buffers + loose_train * grad_copies + switcher.backend.kept_reducer_bytes()
-    for g in groups.names:
-        if g in non_resident:
+    off_state = _offloaded_state_groups(switcher)
+    optimizers = _group_optimizers(switcher)
+    plain = _optimizer(switcher)
+    if isinstance(plain, GroupedOptimizer):
+        plain = None  # a grouped optimizer holds no state for ungrouped parameters
+    for name, param in groups.all_named_params():
+        group = groups.group_of(name)
+        opt = optimizers[group] if group is not None else plain
+        if opt is None:
             continue
-        peak += params[g]
-        if g in phase.trainable:
-            peak += params[g] * grad_copies + state[g]
-        elif policies.get(g, "keep") == "keep":
-            peak += state[g]
-    return peak, everything
+        category = "optimizer_state_offloaded" if group in off_state else "optimizer_state"
+        for value in (opt.state.get(param) or {}).values():
+            if isinstance(value, torch.Tensor):
+                census.add(value, category)
+    precision = _optimizer(switcher)
+    if isinstance(precision, PrecisionOptimizer):
+        for group, masters in precision.masters.items():
+            idle_off = group not in precision.active and precision.master_policies[group] is StatePolicy.OFFLOAD
+            for master in masters.values():
+                census.add(master, "masters_offloaded" if idle_off else "masters")
+        for grad in precision.fp32_grads():
+            census.add(grad, "master_grads")
 
 
 def memory_report(switcher: Any, phase: Optional[Phase] = None) -> MemoryReport:
@@ -308,24 +371,11 @@ def memory_report(switcher: Any, phase: Optional[Phase] = None) -> MemoryReport:
     if ddp is not None and kept:
         census.add_bytes(ddp.device, "ddp_buckets", kept)
 
-    off_state = _offloaded_state_groups(switcher, phase)
-    optimizers = _group_optimizers(switcher)
-    plain = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
-    if isinstance(plain, GroupedOptimizer):
-        plain = None  # a grouped optimizer holds no state for ungrouped parameters
-    for name, param in groups.all_named_params():
-        group = groups.group_of(name)
-        opt = optimizers[group] if group is not None else plain
-        if opt is None:
-            continue
-        category = "optimizer_state_offloaded" if group in off_state else "optimizer_state"
-        for value in (opt.state.get(param) or {}).values():
-            if isinstance(value, torch.Tensor):
-                census.add(value, category)
+    _census_optimizer(census, switcher)
 
     peak, everything = expected_peak_bytes(switcher, phase)
     prefetched = switcher.residency.prefetched_bytes if switcher.residency is not None else 0
-    opt = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
+    opt = _optimizer(switcher)
     if isinstance(opt, GroupedOptimizer):
         prefetched += opt.prefetched_bytes
     current = phase or switcher.current

@@ -4,8 +4,10 @@
 its ``param_groups`` are the inner optimizers' own dicts, ``step()`` steps only
 the active groups, and ``state_dict()`` is keyed by group and parameter *name*
 so it loads into a rebuilt model. Idle groups' optimizer state follows a
-policy: ``keep`` it, ``offload`` it to CPU (pinned when the device is CUDA), or
-``drop`` it (torch optimizers re-initialise empty state at the next step).
+:class:`StatePolicy`: ``keep`` it, ``offload`` it to CPU (pinned when the device
+is CUDA), or ``drop`` it (torch optimizers re-initialise empty state at the next
+step). The policy is one typed value shared with the planner and the memory
+report (:mod:`hf_altparams.engine.memory._model`); users pass its strings.
 
 :class:`GroupedLRScheduler` and :func:`reapply_state_policy`, which act on a
 built :class:`GroupedOptimizer` from outside, live in :mod:`._scheduler`.
@@ -13,7 +15,7 @@ built :class:`GroupedOptimizer` from outside, live in :mod:`._scheduler`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -21,19 +23,19 @@ from torch.optim import Optimizer
 
 from ...errors import PlanError
 from ...plan.groups import ParamGroups
-from ._factories import as_factories, check_groups_argument
+from ..memory._model import StatePolicy, StatePolicyLike
 from ..memory._transfer import HostCopies, Prefetcher, param_group_map, state_target_device, to_device, to_host
 from ..memory._transfer import nbytes as _nbytes
+from ._factories import as_factories, check_groups_argument
 
 __all__ = ["GroupedOptimizer", "OptimizerFactory", "StatePolicy"]
 
-StatePolicy = Literal["keep", "offload", "drop"]
-POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
 STATE_DICT_FORMAT = "hf_altparams.GroupedOptimizer/1"
 
 
 def _per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, Any]:
+    """``value`` per group name: a mapping checked to name each group once, or one value for all."""
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(names))
         if unknown:
@@ -48,6 +50,12 @@ def _per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, A
     return {name: value for name in names}
 
 
+def policies_per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, StatePolicy]:
+    """A :class:`StatePolicy` per group from one value or a mapping (``argument`` names it in errors)."""
+    return {name: StatePolicy.parse(policy, f"`{argument}` for group {name!r}")
+            for name, policy in _per_group(value, names, argument).items()}
+
+
 class GroupedOptimizer(Optimizer):
     """A composite optimizer: one inner optimizer per parameter group.
 
@@ -58,8 +66,9 @@ class GroupedOptimizer(Optimizer):
             or a mapping from group name to factory (one per group), or a mapping
             from group name to an optimizer already built on exactly that group's
             parameters (checked: missing or extra parameters are named).
-        state_policy: what happens to an idle group's optimizer state:
-            ``"keep"``, ``"offload"`` or ``"drop"``; one value or one per group.
+        state_policy: what happens to an idle group's optimizer state: a
+            :class:`StatePolicy` or its string, ``"keep"``, ``"offload"`` or
+            ``"drop"``; one value or one per group.
         active: the groups that step at first (default: all). The phase switcher
             sets this at every switch.
 
@@ -82,18 +91,12 @@ class GroupedOptimizer(Optimizer):
         groups: ParamGroups,
         optimizers: Union[OptimizerFactory, Mapping[str, Union[OptimizerFactory, Optimizer]]],
         *,
-        state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+        state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
         active: Optional[Iterable[str]] = None,
     ) -> None:
         self.groups = check_groups_argument(groups)
         factories = as_factories(groups, optimizers)
-        policies = _per_group(state_policy, groups.names, "state_policy")
-        for name, policy in policies.items():
-            if policy not in POLICIES:
-                raise PlanError(
-                    f"`state_policy` for group {name!r} is {policy!r}; accepted: {list(POLICIES)}"
-                )
-        self.policies: dict[str, str] = policies
+        self.policies: dict[str, StatePolicy] = policies_per_group(state_policy, groups.names, "state_policy")
         self.inner: dict[str, Optimizer] = {}
         for name in groups.names:
             opt = factories[name](groups.params(name))
@@ -162,12 +165,12 @@ class GroupedOptimizer(Optimizer):
 
     def _apply_idle_policy(self, name: str) -> None:
         policy = self.policies[name]
-        if policy == "drop":
+        if policy is StatePolicy.DROP:
             opt = self.inner[name]
             for param in self.groups.params(name):
                 opt.state.pop(param, None)
             self._offloaded.pop(name, None)
-        elif policy == "offload":
+        elif policy is StatePolicy.OFFLOAD:
             self.offload(name)
 
     def offload(self, name: str, non_blocking: bool = True) -> int:
@@ -326,7 +329,7 @@ class GroupedOptimizer(Optimizer):
                 ],
             }
         return {"format": STATE_DICT_FORMAT, "active": sorted(self.active),
-                "policies": dict(self.policies), "groups": groups_out}
+                "policies": {n: p.value for n, p in self.policies.items()}, "groups": groups_out}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a :meth:`state_dict`; then re-apply the idle-state policy.

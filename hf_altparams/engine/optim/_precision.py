@@ -53,7 +53,7 @@ is taken as changed.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -66,37 +66,16 @@ from ._grad32 import Fp32Grads
 from ._loss_scale import DynamicLossScale
 from ..memory._transfer import HostCopies, to_device, to_host
 from ..comm import CommCounter, register_comm_counter
-from ._grouped import GroupedOptimizer, OptimizerFactory, StatePolicy, _per_group
+from ..memory._model import StatePolicy, StatePolicyLike
+from ._grouped import GroupedOptimizer, OptimizerFactory, policies_per_group
+from ._storage import masters_in_place, store_model
 
 __all__ = ["MasterPolicy", "PrecisionOptimizer", "DynamicLossScale"]
 
-MasterPolicy = Literal["keep", "offload", "drop"]
-MASTER_POLICIES: tuple[str, ...] = ("keep", "offload", "drop")
+#: An idle group's fp32 master follows the same three policies as its optimizer state.
+MasterPolicy = StatePolicy
 STORAGE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 PRECISION_FORMAT = "hf_altparams.PrecisionOptimizer/1"
-
-
-class _masters_in_place:
-    """Within the block, each master replaces its parameter in the optimizers' groups and state."""
-
-    def __init__(self, optimizer: GroupedOptimizer, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        self.optimizer = optimizer
-        self.master_of = {id(p): m for p, m in pairs}
-        self.pairs = pairs
-
-    def _swap(self, forward: bool) -> None:
-        lookup = self.master_of if forward else {id(m): p for p, m in self.pairs}
-        for opt in self.optimizer.inner.values():
-            for group in opt.param_groups:
-                group["params"] = [lookup.get(id(t), t) for t in group["params"]]
-            for old in [t for t in opt.state if id(t) in lookup]:
-                opt.state[lookup[id(old)]] = opt.state.pop(old)
-
-    def __enter__(self) -> None:
-        self._swap(True)
-
-    def __exit__(self, *exc: object) -> None:
-        self._swap(False)
 
 
 class PrecisionOptimizer(GroupedOptimizer):
@@ -105,10 +84,11 @@ class PrecisionOptimizer(GroupedOptimizer):
     Args:
         groups: the parameter groups (of a model stored in ``storage_dtype``).
         optimizers: factory (or one per group), as for :class:`GroupedOptimizer`.
-        storage_dtype: ``torch.bfloat16`` or ``torch.float16``; floating-point
-            parameters of the groups in another dtype are cast to it in place
-            (do this before wrapping the model in DDP). ``None``: keep the dtype
-            the parameters have.
+        storage_dtype: ``torch.bfloat16`` or ``torch.float16``: the whole model
+            is stored in it (:func:`~hf_altparams.engine.optim.store_model`): every floating-point parameter
+            of ``groups.module``, grouped or not, and the floating buffers of the
+            modules that own them are cast in place (do this before wrapping the
+            model in DDP). ``None``: keep the dtypes the model has.
         master_policy: what an idle group's fp32 master does: ``"offload"``
             (default, exact), ``"drop"`` (re-created from the stored weights) or
             ``"keep"``; one value or one per group.
@@ -145,8 +125,8 @@ class PrecisionOptimizer(GroupedOptimizer):
         optimizers: Union[OptimizerFactory, Mapping[str, OptimizerFactory]],
         *,
         storage_dtype: Optional[torch.dtype] = torch.bfloat16,
-        master_policy: Union[MasterPolicy, Mapping[str, MasterPolicy]] = "offload",
-        state_policy: Union[StatePolicy, Mapping[str, StatePolicy]] = "keep",
+        master_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "offload",
+        state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
         loss_scale: Union[None, str, float] = None,
         active: Optional[Iterable[str]] = None,
         allreduce_dtype: Optional[torch.dtype] = None,
@@ -156,15 +136,9 @@ class PrecisionOptimizer(GroupedOptimizer):
         if allreduce_dtype is not None and allreduce_dtype not in STORAGE_DTYPES:
             raise PlanError(f"`allreduce_dtype` is {allreduce_dtype!r}; accepted: None (the storage dtype) "
                             f"or one of {list(STORAGE_DTYPES)}")
-        policies = _per_group(master_policy, groups.names, "master_policy")
-        for name, policy in policies.items():
-            if policy not in MASTER_POLICIES:
-                raise PlanError(f"`master_policy` for group {name!r} is {policy!r}; accepted: {list(MASTER_POLICIES)}")
+        policies = policies_per_group(master_policy, groups.names, "master_policy")
         if storage_dtype is not None:
-            for name in groups.names:
-                for param in groups.params(name):
-                    if param.is_floating_point() and param.dtype != storage_dtype:
-                        param.data = param.data.to(storage_dtype)
+            store_model(groups.module, storage_dtype)
         self.loss_scale: Optional[DynamicLossScale] = None
         if loss_scale == "dynamic":
             self.loss_scale = DynamicLossScale()
@@ -172,7 +146,7 @@ class PrecisionOptimizer(GroupedOptimizer):
             self.loss_scale = DynamicLossScale(float(loss_scale), dynamic=False)
         elif loss_scale is not None:
             raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic' or a positive number")
-        self.master_policies: dict[str, str] = policies
+        self.master_policies: dict[str, StatePolicy] = policies
         self.masters: dict[str, dict[str, torch.Tensor]] = {n: {} for n in groups.names}
         self._master_copies = HostCopies()
         self.skipped_steps = 0
@@ -252,9 +226,9 @@ class PrecisionOptimizer(GroupedOptimizer):
 
     def _idle_master(self, name: str) -> None:
         policy = self.master_policies[name]
-        if policy == "drop":
+        if policy is StatePolicy.DROP:
             self.masters[name].clear()
-        elif policy == "offload":
+        elif policy is StatePolicy.OFFLOAD:
             host = torch.device("cpu")
             for pname, master in list(self.masters[name].items()):
                 if master.device.type != "cpu":
@@ -269,6 +243,16 @@ class PrecisionOptimizer(GroupedOptimizer):
             for tensor in masters.values():
                 out[tensor.device.type] = out.get(tensor.device.type, 0) + tensor.nbytes
         return out
+
+    def fp32_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients held for the masters now (what ``memory_report`` counts as ``master_grads``).
+
+        The sums of a gradient-accumulation window, the buckets' slices
+        all-reduced in fp32 (``allreduce_dtype=torch.float32``), and each
+        master's ``.grad`` while a step runs (released after it).
+        """
+        held = [*self._grads32.accumulated.values(), *self._grads32.reduced.values()]
+        return held + [m.grad for masters in self.masters.values() for m in masters.values() if m.grad is not None]
 
     # ------------------------------------------------------------------- step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -323,7 +307,7 @@ class PrecisionOptimizer(GroupedOptimizer):
             # The inner optimizers step the masters: they stand in for their parameters in
             # `param_groups` and `state` for the step (Python lists and dicts only; the stored
             # parameters are never touched, so DDP's autograd hooks on them stay valid).
-            with _masters_in_place(self, pairs):
+            with masters_in_place(self.inner.values(), pairs):
                 for name in self.groups.names:
                     if name in self.active:
                         self.inner[name].step()
@@ -351,7 +335,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         self._master_copies.wait()
         out["precision"] = {
             "format": PRECISION_FORMAT,
-            "master_policies": dict(self.master_policies),
+            "master_policies": {n: p.value for n, p in self.master_policies.items()},
             "masters": {n: {p: t.detach().to("cpu", copy=True) for p, t in m.items()}
                         for n, m in self.masters.items()},
             "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),

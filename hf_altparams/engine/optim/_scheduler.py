@@ -4,9 +4,8 @@
 only the groups that stepped, so a group's schedule pauses while it is idle;
 :func:`reapply_state_policy` puts idle groups' optimizer state back where their
 policy says after something else (a checkpoint load, Accelerate's preparation,
-the Trainer's resume) moved it. Both are re-exported by
-:mod:`._grouped`; import them from :mod:`hf_altparams.engine.optim` or from
-:mod:`hf_altparams.engine`.
+the Trainer's resume) moved it. Import them from :mod:`hf_altparams.engine.optim`
+or from :mod:`hf_altparams.engine`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any, Callable, Mapping, Union
 from torch.optim import Optimizer
 
 from ...errors import PlanError
+from ..memory._model import StatePolicy
 from ..memory._transfer import optimizer_of
 from ._grouped import GroupedOptimizer
 
@@ -118,9 +118,9 @@ def reapply_state_policy(optimizer: Any) -> int:
     for name in inner.groups.names:
         if name in inner.active:
             inner._restore(name)
-        elif inner.policies[name] == "offload":
+        elif inner.policies[name] is StatePolicy.OFFLOAD:
             moved += inner.offload(name)
-        elif inner.policies[name] == "drop":
+        elif inner.policies[name] is StatePolicy.DROP:
             moved += sum(inner.state_bytes(name).values())
             inner._apply_idle_policy(name)
     return moved
