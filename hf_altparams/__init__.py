@@ -35,7 +35,7 @@ from .engine import (
     register_comm_counter,
     shard_by_groups,
 )
-from .errors import AltParamsError, PlanError, SwitchError
+from .errors import AltParamsError, DriftError, PlanError, SwitchError
 from .plan import (
     Alternating,
     Chain,
@@ -76,6 +76,7 @@ __all__ = [
     "Chain",
     "CommCounter",
     "CostPlan",
+    "DriftError",
     "FnSchedule",
     "GradualUnfreeze",
     "GroupedLRScheduler",

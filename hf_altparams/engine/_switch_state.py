@@ -25,6 +25,7 @@ from ..plan.schedules import Schedule
 from ._collective import is_distributed
 from ._transfer import optimizer_of
 from .backend import Backend
+from .drift import DriftCheck, check_drift
 from .optim import GroupedOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
 from .residency import ResidencyManager
@@ -45,6 +46,8 @@ class SwitcherState:
     current: Optional[Phase]
     history: SwitchHistory
     residency: ResidencyManager
+    drift: DriftCheck
+    _ranks_met: bool
 
     # ------------------------------------------------------------ wiring
     @property
@@ -80,6 +83,17 @@ class SwitcherState:
     def allreduce_bytes_per_step(self) -> int:
         """Bytes the current reducer all-reduces per optimizer step (0 without DDP)."""
         return self.backend.reduced_bytes_per_step()
+
+    def check_weights(self, when: str, refused: str = "", timeout: Optional[float] = None) -> None:
+        """The drift check (:func:`~hf_altparams.engine.drift.check_drift`) now: a collective, on every rank.
+
+        Compares every parameter's digest across the ranks that must agree (the
+        DDP wrapper's process group; otherwise the world) and raises the same
+        :class:`~hf_altparams.errors.DriftError` on every rank when they differ.
+        The integrations call it before each checkpoint unless ``drift_check=False``.
+        """
+        group = self.process_group if self.backend.kind == "ddp" else None
+        check_drift(self.groups, group, when=when, refused=refused, timeout=timeout)
 
     # ------------------------------------------------------------ internals
     def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
@@ -117,6 +131,7 @@ class SwitcherState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Check the saved schedule matches this one (the phase itself follows the step)."""
+        self._ranks_met = False  # a resume: ranks finish loading apart (see collective_timeout)
         try:
             self.schedule.load_state_dict(state["schedule"])
         except AltParamsError:

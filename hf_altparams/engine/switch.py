@@ -62,6 +62,7 @@ from ._switch_state import SwitcherState
 from ._transfer import optimizer_of
 from .backend import Backend, LocalBackend, backend_for
 from .buffers import BufferSync, BufferSyncPolicy, FrozenNormPolicy
+from .drift import DriftCheck, DriftSetting
 from .memory import release_memory
 from .optim import GroupedOptimizer
 from .records import SwitchHistory, SwitchRecord
@@ -130,7 +131,20 @@ class PhaseSwitcher(SwitcherState):
             group's timeout (``InitProcessGroupKwargs(timeout=...)`` in
             Accelerate, ``TrainingArguments(ddp_timeout=...)``; 30 min by
             default). A dead rank's peers fail at once either way (connection
-            closed). Set it above the longest gap between ranks reaching a switch.
+            closed). Set it above the longest gap between ranks reaching a switch
+            during training. It bounds the switches after the ranks first met:
+            the first transaction after construction, after :meth:`load_state_dict`
+            (a resume) and the re-bucketing of :meth:`attach` wait under the
+            process group's timeout instead, because ranks legitimately arrive
+            there seconds apart (loading a model or a checkpoint, starting their
+            data loaders).
+        drift_check: when to check that every rank holds the same weights
+            (:mod:`hf_altparams.engine.drift`: a digest of every parameter per
+            group, one small all-gather; a :class:`~hf_altparams.errors.DriftError`
+            naming the groups and ranks that differ). ``"save"`` (default): before
+            every checkpoint the integrations write; ``"switch"``: also after
+            every switch; an int ``N``: also every ``N`` optimizer steps (at
+            :meth:`step_to`); ``False``: never.
         keep_reducers: how many idle phases' DDP reducers to keep for switches
             back (default 0: a switch frees the old reducer and builds a new
             one). Each kept reducer holds one copy of its phase's trainable
@@ -172,9 +186,12 @@ class PhaseSwitcher(SwitcherState):
         history_window: int = 256,
         collective_timeout: Optional[float] = None,
         keep_reducers: int = 0,
+        drift_check: DriftSetting = "save",
     ) -> None:
         schedule.validate(groups)
         self.collective_timeout = check_timeout(collective_timeout)
+        self.drift = DriftCheck(drift_check)
+        self._ranks_met = False  # collective_timeout applies once the ranks met in a transaction
         self.keep_reducers = check_keep_reducers(keep_reducers)
         self.release_policy = ReleasePolicy(release)
         self.history = SwitchHistory(history_window)
@@ -271,6 +288,7 @@ class PhaseSwitcher(SwitcherState):
             return None
         if self.current is None:
             raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
+        self._ranks_met = False  # ranks reach the wrapper's first call apart (their data loaders start)
         local_error = (self.backend.precondition_error(in_accumulation_window=True)
                        or self._pending_grads_error())
         return self._transaction(self.current, None, None, local_error)
@@ -287,8 +305,12 @@ class PhaseSwitcher(SwitcherState):
         phase = self.phase_at(step, epoch)
         if phase == self.current:
             self.prefetcher.maybe_start(self, step, epoch)
-            return None
-        return self.switch(phase, step=step, epoch=epoch)
+            record = None
+        else:
+            record = self.switch(phase, step=step, epoch=epoch)
+        if self.drift.due_at_step(step):
+            self.check_weights(f"at step {step} (drift_check={self.drift.setting!r})", timeout=self._timeout())
+        return record
 
     def switch(self, phase: Phase, *, step: Optional[int] = None, epoch: Optional[int] = None) -> SwitchRecord:
         """Apply ``phase`` now, as one collective transaction (see the module docstring)."""
@@ -299,9 +321,10 @@ class PhaseSwitcher(SwitcherState):
     ) -> SwitchRecord:
         started = time.perf_counter()
         group = self.process_group if self._distributed() else None
+        timeout = self._timeout()
         one_collective = self.backend.collective_free_apply
         if not one_collective:
-            agree(group, phase, step, local_error, self.collective_timeout)
+            agree(group, phase, step, local_error, timeout)
         layout = self._layouts.get(phase.trainable)
         before = [param.requires_grad for param in self._params]
         offloaded_before = self.residency.offloaded
@@ -319,8 +342,8 @@ class PhaseSwitcher(SwitcherState):
                 failure = exc
         if one_collective:
             reason = f"{type(failure).__name__}: {failure}" if failure else None
-            message, all_refused = settle(group, phase, step, local_error, reason, self.collective_timeout)
-        elif any_rank_failed(group, failure is not None, phase, step, self.collective_timeout):
+            message, all_refused = settle(group, phase, step, local_error, reason, timeout)
+        elif any_rank_failed(group, failure is not None, phase, step, timeout):
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
             message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
                                     "previous trainable set and DDP reducer were restored on every rank"), False
@@ -370,9 +393,16 @@ class PhaseSwitcher(SwitcherState):
             release_reason=release_reason,
         )
         self.history.append(record)
+        self._ranks_met = True
+        if self.drift.after_switch:
+            self.check_weights(f"after the switch to {phase.name!r} at step {step}", timeout=timeout)
         return record
 
     # ------------------------------------------------------------ internals
+    def _timeout(self) -> Optional[float]:
+        """``collective_timeout`` once the ranks have met in a transaction; the group's own before."""
+        return self.collective_timeout if self._ranks_met else None
+
     def _precondition_error(self) -> Optional[str]:
         return (self.backend.precondition_error() or self._pending_grads_error()
                 or _misuse.unattached_error(self))
