@@ -1,9 +1,13 @@
 """Checkpoints of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator`.
 
-``save_state`` adds ``hf_altparams_state.json`` (the schedule position and the
-switcher's state) to Accelerate's checkpoint folder, and a completion marker
-written after everything else: a save killed part-way leaves a folder without it,
-which ``load_state`` refuses and automatic resume skips. ``load_state`` applies the
+``save_state`` adds ``hf_altparams_state.json`` (the schedule position, the
+switcher's state and the group membership) to Accelerate's checkpoint folder, and
+a completion marker written after everything else, listing every file with its
+size: a save killed part-way leaves a folder without it, which ``load_state``
+refuses and automatic resume skips. Before anything is written, the ranks'
+weights are compared (the drift check, :mod:`hf_altparams.engine.drift`) and an
+old marker in the folder is removed on every rank, then a barrier. ``load_state``
+checks the listed files and the groups before anything loads, and applies the
 saved phase before the optimizer state loads, so idle groups keep their policy.
 """
 
@@ -12,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -20,7 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import AltParamsError
+from ._accelerate_save import before_save, after_save, total_limit_counted_by_us
+from ._checkpoint_files import COMPLETE_MARKER, manifest, manifest_problem, numbered_folders
 from ._fsdp2_prepare import grouped_checkpoint_view
+from ._membership import membership, membership_difference
 
 if TYPE_CHECKING:
     from .accelerate import PhasedAccelerator
@@ -31,8 +37,6 @@ __all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "agreed_checkpoin
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
 _STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
-#: File written last by ``save_state``, once every rank has written its part.
-COMPLETE_MARKER = "hf_altparams_complete.json"
 #: Fault-injection hook for tests: the process exits at once at the save stage this names
 #: (``state_file_tmp``, ``state_file``, ``before_marker``, ``marker_tmp``, ``marker``).
 FAULT_ENV = "HF_ALTPARAMS_FAULT_AT"
@@ -63,28 +67,39 @@ def write_state(output_dir: str, **state: Any) -> None:
 
 
 def mark_complete(output_dir: str) -> None:
-    """Write the completion marker: call after every rank finished writing ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT}, "marker")
+    """Write the completion marker, listing every file and its size: call after every rank finished writing."""
+    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER),
+                      {"format": _STATE_FORMAT, "files": manifest(output_dir, skip=[COMPLETE_MARKER])}, "marker")
+
+
+def folder_problem(input_dir: str) -> Optional[str]:
+    """Why ``input_dir`` is not a checkpoint whose save ran to its end and whose files are all there (or ``None``)."""
+    marker = os.path.join(input_dir, COMPLETE_MARKER)
+    if not os.path.isdir(input_dir):
+        return "it does not exist (or is not a folder)"
+    if not os.path.isfile(marker):
+        return (f"it has no {COMPLETE_MARKER}, so its save was interrupted (or it was not written by "
+                "PhasedAccelerator.save_state) and it may hold another phase's files or half of the groups' "
+                "optimizer state")
+    try:
+        with open(marker) as f:
+            files = json.load(f).get("files", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"its {COMPLETE_MARKER} cannot be read ({type(exc).__name__}: {exc})"
+    problem = manifest_problem(input_dir, files)  # markers written before the list existed: nothing to check
+    return None if problem is None else f"{problem}: the folder is not the checkpoint its save completed"
 
 
 def check_complete(input_dir: str) -> None:
-    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end."""
-    if not os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER)):
-        raise AltParamsError(
-            f"`load_state` refuses {input_dir!r}: it has no {COMPLETE_MARKER}, so its save was "
-            "interrupted (or it was not written by PhasedAccelerator.save_state) and it may hold "
-            "another phase's files or half of the groups' optimizer state; load an earlier checkpoint"
-        )
+    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end, with all its files."""
+    problem = folder_problem(input_dir)
+    if problem is not None:
+        raise AltParamsError(f"`load_state` refuses {input_dir!r}: {problem}; load another checkpoint")
 
 
 def _numbered(checkpoints_dir: str) -> list[tuple[int, str]]:
     """Every ``checkpoint_<n>`` folder in ``checkpoints_dir``, complete or not, as ``(n, path)``."""
-    found = []
-    for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
-        match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        if match and os.path.isdir(os.path.join(checkpoints_dir, name)):
-            found.append((int(match.group(1)), os.path.join(checkpoints_dir, name)))
-    return found
+    return numbered_folders(checkpoints_dir, "checkpoint_")
 
 
 def complete_iterations(checkpoints_dir: str) -> list[int]:
@@ -147,7 +162,7 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
         return None
     if input_dir is not None:
         input_dir = os.path.expanduser(str(input_dir))
-        found: Any = os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER))
+        found: Any = folder_problem(input_dir)
     else:
         assert checkpoints_dir is not None
         found = complete_iterations(checkpoints_dir)
@@ -156,16 +171,12 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             check_complete(input_dir)
             return input_dir
         assert checkpoints_dir is not None
-        return latest_complete_checkpoint(checkpoints_dir)
+        chosen = latest_complete_checkpoint(checkpoints_dir)
+        check_complete(chosen)
+        return chosen
     gathered = _gathered(found)
     if input_dir is not None:
-        missing = [r for r, ok in enumerate(gathered) if not ok]
-        if missing:
-            raise AltParamsError(
-                f"`load_state` refuses {input_dir!r}: rank(s) {missing} find no {COMPLETE_MARKER} there, so "
-                "its save was interrupted (or it was not written by PhasedAccelerator.save_state) or "
-                f"those ranks do not see it; {_SHARED_STORAGE_HINT}"
-            )
+        _refuse_problems(input_dir, gathered)
         return input_dir
     assert checkpoints_dir is not None
     common = _common(gathered)
@@ -183,7 +194,35 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             f"`load_state()`: checkpoint(s) {newer} in {checkpoints_dir!r} are complete on some ranks only "
             f"(their save was interrupted elsewhere); every rank loads checkpoint_{chosen}, the latest complete "
             "on every rank", stacklevel=3)
-    return os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
+    folder = os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
+    _refuse_problems(folder, _gathered(folder_problem(folder)))
+    return folder
+
+
+def _refuse_problems(folder: str, problems: list[Optional[str]]) -> None:
+    """The same error on every rank when any rank found a problem with ``folder`` (``problems``: gathered)."""
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if not found:
+        return
+    if len({p for _, p in found}) == 1:
+        ranks = [r for r, _ in found]
+        where = "" if len(ranks) == len(problems) else f" on rank(s) {ranks}"
+        detail = f"{found[0][1]}{where}"
+    else:
+        detail = "; ".join(f"rank {r}: {p}" for r, p in found)
+    hint = "" if len(found) == len(problems) else f"; {_SHARED_STORAGE_HINT}"
+    raise AltParamsError(f"`load_state` refuses {folder!r}: {detail}; load another checkpoint{hint}")
+
+
+def check_saved_groups(input_dir: str, groups: Any) -> None:
+    """Refuse, naming the groups that differ, a checkpoint saved with another group membership."""
+    saved = read_state(input_dir).get("groups")
+    difference = None if saved is None else membership_difference(saved, groups)  # None: saved before it was kept
+    if difference is not None:
+        raise AltParamsError(
+            f"`load_state` refuses {input_dir!r}: it was saved with other groups ({difference}); its optimizer "
+            "state and schedule position belong to those groups. Build the groups as the saved run did, or "
+            "start from scratch")
 
 
 def read_state(input_dir: str) -> dict[str, Any]:
@@ -208,11 +247,19 @@ class CheckpointMixin:
                    **kwargs: Any) -> Any:
         """``Accelerator.save_state`` plus ``hf_altparams_state.json``; a completion marker goes last.
 
-        The marker is written once every rank has written its part (a barrier before
-        and after it): a save killed part-way leaves a folder without it, which
-        :meth:`load_state` refuses and automatic resume (``load_state()``) skips.
+        First the drift check (every rank must hold the same weights, else a
+        :class:`~hf_altparams.errors.DriftError` and nothing is written; see
+        ``PhaseSwitcher(drift_check=...)``) and the removal of an old marker from
+        the folder, on every rank before a barrier. The marker is written once
+        every rank has written its part (a barrier before and after it): a save
+        killed part-way leaves a folder without it, which :meth:`load_state`
+        refuses and automatic resume (``load_state()``) skips. With automatic
+        naming, ``ProjectConfiguration(total_limit=N)`` keeps the N newest
+        *complete* checkpoints, deleting older ones only after the new one is
+        complete (:mod:`._accelerate_save`).
         """
-        with self._fsdp2_optimizer_view(None) as saved:
+        limit = before_save(self, output_dir) if self.switcher is not None else None
+        with total_limit_counted_by_us(self, limit), self._fsdp2_optimizer_view(None) as saved:
             self._fsdp2_saved_groups = saved
             location = super().save_state(  # type: ignore[misc]
                 output_dir, safe_serialization=safe_serialization, **kwargs)
@@ -221,6 +268,7 @@ class CheckpointMixin:
         if self.switcher is not None and self._writes_state_files():
             mark_complete(location)
         self.wait_for_everyone()
+        after_save(self, location, limit)
         return location
 
     def latest_checkpoint(self: PhasedAccelerator) -> Optional[str]:
@@ -260,7 +308,7 @@ class CheckpointMixin:
             if getattr(self, "_fsdp2_saved_groups", None):  # FSDP2: which groups' optimizer state DCP holds
                 extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self._fsdp2_saved_groups.items()}
             write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
-                        switcher=self.switcher.state_dict(), **extra)
+                        switcher=self.switcher.state_dict(), groups=membership(self.switcher.groups), **extra)
 
     def load_state(self: PhasedAccelerator, input_dir: Optional[str] = None, **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
@@ -277,6 +325,8 @@ class CheckpointMixin:
         automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
         if self.switcher is not None:
             input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
+            if input_dir is not None:
+                check_saved_groups(input_dir, self.switcher.groups)  # before anything loads
         saved = None
         if self.switcher is not None and input_dir is not None and self.is_fsdp2:
             # Accelerate loads FSDP optimizers before the pre-hooks run: apply the saved phase first.

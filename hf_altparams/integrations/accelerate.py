@@ -69,6 +69,7 @@ from ._accelerate_reporting import ReportingMixin
 from ._fsdp2_prepare import start_sharded
 from ._loop_guard import LoopGuard, check_trainable_gradients, mid_window_switch_error
 from ._phase_queries import PhaseQueries
+from ._unreached import check_loss
 from ._user_optimizers import GradientArrivals, HandleUnscaleMixin, OptimizerHandle, find_grouped
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
@@ -343,7 +344,15 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, ReportingMixin, HandleUns
         return self._advance()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``."""
+        """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``.
+
+        A loss that depends on no trainable parameter is refused first, naming the
+        phase and the likely causes (:mod:`._unreached`), instead of torch's
+        "element 0 of tensors does not require grad".
+        """
+        if self.switcher is not None:
+            check_loss(loss, self.switcher.current, self.switcher.groups, "accelerator.backward(loss)",
+                       "`accelerator.task` / `accelerator.phase`")
         super().backward(loss, **kwargs)
         self._backward_since_step = True
 

@@ -75,10 +75,11 @@ from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
 from ._trainer_groups import GroupsMixin
 from ._trainer_optim import grouped_optimizer
-from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
+from ._trainer_checkpoints import check_resumed, last_complete_checkpoint, mark_complete, prepare_save
 from ._trainer_checkpoints import resumed_checkpoint
 from ._trainer_reporting import ReportingMixin
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
+from ._unreached import OutputGuard
 from ._trainer_support import (
     FirstCallCatcher,
     WrapperMixin,
@@ -236,6 +237,8 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         self._phase_info: dict[str, Union[int, str]] = {}  # the current phase
         self._trained_info: dict[str, Union[int, str]] = {}  # the phase of the step just trained
         self._trained: set[str] = set()  # groups that trained at least one step (saved in the record)
+        self._save_prepared_at: Optional[int] = None  # the step whose save `_prepare_save` checked
+        self._output_guard: Optional[OutputGuard] = None  # a training forward without grad: a clear error
 
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -286,6 +289,9 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
+        if self._output_guard is not None:
+            self._output_guard.remove()
+        self._output_guard = OutputGuard(self.groups.module, lambda: self.phase, self.groups)
         if dist.is_available() and dist.is_initialized() and sharded is None:
             self._catcher = FirstCallCatcher(self.groups.module, self._attach, self._no_wrapper)
         if self._is_main:
@@ -301,7 +307,7 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         self._trained_info = self._phase_info
         self._trained |= self.switcher.current.trainable if self.switcher.current else set()
         if control.should_save:
-            drop_stale_marker(args, state)  # the folder the Trainer saves next may be an old run's
+            self._prepare_save(args, state)  # drift check; the folder the Trainer saves next may be an old run's
         if state.max_steps and state.global_step >= state.max_steps:
             return  # no step follows: a switch now would only cost a rebuild
         if self.switcher.step_to(state.global_step, self._epoch(state)) is not None:
@@ -322,12 +328,16 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.switcher is not None and control.should_save:  # save_strategy="epoch"
-            drop_stale_marker(args, state)
+            self._prepare_save(args, state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         if self.switcher is None:
             return
+        if self._save_prepared_at != state.global_step and self.switcher.drift.at_save:
+            # A save no step-end foresaw (save_strategy="best"): checked before the marker, which a drift withholds.
+            self.switcher.check_weights(f"after the Trainer's save at step {state.global_step}",
+                                        "The checkpoint is left without its completion marker")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # every rank has written its part (its RNG state) of the checkpoint
         current = self.switcher.current
@@ -339,6 +349,9 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         if self._catcher is not None:
             self._catcher.remove()
             self._catcher = None
+        if self._output_guard is not None:
+            self._output_guard.remove()
+            self._output_guard = None
 
     # ------------------------------------------------------------------ internals
     def _attach_prefix(self, model: nn.Module) -> None:
@@ -356,6 +369,11 @@ class AlternatingFreeze(PhaseQueries, GroupsMixin, ReportingMixin, WrapperMixin,
         # The Trainer sets `epoch = e + (batch + 1) / batches_in_epoch`, exactly e + 1 after the
         # last step of epoch e, so the floor is the epoch the next step belongs to.
         return int(state.epoch or 0)
+
+    def _prepare_save(self, args: TrainingArguments, state: TrainerState) -> None:
+        assert self.switcher is not None
+        prepare_save(args, state, self.switcher)
+        self._save_prepared_at = state.global_step
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
