@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..errors import AltParamsError, DriftError, PlanError
 from ..plan.groups import ParamGroups
 from ._collective import _gather_rows, is_distributed
-from ._digest import combine, digest_values, tensor_digest
+from ._digest import combine, digest_many, digest_values
 from ._fsdp2 import is_dtensor, local_tensor
 
 __all__ = ["UNGROUPED", "DriftCheck", "DriftSetting", "check_drift", "find_drift", "local_digests"]
@@ -138,8 +138,8 @@ def local_digests(groups: ParamGroups) -> list[int]:
     """
     entries = _entries(groups)
     index = {name: i for i, name in enumerate(entries)}
-    whole: list[list[tuple[str, torch.Tensor]]] = [[] for _ in entries]
-    sharded: list[list[tuple[str, torch.Tensor]]] = [[] for _ in entries]
+    whole: list[list[torch.Tensor]] = [[] for _ in entries]
+    sharded: list[list[torch.Tensor]] = [[] for _ in entries]
     keys: list[list[tuple[int, ...]]] = [[] for _ in entries]
     for name, param in groups.module.named_parameters():
         try:
@@ -148,20 +148,18 @@ def local_digests(groups: ParamGroups) -> list[int]:
             group = None
         slot = index[UNGROUPED if group is None else group]
         key = _shard_key(param)
-        digest = tensor_digest(local_tensor(param.detach()))
         if key is None:
-            whole[slot].append((name, digest))
+            whole[slot].append(local_tensor(param.detach()))
         else:
-            sharded[slot].append((name, digest))
+            sharded[slot].append(local_tensor(param.detach()))
             keys[slot].append(key)
-    flat = [d for part in (whole, sharded) for entry in part for _, d in entry]
-    values = iter(digest_values(flat))
+    parts = [digest_many(tensors) for tensors in (*whole, *sharded)]  # few kernels: small tensors concatenated
+    values = iter(digest_values([d for part in parts for d in part]))
+    resolved = [[next(values) for _ in part] for part in parts]
     row: list[int] = []
-    resolved_whole = [[(n, next(values)) for n, _ in entry] for entry in whole]
-    resolved_sharded = [[(n, next(values)) for n, _ in entry] for entry in sharded]
     for i in range(len(entries)):
-        row.append(combine(v for pair in resolved_whole[i] for v in pair))
-        row.append(combine(v for pair in resolved_sharded[i] for v in pair))
+        row.append(combine(resolved[i]))
+        row.append(combine(resolved[len(entries) + i]))
         row.append(combine(keys[i]) if keys[i] else _NOTHING)
     return row
 

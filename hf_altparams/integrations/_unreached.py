@@ -46,8 +46,8 @@ def unreached_message(phase: Optional[Phase], groups: Optional[ParamGroups], whe
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
         >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
-        >>> print(unreached_message(Phase({"b"}), groups, "backward", "accelerator.task")[:94])
-        backward: the loss does not depend on any parameter that trains in phase 'b' (groups ['b']; 0
+        >>> print(unreached_message(Phase({"b"}), groups, "backward", "accelerator.task")[:115])
+        backward: the loss does not depend on any parameter that trains in phase 'b' (groups ['b']; 2 of their 2 parameters
     """
     if phase is None:
         head = f"{where}: the loss does not depend on any parameter that requires grad (no phase applied yet)"
@@ -107,8 +107,8 @@ class OutputGuard:
         >>> try:
         ...     net(torch.ones(1, 2))
         ... except UnreachedPhaseError as err:
-        ...     print(str(err)[:60])
-        the model's forward: the loss does not depend on any parame
+        ...     print(str(err)[:56])
+        the model's forward: the loss does not depend on any par
         >>> guard.remove()
     """
 
