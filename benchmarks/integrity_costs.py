@@ -171,18 +171,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--stack-mib", type=int, default=256)
+    parser.add_argument("--stack-rows", type=int, default=64)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "integrity_costs_cpu.json"))
     args = parser.parse_args()
     if args.quick:
-        args.batch, args.seq, args.repeats, args.stack_mib = 4, 32, 2, 16
+        args.batch, args.seq, args.repeats, args.stack_mib, args.stack_rows = 4, 32, 2, 16, 16
     data = dataset(max(args.batch, 4), args.seq)
     result = {
         "machine": machine("cpu", 1) + " (shared with other jobs: timings are noisy, ratios were taken side by side)",
         "drift_minilm": drift_minilm(data, args.batch, args.repeats),
-        "drift_stack": drift_stack(args.stack_mib, args.batch * args.seq // 8, args.repeats),
+        "drift_stack": drift_stack(args.stack_mib, args.stack_rows, args.repeats),
         "prefix_check": prefix_check(data, args.batch, args.repeats),
     }
     print(json.dumps(result, indent=1))

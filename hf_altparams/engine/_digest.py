@@ -50,6 +50,12 @@ def _odd_constants(count: int) -> list[int]:
 
 
 _WEIGHTS = _odd_constants(_CHUNKS + 2)
+
+
+def _as_int64(value: int) -> int:
+    """``value`` modulo 2**64, as the signed int64 a tensor holds."""
+    value &= _MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
 _weights_on: dict[torch.device, torch.Tensor] = {}
 
 
@@ -83,22 +89,22 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     raw = _bytes_of(tensor)
     if raw.storage_offset() % 8:
         raw = raw.clone()  # an int64 view needs 8-byte alignment (a rare sliced parameter)
+    weights = _weights(raw.device)
     whole = raw.numel() - raw.numel() % 8
     words = raw[:whole].view(torch.int64)
-    tail = raw[whole:].to(torch.int64)
-    sums = torch.zeros(_CHUNKS + 2, dtype=torch.int64, device=raw.device)
     per_chunk = words.numel() // _CHUNKS
-    if per_chunk:
-        sums[:_CHUNKS] = words[: per_chunk * _CHUNKS].view(_CHUNKS, per_chunk).sum(dim=1)
-    rest = words[per_chunk * _CHUNKS:]
-    if rest.numel():
-        sums[_CHUNKS] = (rest * _weights(raw.device)[: rest.numel()]).sum()
-    if tail.numel():
+    body = per_chunk * _CHUNKS
+    # The common case (a parameter of 512 bytes or a multiple): four kernels.
+    digest = ((words[:body].view(_CHUNKS, per_chunk).sum(dim=1) * weights[:_CHUNKS]).sum() if per_chunk
+              else torch.zeros((), dtype=torch.int64, device=raw.device))
+    if body < words.numel():
+        rest = words[body:]
+        digest = digest + (rest * weights[: rest.numel()]).sum() * weights[_CHUNKS]
+    if whole < raw.numel():
+        tail = raw[whole:].to(torch.int64)
         shifts = torch.arange(tail.numel(), device=raw.device, dtype=torch.int64) * 8
-        sums[_CHUNKS + 1] = (tail << shifts).sum() + raw.numel()
-    else:
-        sums[_CHUNKS + 1] = raw.numel()  # the length: an empty tensor and a zero tensor differ
-    return (sums * _weights(raw.device)).sum()
+        digest = digest + (tail << shifts).sum() * weights[_CHUNKS + 1]
+    return digest + _as_int64(raw.numel() * _WEIGHTS[_CHUNKS + 1])  # the length: empty and zero tensors differ
 
 
 _SMALL = 1 << 20  # bytes: tensors up to this size are concatenated before digesting

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._digest import digest_many
+from .._digest import digest_many, digest_values
 
 __all__ = ["PrefixWeights"]
 
@@ -67,10 +67,7 @@ class PrefixWeights:
 
     @staticmethod
     def _content_of(tensors: list[torch.Tensor]) -> list[int]:
-        digests = digest_many(tensors)
-        if not digests:
-            return []
-        return torch.stack([d.to("cpu") for d in digests]).tolist()  # one host copy per device
+        return digest_values(digest_many(tensors))  # one host copy per device
 
     def capture(self, stages: Sequence[nn.Module]) -> None:
         """Remember the stages' weights as they are now (the rows about to be computed come from them)."""

@@ -47,7 +47,7 @@ from torch import nn
 
 from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.engine.shutdown import shutdown
-from hf_altparams.errors import AltParamsError, DriftError
+from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import _accelerate_checkpoints
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
@@ -135,14 +135,19 @@ def drift_at_save(out: Path) -> dict[str, Any]:
 
 
 def drift_every_n() -> dict[str, Any]:
-    acc, ddp, opt = build(switcher_options={"drift_check": 2})
+    steps: list[int] = []
 
-    def diverge(step: int) -> None:
-        if step == 1 and acc.process_index == 1:
-            nudge(ddp.module.trunk.bias)
+    def run() -> None:
+        acc, ddp, opt = build(switcher_options={"drift_check": 2})
 
-    error = caught(lambda: train(acc, ddp, opt, 3, after=diverge))
-    return {"error": error, "schedule_step": acc.schedule_step}
+        def diverge(step: int) -> None:
+            steps.append(step)
+            if step == 1 and acc.process_index == 1:
+                nudge(ddp.module.trunk.bias)
+
+        train(acc, ddp, opt, 3, after=diverge)
+
+    return {"error": caught(run), "steps_done": steps}
 
 
 def torn_in_place(out: Path) -> dict[str, Any]:
@@ -248,7 +253,7 @@ def main() -> None:
         "total_limit": total_limit(out),
         "unreached": unreached(),  # last: the skipped backward leaves the DDP wrapper mid-iteration
     }
-    write_rank_result(out, {**results, "drift_error_type": DriftError.__name__}, rank=dist.get_rank())
+    write_rank_result(out, results, rank=dist.get_rank())
 
 
 if __name__ == "__main__":
