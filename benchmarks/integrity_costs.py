@@ -174,21 +174,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--stack-mib", type=int, default=256)
     parser.add_argument("--stack-rows", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "integrity_costs_cpu.json"))
+    parser.add_argument("--out", default=None, help="default: results/integrity_costs_cpu[_threadsN].json")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.seq, args.repeats, args.stack_mib, args.stack_rows = 4, 32, 2, 16, 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = dataset(max(args.batch, 4), args.seq)
     result = {
         "machine": machine("cpu", 1) + " (shared with other jobs: timings are noisy, ratios were taken side by side)",
+        "torch_threads": torch.get_num_threads(),
         "drift_minilm": drift_minilm(data, args.batch, args.repeats),
         "drift_stack": drift_stack(args.stack_mib, args.stack_rows, args.repeats),
         "prefix_check": prefix_check(data, args.batch, args.repeats),
     }
     print(json.dumps(result, indent=1))
     if not args.quick:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        name = "integrity_costs_cpu" + (f"_threads{args.threads}" if args.threads else "") + ".json"
+        Path(args.out or Path(__file__).parent / "results" / name).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

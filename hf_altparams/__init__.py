@@ -35,7 +35,7 @@ from .engine import (
     register_comm_counter,
     shard_by_groups,
 )
-from .errors import AltParamsError, DriftError, PlanError, SwitchError
+from .errors import AltParamsError, DriftError, PlanError, SwitchError, UnreachedPhaseError
 from .plan import (
     Alternating,
     Chain,
@@ -96,6 +96,7 @@ __all__ = [
     "SwitchError",
     "SwitchHistory",
     "SwitchRecord",
+    "UnreachedPhaseError",
     "__version__",
     "badam",
     "grouped_optimizer",

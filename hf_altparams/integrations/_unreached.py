@@ -26,15 +26,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..errors import AltParamsError
+from ..errors import UnreachedPhaseError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 
-__all__ = ["OutputGuard", "UnreachedPhaseError", "check_loss", "unreached_message"]
-
-
-class UnreachedPhaseError(AltParamsError, RuntimeError):
-    """A training step's loss depends on no trainable parameter of the current phase."""
+__all__ = ["OutputGuard", "check_loss", "unreached_message"]
 
 
 def unreached_message(phase: Optional[Phase], groups: Optional[ParamGroups], where: str, task_hint: str) -> str:
