@@ -132,19 +132,14 @@ class PhaseSwitcher(SwitcherState):
             Accelerate, ``TrainingArguments(ddp_timeout=...)``; 30 min by
             default). A dead rank's peers fail at once either way (connection
             closed). Set it above the longest gap between ranks reaching a switch
-            during training. It bounds the switches after the ranks first met:
-            the first transaction after construction, after :meth:`load_state_dict`
-            (a resume) and the re-bucketing of :meth:`attach` wait under the
-            process group's timeout instead, because ranks legitimately arrive
-            there seconds apart (loading a model or a checkpoint, starting their
-            data loaders).
-        drift_check: when to check that every rank holds the same weights
-            (:mod:`hf_altparams.engine.drift`: a digest of every parameter per
-            group, one small all-gather; a :class:`~hf_altparams.errors.DriftError`
-            naming the groups and ranks that differ). ``"save"`` (default): before
-            every checkpoint the integrations write; ``"switch"``: also after
-            every switch; an int ``N``: also every ``N`` optimizer steps (at
-            :meth:`step_to`); ``False``: never.
+            in training. The first switch, the first after :meth:`load_state_dict`
+            and :meth:`attach`'s re-bucketing wait under the group's timeout
+            instead: ranks reach them seconds apart (loading a model, starting loaders).
+        drift_check: when every rank's weights are compared (:mod:`.drift`; a
+            :class:`~hf_altparams.errors.DriftError` names the groups and ranks
+            that differ): ``"save"`` (default) before every checkpoint of the
+            integrations; ``"switch"`` also after every switch; ``N`` also every
+            ``N`` optimizer steps (:meth:`step_to`); ``False`` never.
         keep_reducers: how many idle phases' DDP reducers to keep for switches
             back (default 0: a switch frees the old reducer and builds a new
             one). Each kept reducer holds one copy of its phase's trainable
