@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hf_altparams.engine import _collective, switch as switch_module
+from hf_altparams.engine import _collective, _transaction as transaction_module, switch as switch_module
 from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine._collective import collective_device, is_distributed
 from hf_altparams.engine.memory._transfer import optimizer_of
@@ -178,12 +178,12 @@ def activate() -> None:
         return
     rec.active = True
     for name in ("settle", "agree", "any_rank_failed"):
-        setattr(switch_module, name, rec.with_barrier(getattr(switch_module, name)))
-    switch_module.release_memory = rec.timed("release", switch_module.release_memory)
-    switch_module.SwitchRecord = rec.timed("record", switch_module.SwitchRecord)
+        setattr(transaction_module, name, rec.with_barrier(getattr(transaction_module, name)))
+    transaction_module.release_memory = rec.timed("release", transaction_module.release_memory)
+    transaction_module.SwitchRecord = rec.timed("record", transaction_module.SwitchRecord)
     _collective._gather_rows = rec.timed("collective", _collective._gather_rows)
     _ddp.check_ddp_supported = rec.timed("rebuild_checks", _ddp.check_ddp_supported)
-    _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)
+    _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)  # _surgery's own name for it
     attach = switch_module.PhaseSwitcher.attach
 
     def attach_and_instrument(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ from .engine import (
     register_comm_counter,
     shard_by_groups,
 )
-from .errors import AltParamsError, PlanError, SwitchError
+from .errors import AltParamsError, DriftError, PlanError, SwitchError, UnreachedPhaseError
 from .plan import (
     Alternating,
     Chain,
@@ -77,6 +77,7 @@ __all__ = [
     "Chain",
     "CommCounter",
     "CostPlan",
+    "DriftError",
     "FnSchedule",
     "GradualUnfreeze",
     "GroupedLRScheduler",
@@ -97,6 +98,7 @@ __all__ = [
     "SwitchHistory",
     "SwitchRecord",
     "TrainShareWarning",
+    "UnreachedPhaseError",
     "__version__",
     "badam",
     "grouped_optimizer",

@@ -4,6 +4,7 @@ from .fsdp2 import shard_by_groups
 from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
+from .drift import DriftCheck, check_drift
 from .memory import HostHeap, host_heap, mmap_large_host_allocations, release_memory, rss_bytes
 from .optim import DynamicLossScale, GroupedLRScheduler, GroupedOptimizer, PrecisionOptimizer, reapply_state_policy
 from .records import SwitchHistory, SwitchRecord
@@ -17,6 +18,7 @@ __all__ = [
     "BufferPlan",
     "BufferSync",
     "CommCounter",
+    "DriftCheck",
     "DynamicLossScale",
     "GroupedLRScheduler",
     "GroupedOptimizer",
@@ -28,6 +30,7 @@ __all__ = [
     "ResidencyManager",
     "SwitchHistory",
     "SwitchRecord",
+    "check_drift",
     "counting_allreduce_hook",
     "expected_peak_bytes",
     "host_heap",

@@ -31,6 +31,7 @@ from ..errors import PlanError
 from ._collective import check_timeout
 from .buffers import BufferSyncPolicy, FrozenNormPolicy, check_buffer_sync
 from .ddp._reducer_cache import check_keep_reducers
+from .drift import DriftSetting, check_drift_setting
 from .memory._prefetch import PrefetchSetting, check_prefetch
 from .memory._release import ReleaseSetting, check_release
 from .memory._residency import DeviceLike, as_device
@@ -96,6 +97,11 @@ class SwitchConfig:
             Each kept reducer holds one copy of its phase's trainable gradients;
             in return a switch back re-installs it (faster, with the bucket layout
             it learned). ``1`` suits two sets alternating every step.
+        drift_check: when every rank's weights are compared (:mod:`.drift`; a
+            ``DriftError`` names the groups and ranks that differ): ``"save"``
+            (default) before every checkpoint of the integrations; ``"switch"``
+            also after every switch; ``N`` also every ``N`` optimizer steps;
+            ``False`` never.
     """
 
     release: ReleaseSetting = "auto"
@@ -111,6 +117,7 @@ class SwitchConfig:
     history_window: int = 256
     collective_timeout: Optional[float] = None
     keep_reducers: int = 0
+    drift_check: DriftSetting = "save"
 
     def __post_init__(self) -> None:
         check_release(self.release)
@@ -125,6 +132,7 @@ class SwitchConfig:
         check_history_window(self.history_window)
         object.__setattr__(self, "collective_timeout", check_timeout(self.collective_timeout))
         check_keep_reducers(self.keep_reducers)
+        check_drift_setting(self.drift_check)
 
     @classmethod
     def names(cls) -> list[str]:

@@ -36,7 +36,6 @@ last step of the current one. Settings: one
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
@@ -50,15 +49,16 @@ from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from . import _misuse
 from ._attach import attach_wrapper
-from ._collective import agree, any_rank_failed, collective_errors, is_distributed, settle
-from ._layout import PhaseLayouts, remember
-from ._undo import resync_refusing, rollback
+from ._transaction import run_transaction
+from ._collective import is_distributed
+from ._layout import PhaseLayouts
+from ._undo import rollback
 from .backend import Backend, LocalBackend
 from .buffers import BufferSync
 from .config import SwitchConfig
+from .drift import DriftCheck, check_drift
 from .driver import PhaseDriver
 from .invariants import check_before_step, check_each_step
-from .memory._host import release_memory
 from .memory._prefetch import PhasePrefetch
 from .memory._release import ReleasePolicy
 from .memory._residency import ResidencyManager
@@ -117,8 +117,9 @@ class PhaseSwitcher:
             raise AltParamsError("`driver` drives another schedule than `schedule`; pass the driver's own schedule")
         schedule.validate(groups)
         self.driver = driver if driver is not None else PhaseDriver(schedule)
-        self.driver.bind(self._apply_phase, moved=lambda: self.prefetcher.maybe_start(self),
-                         clear_grads=self._clear_grads)
+        self.driver.bind(self._apply_phase, moved=self._moved, clear_grads=self._clear_grads)
+        self.drift = DriftCheck(self.config.drift_check)
+        self._ranks_met = False  # collective_timeout applies once the ranks met in a transaction
         self.release_policy = ReleasePolicy(self.config.release)
         self.history = SwitchHistory(self.config.history_window)
         self.prefetcher = PhasePrefetch(self.config.prefetch)
@@ -259,6 +260,7 @@ class PhaseSwitcher:
             return None
         if self.current is None:
             raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
+        self._ranks_met = False  # ranks reach the wrapper's first call apart (their data loaders start)
         local_error = (self.backend.precondition_error(in_accumulation_window=True)
                        or self._pending_grads_error())
         return self._transaction(self.current, None, None, local_error)
@@ -278,6 +280,28 @@ class PhaseSwitcher:
         """Apply ``phase`` now, as one collective transaction (see the module docstring)."""
         return self.driver.switch_to(phase, step, epoch)  # type: ignore[no-any-return]
 
+    def _moved(self) -> None:
+        """After every move of the driver's position: start a prefetch, run the every-N drift check."""
+        self.prefetcher.maybe_start(self)
+        step = self.driver.step
+        if self.drift.due_at_step(step):
+            self.check_weights(f"at step {step} (drift_check={self.drift.setting!r})", timeout=self._timeout())
+
+    def check_weights(self, when: str, refused: str = "", timeout: Optional[float] = None) -> None:
+        """The drift check (:func:`~hf_altparams.engine.drift.check_drift`) now: a collective, on every rank.
+
+        Compares every parameter's digest across the ranks that must agree (the
+        wrappers' process group; otherwise the world) and raises the same
+        :class:`~hf_altparams.errors.DriftError` on every rank when they differ.
+        The integrations call it before each checkpoint unless ``drift_check=False``.
+        """
+        check_drift(self.groups, self.process_group if self.wrappers else None, when=when, refused=refused,
+                    timeout=timeout)
+
+    def _timeout(self) -> Optional[float]:
+        """``collective_timeout`` once the ranks have met in a transaction; the group's own before."""
+        return self.config.collective_timeout if self._ranks_met else None
+
     def _apply_phase(self, phase: Phase, step: Optional[int], epoch: Optional[int]) -> SwitchRecord:
         """The driver's ``apply``: one transaction into ``phase`` (the driver commits it after)."""
         return self._transaction(phase, step, epoch, self._precondition_error())
@@ -285,81 +309,7 @@ class PhaseSwitcher:
     def _transaction(
         self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
     ) -> SwitchRecord:
-        started = time.perf_counter()
-        timeout = self.config.collective_timeout
-        group = self.process_group if self._distributed() else None
-        one_collective = self.backend.collective_free_apply
-        if not one_collective:
-            agree(group, phase, step, local_error, timeout)
-        layout = self._layouts.get(phase.trainable)
-        before = [param.requires_grad for param in self._params]
-        offloaded_before = self.residency.offloaded
-        snapshot = self.backend.snapshot()
-        failure: Optional[BaseException] = None
-        applied, moved = False, 0
-        if local_error is None:
-            try:
-                applied = True
-                moved = self.residency.apply(self.residency.non_resident(phase),
-                                             keep_state_off=self._state_stays_off(phase))
-                for hook in self.phase_hooks:  # e.g. peft's active adapters; the flags below win
-                    hook(phase)
-                self._apply_flags(layout.trainable)
-                self.backend.apply(self.residency.ignore_names())
-            except Exception as exc:  # rolled back below, once every rank has heard of it
-                failure = exc
-        if one_collective:
-            reason = f"{type(failure).__name__}: {failure}" if failure else None
-            message, all_refused = settle(group, phase, step, local_error, reason, timeout)
-        elif any_rank_failed(group, failure is not None, phase, step, timeout):
-            reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
-            message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
-                                    "previous trainable set and DDP reducer were restored on every rank"), False
-        else:
-            message, all_refused = None, False
-        if message is not None:
-            if applied:
-                self._rollback(before, offloaded_before, snapshot)
-            elif group is not None and not all_refused:
-                resync_refusing(self.backend, self._params, snapshot)
-            raise SwitchError(message) from failure
-
-        with collective_errors(phase, step, group, None, "broadcast of returning groups"):
-            synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
-        self.residency.install_guards(phase.name)
-        grouped = optimizer_of(self.optimizer) if self.optimizer is not None else None
-        if isinstance(grouped, GroupedOptimizer):  # also inside an AcceleratedOptimizer
-            grouped.set_active(phase.trainable)
-        plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
-                                      ignore=self.residency.ignore_names())
-        released, release_reason = self.release_policy.decide(self, self.current, phase, step, epoch)
-        if released:
-            # No barrier: the settling all-gather above is one every rank just passed.
-            release_memory(barrier=False, full_gc=self.config.full_gc, trim=self.config.trim)
-        self.prefetcher.switched(self, phase)
-        reduced = self._reduced_bytes.get(phase)
-        if reduced is None:
-            reduced = remember(self._reduced_bytes, phase, self.allreduce_bytes_per_step())
-        record = SwitchRecord(
-            step=step,
-            epoch=epoch,
-            phase=phase.name,
-            trainable_groups=layout.groups,
-            trainable_params=layout.params,
-            trainable_bytes=layout.nbytes,
-            allreduce_bytes_per_step=reduced,
-            rebuilt_ddp=bool(self.wrappers),
-            seconds=time.perf_counter() - started,
-            moved_bytes=moved,
-            offloaded_bytes=self.residency.offloaded_bytes(),
-            synced_bytes=synced,
-            buffer_broadcast_bytes=plan.bytes_per_forward,
-            buffer_broadcast_saved_bytes=plan.saved_bytes_per_forward,
-            released=released,
-            release_reason=release_reason,
-        )
-        self.history.append(record)
-        return record
+        return run_transaction(self, phase, step, epoch, local_error)
 
     # ------------------------------------------------------------ memory
     def reapply_placement(self) -> int:
@@ -387,6 +337,7 @@ class PhaseSwitcher:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Check the saved schedule matches this one (the phase itself follows the step)."""
+        self._ranks_met = False  # a resume: ranks finish loading apart (see collective_timeout)
         try:
             self.schedule.load_state_dict(state["schedule"])
         except KeyError as exc:

@@ -1,9 +1,13 @@
 """Checkpoints of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator`.
 
-``save_state`` adds ``hf_altparams_state.json`` (the schedule position and the
-switcher's state) to Accelerate's checkpoint folder, and a completion marker
-written after everything else: a save killed part-way leaves a folder without it,
-which ``load_state`` refuses and automatic resume skips. ``load_state`` applies the
+``save_state`` adds ``hf_altparams_state.json`` (the schedule position, the
+switcher's state and the group membership) to Accelerate's checkpoint folder, and
+a completion marker written after everything else, listing every file with its
+size: a save killed part-way leaves a folder without it, which ``load_state``
+refuses and automatic resume skips. Before anything is written, the ranks'
+weights are compared (the drift check, :mod:`hf_altparams.engine.drift`) and an
+old marker in the folder is removed on every rank, then a barrier. ``load_state``
+checks the listed files and the groups before anything loads, and applies the
 saved phase before the optimizer state loads, so idle groups keep their policy.
 """
 
@@ -12,27 +16,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch import nn
 
 from ..errors import AltParamsError
+from ._accelerate_save import after_save, before_save, total_limit_counted_by_us, writes_state_files
+from ._checkpoint_files import COMPLETE_MARKER, manifest, manifest_problem, numbered_folders
 from ._fsdp2_prepare import grouped_checkpoint_view
+from ._membership import membership, membership_difference
 
 if TYPE_CHECKING:
-    from .accelerate import PhasedAccelerator
+    from ._accelerate_run import PhasedRun
 
-__all__ = ["COMPLETE_MARKER", "STATE_FILE", "CheckpointMixin", "agreed_checkpoint", "check_complete",
+__all__ = ["COMPLETE_MARKER", "STATE_FILE", "Checkpoints", "agreed_checkpoint", "check_complete",
            "complete_iterations", "latest_complete_checkpoint", "read_state", "write_state"]
 
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
 _STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
-#: File written last by ``save_state``, once every rank has written its part.
-COMPLETE_MARKER = "hf_altparams_complete.json"
 
 
 def _write_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -50,28 +55,39 @@ def write_state(output_dir: str, **state: Any) -> None:
 
 
 def mark_complete(output_dir: str) -> None:
-    """Write the completion marker: call after every rank finished writing ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER), {"format": _STATE_FORMAT})
+    """Write the completion marker, listing every file and its size: call after every rank finished writing."""
+    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER),
+                      {"format": _STATE_FORMAT, "files": manifest(output_dir, skip=[COMPLETE_MARKER])})
+
+
+def folder_problem(input_dir: str) -> Optional[str]:
+    """Why ``input_dir`` is not a checkpoint whose save ran to its end and whose files are all there (or ``None``)."""
+    marker = os.path.join(input_dir, COMPLETE_MARKER)
+    if not os.path.isdir(input_dir):
+        return "it does not exist (or is not a folder)"
+    if not os.path.isfile(marker):
+        return (f"it has no {COMPLETE_MARKER}, so its save was interrupted (or it was not written by "
+                "PhasedAccelerator.save_state) and it may hold another phase's files or half of the groups' "
+                "optimizer state")
+    try:
+        with open(marker) as f:
+            files = json.load(f).get("files", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"its {COMPLETE_MARKER} cannot be read ({type(exc).__name__}: {exc})"
+    problem = manifest_problem(input_dir, files)  # markers written before the list existed: nothing to check
+    return None if problem is None else f"{problem}: the folder is not the checkpoint its save completed"
 
 
 def check_complete(input_dir: str) -> None:
-    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end."""
-    if not os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER)):
-        raise AltParamsError(
-            f"`load_state` refuses {input_dir!r}: it has no {COMPLETE_MARKER}, so its save was "
-            "interrupted (or it was not written by PhasedAccelerator.save_state) and it may hold "
-            "another phase's files or half of the groups' optimizer state; load an earlier checkpoint"
-        )
+    """A clear error when ``input_dir`` is not a checkpoint whose save ran to its end, with all its files."""
+    problem = folder_problem(input_dir)
+    if problem is not None:
+        raise AltParamsError(f"`load_state` refuses {input_dir!r}: {problem}; load another checkpoint")
 
 
 def _numbered(checkpoints_dir: str) -> list[tuple[int, str]]:
     """Every ``checkpoint_<n>`` folder in ``checkpoints_dir``, complete or not, as ``(n, path)``."""
-    found = []
-    for name in os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []:
-        match = re.fullmatch(r"checkpoint_([0-9]+)", name)
-        if match and os.path.isdir(os.path.join(checkpoints_dir, name)):
-            found.append((int(match.group(1)), os.path.join(checkpoints_dir, name)))
-    return found
+    return numbered_folders(checkpoints_dir, "checkpoint_")
 
 
 def complete_iterations(checkpoints_dir: str) -> list[int]:
@@ -134,7 +150,7 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
         return None
     if input_dir is not None:
         input_dir = os.path.expanduser(str(input_dir))
-        found: Any = os.path.isfile(os.path.join(input_dir, COMPLETE_MARKER))
+        found: Any = folder_problem(input_dir)
     else:
         assert checkpoints_dir is not None
         found = complete_iterations(checkpoints_dir)
@@ -143,16 +159,12 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             check_complete(input_dir)
             return input_dir
         assert checkpoints_dir is not None
-        return latest_complete_checkpoint(checkpoints_dir)
+        chosen = latest_complete_checkpoint(checkpoints_dir)
+        check_complete(chosen)
+        return chosen
     gathered = _gathered(found)
     if input_dir is not None:
-        missing = [r for r, ok in enumerate(gathered) if not ok]
-        if missing:
-            raise AltParamsError(
-                f"`load_state` refuses {input_dir!r}: rank(s) {missing} find no {COMPLETE_MARKER} there, so "
-                "its save was interrupted (or it was not written by PhasedAccelerator.save_state) or "
-                f"those ranks do not see it; {_SHARED_STORAGE_HINT}"
-            )
+        _refuse_problems(input_dir, gathered)
         return input_dir
     assert checkpoints_dir is not None
     common = _common(gathered)
@@ -170,7 +182,35 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             f"`load_state()`: checkpoint(s) {newer} in {checkpoints_dir!r} are complete on some ranks only "
             f"(their save was interrupted elsewhere); every rank loads checkpoint_{chosen}, the latest complete "
             "on every rank", stacklevel=3)
-    return os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
+    folder = os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
+    _refuse_problems(folder, _gathered(folder_problem(folder)))
+    return folder
+
+
+def _refuse_problems(folder: str, problems: list[Optional[str]]) -> None:
+    """The same error on every rank when any rank found a problem with ``folder`` (``problems``: gathered)."""
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if not found:
+        return
+    if len({p for _, p in found}) == 1:
+        ranks = [r for r, _ in found]
+        where = "" if len(ranks) == len(problems) else f" on rank(s) {ranks}"
+        detail = f"{found[0][1]}{where}"
+    else:
+        detail = "; ".join(f"rank {r}: {p}" for r, p in found)
+    hint = "" if len(found) == len(problems) else f"; {_SHARED_STORAGE_HINT}"
+    raise AltParamsError(f"`load_state` refuses {folder!r}: {detail}; load another checkpoint{hint}")
+
+
+def check_saved_groups(input_dir: str, groups: Any) -> None:
+    """Refuse, naming the groups that differ, a checkpoint saved with another group membership."""
+    saved = read_state(input_dir).get("groups")
+    difference = None if saved is None else membership_difference(saved, groups)  # None: saved before it was kept
+    if difference is not None:
+        raise AltParamsError(
+            f"`load_state` refuses {input_dir!r}: it was saved with other groups ({difference}); its optimizer "
+            "state and schedule position belong to those groups. Build the groups as the saved run did, or "
+            "start from scratch")
 
 
 def read_state(input_dir: str) -> dict[str, Any]:
@@ -188,114 +228,117 @@ def read_state(input_dir: str) -> dict[str, Any]:
     return state
 
 
-class CheckpointMixin:
-    """``save_state`` / ``load_state`` with the schedule position, for :class:`PhasedAccelerator`."""
+class Checkpoints:
+    """``save_state`` / ``load_state`` of a :class:`PhasedAccelerator` with the schedule position.
 
-    def save_state(self: PhasedAccelerator, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                   **kwargs: Any) -> Any:
+    The accelerator delegates its checkpoint methods and hooks to this object,
+    which calls Accelerate's own ``save_state`` / ``load_state`` on it.
+
+    Args:
+        acc: the accelerator.
+        run: its :class:`~._accelerate_run.PhasedRun` (switcher, driver, optimizers that drive).
+    """
+
+    def __init__(self, acc: Accelerator, run: PhasedRun) -> None:
+        self.acc, self.run = acc, run
+        self.fsdp2_saved_groups: dict[int, list[str]] = {}
+
+    def save(self, output_dir: Optional[str], safe_serialization: bool, **kwargs: Any) -> Any:
         """``Accelerator.save_state`` plus ``hf_altparams_state.json``; a completion marker goes last.
 
-        The marker is written once every rank has written its part (a barrier before
-        and after it): a save killed part-way leaves a folder without it, which
-        :meth:`load_state` refuses and automatic resume (``load_state()``) skips.
+        First the drift check (every rank must hold the same weights, else a
+        :class:`~hf_altparams.errors.DriftError` and nothing is written; see
+        ``drift_check``) and the removal of an old marker from the folder, on
+        every rank before a barrier. The marker is written once every rank has
+        written its part (a barrier before and after it): a save killed part-way
+        leaves a folder without it, which ``load_state`` refuses and automatic
+        resume skips. With automatic naming, ``ProjectConfiguration(total_limit=N)``
+        keeps the N newest *complete* checkpoints, deleting older ones only after
+        the new one is complete (:mod:`._accelerate_save`).
         """
-        with self._fsdp2_optimizer_view(None) as saved:
-            self._fsdp2_saved_groups = saved
-            location = super().save_state(  # type: ignore[misc]
-                output_dir, safe_serialization=safe_serialization, **kwargs)
-        self.wait_for_everyone()
-        if self.switcher is not None and self._writes_state_files():
+        acc, switcher = self.acc, self.run.switcher
+        limit = before_save(acc, switcher, output_dir) if switcher is not None else None
+        with total_limit_counted_by_us(acc, limit), self._fsdp2_optimizer_view(None) as saved:
+            self.fsdp2_saved_groups = saved
+            location = Accelerator.save_state(acc, output_dir, safe_serialization=safe_serialization, **kwargs)
+        acc.wait_for_everyone()
+        if switcher is not None and writes_state_files(acc):
             mark_complete(location)
-        self.wait_for_everyone()
+        acc.wait_for_everyone()
+        if switcher is not None:
+            after_save(acc, location, limit)
         return location
 
-    def latest_checkpoint(self: PhasedAccelerator) -> Optional[str]:
-        """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
-
-        With automatic checkpoint naming: the highest ``checkpoint_<n>`` under
-        ``project_dir/checkpoints`` whose save completed (interrupted saves are
-        skipped), and complete on every rank: on several nodes each reads its own
-        disk, and every rank gets the same answer (call it on every rank: it is a
-        collective). The start of an elastic job: ``if acc.latest_checkpoint():
-        acc.load_state()`` (``examples/elastic_restart.py``).
-
-        Example:
-            >>> # acc = PhasedAccelerator(schedule, project_config=ProjectConfiguration(
-            >>> #     project_dir="run", automatic_checkpoint_naming=True))
-            >>> # if acc.latest_checkpoint() is not None:
-            >>> #     acc.load_state()  # resumes the schedule, the phase and the optimizer state
-        """
-        if not self.project_configuration.automatic_checkpoint_naming:
+    def latest(self) -> Optional[str]:
+        """The checkpoint ``load_state()`` would resume from, or ``None`` (a collective; see the accelerator's)."""
+        acc = self.acc
+        if not acc.project_configuration.automatic_checkpoint_naming:
             raise AltParamsError(
                 "`latest_checkpoint()` needs automatic checkpoint naming: pass "
                 "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
-        checkpoints_dir = os.path.join(self.project_dir, "checkpoints")
+        checkpoints_dir = os.path.join(acc.project_dir, "checkpoints")
         common = _common(_gathered(complete_iterations(checkpoints_dir)))
         return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}") if common else None
 
-    def _writes_state_files(self: PhasedAccelerator) -> bool:
-        on_each_node = self.project_configuration.save_on_each_node
-        return bool(self.is_main_process or (on_each_node and self.is_local_main_process))
-
-    def _save_hook(self: PhasedAccelerator, models: list[nn.Module], weights: list[dict[str, Any]],
-                   output_dir: str) -> None:
-        if self.switcher is None:
+    def save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+        """Accelerate's save pre-hook: the state file (schedule position, switcher state, group membership)."""
+        switcher, driver = self.run.switcher, self.run.driver
+        if switcher is None or driver is None or not writes_state_files(self.acc):
             return
-        if self._writes_state_files():
-            extra = {}
-            if getattr(self, "_fsdp2_saved_groups", None):  # FSDP2: which groups' optimizer state DCP holds
-                extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self._fsdp2_saved_groups.items()}
-            write_state(output_dir, schedule_step=self.schedule_step, schedule_epoch=self.schedule_epoch,
-                        switcher=self.switcher.state_dict(), **extra)
+        extra = {}
+        if self.fsdp2_saved_groups:  # FSDP2: which groups' optimizer state DCP holds
+            extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self.fsdp2_saved_groups.items()}
+        write_state(output_dir, schedule_step=driver.step, schedule_epoch=driver.epoch,
+                    switcher=switcher.state_dict(), groups=membership(switcher.groups), **extra)
 
-    def load_state(self: PhasedAccelerator, input_dir: Optional[str] = None, **kwargs: Any) -> None:
+    def load(self, input_dir: Optional[str], **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
 
-        A folder whose save did not complete is refused before anything loads; with
-        automatic checkpoint naming and no ``input_dir``, the latest ``checkpoint_<n>``
-        complete on every rank is loaded (interrupted saves are skipped) and the next
-        ``save_state()`` writes after the highest existing folder on any rank (plain
-        Accelerate would restart at ``checkpoint_0`` and refuse it). The ranks agree
-        on the folder first (each reads its own disk: several nodes may see
-        different files), so either all of them load the same checkpoint or all
-        raise the same error.
+        A folder whose save did not complete, a missing or truncated file, or
+        other groups are refused before anything loads; with automatic naming and
+        no ``input_dir``, the latest ``checkpoint_<n>`` complete on every rank is
+        loaded and the next ``save_state()`` writes after the highest existing
+        folder on any rank. The ranks agree on the folder first (each reads its
+        own disk), so either all load the same checkpoint or all raise the same error.
         """
-        automatic = input_dir is None and self.project_configuration.automatic_checkpoint_naming
-        if self.switcher is not None:
-            input_dir = agreed_checkpoint(input_dir, os.path.join(self.project_dir, "checkpoints") if automatic else None)
+        acc, switcher = self.acc, self.run.switcher
+        automatic = input_dir is None and acc.project_configuration.automatic_checkpoint_naming
+        if switcher is not None:
+            input_dir = agreed_checkpoint(input_dir, os.path.join(acc.project_dir, "checkpoints") if automatic else None)
+            if input_dir is not None:
+                check_saved_groups(input_dir, switcher.groups)  # before anything loads
         saved = None
-        if self.switcher is not None and input_dir is not None and self.is_fsdp2:
+        if switcher is not None and input_dir is not None and acc.is_fsdp2:
             # Accelerate loads FSDP optimizers before the pre-hooks run: apply the saved phase first.
-            self._load_hook([], input_dir)
+            self.load_hook([], input_dir)
             saved = {int(i): g for i, g in read_state(input_dir).get("fsdp2_optimizer_groups", {}).items()}
         with self._fsdp2_optimizer_view(saved):
-            super().load_state(input_dir, **kwargs)
+            Accelerator.load_state(acc, input_dir, **kwargs)
         if automatic:
             # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
             # existing checkpoint_0: continue after the highest folder, interrupted ones included.
             # The highest folder on ANY rank: with a disk per node, every node numbers the next save alike.
-            numbered = _numbered(os.path.join(self.project_dir, "checkpoints"))
-            self.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
-        if self.switcher is not None:
-            self.switcher.reapply_placement()  # load_state put optimizer state on the device
+            numbered = _numbered(os.path.join(acc.project_dir, "checkpoints"))
+            acc.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
+        if switcher is not None:
+            switcher.reapply_placement()  # load_state put optimizer state on the device
 
-    def _fsdp2_optimizer_view(self: PhasedAccelerator, saved: Optional[dict[int, list[str]]]) -> Any:
-        """With FSDP2, GroupedOptimizers reach DCP as their inner optimizers (``_fsdp2_prepare``)."""
-        if self.switcher is None or not self.is_fsdp2:
-            return contextlib.nullcontext({})
-        return grouped_checkpoint_view(self._optimizers, saved)
-
-    def _load_hook(self: PhasedAccelerator, models: list[nn.Module], input_dir: str) -> None:
-        if self.switcher is None:
+    def load_hook(self, models: list[nn.Module], input_dir: str) -> None:
+        """Accelerate's load pre-hook: the saved position and phase, applied before the optimizer state loads."""
+        switcher, driver = self.run.switcher, self.run.driver
+        if switcher is None or driver is None:
             return
         state = read_state(input_dir)
-        self.switcher.load_state_dict(state["switcher"])
-        driver = self.driver
-        assert driver is not None
+        switcher.load_state_dict(state["switcher"])
         driver.load_position(int(state["schedule_step"]), int(state["schedule_epoch"]))  # the epoch counts as set
-        for _, param in self.switcher.groups.all_named_params():
+        for _, param in switcher.groups.all_named_params():
             param.grad = None  # loading replaces the run: in-flight gradients are void
         record = driver.move_to(driver.step, driver.epoch)  # before the optimizer state loads: idle groups keep their policy
         if record is not None:
             self.run.after_switch(record)
 
+    def _fsdp2_optimizer_view(self, saved: Optional[dict[int, list[str]]]) -> Any:
+        """With FSDP2, GroupedOptimizers reach DCP as their inner optimizers (``_fsdp2_prepare``)."""
+        if self.run.switcher is None or not self.acc.is_fsdp2:
+            return contextlib.nullcontext({})
+        return grouped_checkpoint_view(self.acc._optimizers, saved)

@@ -266,14 +266,20 @@ def forget_untrained_state(optimizer: Optional[Optimizer], groups: ParamGroups, 
     with a zero-gradient step at lr 0 (``step`` 1, zero moments); a group that
     had not trained before the checkpoint keeps that, where the uninterrupted
     run starts it fresh at its first step. Dropping it makes the resume exact.
+    Only parameters the optimizer holds are touched: a group no phase of the
+    schedule trains is frozen at ``on_init_end`` under FSDP2, so the optimizer
+    the Trainer builds leaves it out, and a state entry for it would make the
+    next checkpoint's ``get_optimizer_state_dict`` fail (a bare ``KeyError``).
     """
     inner = _unwrapped(optimizer)
     if inner is None or isinstance(inner, GroupedOptimizer):
         return
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
     for name in groups.names:
         if name not in trained:
             for param in groups.params(name):
-                inner.state[param] = {}  # kept (empty) for the next checkpoint
+                if id(param) in held:
+                    inner.state[param] = {}  # kept (empty) for the next checkpoint
 
 
 def uses_fsdp2(args: Any) -> bool:
@@ -315,7 +321,8 @@ def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optio
         forget_untrained_state(optimizer, rebound, trained)
     inner = _unwrapped(optimizer)
     if inner is not None and not isinstance(inner, GroupedOptimizer):
+        held = {id(p) for group in inner.param_groups for p in group["params"]}
         for _, param in rebound.all_named_params():
-            if param.requires_grad:
+            if param.requires_grad and id(param) in held:
                 inner.state[param]  # noqa: B018 - a defaultdict: creates the empty entry
     return rebound

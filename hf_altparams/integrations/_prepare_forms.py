@@ -25,7 +25,7 @@ optimizer that leaves out a parameter the schedule trains.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 from torch.optim import Optimizer
@@ -40,7 +40,7 @@ from ..plan.schedules import Schedule
 from ._accelerate_parts import refuse_user_ddp, refuse_without_groups
 from ._user_optimizers import GradientArrivals, OptimizerHandle, held
 
-__all__ = ["FORMS", "Found", "find_grouped"]
+__all__ = ["FORMS", "Found", "checked_phases", "find_grouped"]
 
 FORMS = (
     "Accepted next to the grouped model (or each model of ParamGroups.of_models), in the same `prepare` call or a "
@@ -201,3 +201,21 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
     call_args, _ = found.arguments(args, None)
     found.models = {j: models[i] for i in models for j, a in enumerate(call_args) if a is args[i]}
     return found
+
+
+def checked_phases(schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]
+                    ) -> tuple[Optional[Schedule], Optional[ParamGroups]]:
+    """The constructor's (or ``set_phases``') schedule and groups, checked; a mapping of models becomes groups."""
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise PlanError(f"`schedule` must be an hf_altparams Schedule or None, got {type(schedule).__name__}: "
+                        f"{schedule!r}")
+    if isinstance(groups, Mapping) and all(isinstance(m, nn.Module) for m in groups.values()):
+        groups = ParamGroups.of_models(groups)
+    if groups is not None and not isinstance(groups, ParamGroups):
+        raise PlanError(f"`groups` must be a ParamGroups, a mapping of names to models, or None; got "
+                        f"{type(groups).__name__}")
+    if groups is not None and schedule is None:
+        raise PlanError("`groups` was given without a `schedule`; pass both (or neither, for a plain Accelerator)")
+    if groups is not None and schedule is not None:
+        schedule.validate(groups)
+    return schedule, groups

@@ -9,7 +9,11 @@ highest-numbered folder, torn or not.
 
 So, at ``on_save``, once every rank has written its part (a barrier), the
 process that wrote ``trainer_state.json`` writes :data:`COMPLETE_MARKER`
-atomically, last: the step, epoch and phase the checkpoint holds. A resume
+atomically, last: the step, epoch and phase the checkpoint holds, and every
+file of the folder with its size. Before the Trainer writes a folder
+(:func:`prepare_save`, at the ``on_step_end`` / ``on_epoch_end`` that decided
+the save), the ranks' weights are compared (the drift check) and a marker an
+earlier run left there is removed, then a barrier. A resume
 from a folder without it (whose record says a marker is due) is refused at
 ``train()`` with the latest complete checkpoint named; a marker for another
 step (a folder reused by a new run) is refused too. :func:`last_complete_checkpoint`
@@ -31,11 +35,15 @@ from typing import Any, Optional
 
 from transformers import TrainerState, TrainingArguments
 
+import torch.distributed as dist
+
+from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
-from ._accelerate_checkpoints import COMPLETE_MARKER, _write_atomically
+from ._accelerate_checkpoints import _write_atomically
+from ._checkpoint_files import COMPLETE_MARKER, manifest, manifest_problem
 
 __all__ = ["COMPLETE_MARKER", "check_resumed", "drop_stale_marker", "last_complete_checkpoint",
-           "mark_complete", "resumed_checkpoint"]
+           "mark_complete", "prepare_save", "resumed_checkpoint"]
 
 _FORMAT = "hf_altparams.AlternatingFreeze/1"
 
@@ -49,7 +57,23 @@ def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str
     folder = _checkpoint_dir(args, state)
     if args.should_save and os.path.isdir(folder):
         _write_atomically(os.path.join(folder, COMPLETE_MARKER),
-                          {"format": _FORMAT, "step": state.global_step, **record})
+                          {"format": _FORMAT, "step": state.global_step, **record,
+                           "files": manifest(folder, skip=[COMPLETE_MARKER])})
+
+
+def prepare_save(args: TrainingArguments, state: TrainerState, switcher: PhaseSwitcher) -> None:
+    """Before the Trainer writes ``checkpoint-<global_step>`` (every rank): drift check, stale marker, barrier.
+
+    The drift check runs unless the switcher's ``drift_check`` is ``False``: a
+    :class:`~hf_altparams.errors.DriftError` on every rank, before the Trainer
+    writes anything.
+    """
+    if switcher.drift.at_save:
+        switcher.check_weights(f"before the Trainer's save at step {state.global_step}",
+                               "The Trainer's checkpoint was not written")
+    drop_stale_marker(args, state)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # no rank writes into the folder (its RNG state, its shard) while an old marker stands
 
 
 def drop_stale_marker(args: TrainingArguments, state: TrainerState) -> None:
@@ -92,6 +116,13 @@ def _marker_step(path: str) -> Optional[int]:
     return int(step) if isinstance(step, int) else None
 
 
+def _marker_files(path: str) -> dict[str, int]:
+    """The file list a marker records (``{}`` for markers written before it was kept)."""
+    with open(path) as f:
+        files = json.load(f).get("files", {})
+    return files if isinstance(files, dict) else {}
+
+
 def resumed_checkpoint(frame: Optional[FrameType]) -> Optional[str]:
     """The folder ``Trainer.train`` resumes from, read from its ``_inner_training_loop`` frame (or ``None``).
 
@@ -112,6 +143,12 @@ def check_resumed(path: str, state: TrainerState, record: Optional[dict[str, Any
     marker = os.path.join(path, COMPLETE_MARKER)
     step = _marker_step(marker) if os.path.isfile(marker) else None
     if step == state.global_step:
+        problem = manifest_problem(path, _marker_files(marker))
+        if problem is not None:
+            raise AltParamsError(
+                f"AlternatingFreeze refuses to resume from {path!r}: {problem}, so the Trainer resumed from an "
+                "incomplete folder (it skips a missing optimizer, scheduler or RNG file silently); resume from "
+                "another checkpoint")
         return
     if step is None and record is None and state.global_step > 0:
         return  # saved by a run without AlternatingFreeze: nothing of ours to check

@@ -2,7 +2,8 @@
 
 The record lives in ``TrainerState.stateful_callbacks`` (saved in every
 checkpoint's ``trainer_state.json``): the schedule's state, the groups' sizes,
-the phase, and the step and epoch it was written at.
+the phase, the group membership (group -> parameter names), and the step and
+epoch it was written at.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..errors import PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
+from ._membership import membership, membership_difference
 
 __all__ = ["STATE_KEY", "check_callback_state", "save_callback_state", "trained_groups"]
 
@@ -46,6 +48,7 @@ def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGr
     state.stateful_callbacks[STATE_KEY] = {
         "schedule": schedule.state_dict(),
         "groups": {g: groups.numel(g) for g in groups.names},
+        "members": membership(groups),  # group -> parameter names, compared at resume
         "phase": None if current is None else sorted(current.trainable),
         "step": state.global_step,
         "epoch": epoch,
@@ -88,6 +91,10 @@ def check_callback_state(state: TrainerState, schedule: Schedule, groups: ParamG
         schedule.load_state_dict(saved["schedule"])
     except PlanError as err:
         raise PlanError(f"AlternatingFreeze: the checkpoint was saved with another schedule ({err}); {_HOW}") from err
+    members = saved.get("members")
+    difference = None if members is None else membership_difference(members, groups)  # None: an older record
+    if difference is not None:
+        raise PlanError(f"AlternatingFreeze: the checkpoint was saved with other groups ({difference}); {_HOW}")
     mine = {g: groups.numel(g) for g in groups.names}
     if saved.get("groups") != mine:
         raise PlanError(

@@ -29,7 +29,7 @@ from ..engine.optim import GroupedOptimizer
 from ._fsdp2_prepare import FSDP1_MESSAGE, trainer_fsdp_version
 
 
-__all__ = ["FirstCallCatcher", "no_wrapper_error", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
+__all__ = ["FIND_UNUSED_WARNING", "FirstCallCatcher", "no_wrapper_error", "run_before_reporters", "unsupported_backend", "unwrap_optimizer"]
 
 # The callback's logger (records keep the name they had when this code lived in `.trainer`).
 logger = logging.getLogger(__name__.rpartition(".")[0] + ".trainer")
@@ -157,6 +157,15 @@ def run_before_reporters(callback: TrainerCallback, event_frame: Optional[FrameT
                          len(callbacks))
             callbacks.insert(first, callback)
             return
+
+
+#: Logged when the Trainer's DDP searches for unused parameters (its default without gradient checkpointing).
+FIND_UNUSED_WARNING = (
+    "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default without gradient "
+    "checkpointing), which walks the autograd graph and all-reduces a used-parameter map on every step. "
+    "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
+    "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips some trainable parameters."
+)
 
 
 def no_wrapper_error() -> Optional[str]:

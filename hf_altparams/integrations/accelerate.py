@@ -61,18 +61,19 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
-from ._accelerate_checkpoints import STATE_FILE, CheckpointMixin
+from ._accelerate_checkpoints import STATE_FILE, Checkpoints
 from ._accelerate_parts import PhasedOptimizer, PreparedGroupedLRScheduler, check_supported
 from ._accelerate_run import PhasedRun, RunSettings
 from ._fsdp2_prepare import fsdp2_metrics
 from ._phase_queries import PhaseQueries
-from ._prepare_forms import find_grouped
+from ._prepare_forms import checked_phases, find_grouped
+from ._unreached import check_loss
 from ._user_optimizers import OptimizerHandle, unscale_once
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
 
 
-class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
+class PhasedAccelerator(PhaseQueries, Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:
@@ -141,7 +142,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         frozen_prefix: Union[None, bool, FrozenPrefix] = None,
         **kwargs: Any,
     ) -> None:
-        schedule, groups = _checked_phases(schedule, groups)
+        schedule, groups = checked_phases(schedule, groups)
         if find_unused_parameters not in (None, True, False):
             raise PlanError(
                 f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
@@ -163,8 +164,9 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
             )
         self.run = PhasedRun(schedule, groups, settings, log=self.log, metrics=self.switch_metrics,
                              steps_per_epoch=self._steps_per_epoch)
-        self._hooks = [self.register_save_state_pre_hook(self._save_hook),
-                       self.register_load_state_pre_hook(self._load_hook)]
+        self._checkpoints = Checkpoints(self, self.run)
+        self._hooks = [self.register_save_state_pre_hook(self._checkpoints.save_hook),
+                       self.register_load_state_pre_hook(self._checkpoints.load_hook)]
 
     # ------------------------------------------------------------------ state (the run's)
     @property
@@ -222,7 +224,7 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         if self.run.prepared_models or self.run.switcher is not None:
             raise PlanError("`set_phases` came after `prepare` of the grouped model; call it before, so the first "
                             "phase is applied before DDP wraps the model")
-        schedule, checked = _checked_phases(schedule, groups)
+        schedule, checked = checked_phases(schedule, groups)
         self.run.schedule, self.run.groups_given = schedule, checked
         self.run.reset()
 
@@ -301,12 +303,20 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         return self.run.set_epoch(epoch)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``."""
+        """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``.
+
+        A loss that depends on no trainable parameter is refused first, naming the
+        phase and the likely causes (:mod:`._unreached`), instead of torch's
+        "element 0 of tensors does not require grad".
+        """
         if self.run.prepared_models and not self.run.driving_bound:
             raise PlanError(
                 "the grouped model was prepared, but no optimizer over its parameters was passed to `prepare` "
                 "yet: the schedule is driven by that optimizer's steps, so the phases would never advance. "
                 "Pass the optimizer to `accelerator.prepare` (with the model, or in a later call) before training.")
+        if self.switcher is not None:
+            check_loss(loss, self.switcher.current, self.switcher.groups, "accelerator.backward(loss)",
+                       "`accelerator.task` / `accelerator.phase`")
         super().backward(loss, **kwargs)
         if self.run.driver is not None:
             self.run.driver.loop.backward_pending = True
@@ -324,6 +334,31 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
             except TypeError:  # an iterable dataset has no length
                 continue
         return math.ceil(max(lengths) / max(1, int(self.gradient_accumulation_steps))) if lengths else 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        """``Accelerator.save_state`` plus the schedule position; drift-checked first, a completion marker last.
+
+        See :meth:`~._accelerate_checkpoints.Checkpoints.save` (and ``docs/faults.md``).
+        """
+        return self._checkpoints.save(output_dir, safe_serialization, **kwargs)
+
+    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
+        """``Accelerator.load_state``; refuses torn or foreign checkpoints, applies the saved phase first.
+
+        See :meth:`~._accelerate_checkpoints.Checkpoints.load`.
+        """
+        self._checkpoints.load(input_dir, **kwargs)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
+
+        With automatic checkpoint naming: the highest ``checkpoint_<n>`` under
+        ``project_dir/checkpoints`` complete on every rank (a collective: call it
+        on every rank). The start of an elastic job: ``if acc.latest_checkpoint():
+        acc.load_state()`` (``examples/elastic_restart.py``).
+        """
+        return self._checkpoints.latest()
 
     # ------------------------------------------------------------------ reports
     @property
@@ -378,20 +413,3 @@ class PhasedAccelerator(PhaseQueries, CheckpointMixin, Accelerator):
         self.run.reset()
         return super().free_memory(*objects)
 
-
-def _checked_phases(schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]
-                    ) -> tuple[Optional[Schedule], Optional[ParamGroups]]:
-    """The constructor's (or ``set_phases``') schedule and groups, checked; a mapping of models becomes groups."""
-    if schedule is not None and not isinstance(schedule, Schedule):
-        raise PlanError(f"`schedule` must be an hf_altparams Schedule or None, got {type(schedule).__name__}: "
-                        f"{schedule!r}")
-    if isinstance(groups, Mapping) and all(isinstance(m, nn.Module) for m in groups.values()):
-        groups = ParamGroups.of_models(groups)
-    if groups is not None and not isinstance(groups, ParamGroups):
-        raise PlanError(f"`groups` must be a ParamGroups, a mapping of names to models, or None; got "
-                        f"{type(groups).__name__}")
-    if groups is not None and schedule is None:
-        raise PlanError("`groups` was given without a `schedule`; pass both (or neither, for a plain Accelerator)")
-    if groups is not None and schedule is not None:
-        schedule.validate(groups)
-    return schedule, groups

@@ -10,32 +10,10 @@ Add :class:`AlternatingFreeze` to ``callbacks`` and change nothing else::
         )],
     )
 
-How the callback meets the Trainer (transformers 5.17 to 5.23), event by event:
-
-* ``on_init_end`` (end of ``Trainer(...)``): refuses DeepSpeed, FSDP1 and a
-  compiled multi-process model; resolves the groups on the model it receives;
-  turns ``requires_grad`` on for every parameter the schedule will ever train,
-  so the optimizer the Trainer builds later covers them all. It also moves
-  itself ahead of the reporting callbacks so its log keys reach them.
-* ``on_train_begin``: checks, by identity, that the optimizer covers those
-  parameters (a clear error otherwise); checks a resumed run's saved schedule;
-  applies the phase of ``state.global_step`` (and the epoch), so a resumed run
-  lands in the right phase. The Trainer has already wrapped the model in
-  ``DistributedDataParallel`` over every parameter and keeps the wrapper in a
-  local variable, out of a callback's reach; so a one-shot *global* forward
-  pre-hook catches that wrapper on its first call, before ``DDP.forward``
-  runs, and the engine re-buckets it in place for the phase
-  (``PhaseSwitcher.attach(ddp, rebuild=True)``): before the first backward.
-* before each optimizer step (the optimizer's own step hook): gradients and
-  ``requires_grad`` are checked against the phase (:mod:`hf_altparams.engine.invariants`).
-* ``on_step_end`` (after the Trainer's ``optimizer.step()`` and
-  ``model.zero_grad()``): switches to the phase of the new global step, on
-  every rank at the same step.
-* ``on_log``: adds ``altparams/*`` metrics to the logs.
-* ``on_save`` (after the Trainer wrote a checkpoint): once every rank is done,
-  marks the checkpoint complete; ``train(resume_from_checkpoint=...)`` refuses
-  a folder whose save was interrupted, and :func:`last_complete_checkpoint`
-  finds the latest complete one (:mod:`._trainer_checkpoints`).
+How the callback meets the Trainer, event by event (``on_init_end``: groups and
+the optimizer's coverage; ``on_train_begin``: the phase of ``state.global_step``
+and the DDP wrapper caught at its first call; each optimizer step: the phase's
+invariants; ``on_step_end``: the switch; ``on_log``, ``on_save``): ``docs/trainer.md``.
 
 The engine (a :class:`~hf_altparams.engine.PhaseSwitcher` and its driver) does
 every switch; this module holds the callback's arguments and events. Groups:
@@ -73,7 +51,7 @@ from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
 from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
-from ._trainer_checkpoints import check_resumed, drop_stale_marker, last_complete_checkpoint, mark_complete
+from ._trainer_checkpoints import check_resumed, last_complete_checkpoint, mark_complete, prepare_save
 from ._trainer_checkpoints import resumed_checkpoint
 from ._trainer_groups import (
     GroupsSpec,
@@ -85,7 +63,9 @@ from ._trainer_groups import (
 from ._trainer_optim import grouped_optimizer
 from ._trainer_reporting import Metrics, TrainerReport
 from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
-from ._trainer_support import FirstCallCatcher, no_wrapper_error, run_before_reporters, unsupported_backend
+from ._trainer_support import FIND_UNUSED_WARNING, FirstCallCatcher, no_wrapper_error, run_before_reporters
+from ._trainer_support import unsupported_backend
+from ._unreached import OutputGuard
 from ._trainer_support import unwrap_optimizer
 
 __all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer", "last_complete_checkpoint"]
@@ -226,6 +206,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self.find_unused_parameters: Optional[bool] = None
         self._catcher: Optional[FirstCallCatcher] = None
         self._is_main = True
+        self._save_prepared_at: Optional[int] = None  # the step whose save `_prepare_save` checked
+        self._output_guard: Optional[OutputGuard] = None  # a training forward without grad: a clear error
 
     @property
     def driver(self) -> Optional[PhaseDriver]:
@@ -305,6 +287,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
+        if self._output_guard is not None:
+            self._output_guard.remove()
+        self._output_guard = OutputGuard(self.groups.module, lambda: self.phase, self.groups)
         if dist.is_available() and dist.is_initialized() and sharded is None:
             self._catcher = FirstCallCatcher(self.groups.module, self._attach_ddp, self._no_wrapper)
         if self._is_main:
@@ -318,7 +303,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self.comm is not None:
             self.comm.end_step()
         if control.should_save:
-            drop_stale_marker(args, state)  # the folder the Trainer saves next may be an old run's
+            self._prepare_save(args, state)  # drift check; the folder the Trainer saves next may be an old run's
         last = bool(state.max_steps and state.global_step >= state.max_steps)  # no step follows: no switch
         if self.switcher.driver.stepped(state.global_step, self._epoch(state), switch=not last) is not None:
             self._save_state(state)
@@ -337,12 +322,16 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.switcher is not None and control.should_save:  # save_strategy="epoch"
-            drop_stale_marker(args, state)
+            self._prepare_save(args, state)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         if self.switcher is None:
             return
+        if self._save_prepared_at != state.global_step and self.switcher.drift.at_save:
+            # A save no step-end foresaw (save_strategy="best"): checked before the marker, which a drift withholds.
+            self.switcher.check_weights(f"after the Trainer's save at step {state.global_step}",
+                                        "The checkpoint is left without its completion marker")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # every rank has written its part (its RNG state) of the checkpoint
         current = self.switcher.current
@@ -354,6 +343,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if self._catcher is not None:
             self._catcher.remove()
             self._catcher = None
+        if self._output_guard is not None:
+            self._output_guard.remove()
+            self._output_guard = None
 
     # ------------------------------------------------------------------ internals
     def _attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
@@ -370,13 +362,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self.switcher.attach(ddp, rebuild=True)
         self.find_unused_parameters = bool(ddp.find_unused_parameters)
         if self.find_unused_parameters and self._is_main:
-            logger.warning(
-                "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default "
-                "without gradient checkpointing), which walks the autograd graph and all-reduces a "
-                "used-parameter map on every step. AlternatingFreeze re-buckets DDP for exactly the "
-                "phase's parameters, so pass `ddp_find_unused_parameters=False` to TrainingArguments "
-                "unless your forward skips some trainable parameters."
-            )
+            logger.warning(FIND_UNUSED_WARNING)
 
     def _no_wrapper(self) -> None:
         """Called when the model trains without a DDP wrapper: refused in a multi-process run."""
@@ -399,6 +385,11 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         # The Trainer sets `epoch = e + (batch + 1) / batches_in_epoch`, exactly e + 1 after the
         # last step of epoch e, so the floor is the epoch the next step belongs to.
         return int(state.epoch or 0)
+
+    def _prepare_save(self, args: TrainingArguments, state: TrainerState) -> None:
+        assert self.switcher is not None
+        prepare_save(args, state, self.switcher)
+        self._save_prepared_at = state.global_step
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None

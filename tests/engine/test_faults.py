@@ -14,8 +14,17 @@ group's timeout:
   after about 1 s;
 * ``stuck`` with the process group's timeout alone (3 s): the error comes then.
 
+A fourth job checks what ``collective_timeout`` means for the first switch: rank
+1 reaches ``prepare`` 4 s after rank 0 (``late``, ``collective_timeout=1``, as a
+rank still loading its model); the first switch waits under the process group's
+timeout and the run completes.
+
 The ranks are started without a launcher: on one node torchrun would stop the
 survivor itself when a rank dies, which hides what a job spread over nodes meets.
+They meet in a file barrier before the process group exists and in a
+long-timeout barrier before ``prepare`` (the script's docstring), so a loaded
+machine, where their start-up differs by seconds, changes none of the timings
+checked here.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,14 +49,15 @@ SCENARIOS = {
     "dead": ("dead", 60.0, "none"),
     "stuck_collective_timeout": ("stuck", 6.0, "1"),
     "stuck_group_timeout": ("stuck", 3.0, "none"),
+    "late_first_switch": ("late", 60.0, "1"),
 }
 EXIT_WITHIN = 60.0  # s from the fault to the survivor's exit
 START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 2-core box
 
 
-def _start(mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
+def _start(sync: Path, mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
     env = dict(_launch_env("accelerate", None), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", FAULT_SYNC_DIR=str(sync))
     return [subprocess.Popen(
         [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],
         env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
@@ -60,9 +71,9 @@ def _result(output: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time() -> None:
+def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time(tmp_path: Path) -> None:
     started = time.monotonic()
-    jobs = {name: _start(*spec) for name, spec in SCENARIOS.items()}
+    jobs = {name: _start(tmp_path / name, *spec) for name, spec in SCENARIOS.items()}
     outcome: dict[str, tuple[int, float, str]] = {}
     try:
         for name, (rank0, _) in jobs.items():
@@ -74,12 +85,21 @@ def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time() -> None:
                 out, _ = rank0.communicate()
                 pytest.fail(f"{name}: rank 0 still running after {time.monotonic() - started:.0f} s:\n{out[-3000:]}")
             outcome[name] = (rank0.returncode, time.time(), out)
+            if name == "late_first_switch":  # nothing failed: rank 1 ends by itself too
+                rank1 = jobs[name][1]
+                rank1_out, _ = rank1.communicate(timeout=left)
+                assert rank1.returncode == 0, f"late_first_switch: rank 1 failed:\n{rank1_out[-3000:]}"
     finally:
         for procs in jobs.values():
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                 proc.communicate()
+    late = outcome.pop("late_first_switch")
+    assert late[0] == 0, f"late_first_switch: rank 0 failed:\n{late[2][-3000:]}"
+    on_time = _result(late[2])
+    # prepare's first switch waited for the late rank well past collective_timeout=1, then the run went on
+    assert on_time["type"] is None and on_time["waited"] > 2.0 and on_time["switches"] >= 2, on_time
     for name, (code, ended, out) in outcome.items():
         assert code != 0, f"{name}: rank 0 exited 0:\n{out[-3000:]}"
         result = _result(out)

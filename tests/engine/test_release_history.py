@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_altparams.engine import PhaseSwitcher, memory_report
-from hf_altparams.engine import switch as switch_module
+from hf_altparams.engine import _transaction as transaction_module
 from hf_altparams.errors import AltParamsError
 from hf_altparams.plan import Alternating, ParamGroups
 
@@ -19,7 +19,7 @@ def _switcher(durations: dict[str, int], monkeypatch: pytest.MonkeyPatch, **kwar
     net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(4, 4))  # 4 MiB, 4 MiB, tiny
     groups = ParamGroups(net, {"big": "0.*", "big2": "1.*", "small": "2.*"})
     released: list[int] = []
-    monkeypatch.setattr(switch_module, "release_memory", lambda **kw: released.append(1))
+    monkeypatch.setattr(transaction_module, "release_memory", lambda **kw: released.append(1))
     return PhaseSwitcher(groups, Alternating(durations), **kwargs), released  # type: ignore[arg-type]
 
 

@@ -12,8 +12,10 @@ the root module's ``forward`` takes the sample indices (``index_key``); a batch
 whose every index is held skips the prefix: the embeddings return the cached
 output of the last frozen block and the frozen blocks pass their input through.
 A batch with any index missing runs the prefix and stores the missing rows.
-The cache is cleared when the prefix changes or one of its parameters changes
-(new tensor, or an in-place write such as ``load_state_dict``).
+The cache is cleared when the prefix changes or one of its weights changes by
+any route (a new tensor, ``load_state_dict``, a write through ``.data``): the
+stages' parameters (and buffers, in eval mode) are compared by identity and by
+content before every training forward (:mod:`._weights`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from ...errors import AltParamsError, PlanError
 from ._store import ActivationStore
+from ._weights import PrefixWeights
 from .config import FrozenPrefix
 
 __all__ = ["FrozenPrefixCache", "PrefixRecord", "find_stages"]
@@ -181,7 +184,7 @@ class FrozenPrefixCache:
         self.depth = 0
         self.records: list[PrefixRecord] = []
         self.record = PrefixRecord(0, ())
-        self._fingerprint: tuple[Any, ...] = ()
+        self._weights = PrefixWeights(with_buffers=config.eval_frozen)  # what the rows were computed from
         self._installed: list[tuple[nn.Module, Any]] = []
         self._mode: Optional[str] = None
         self._rows: Optional[torch.Tensor] = None
@@ -236,15 +239,13 @@ class FrozenPrefixCache:
 
     # ------------------------------------------------------------------ the prefix
     def _frozen_depth(self) -> int:
+        self._stage_params = [list(m.parameters()) for m in self.stages]  # a swapped Parameter counts as it is now
         depth = 0
         for params in self._stage_params:
             if any(p.requires_grad for p in params):
                 break
             depth += 1
         return depth
-
-    def _weights_fingerprint(self) -> tuple[Any, ...]:
-        return tuple((id(p), p.data_ptr(), p._version) for params in self._stage_params[: self.depth] for p in params)
 
     def _set_depth(self, depth: int) -> None:
         for module, previous in self._installed:  # back to the forward each stage had before
@@ -263,7 +264,8 @@ class FrozenPrefixCache:
         self.depth = depth
         self.record = PrefixRecord(depth, tuple(self.stage_names[:depth]))
         self._checking = self.config.check_layout
-        self._fingerprint = self._weights_fingerprint()
+        if self.config.cache:
+            self._weights.capture(self.stages[:depth])
         if depth and self.config.cache:
             for i, stage in enumerate(self.stages[:depth]):
                 self._installed.append((stage, stage.__dict__.get("forward")))
@@ -273,8 +275,8 @@ class FrozenPrefixCache:
         depth = self._frozen_depth()
         if depth != self.depth:
             self._set_depth(depth)
-        elif depth and self._weights_fingerprint() != self._fingerprint:
-            self._set_depth(depth)  # a frozen weight changed (load_state_dict, a move): the rows are stale
+        elif depth and self.config.cache and self._weights.changed(self.stages[:depth]):
+            self._set_depth(depth)  # a frozen weight changed (load_state_dict, .data, a move): the rows are stale
 
     # ------------------------------------------------------------------ forward
     def _forward(self, inner: Callable[..., Any], indices: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
