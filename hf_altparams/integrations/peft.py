@@ -61,6 +61,7 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
+from ..plan.schedules import Schedule
 from ._peft_params import adapter_parameters, as_peft_model, check_adapter_names
 
 __all__ = ["PeftAdapters", "adapter_groups", "adapter_parameters", "follow_phases"]
@@ -93,9 +94,14 @@ def adapter_groups(
             adapter or claiming an adapter's parameter.
 
     Example:
-        >>> # groups = adapter_groups(peft_model, base="base")
-        >>> # groups.names
-        >>> # ('sst', 'topic', 'base')
+        >>> import torch
+        >>> from peft import LoraConfig, get_peft_model
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"]), adapter_name="sst")
+        >>> model.add_adapter("topic", LoraConfig(r=2, target_modules=["0"]))
+        >>> groups = adapter_groups(model, base="base")
+        >>> groups.names, groups.param_names("topic")
+        (('sst', 'topic', 'base'), ('base_model.model.0.lora_A.topic.weight', 'base_model.model.0.lora_B.topic.weight'))
     """
     peft_model = as_peft_model(model)
     owned = adapter_parameters(peft_model)
@@ -125,7 +131,8 @@ class PeftAdapters:
             any pattern: an adapter counts as trained by a phase when the phase
             trains any of its parameters).
         fallback: the adapter(s) active, frozen, in a phase that trains no
-            adapter (``None``: such a phase is refused at its switch).
+            adapter (``None``: such a phase is refused, at :meth:`bind` when the
+            schedule's pattern is known, else at its switch).
 
     Use :func:`follow_phases` to make one for a started run. Called with a
     :class:`~hf_altparams.plan.Phase` (the switcher does it, inside each switch
@@ -175,6 +182,19 @@ class PeftAdapters:
             "`fallback=` (the adapter(s) to keep active, frozen, in such a phase) to follow_phases/PeftAdapters"
         )
 
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Refuse now a phase of ``schedule`` that trains no adapter (without ``fallback``), when its pattern is known.
+
+        A schedule with a known pattern (``pattern_length()``: every built-in
+        kind but the random and user-function ones) is checked over one pattern;
+        the others are checked at each switch (the switch is then refused and
+        rolled back on every rank).
+        """
+        length = schedule.pattern_length()
+        if length is not None:
+            for _, _, phase in schedule.segments(length):
+                self.adapters_of(phase)
+
     def __call__(self, phase: Phase) -> None:
         """Activate the adapters ``phase`` trains (the switcher then sets ``requires_grad`` for the phase)."""
         adapters = self.adapters_of(phase)
@@ -195,7 +215,7 @@ class PeftAdapters:
     def bind(self, switcher: PhaseSwitcher) -> PeftAdapters:
         """Follow ``switcher``'s phases from now on; if a phase is applied already, activate its adapters now.
 
-        The flags are then put back to the phase's (``set_adapter`` changed
+        The schedule is checked first (:meth:`check_schedule`). The flags are then put back to the phase's (``set_adapter`` changed
         them); gradients are not touched. Call it on every rank (it is not a
         collective), before the first forward.
         """
@@ -205,11 +225,12 @@ class PeftAdapters:
             raise AltParamsError("`switcher` switches other groups than these adapters'; pass the run's own groups")
         if self.switcher is not None:
             raise AltParamsError("these adapters already follow a switcher; make one PeftAdapters per run")
-        switcher.phase_hooks.append(self)
-        self.switcher = switcher
+        self.check_schedule(switcher.schedule)
         if switcher.current is not None:
             self(switcher.current)
             self._apply_flags(switcher.current)
+        switcher.phase_hooks.append(self)
+        self.switcher = switcher
         return self
 
     def close(self) -> None:
@@ -298,10 +319,16 @@ def follow_phases(run: Any, *, fallback: Union[None, str, Sequence[str]] = None)
     activates its own.
 
     Example:
-        >>> # model, optimizer, loader = accelerator.prepare(peft_model, optimizer, loader)
-        >>> # adapters = follow_phases(accelerator)
-        >>> # adapters.active
-        >>> # ('sst',)
+        >>> import torch
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from hf_altparams.plan import Alternating
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"]), adapter_name="sst")
+        >>> model.add_adapter("topic", LoraConfig(r=2, target_modules=["0"]))
+        >>> switcher = PhaseSwitcher(adapter_groups(model), Alternating(["sst", "topic"]))
+        >>> adapters = follow_phases(switcher)   # with Accelerate: follow_phases(accelerator), after prepare
+        >>> switcher.step_to(1).phase, model.active_adapters
+        ('topic', ['topic'])
     """
     switcher = run if isinstance(run, PhaseSwitcher) else getattr(run, "switcher", None)
     if not isinstance(switcher, PhaseSwitcher):
@@ -309,4 +336,9 @@ def follow_phases(run: Any, *, fallback: Union[None, str, Sequence[str]] = None)
             f"follow_phases needs a started run: {type(run).__name__} has no switcher yet; call it after "
             "`accelerator.prepare(model, optimizer, ...)` (the switcher is built there), on every rank"
         )
-    return PeftAdapters(switcher.module, switcher.groups, fallback=fallback).bind(switcher)
+    adapters = PeftAdapters(switcher.module, switcher.groups, fallback=fallback)
+    try:
+        return adapters.bind(switcher)
+    except BaseException:
+        adapters.close()  # its forward check goes with it
+        raise

@@ -22,13 +22,14 @@ from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
 from hf_altparams.engine import PhaseSwitcher  # noqa: E402
 from hf_altparams.errors import AltParamsError, PlanError, SwitchError  # noqa: E402
+from hf_altparams.integrations.accelerate import PhasedAccelerator  # noqa: E402
 from hf_altparams.integrations.peft import (  # noqa: E402
     PeftAdapters,
     adapter_groups,
     adapter_parameters,
     follow_phases,
 )
-from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, PhaseSequence  # noqa: E402
+from hf_altparams.plan import Alternating, FnSchedule, ParamGroups, PerTaskCycle, PhaseSequence  # noqa: E402
 from hf_altparams.testing import launch, rank_results  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "peft_check.py"
@@ -149,6 +150,13 @@ def test_a_phase_training_no_adapter_is_refused_unless_a_fallback_is_given() -> 
     model = make_peft()
     groups = adapter_groups(model, base="base")
     switcher = PhaseSwitcher(groups, Alternating(["a", "base"]))
+    with pytest.raises(AltParamsError, match=r"phase 'base' trains no adapter .* pass `fallback=`"):
+        follow_phases(switcher)  # a known pattern: refused before any step
+    assert switcher.phase_hooks == []
+
+    # A user function has no known pattern: the switch into such a phase is refused and rolled back.
+    schedule = FnSchedule(lambda step, epoch: ["a"] if step == 0 else ["base"], groups=["a", "base"])
+    switcher = PhaseSwitcher(groups, schedule)
     follow_phases(switcher)
     switcher.step_to(0)
     with pytest.raises(SwitchError, match=r"phase 'base' trains no adapter .* pass `fallback=`"):
@@ -207,6 +215,20 @@ def test_set_adapter_behind_the_schedule_is_refused_at_the_next_training_forward
         model(input_ids=ids())
     adapters.restore()
     assert model.active_adapters == ["a"] and trained_adapters(model) == {"a"}
+
+
+def test_disable_adapter_and_enable_adapter_layers_leave_the_phase_s_flags_with_groups_by_adapter() -> None:
+    model = make_peft()
+    groups = adapter_groups(model, base="base")
+    switcher = PhaseSwitcher(groups, Alternating(["a", "b"]))
+    follow_phases(switcher)
+    switcher.step_to(1)
+    with torch.no_grad(), model.disable_adapter():  # e.g. a reference forward without adapters
+        model(input_ids=ids())
+    model.disable_adapter_layers()
+    model.enable_adapter_layers()
+    assert all(p.requires_grad == (groups.group_of(n) == "b") for n, p in groups.all_named_params())
+    assert trained_adapters(model) == {"b"}
 
 
 def test_visiting_evaluates_another_adapter_without_gradients_and_puts_the_phase_back() -> None:
@@ -270,6 +292,31 @@ def test_each_adapter_saved_after_a_phased_run_reloads_identical(tmp_path: Path)
     mine, theirs = dict(model.named_parameters()), dict(reloaded.named_parameters())
     for adapter, names in owned.items():
         assert names and all(torch.equal(mine[n], theirs[n]) for n in names), adapter
+
+
+def test_load_state_lands_on_the_saved_phase_s_adapter(tmp_path: Path) -> None:
+    def run(load: bool) -> tuple[str, list[str]]:
+        model = make_peft()
+        groups = adapter_groups(model, base="base")
+        accelerator = PhasedAccelerator(PerTaskCycle(["base"], ["a", "b"], every=2, train_trunk=False),
+                                        groups=groups)
+        prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        follow_phases(accelerator)
+        if load:
+            accelerator.load_state(str(tmp_path / "checkpoint"))
+        else:
+            for _ in range(3):
+                accelerator.backward(prepared(input_ids=ids(), labels=torch.tensor([0, 1])).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            accelerator.save_state(str(tmp_path / "checkpoint"))
+        seen = (accelerator.phase.name, list(model.active_adapters))
+        accelerator.free_memory()
+        return seen
+
+    saved = run(load=False)
+    assert saved == ("b", ["b"])
+    assert run(load=True) == saved  # a fresh run starts on "a"; loading switches it, peft's adapter too
 
 
 # ---------------------------------------------------------------- two ranks
