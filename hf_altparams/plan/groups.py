@@ -286,8 +286,40 @@ class ParamGroups:
                 f"cannot rebind: `module` lacks {len(missing)} grouped parameter(s) "
                 f"{_preview(missing)}; it must have every name of the original groups"
             )
-        specs = {g: ["re:" + re.escape(n) for n in m] for g, m in self._members.items()}
-        return ParamGroups(target, specs, ungrouped=self.ungrouped)
+        return ParamGroups(target, self._exact_specs(), ungrouped=self.ungrouped)
+
+    def with_rest(self, name: str) -> ParamGroups:
+        """The same groups plus one more, `name`, holding every parameter no group claims.
+
+        Use it when the parameters left over must be a group of their own: a
+        frozen trunk that a :class:`~hf_altparams.plan.PerTaskCycle` keeps
+        resident, or a base model next to its adapters.
+
+        Raises:
+            PlanError: if `name` is already a group, is not a non-empty str, or
+                would be empty (every parameter is in a group).
+
+        Example:
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+            >>> groups = ParamGroups(model, {"head": "1.*"}).with_rest("base")
+            >>> groups.names, groups.param_names("base")
+            (('head', 'base'), ('0.weight', '0.bias'))
+        """
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"the rest group's name must be a non-empty str, got {name!r}")
+        if name in self._members:
+            raise PlanError(f"the rest group {name!r} is already a group; known groups: {list(self._members)}")
+        if not self._ungrouped:
+            raise PlanError(f"the rest group {name!r} would be empty: every parameter is in one of the groups "
+                            f"{list(self._members)}")
+        specs = self._exact_specs()
+        specs[name] = ["re:" + re.escape(n) for n in self._ungrouped]
+        return ParamGroups(self.module, specs, ungrouped=self.ungrouped)
+
+    def _exact_specs(self) -> dict[str, Spec]:
+        """Each group as the exact names of its parameters (``re:`` patterns of the escaped names)."""
+        return {g: ["re:" + re.escape(n) for n in m] for g, m in self._members.items()}
 
     @classmethod
     def of_models(cls, models: Mapping[str, nn.Module], groups: Optional[Mapping[str, Spec]] = None, *,

@@ -89,3 +89,28 @@ def test_multitask_feeds_each_task_its_data_and_visits_every_head(tmp_path: Path
     # The evaluation before and after reached all three heads (two of them non-resident) via visiting().
     rows = re.findall(r"^(sine|sign|norm)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$", out, flags=re.MULTILINE)
     assert [(r[0], int(r[1])) for r in rows] == [("sine", 2), ("sign", 2), ("norm", 2)], out[-2000:]
+
+
+@pytest.mark.distributed
+def test_peft_adapters_one_per_task_allreduce_the_active_adapter_and_save_each(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    save_dir, out_dir = tmp_path / "adapters", tmp_path / "out"
+    out = launch(EXAMPLES / "peft_adapters_accelerate.py", "--max-steps", "4", "--every", "2", "--batch-size", "4",
+                 "--save-dir", str(save_dir), "--out", str(out_dir), nproc=2, launcher="accelerate",
+                 timeout=420).stdout
+    ranks = rank_results(out_dir, nproc=2)
+    assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
+    for rank in ranks:
+        assert [s["task"] for s in rank["steps"]] == ["sentiment", "sentiment", "topic", "topic"]
+        for step in rank["steps"]:
+            assert step["active"] == [step["task"]], "the forward ran the adapter of the task being trained"
+            assert step["allreduced"] == step["adapter_bytes"] > 0, "DDP all-reduced that adapter, nothing else"
+    rows = re.findall(r"^\s*(\d+)\s+(sentiment|topic)\s+(sentiment|topic)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+\s*$", out,
+                      flags=re.MULTILINE)
+    assert [(r[1], r[2]) for r in rows] == [("sentiment", "sentiment")] * 2 + [("topic", "topic")] * 2, out[-3000:]
+    assert all(r[3] == r[4] for r in rows)
+    assert "every step all-reduced exactly its adapter's bytes: yes" in out
+    assert "ranks identical: yes (2 ranks" in out
+    for task in ("sentiment", "topic"):
+        assert f"saved adapter '{task}' -> {save_dir / task} (reloads identical: yes)" in out
+        assert (save_dir / task / "adapter_model.safetensors").is_file()
