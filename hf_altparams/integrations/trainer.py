@@ -114,6 +114,10 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             not at all. The dataset needs an index column (``sample_index`` by
             default; the model's forward signature shows it so the Trainer keeps
             it); ``blocks`` defaults to ``layers``. Logs carry ``altparams/prefix_*``.
+        on_start: called with the run's switcher at the start of every
+            ``train()``, before the first phase is applied; e.g.
+            ``hf_altparams.integrations.peft.follow_phases`` so that peft's active
+            adapter follows the phase (docs/peft.md).
 
     ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
     ``visiting(groups)`` (evaluate a non-resident group) answer from
@@ -157,6 +161,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         log_prefix: str = "altparams/",
         switcher_options: Union[None, SwitchConfig, Mapping[str, Any]] = None,
         frozen_prefix: Union[None, bool, FrozenPrefix] = None,
+        on_start: Optional[Callable[[PhaseSwitcher], Any]] = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PlanError(
@@ -194,6 +199,9 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self.check_resume = bool(check_resume)
         self.log_prefix = log_prefix
         self.report = TrainerReport(log_prefix)
+        if on_start is not None and not callable(on_start):
+            raise PlanError(f"`on_start` must be a callable taking the switcher, got {on_start!r}")
+        self._on_start = on_start
 
         prefix_option = as_frozen_prefix(frozen_prefix)
         if prefix_option is not None and prefix_option.blocks is None and layers is not None:
@@ -278,6 +286,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer),
                                       config=self.config)
         self.switcher.driver.trained_groups = trained
+        if self._on_start is not None:
+            self._on_start(self.switcher)
         self.comm = None
         if sharded is not None:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
             self.switcher.attach(sharded)

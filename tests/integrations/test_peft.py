@@ -356,3 +356,36 @@ def test_two_ranks_one_adapter_per_task(tmp_path: Path) -> None:
         assert "peft's active adapter(s) ['b'] are not the adapter(s) phase 'a' trains" in hooked["error"]
         assert hooked["restored_active"] == ["a"] and hooked["steps_after_restore"] == 3
     assert rank0["behind_back_hooked"]["digests"] == rank1["behind_back_hooked"]["digests"]
+
+
+# ---------------------------------------------------------------- the Trainer
+def test_the_trainer_callback_makes_the_active_adapter_follow_the_phase(tmp_path: Path) -> None:
+    """``AlternatingFreeze(..., on_start=follow_phases)``: every step trains the phase's adapter, through the Trainer."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_altparams.integrations.trainer import AlternatingFreeze
+
+    class Ids(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            gen = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(1, VOCAB, (6,), generator=gen), "labels": torch.tensor(i % 2)}
+
+    seen: list[tuple[str, str]] = []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            seen.append((freeze.phase.name, model.active_adapter))
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = make_peft()
+    freeze = AlternatingFreeze(lambda m: adapter_groups(m), Alternating({"a": 2, "b": 1}), on_start=follow_phases)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no")
+    Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[freeze, Watch()]).train()
+    assert seen == [("a", "a"), ("a", "a"), ("b", "b"), ("a", "a"), ("a", "a"), ("b", "b")]
+    with pytest.raises(PlanError, match="`on_start` must be a callable"):
+        AlternatingFreeze({"a": "x"}, Alternating(["a"]), on_start="follow")  # type: ignore[arg-type]
