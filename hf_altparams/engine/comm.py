@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import PlanError
 from .ddp import _surgery as _ddp
 
 __all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter", "register_reduce_scatter_counter"]
@@ -157,8 +158,9 @@ def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:
     step's figure with ``PhaseSwitcher.allreduce_bytes_per_step()``.
 
     Raises:
-        ValueError: when a unit already has a custom reduce-scatter, or holds
-            several parameter groups (FSDP2 then refuses a custom one).
+        PlanError: when ``model`` has no ``fully_shard`` unit. (FSDP2 itself
+            refuses a unit that already has a custom reduce-scatter, or holds
+            several parameter groups.)
 
     Example:
         >>> # fully_shard(layer) for each layer; fully_shard(model)
@@ -170,7 +172,8 @@ def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:
     counter = CommCounter()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        raise ValueError(f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count")
+        raise PlanError(f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count; pass the model "
+                        "after `fully_shard` (or `shard_by_groups`)")
     for unit in units:
         unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))  # type: ignore[arg-type]
     return counter

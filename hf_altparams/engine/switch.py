@@ -232,10 +232,11 @@ class PhaseSwitcher:
         self.reapply_placement()
 
     def close(self) -> None:
-        """Stop checking the optimizer's steps (the run that owns this switcher is over)."""
+        """The run that owns this switcher is over: stop checking the optimizer's steps, remove the forward guards."""
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
+        self.residency.remove_guards()
 
     # ------------------------------------------------------------ wiring
     def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 __all__ = [
+    "fsdp2_not_running",
     "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "forget_untrained_state",
     "fsdp2_metrics",
     "fsdp_refusal", "grouped_checkpoint_view", "groups_with_state", "rebind_groups", "rebind_optimizer",
@@ -280,6 +281,14 @@ def forget_untrained_state(optimizer: Optional[Optimizer], groups: ParamGroups, 
             for param in groups.params(name):
                 if id(param) in held:
                     inner.state[param] = {}  # kept (empty) for the next checkpoint
+
+
+def fsdp2_not_running(asked: str, running: str) -> str:
+    """The warning for a run that asked for FSDP2 and trains with plain DDP (Accelerate on CPU or one process)."""
+    return (f"hf_altparams: FSDP2 was asked for ({asked}), but Accelerate runs {running} here: it ignores an FSDP "
+            "plugin on CPU ranks and with one process, so this run trains with plain DDP (correct, not sharded). "
+            "To run Accelerate's FSDP2 code on CPU ranks, call `hf_altparams.testing.use_accelerate_fsdp2(...)` "
+            "before `prepare` / `train()` (docs/testing.md); on several GPUs nothing is needed.")
 
 
 def uses_fsdp2(args: Any) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from types import FrameType
 from typing import Any, Optional
 
@@ -123,18 +124,31 @@ def _marker_files(path: str) -> dict[str, int]:
     return files if isinstance(files, dict) else {}
 
 
-def resumed_checkpoint(frame: Optional[FrameType]) -> Optional[str]:
-    """The folder ``Trainer.train`` resumes from, read from its ``_inner_training_loop`` frame (or ``None``).
+def resumed_checkpoint(frame: Optional[FrameType], args: TrainingArguments, state: TrainerState) -> Optional[str]:
+    """The folder ``Trainer.train`` resumes from (or ``None`` for a fresh run).
 
-    Callbacks are not given it; ``frame`` is the callback event's frame.
+    Callbacks are not given it: it is read from the ``_inner_training_loop``
+    frame above ``frame`` (the callback event's). If transformers ever renames
+    that loop, a resumed run (``state.global_step > 0``) falls back to the
+    Trainer's own folder for that step, ``<output_dir>/checkpoint-<step>``; if
+    that does not exist either, a warning says the torn-checkpoint check is off.
     """
     for _ in range(8):
         if frame is None:
-            return None
+            break
         if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
             path = frame.f_locals["resume_from_checkpoint"]
             return str(path) if isinstance(path, (str, os.PathLike)) else None
         frame = frame.f_back
+    if state.global_step <= 0:
+        return None  # a fresh run
+    candidate = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
+    if os.path.isdir(candidate):
+        return candidate
+    warnings.warn(
+        f"hf_altparams: AlternatingFreeze cannot tell which checkpoint this run resumed from (step "
+        f"{state.global_step}: no `_inner_training_loop` frame, no {candidate!r}), so it cannot check that the "
+        "checkpoint's save completed; resume from `last_complete_checkpoint(output_dir)` to be sure", stacklevel=3)
     return None
 
 

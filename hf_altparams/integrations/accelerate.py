@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -64,7 +65,7 @@ from ..plan.schedules import Schedule
 from ._accelerate_checkpoints import STATE_FILE, Checkpoints
 from ._accelerate_parts import PhasedOptimizer, PreparedGroupedLRScheduler, check_supported
 from ._accelerate_run import PhasedRun, RunSettings
-from ._fsdp2_prepare import fsdp2_metrics
+from ._fsdp2_prepare import fsdp2_metrics, fsdp2_not_running
 from ._phase_queries import PhaseQueries
 from ._prepare_forms import checked_phases, find_grouped
 from ._unreached import check_loss
@@ -248,6 +249,9 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         check_supported(self, self._fsdp_plugin_given)
         root_index = next((i for i, part in found.models.items() if part is None), None)
         sharded = root_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
+        if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and not sharded:
+            warnings.warn(fsdp2_not_running("fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)",
+                                            str(self.distributed_type.value)), stacklevel=2)
         if found.models and run.switcher is None and not run.prepared_models:
             run.start(found.groups, found.driving, apply_first=not sharded)  # type: ignore[arg-type]
             handler = self.ddp_handler

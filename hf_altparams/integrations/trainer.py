@@ -49,7 +49,7 @@ from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.schedules import Schedule
-from ._fsdp2_prepare import shard_trainer_groups, uses_fsdp2
+from ._fsdp2_prepare import fsdp2_not_running, shard_trainer_groups, uses_fsdp2
 from ._phase_queries import PhaseQueries
 from ._trainer_checkpoints import check_resumed, last_complete_checkpoint, mark_complete, prepare_save
 from ._trainer_checkpoints import resumed_checkpoint
@@ -270,12 +270,14 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         assert self.groups is not None
         trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
         sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
+        if sharded is None and uses_fsdp2(args) and state.is_world_process_zero:
+            logger.warning(fsdp2_not_running("fsdp_config={'version': 2}", "plain DDP"))
         if sharded is not None:
             self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, trained,
                                                has_prefix=self._prefix_option is not None)
         self._attach_prefix(self.groups.module)
         check_optimizer_covers(self.groups, self.schedule, optimizer)
-        resumed = resumed_checkpoint(sys._getframe(0))
+        resumed = resumed_checkpoint(sys._getframe(0), args, state)
         if resumed is not None:
             saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
             check_resumed(resumed, state, saved)

@@ -98,3 +98,19 @@ def test_groups_without_a_schedule_and_bad_models_are_refused() -> None:
         PhasedAccelerator(groups={"g": nn.Linear(2, 2)}, cpu=True)
     with pytest.raises(PlanError, match=r"names without '\.' mapped to nn.Module"):
         ParamGroups.of_models({"g.1": nn.Linear(2, 2)})
+
+
+def test_fsdp2_asked_for_where_accelerate_runs_ddp_is_said_not_silent() -> None:
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(model, {"a": "0.*", "b": "1.*"}), cpu=True,
+                            fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    with pytest.warns(UserWarning, match=r"FSDP2 was asked for .* this run trains with plain DDP .*"
+                                         r"use_accelerate_fsdp2"):
+        acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    AcceleratorState._reset_state(reset_partial_state=True)

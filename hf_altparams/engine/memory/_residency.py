@@ -318,6 +318,7 @@ class ResidencyManager(Placement):
         self._guards.install(self._owners if self.guard else [], self._offloaded, phase_name)
 
     def remove_guards(self) -> None:
+        """Remove every forward guard (the run is over: a later run on the same model installs its own)."""
         self._guards.remove()
 
     @contextlib.contextmanager
