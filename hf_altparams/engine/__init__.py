@@ -4,9 +4,11 @@ from .fsdp2 import shard_by_groups
 from .backend import Backend, LocalBackend
 from .buffers import BufferPlan, BufferSync, plan_buffer_sync
 from .comm import CommCounter, counting_allreduce_hook, register_comm_counter
+from .config import SwitchConfig
 from .drift import DriftCheck, check_drift
 from .memory import HostHeap, host_heap, mmap_large_host_allocations, release_memory, rss_bytes
 from .optim import DynamicLossScale, GroupedLRScheduler, GroupedOptimizer, PrecisionOptimizer, reapply_state_policy
+from .driver import PhaseDriver
 from .records import SwitchHistory, SwitchRecord
 
 from .memory import MemoryReport, ResidencyManager, expected_peak_bytes, memory_report, non_resident_groups
@@ -25,9 +27,11 @@ __all__ = [
     "HostHeap",
     "LocalBackend",
     "MemoryReport",
+    "PhaseDriver",
     "PhaseSwitcher",
     "PrecisionOptimizer",
     "ResidencyManager",
+    "SwitchConfig",
     "SwitchHistory",
     "SwitchRecord",
     "check_drift",
