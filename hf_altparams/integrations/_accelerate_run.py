@@ -12,9 +12,10 @@ accelerator's internals.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 from torch.optim import Optimizer
@@ -240,16 +241,15 @@ class PhasedRun:
             self._log(self._metrics(record), step=record.step)
 
 
-class _all_trainable:
-    """Context: every parameter of ``models`` has ``requires_grad=True`` inside (restored on exit)."""
 
-    def __init__(self, models: list[nn.Module]) -> None:
-        self.flags = {p: p.requires_grad for m in models for p in m.parameters()}
-
-    def __enter__(self) -> None:
-        for param in self.flags:
-            param.requires_grad_(True)
-
-    def __exit__(self, *exc: Any) -> None:
-        for param, flag in self.flags.items():
+@contextlib.contextmanager
+def _all_trainable(models: list[nn.Module]) -> Iterator[None]:
+    """Every parameter of ``models`` has ``requires_grad=True`` inside the block (restored on exit)."""
+    flags = {p: p.requires_grad for m in models for p in m.parameters()}
+    for param in flags:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param, flag in flags.items():
             param.requires_grad_(flag)
