@@ -61,6 +61,7 @@ def check_before_step(
     ddp_reduces: bool,
     find_unused: bool,
     warned: set[str],
+    check_missing: bool = True,
 ) -> int:
     """Check the gradients and flags against ``phase`` before an optimizer step; returns flags re-applied.
 
@@ -71,6 +72,9 @@ def check_before_step(
         ddp_reduces: a multi-rank DDP wrapper reduces the phase's gradients.
         find_unused: that wrapper searches for unused parameters.
         warned: names already warned about (updated; one warning per run and name set).
+        check_missing: also refuse a trainable parameter without a gradient (the
+            integrations); a bare ``PhaseSwitcher`` leaves that to its next switch,
+            which refuses it with the same advice.
 
     Raises:
         AltParamsError: a parameter outside the phase holds a gradient under DDP, or a
@@ -104,7 +108,7 @@ def check_before_step(
                 f"phase {phase.name!r} at this optimizer step; no gradient had reached them yet, so the phase's "
                 f"flags were put back (nothing un-reduced was applied). Usual causes: {_culprits()}.",
                 stacklevel=4)
-    if ddp_reduces and not find_unused:
+    if ddp_reduces and not find_unused and check_missing:
         missing = [name for name, p in trainable if p.grad is None]
         if missing and len(missing) < len(trainable):  # none at all: a step with nothing to apply
             raise AltParamsError(

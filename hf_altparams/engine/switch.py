@@ -139,6 +139,9 @@ class PhaseSwitcher:
         self._names, self._params = self._layouts.names, self._layouts.params
         self._reduced_bytes: dict[Phase, int] = {}
         self._warned_flags: set[str] = set()
+        #: refuse, at the step, a trainable parameter without a gradient (the integrations set it; else the
+        #: next switch refuses it)
+        self.check_missing_grads = False
         #: called with the new phase inside each switch, before ``requires_grad`` is set (and with
         #: the previous phase if the switch is rolled back): what else must follow the phase
         self.phase_hooks: list[Callable[[Phase], Any]] = []
@@ -218,7 +221,7 @@ class PhaseSwitcher:
         wrappers = self.wrappers
         return check_before_step(phase, trainable, idle, ddp_reduces=bool(wrappers),
                                  find_unused=any(bool(w.find_unused_parameters) for w in wrappers),
-                                 warned=self._warned_flags)
+                                 warned=self._warned_flags, check_missing=self.check_missing_grads)
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Take ``optimizer`` as the run's optimizer when it comes after the model (a separate ``prepare``)."""

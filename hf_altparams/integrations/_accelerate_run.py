@@ -119,6 +119,7 @@ class PhasedRun:
             return
         self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, config=self.settings.config,
                                       driver=self.driver)
+        self.switcher.check_missing_grads = True  # refused at the step, before the update
         self.driver.move_to(self.driver.step, self.driver.epoch)
 
     def bind_optimizer(self, driving: Optimizer) -> None:
@@ -147,6 +148,7 @@ class PhasedRun:
         rebind_optimizer(self.driving, old, self.groups)
         self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving,
                                       config=self.settings.config, driver=self.driver)
+        self.switcher.check_missing_grads = True
         self.switcher.attach(model)  # the FSDP2 backend: nothing is rebuilt at a switch
         self.driver.move_to(self.driver.step, self.driver.epoch)  # the first phase, read at the next all-gather
         if self.settings.count_comm:

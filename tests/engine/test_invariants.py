@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
-from hf_altparams.errors import AltParamsError
+from hf_altparams.errors import AltParamsError, SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 
 
@@ -102,6 +102,7 @@ def test_a_flag_changed_without_a_gradient_is_put_back_with_one_warning(world: N
 
 def test_a_trainable_parameter_without_a_gradient_gets_advice_for_each_cause(world: None) -> None:
     net, ddp, opt, switcher = _setup(groups_spec={"a": ["a.*", "spare.*"], "b": "b.*"})
+    switcher.check_missing_grads = True  # what the integrations set: refused at the step
     ddp(torch.ones(3, 4)).pow(2).mean().backward()  # `spare` trains in phase "a" but the forward skips it
     with pytest.raises(AltParamsError) as err:
         opt.step()
@@ -109,6 +110,18 @@ def test_a_trainable_parameter_without_a_gradient_gets_advice_for_each_cause(wor
     assert "'spare.weight'" in message and "phase 'a' got no gradient" in message
     assert "find_unused_parameters=True" in message and "wrong branch, task or adapter" in message
     assert "move them out of its groups" in message
+
+
+def test_a_bare_switcher_refuses_it_at_the_next_switch_with_the_same_advice(world: None) -> None:
+    net, ddp, opt, switcher = _setup(groups_spec={"a": ["a.*", "spare.*"], "b": "b.*"})
+    ddp(torch.ones(3, 4)).pow(2).mean().backward()  # `spare` trains in phase "a" but the forward skips it
+    opt.step()  # a bare switcher does not refuse it here (plain DDP would at its next forward)
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(SwitchError) as err:
+        switcher.step_to(4)  # the switch to "b" comes first: refused, naming each cause's fix
+    message = str(err.value)
+    assert "'spare.weight'" in message and "wrong branch, task or adapter" in message
+    assert "find_unused_parameters=True" in message and "leave them out of its groups" in message
 
 
 def test_without_ddp_a_stray_gradient_is_not_a_divergence_and_the_flags_come_back(world: None) -> None:

@@ -280,9 +280,11 @@ def unfinished_reduction_error(ddp: DistributedDataParallel,
                  f"backward (e.g. {unused[:6]})" if unused else
                  "a trainable parameter of the current phase got no gradient in the last backward")
         return (f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
-                "and the ranks would diverge. Use every trainable parameter of the phase in the forward, "
-                "leave the unused ones out of the phase's groups, or build DDP with find_unused_parameters=True "
-                "(PhasedAccelerator(find_unused_parameters=True); TrainingArguments(ddp_find_unused_parameters=True))")
+                "and the ranks would diverge. Which fix depends on why: if the loop ran the wrong branch, task "
+                "or adapter for this phase, fix the loop (read the phase at the top of the iteration); if the "
+                "forward skips them on purpose, build DDP with find_unused_parameters=True "
+                "(PhasedAccelerator(find_unused_parameters=True); TrainingArguments(ddp_find_unused_parameters=True)); "
+                "if they should not train in this phase, leave them out of its groups")
     return None
 
 
