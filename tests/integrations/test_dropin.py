@@ -14,6 +14,7 @@ What a user of Accelerate would check when swapping the class in:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +101,20 @@ def test_groups_without_a_schedule_and_bad_models_are_refused() -> None:
         ParamGroups.of_models({"g.1": nn.Linear(2, 2)})
 
 
-def test_fsdp2_asked_for_where_accelerate_runs_ddp_is_said_not_silent() -> None:
+def test_fsdp2_asked_for_where_accelerate_runs_ddp_is_said_not_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the plugin sets ACCELERATE_USE_FSDP: not for later tests
     AcceleratorState._reset_state(reset_partial_state=True)
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-    acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(model, {"a": "0.*", "b": "1.*"}), cpu=True,
-                            fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-    with pytest.warns(UserWarning, match=r"FSDP2 was asked for .* this run trains with plain DDP .*"
-                                         r"use_accelerate_fsdp2"):
-        acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(model, {"a": "0.*", "b": "1.*"}),
+                                cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        with pytest.warns(UserWarning, match=r"FSDP2 was asked for .* this run trains with plain DDP .*"
+                                             r"use_accelerate_fsdp2"):
+            acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -60,6 +60,7 @@ from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import _accelerate_checkpoints as checkpoints
+from hf_altparams.integrations._accelerate_save import writes_state_files
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
@@ -176,7 +177,7 @@ def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[in
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
     saved = _train(acc, ddp, opt, dl, save_at=save_at)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
-    result: dict[str, Any] = {"saved": saved, "writes": list(WRITES), "writes_state_files": acc._writes_state_files(),
+    result: dict[str, Any] = {"saved": saved, "writes": list(WRITES), "writes_state_files": writes_state_files(acc),
                               "uninterrupted_sha256": sha(model), "steps": acc.schedule_step}
     acc.wait_for_everyone()
     result["files_seen"] = sorted(os.listdir(saved[0])) if saved and os.path.isdir(saved[0]) else []
