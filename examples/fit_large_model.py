@@ -180,10 +180,9 @@ def plan(size: str, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(llama_config(size, vocab))
     groups = group_model(model)
     schedule = make_schedule(args.recipe, SIZES[size]["layers"], args.k, args.every, args.seed)
-    common = dict(optimizer="adamw", state_policy="drop", world_size=args.ranks, steps=args.steps)
-    fp32 = plan_cost(model, groups, schedule, **common)  # type: ignore[arg-type]
-    bf16 = plan_cost(model, groups, schedule, storage_dtype=torch.bfloat16, master_policy="drop",
-                     **common)  # type: ignore[arg-type]
+    cost = functools.partial(plan_cost, model, groups, schedule, optimizer="adamw", state_policy="drop",
+                             world_size=args.ranks, steps=args.steps)
+    fp32, bf16 = cost(), cost(storage_dtype=torch.bfloat16, master_policy="drop")
 
     def state(row: Any) -> int:  # on CPU the "host" is the same RAM (on a GPU it is not in its memory)
         return row.device_bytes + (row.host_bytes if args.device == "cpu" else 0)
@@ -326,7 +325,7 @@ def rank_main(run_dir: Path) -> None:
     in_step: list[int] = []
     hook = register_optimizer_step_post_hook(lambda *_: in_step.append(total_state(census.sample())))
     steps: list[dict[str, Any]] = []
-    for ids, in tqdm(loader, desc=f"{run['recipe']} on {run['size']}", disable=not main, unit="step"):
+    for (ids,) in tqdm(loader, desc=f"{run['recipe']} on {run['size']}", disable=not main, unit="step"):
         phase = accelerator.phase.name
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         started = time.perf_counter()
@@ -345,8 +344,9 @@ def rank_main(run_dir: Path) -> None:
             "phase": phase, "loss": loss.item(), "seconds": time.perf_counter() - started,
             "trainable_bytes": trainable, "allreduced_bytes": counter.history[-1] if counter else None,
             "state_bytes": max(in_step) + buckets,  # the model state at this step's peak
-            # held beyond the model state when the step starts (the allocator's free heap, buffers kept)
-            "held_bytes": start - meter.baseline - state_start - buckets,
+            # held beyond the model state when forward and when the optimizer step start (the allocator's
+            # free heap, buffers kept): each peak below is the state + this + what that phase adds on top
+            "held_bytes": max(start - state_start, before_step - state_backward) - meter.baseline - buckets,
             # what forward + backward add on top, beyond the gradients they create (activations)
             "fwd_bwd_bytes": fwd_bwd_peak - start - max(0, state_backward - state_start),
             # what the optimizer step adds beyond the state it creates (AdamW's temporaries, fp32 casts)
