@@ -479,8 +479,9 @@ def report(planned: dict[str, Any], ranks: list[dict[str, Any]], plain: Optional
     if plain is not None:
         lines.append(f"  plain fp32 AdamW, one process: {plain['outcome']} (peak {gib(plain['peak_bytes'])})")
     plain_state = planned["rows"][PLANS[0]]["state_bytes"]
-    lines.append(f"  => plain DDP plans {gib(plain_state)} of model state per rank, {plain_state / ours['state_bytes']:.1f}x "
-                 f"hf_altparams' {gib(ours['state_bytes'])}; this run's whole-process peak: "
+    lines.append(f"  => plain DDP plans {gib(plain_state)} of model state per rank, "
+                 f"{plain_state / ours['state_bytes']:.1f}x hf_altparams' {gib(ours['state_bytes'])}; "
+                 "this run's whole-process peak: "
                  f"{gib(max(r['peak_bytes'] for r in ranks))} per rank")
     text = "\n".join(lines)
     print(text, flush=True)
