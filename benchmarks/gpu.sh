@@ -102,8 +102,9 @@ step cuda-tests 180 "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --timeout
     --junitxml="$OUT/cuda_tests.xml" tests
 
 # 2. The README's main job in its GPU form: a Llama-shaped decoder sized from the GPU's memory so that
-# plain DDP with fp32 AdamW would not fit, trained with LISA in bf16 + fp32 masters; planned vs
-# measured. (Skipped with a note where the example does not exist yet.)
+# plain DDP with fp32 AdamW would not fit (one process first tries plain fp32 AdamW at that size: a
+# clean CUDA out-of-memory error), trained with LISA in bf16 + fp32 masters; planned vs measured
+# (fit_large_model_cuda_<size>_lisa.json / .md). One process, so no DDP: nothing is all-reduced.
 if [ -f examples/fit_large_model.py ]; then
     step main-job 150 "$PY" examples/fit_large_model.py --device cuda --ranks 1 --steps 6 --out "$RESULTS"
 fi

@@ -29,7 +29,9 @@ the growth of the process RSS over the run, sampled after every backward and
 step), its ratio to ``single``, the bytes DDP all-reduced per step (counted by
 a comm hook), the bytes DDP's constructor broadcast over the run (counted by a
 spy on its broadcast: once at ``prepare``, but the naive loop re-sends the
-whole model at every re-wrap), and the time per step.
+whole model at every re-wrap), and the time per step; for the hf_altparams runs
+also the idle layer's AdamW state at the end, counted from its tensors (how much,
+and on which device).
 
 What to expect on CPU: every loop all-reduces one layer per step except
 ``find_unused`` (both); the three loops that keep both AdamWs lose the same
@@ -244,8 +246,12 @@ def run(mode: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
 
     peak, kind = memory.result()
     history = list(counter.history) if counter is not None else []
+    idle_state: dict[str, int] = {}  # the idle layer's AdamW state at the end, counted from its tensors
+    if mode in ("hf_altparams", "hf_drop"):
+        idle = next(name for name in LAYERS if name not in accelerator.phase.trainable)  # type: ignore[attr-defined]
+        idle_state = grouped.state_bytes(idle)
     result = {"peak_mib": peak, "memory_kind": kind, "bytes_per_step": history, "losses": losses,
-              "broadcast_bytes": spy.sent,
+              "broadcast_bytes": spy.sent, "idle_state_bytes": idle_state,
               "step_seconds": seconds / max(len(losses), 1), "policy": policy,
               "switch_ms": [1000 * r.seconds for r in getattr(accelerator, "switch_records", [])[1:]]}
     accelerator.free_memory()
@@ -300,14 +306,14 @@ def main() -> None:
                 state.print(f"hf_altparams / {other}: peak memory {ratio(hf['peak_mib'], res['peak_mib'])}, "
                             f"bytes all-reduced per step {ratio(mean(hf['bytes_per_step']), mean(res['bytes_per_step']))}, "
                             f"time per step {ratio(hf['step_seconds'], res['step_seconds'])}")
+    for mode in ("hf_altparams", "hf_drop"):
+        if mode in results:  # measured: where the idle layer's AdamW state was at the end, and how much
+            held = results[mode]["idle_state_bytes"]
+            where = ", ".join(f"{b / MiB:.1f} MiB on {device}" for device, b in held.items()) or "none"
+            state.print(f"{mode}: the idle layer's AdamW state at the end (policy {results[mode]['policy']}): "
+                        f"{where}")
     if hf is not None and single is not None:
-        idle_state = 2 * layer_mib  # AdamW's exp_avg and exp_avg_sq of the idle layer
-        state.print(f"hf_altparams above single: {hf['peak_mib'] - single['peak_mib']:.1f} MiB, of which "
-                    f"{idle_state:.1f} MiB is the idle layer's AdamW moments (policy {policy}; hf_drop frees them)")
-    if state.device.type == "cpu":
-        state.print("On a GPU: the same bytes per step; `--state-policy auto` offloads the idle layer's AdamW "
-                    "moments to host memory (here they would stay in the same RAM), so the device peak of "
-                    "hf_altparams comes close to single's.")
+        state.print(f"hf_altparams above single: {hf['peak_mib'] - single['peak_mib']:.1f} MiB (peak memory)")
     assert all(math.isfinite(v) for res in results.values() for v in res["losses"])
     # Exit cleanly: let the gloo threads finish, then destroy the group (hf_altparams.engine.shutdown).
     shutdown()

@@ -28,6 +28,9 @@ class PeakMemory:
         >>> meter.mark_baseline()
         >>> meter.peak() >= meter.baseline > 0
         True
+        >>> now = meter.reset_peak()  # the peak restarts from the memory held now
+        >>> meter.peak() >= now > 0
+        True
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -53,13 +56,24 @@ class PeakMemory:
         self.baseline = rss_bytes()
 
     def reset_peak(self) -> int:
-        """CPU: restart the RSS high-water mark from the current RSS, which is returned.
+        """Restart the peak from the memory held now, which is returned.
 
-        :meth:`peak` then reports the peak since this call (the baseline stays).
+        CPU: the RSS high-water mark (VmHWM) restarts from the current RSS; CUDA:
+        ``torch.cuda.reset_peak_memory_stats``. :meth:`peak` then reports the
+        peak since this call (the baseline stays).
         """
-        if self.hwm_reset:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.hwm_reset:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
+        return self.current()
+
+    def current(self) -> int:
+        """Memory held now: the RSS on CPU, ``torch.cuda.memory_allocated()`` on CUDA."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated()
         return rss_bytes()
 
     def peak(self) -> int:
