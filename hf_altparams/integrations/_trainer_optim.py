@@ -59,7 +59,7 @@ def grouped_optimizer(
         weight_decay: weight decay of the decayed parameters.
         state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group.
         master_policy: for a model stored in bf16/fp16 (e.g. loaded with
-            ``torch_dtype=torch.bfloat16``) the result is a
+            ``dtype=torch.bfloat16``) the result is a
             :class:`~hf_altparams.engine.PrecisionOptimizer`: fp32 masters and
             optimizer state for the training groups only; this is what an idle
             group's master does (``"offload"``, the default for such a model,

@@ -166,7 +166,12 @@ class Schedule(ABC):
             >>> from hf_altparams.plan import ParamGroups, lisa
             >>> net = nn.ModuleDict({"emb": nn.Embedding(100, 8), "l0": nn.Linear(8, 8), "l1": nn.Linear(8, 8)})
             >>> groups = ParamGroups(net, {"emb": "emb.*", "l0": "l0.*", "l1": "l1.*"})
-            >>> share = lisa(["l0", "l1"], k=1, always=["emb"]).trained_share(groups)  # warns: emb is 85%
+            >>> import warnings
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     warnings.simplefilter("always")
+            ...     share = lisa(["l0", "l1"], k=1, always=["emb"]).trained_share(groups)
+            >>> type(caught[0].message).__name__  # emb is 85% of the model
+            'TrainShareWarning'
             >>> round(share.always_fraction, 3), round(share.largest_fraction, 3), share.largest.phase
             (0.847, 0.924, 'emb+l0')
         """

@@ -342,7 +342,7 @@ def test_example_runs_under_accelerate_launch_and_reports_accuracy(tmp_path: Pat
 
 
 def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exactly(tmp_path: Path) -> None:
-    """A model loaded in bf16 (`torch_dtype=torch.bfloat16`): `grouped_optimizer` keeps fp32 masters."""
+    """A model loaded in bf16 (`dtype=torch.bfloat16`): `grouped_optimizer` keeps fp32 masters."""
     from transformers import Trainer
 
     def run(out: Path, max_steps: int, resume: bool = False) -> tuple[torch.nn.Module, Any]:
