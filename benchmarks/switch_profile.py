@@ -11,6 +11,7 @@ gradients' all-reduce included) and rank 0 reports. Two halves
     python benchmarks/switch_profile.py --layers 8 --policy drop --sort tottime
     python benchmarks/switch_profile.py --breakdown   # median per part instead of cProfile
     python benchmarks/switch_profile.py --model bert --layers 12 --compare-inputs
+    python benchmarks/switch_profile.py --model bert --layers 12 --check-cost   # the per-step check alone
     torchrun --nproc_per_node 2 benchmarks/switch_profile.py --model bert --layers 12 --compare-inputs
 
 ``--model bert`` alternates the lower and upper half of a BERT encoder built
@@ -75,6 +76,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--keep-reducers", type=int, default=0, help="PhaseSwitcher(keep_reducers=N)")
     parser.add_argument("--compare-kept", action="store_true",
                         help="time switches with keep_reducers=1 and 0 (two copies of the model, interleaved)")
+    parser.add_argument("--check-cost", action="store_true",
+                        help="also time the per-step invariant check (PhaseSwitcher.check_before_step) alone")
     args = parser.parse_args(argv)
     if args.compare_inputs and args.compare_kept:
         parser.error("--compare-inputs and --compare-kept are two separate runs")
@@ -127,9 +130,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     _inputs.fast_inputs = True
     if rank == 0:  # rank 0 reports (every rank ran the same loop)
         report(args, runs[0][0].module, device, world, steps, switches, other_way, profile)
+    if args.check_cost:
+        _check_cost(runs[0], rank, statistics.median(steps))
     # The switcher holds the wrapper too: free its reducer explicitly, let the gloo threads
     # finish, then destroy the group (a gloo thread alive at interpreter exit aborts it).
     shutdown(*(run[0] for run in runs))
+
+
+def _check_cost(run: tuple[DDP, PhaseSwitcher, Any, Any], rank: int, step_s: float) -> None:
+    """Median time of the invariant check every optimizer step runs, after a backward (gradients present)."""
+    ddp, switcher, _, loss = run
+    loss(ddp).backward()
+    times = []
+    for _ in range(2000):
+        started = time.perf_counter()
+        switcher.check_before_step()
+        times.append(time.perf_counter() - started)
+    ddp.zero_grad(set_to_none=True)
+    if rank == 0:
+        median = statistics.median(times)
+        print(f"invariant check before each step: median {median * 1e6:.1f} us over 2000 calls "
+              f"({100 * median / step_s:.2f} % of a step)")
 
 
 def _setup(args: argparse.Namespace, device: torch.device, keep: int) -> tuple[DDP, PhaseSwitcher, Any, Any]:

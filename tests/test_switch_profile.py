@@ -57,3 +57,14 @@ def test_bert_needs_two_layers_to_alternate() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "bert", "--layers", "1"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 2 and "--layers >= 2" in proc.stdout and "got 1" in proc.stdout
+
+
+def test_check_cost_times_the_invariant_check_as_a_share_of_the_step() -> None:
+    out = _run("--model", "bert", "--layers", "2", "--switches", "4", "--warmup", "2", "--top", "0", "--check-cost")
+    step = re.search(r"median step ([\d.]+) ms", out)
+    match = re.search(r"invariant check before each step: median ([\d.]+) us over 2000 calls \(([\d.]+) % of a step\)",
+                      out)
+    assert step is not None and match is not None, out
+    check_us, share = float(match.group(1)), float(match.group(2))
+    assert check_us > 0
+    assert share == pytest.approx(100 * check_us / 1000 / float(step.group(1)), abs=0.01 + 0.02 * share)
