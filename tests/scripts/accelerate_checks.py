@@ -45,7 +45,6 @@ Scenarios:
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sys
 import time
@@ -64,6 +63,12 @@ from hf_altparams.errors import AltParamsError, SwitchError
 from hf_altparams.integrations.accelerate import STATE_FILE, PhasedAccelerator
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, Schedule
 from hf_altparams.testing.launch import write_rank_result
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.digests import state_sha  # noqa: E402
 
 SPECS = {"l0": "l0.*", "l1": "l1.*", "head": "head.*"}
 LR = 1e-2
@@ -124,13 +129,6 @@ class CountDDPConstructions:
 
     def __exit__(self, *exc: Any) -> None:
         nn.parallel.DistributedDataParallel.__init__ = self._original  # type: ignore[method-assign]
-
-
-def sha(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def loader(n_batches: int, seed: int = 7) -> torch.utils.data.DataLoader:
@@ -221,7 +219,7 @@ def equivalence(name: str, schedule: Schedule, ga: int, clip: float | None, out:
         "steps": acc.schedule_step,
         "windows": len(windows),
         "max_abs_diff_vs_reference": max_diff(model, ref),
-        "param_sha256": sha(model),
+        "param_sha256": state_sha(model),
         "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
         "allreduce_bytes_expected": expected,
         "record_bytes": [r.allreduce_bytes_per_step for r in acc.switch_records],
@@ -256,7 +254,7 @@ def comm_hook_scenario() -> dict[str, Any]:
 
     train(acc, ddp, opt, dl, on_sync=check)
     result = {"fp16_exact_per_step": fp16_exact, "hooks_per_step": hooks,
-              "phases": [r.phase for r in acc.switch_records], "param_sha256": sha(model)}
+              "phases": [r.phase for r in acc.switch_records], "param_sha256": state_sha(model)}
     acc.free_memory()
     return result
 
@@ -311,7 +309,7 @@ def per_task_scenario() -> dict[str, Any]:
     expected = [sum(groups.nbytes(g) for g in schedule.phase_at(s).trainable) for s in range(len(tasks))]
     result = {"tasks": tasks, "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
               "allreduce_bytes_expected": expected, "max_abs_diff_vs_reference": max_diff(model, reference),
-              "param_sha256": sha(model), "refused": refused}
+              "param_sha256": state_sha(model), "refused": refused}
     acc.free_memory()
     return result
 
@@ -362,7 +360,7 @@ def resume_scenario(out: Path) -> dict[str, Any]:
     final = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(final, out / f"uninterrupted_rank{acc.process_index}.pt")
     result = {"steps": acc.schedule_step, "saved_phase": saved.get("phase"), "saved_files": saved.get("files"),
-              "param_sha256": sha(model)}
+              "param_sha256": state_sha(model)}
     acc.free_memory()
     return result
 
@@ -457,7 +455,7 @@ def own_optimizers_scenario() -> dict[str, Any]:
             "steps": acc.schedule_step, "windows": len(windows), "optimizers_prepared": len(acc._optimizers),
             "adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (opt1, opt2)],
             "reference_adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (ref1, ref2)],
-            "max_abs_diff_vs_reference": max_diff(model, ref), "param_sha256": sha(model),
+            "max_abs_diff_vs_reference": max_diff(model, ref), "param_sha256": state_sha(model),
         }
         acc.free_memory()
     # Case 6 on every rank: an optimizer set that leaves a group out is refused at `prepare`, before anything.
@@ -481,14 +479,14 @@ def bf16_scenario() -> dict[str, Any]:
     model = fresh_model()
     opt = GroupedOptimizer(ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR))
     ddp, opt, dl = acc.prepare(model, opt, loader(16))
-    before = sha(model)
+    before = state_sha(model)
     out_dtype: list[str] = []
     with torch.no_grad(), acc.autocast():
         out_dtype.append(str(model.l0(torch.zeros(1, 6)).dtype))
     train(acc, ddp, opt, dl, clip=1.0)
     result = {"mixed_precision": acc.mixed_precision, "autocast_dtype": out_dtype[0], "steps": acc.schedule_step,
-              "phases": [r.phase for r in acc.switch_records], "changed": sha(model) != before,
-              "param_sha256": sha(model), "models_registered": len(acc._models)}
+              "phases": [r.phase for r in acc.switch_records], "changed": state_sha(model) != before,
+              "param_sha256": state_sha(model), "models_registered": len(acc._models)}
     acc.free_memory()
     return result
 

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
     sys.path.insert(0, str(REPO))
 
+from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import (  # noqa: E402
     LR,
     RESUME_POLICY,
@@ -42,7 +43,6 @@ from tests.scripts.accelerate_checks import (  # noqa: E402
     SPECS,
     fresh_model,
     loader,
-    sha,
 )
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         "steps": acc.schedule_step,
         "bitwise_equal_to_uninterrupted": all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
         "max_abs_diff": max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted),
-        "param_sha256": sha(model),
+        "param_sha256": state_sha(model),
         "models_registered": len(acc._models),
     }, rank=int(os.environ.get("RANK", "0")))
 

@@ -20,9 +20,9 @@ Launched by ``tests/integrations/test_divergence.py``; each rank writes one entr
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +35,12 @@ from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing import write_rank_result
 
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.digests import param_sha  # noqa: E402
+
 
 class TwoHeads(nn.Module):
     def __init__(self) -> None:
@@ -44,10 +50,6 @@ class TwoHeads(nn.Module):
 
     def forward(self, x: torch.Tensor, head: str = "a") -> torch.Tensor:
         return getattr(self, head)(torch.tanh(self.trunk(x)))
-
-
-def sha(model: nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
 def batch(step: int) -> torch.Tensor:  # different data on each rank: without an all-reduce the ranks drift
@@ -72,7 +74,7 @@ def accelerate_case(when: str, find_unused: bool = False) -> dict[str, Any]:
             head = "b" if when == "advice" and step == 1 else "a"
             if step == 1 and when in ("before_forward", "advice"):
                 model.requires_grad_(True)  # e.g. prepare_model_for_kbit_training / set_adapter
-            before = sha(model)
+            before = param_sha(model)
             acc.backward(prepared(batch(step), head).pow(2).mean())
             if step == 1 and when == "after_backward":
                 model.requires_grad_(True)
@@ -80,11 +82,11 @@ def accelerate_case(when: str, find_unused: bool = False) -> dict[str, Any]:
                 opt.step()
             except AltParamsError as err:
                 error = str(err)
-                seen.append(sha(model) == before)  # nothing applied
+                seen.append(param_sha(model) == before)  # nothing applied
                 break
             opt.zero_grad()
         seen_warnings = [str(w.message) for w in caught if "hf_altparams" in str(w.message)]
-    return {"error": error, "unchanged": seen, "digest": sha(model), "warnings": seen_warnings,
+    return {"error": error, "unchanged": seen, "digest": param_sha(model), "warnings": seen_warnings,
             "steps": acc.schedule_step}
 
 

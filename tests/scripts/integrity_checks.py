@@ -33,7 +33,6 @@ Scenarios, each on a fresh ``PhasedAccelerator``, in one launch; each rank write
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -54,6 +53,7 @@ from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.support
+from tests.support.digests import state_sha  # noqa: E402
 from tests.support.faults import SaveFault  # noqa: E402
 
 SPECS = {"a": "trunk.*", "b": "head.*"}
@@ -74,13 +74,6 @@ class Branchy(nn.Module):
 
 class Killed(Exception):
     """Stands for the process dying at that point (raised on every rank alike)."""
-
-
-def sha(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def build(specs: dict[str, str] = SPECS, plain: bool = False, **kwargs: Any) -> tuple[Any, nn.Module, Any]:
@@ -125,15 +118,15 @@ def drift_at_save(out: Path) -> dict[str, Any]:
     train(acc, ddp, opt, 2)
     latest = str(out / "drift" / "latest")
     acc.save_state(latest)
-    saved_sha = sha(model)
+    saved_sha = state_sha(model)
     train(acc, ddp, opt, 1)
     if acc.process_index == 1:
         nudge(model.head.weight)
     error = caught(lambda: acc.save_state(latest))
     acc.load_state(latest)  # the earlier checkpoint, untouched: both ranks equal again
     shas: list[Any] = [None, None]
-    dist.all_gather_object(shas, sha(model))
-    return {"error": error, "loaded_step": acc.schedule_step, "loaded_is_saved": sha(model) == saved_sha,
+    dist.all_gather_object(shas, state_sha(model))
+    return {"error": error, "loaded_step": acc.schedule_step, "loaded_is_saved": state_sha(model) == saved_sha,
             "ranks_equal_after_load": shas[0] == shas[1]}
 
 

@@ -19,10 +19,10 @@ Launched by ``tests/engine/test_misuse.py`` under ``accelerate launch`` (CPU,
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -39,19 +39,18 @@ from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
 
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.digests import param_sha  # noqa: E402
+
 SPECS = {"a": "0.*", "b": "2.*"}
 
 
 def net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def sha(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def batch(step: int) -> torch.Tensor:
@@ -80,7 +79,7 @@ def ddp_before_phase() -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         switcher.step_to(step + 1)
     return {"warnings": [str(w.message) for w in caught], "reducer_after_attach": reducer_after_attach,
-            "phase_a_params": sorted(groups.trainable_param_names(frozenset({"a"}))), "sha": sha(model)}
+            "phase_a_params": sorted(groups.trainable_param_names(frozenset({"a"}))), "sha": param_sha(model)}
 
 
 def forgot_attach() -> dict[str, Any]:
@@ -121,14 +120,14 @@ def unwrapped_forward() -> dict[str, Any]:
         acc.backward(model(batch(0)).square().mean())  # the first step goes through DDP: fine
         opt.step()
         opt.zero_grad()
-        before = sha(acc.unwrap_model(model))
+        before = param_sha(acc.unwrap_model(model))
         acc.backward(acc.unwrap_model(model)(batch(1)).square().mean())
         error = ""
         try:
             opt.step()
         except AltParamsError as exc:
             error = str(exc)
-        return {"error": error, "unchanged": sha(acc.unwrap_model(model)) == before, "sha": before,
+        return {"error": error, "unchanged": param_sha(acc.unwrap_model(model)) == before, "sha": before,
                 "steps": acc.schedule_step}
     return _accelerate_run(Alternating(["a", "b"]), loop)
 
@@ -151,7 +150,7 @@ def epochs(set_epoch: bool, only_first: bool = False) -> dict[str, Any]:
                 error = str(exc)
         return {"error": error, "phases": phases, "steps": acc.schedule_step, "per_epoch": len(loader),
                 "warnings": [str(w.message) for w in seen if "set_epoch" in str(w.message)],
-                "sha": sha(acc.unwrap_model(model))}
+                "sha": param_sha(acc.unwrap_model(model))}
     return _accelerate_run(Alternating(["a", "b"], unit="epoch"), loop)
 
 

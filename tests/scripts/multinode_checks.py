@@ -70,6 +70,7 @@ if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the scrip
     sys.path.insert(0, str(REPO))
 
 from tests.scripts import engine_check  # noqa: E402
+from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import (  # noqa: E402
     LR,
     RESUME_POLICY,
@@ -80,7 +81,6 @@ from tests.scripts.accelerate_checks import (  # noqa: E402
     fresh_model,
     loader,
     per_task_scenario,
-    sha,
 )
 
 GA = 2
@@ -161,7 +161,7 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
                               "load_warnings": [str(w.message) for w in caught if "load_state" in str(w.message)]}
     _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * acc.schedule_step))
     state = model.state_dict()
-    result.update(resumed_steps=acc.schedule_step, resumed_sha256=sha(model),
+    result.update(resumed_steps=acc.schedule_step, resumed_sha256=state_sha(model),
                   bitwise_equal_to_uninterrupted=all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
                   max_abs_diff=max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted))
     acc.free_memory()
@@ -178,7 +178,7 @@ def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[in
     saved = _train(acc, ddp, opt, dl, save_at=save_at)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
     result: dict[str, Any] = {"saved": saved, "writes": list(WRITES), "writes_state_files": writes_state_files(acc),
-                              "uninterrupted_sha256": sha(model), "steps": acc.schedule_step}
+                              "uninterrupted_sha256": state_sha(model), "steps": acc.schedule_step}
     acc.wait_for_everyone()
     result["files_seen"] = sorted(os.listdir(saved[0])) if saved and os.path.isdir(saved[0]) else []
     if before_resume is not None:

@@ -27,7 +27,6 @@ Scenarios:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import warnings
@@ -46,6 +45,12 @@ from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.integrations.peft import adapter_groups, adapter_parameters, follow_phases
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle, Schedule
 from hf_altparams.testing.launch import write_rank_result
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
+    sys.path.insert(0, str(REPO))
+
+from tests.support.digests import group_digests  # noqa: E402
 
 VOCAB, BATCH, LR = 64, 4, 5e-2
 ADAPTERS = ("a", "b")
@@ -75,16 +80,6 @@ def task_loader(task: str) -> torch.utils.data.DataLoader:
     ids = torch.randint(1, VOCAB, (64, 8), generator=gen)
     labels = (ids[:, 0] >= VOCAB // 2).long() if task == "a" else (ids[:, -1] % 2 == 0).long()
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=BATCH)
-
-
-def digests(groups: ParamGroups) -> dict[str, str]:
-    out = {}
-    for name in groups.names:
-        h = hashlib.sha256()
-        for p in groups.params(name):
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        out[name] = h.hexdigest()
-    return out
 
 
 def forever(loader: Any) -> Iterator[Any]:
@@ -122,9 +117,9 @@ def phased(out: Path) -> dict[str, Any]:
     peft.register_forward_pre_hook(lambda module, args: seen.append(list(module.active_adapters)))
     trace = []
     for _ in range(8):
-        before = digests(groups)
+        before = group_digests(groups)
         task = step(accelerator, ddp, optimizer, batches)
-        after = digests(groups)
+        after = group_digests(groups)
         trace.append({"task": task, "active": seen[-1], "adapter_bytes": groups.nbytes(task),
                       "changed": sorted(g for g in before if before[g] != after[g])})
     measured = accelerator.comm_counter.history if accelerator.comm_counter else []
@@ -158,7 +153,7 @@ def phased(out: Path) -> dict[str, Any]:
         reloaded_logits = reloaded(input_ids=ids).logits.tolist()
     reload_diff = {a: max(float((mine[n] - theirs[n]).abs().max()) for n in names)
                    for a, names in adapter_parameters(peft).items()}
-    result = {"trace": trace, "measured": measured, "digests": digests(groups), "visit": visit,
+    result = {"trace": trace, "measured": measured, "digests": group_digests(groups), "visit": visit,
               "reload_max_abs_diff": reload_diff, "reloaded_idle_logits": reloaded_logits,
               "adapter_param_names": {a: list(n) for a, n in adapter_parameters(peft).items()},
               "group_names": {g: list(groups.param_names(g)) for g in groups.names}}
@@ -173,7 +168,7 @@ def behind_back(hooked: bool) -> dict[str, Any]:
     accelerator, ddp, optimizer, groups, batches, adapters = setup(hooked=hooked, schedule=schedule)
     peft = accelerator.unwrap_model(ddp)
     step(accelerator, ddp, optimizer, batches)  # step 0, phase "a"
-    before = digests(groups)
+    before = group_digests(groups)
     result: dict[str, Any] = {"phase": accelerator.phase.name if accelerator.phase else None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -183,7 +178,7 @@ def behind_back(hooked: bool) -> dict[str, Any]:
         result["error"] = ""
     except AltParamsError as exc:
         result["error"] = str(exc)
-    after = digests(groups)
+    after = group_digests(groups)
     result["changed"] = sorted(g for g in before if before[g] != after[g])
     if hooked:
         optimizer.zero_grad()
@@ -192,7 +187,7 @@ def behind_back(hooked: bool) -> dict[str, Any]:
         for _ in range(2):
             step(accelerator, ddp, optimizer, batches)
         result["steps_after_restore"] = accelerator.schedule_step
-        result["digests"] = digests(groups)
+        result["digests"] = group_digests(groups)
         adapters.close()
     accelerator.free_memory()
     return result

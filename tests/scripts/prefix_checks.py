@@ -22,14 +22,12 @@ Scenarios, one after another in the same processes; each rank writes
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from accelerate.utils import DataLoaderConfiguration
-from torch import nn
 
 from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.engine.prefix import FrozenPrefix, ShardSampler
@@ -41,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
     sys.path.insert(0, str(REPO))
 
+from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import ListTracker  # noqa: E402
 from tests.support.models import TinyEncoder  # noqa: E402
 
@@ -55,13 +54,6 @@ def schedule(kind: str) -> Schedule:
         return GradualUnfreeze(["emb", "layer0", "layer1", "layer2", "layer3"], every=2, unit="epoch",
                                always=["head"])
     return ProgressiveFreeze(["emb", "layer0", "layer1"], every=2, unit="epoch", always=["layer2", "layer3", "head"])
-
-
-def sha(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def dataset() -> torch.utils.data.TensorDataset:
@@ -123,7 +115,7 @@ def equivalence(kind: str, ga: int, shard: bool = True) -> dict[str, Any]:
         torch.manual_seed(1 + acc.process_index)  # the suffix's dropout: same draws in both runs
         run_epochs(acc, ddp, opt, loader)
         out[name] = {k: v.detach().clone() for k, v in acc.unwrap_model(ddp).state_dict().items()}
-        out[f"{name}_sha"] = sha(acc.unwrap_model(ddp))
+        out[f"{name}_sha"] = state_sha(acc.unwrap_model(ddp))
         out[f"{name}_records"] = records(acc)
         out[f"{name}_logged_keys"] = sorted({k for _, values in tracker.logs for k in values if "prefix_" in k})
         acc.free_memory(ddp, opt)
@@ -137,14 +129,14 @@ def resume(out_dir: Path, option: FrozenPrefix) -> dict[str, Any]:
     acc, ddp, opt, loader, _ = setup("progressive", option, 1)
     torch.manual_seed(1 + acc.process_index)
     run_epochs(acc, ddp, opt, loader, save=ckpt)
-    uninterrupted = sha(acc.unwrap_model(ddp))
+    uninterrupted = state_sha(acc.unwrap_model(ddp))
     held_at_end = records(acc)
     acc.free_memory(ddp, opt)
 
     acc, ddp, opt, loader, _ = setup("progressive", option, 1)
     acc.load_state(str(ckpt))  # restores the RNG states too
     run_epochs(acc, ddp, opt, loader, start=SAVE_EPOCH, skip=SAVE_BATCH)
-    result = {"uninterrupted_sha": uninterrupted, "resumed_sha": sha(acc.unwrap_model(ddp)),
+    result = {"uninterrupted_sha": uninterrupted, "resumed_sha": state_sha(acc.unwrap_model(ddp)),
               "records_uninterrupted": held_at_end, "records_resumed": records(acc)}
     acc.free_memory(ddp, opt)
     return result
