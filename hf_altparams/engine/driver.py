@@ -144,25 +144,27 @@ class PhaseDriver:
         self.loop.syncing_forwards = 0
         if not switch:
             return None
-        if self._clear_grads is not None and self.due() is not None:
+        due = self.due()
+        if self._clear_grads is not None and due is not None:
             self._clear_grads()  # the step applied them; none may reach the next phase
-        return self._advance()
+        return self._advance(due)
 
     def move_to(self, step: int, epoch: Optional[int] = None) -> Any:
         """Set the position (``step``, and ``epoch`` if given) and switch if the phase there differs."""
         self.step = int(step)
         if epoch is not None:
             self.epoch = int(epoch)
-        return self._advance()
+        return self._advance(self.due())
 
     def set_epoch(self, epoch: int) -> Any:
         """The loop entered ``epoch`` (an epoch-unit schedule's position): switch if due."""
         self.epoch = int(epoch)
         self.loop.epoch_set_at = self.step
         self.loop.epoch_calls += 1
-        if self._clear_grads is not None and not self.loop.backward_pending and self.due() is not None:
+        due = self.due()
+        if self._clear_grads is not None and not self.loop.backward_pending and due is not None:
             self._clear_grads()  # the last step applied them (a loop that zeroes first still holds them)
-        return self._advance()
+        return self._advance(due)
 
     def switch_to(self, phase: Phase, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
         """Apply ``phase`` now (whatever the schedule says) and make it :attr:`current`."""
@@ -174,8 +176,8 @@ class PhaseDriver:
             self._moved()
         return record
 
-    def _advance(self) -> Any:
-        due = self.due()
+    def _advance(self, due: Optional[Phase]) -> Any:
+        """Switch to ``due`` (the phase :meth:`due` found at the new position), if any."""
         if due is None or self._apply is None:
             if self._moved is not None and self._apply is not None:
                 self._moved()
