@@ -117,10 +117,16 @@ class PhasedRun:
         self._take_driving(driving)
         if not apply_first:  # FSDP2: the phases start after fully_shard (start_sharded)
             return
-        self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=driving, config=self.settings.config,
-                                      driver=self.driver)
-        self.switcher.check_missing_grads = True  # refused at the step, before the update
+        self.switcher = self._new_switcher()
         self.driver.move_to(self.driver.step, self.driver.epoch)
+
+    def _new_switcher(self) -> PhaseSwitcher:
+        """The run's switcher over :attr:`groups`, driven by the run's driver and optimizer."""
+        assert self.groups is not None and self.schedule is not None and self.driver is not None
+        switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving, config=self.settings.config,
+                                 driver=self.driver)
+        switcher.check_missing_grads = True  # a missing gradient is refused at the step, before the update
+        return switcher
 
     def bind_optimizer(self, driving: Optimizer) -> None:
         """The optimizer that drives the schedule, prepared after the model (a separate ``prepare`` call)."""
@@ -146,9 +152,7 @@ class PhasedRun:
         old = self.groups
         self.groups = rebind_groups(old, model)
         rebind_optimizer(self.driving, old, self.groups)
-        self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving,
-                                      config=self.settings.config, driver=self.driver)
-        self.switcher.check_missing_grads = True
+        self.switcher = self._new_switcher()
         self.switcher.attach(model)  # the FSDP2 backend: nothing is rebuilt at a switch
         self.driver.move_to(self.driver.step, self.driver.epoch)  # the first phase, read at the next all-gather
         if self.settings.count_comm:
@@ -241,7 +245,6 @@ class PhasedRun:
     def after_switch(self, record: SwitchRecord) -> None:
         if self.settings.log_switches:
             self._log(self._metrics(record), step=record.step)
-
 
 
 @contextlib.contextmanager
