@@ -62,10 +62,6 @@ class ModelsBackend(Backend):
         return all(b.collective_free_apply for b in self.parts.values())
 
     @property
-    def find_unused(self) -> bool:
-        return any(bool(getattr(w, "find_unused_parameters", False)) for w in self.wrappers)
-
-    @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
         return next((b.process_group for b in self.parts.values()), None)
 
