@@ -1,12 +1,13 @@
-"""Helpers shared by the tests, the check scripts and the benchmarks (never part of the installed package).
+"""Helpers shared by the tests, the check scripts, the benchmarks and the main job's meters (never installed).
 
 * :mod:`tests.support.models`: small models (``TwoHalves``, ``TinyEncoder``,
   a Llama-shaped decoder);
 * :mod:`tests.support.meters`: peak memory over a baseline, model state by kind;
+* :mod:`tests.support.digests`: sha256 of weights, to compare ranks and runs;
 * :mod:`tests.support.exits`: counts aborts at interpreter exit of repeated 2-rank runs;
 * :mod:`tests.support.faults`: kills a checkpoint save part-way (torn-checkpoint tests).
 
 Imported as ``tests.support.x`` with the repository root on ``sys.path``
-(pytest: ``pythonpath = .`` in ``setup.cfg``; the benchmarks and the check
-scripts insert it themselves).
+(pytest: ``pythonpath = .`` in ``setup.cfg``; the benchmarks, the check
+scripts and ``examples/fit_large_model.py`` insert it themselves).
 """
