@@ -11,6 +11,7 @@ the rebinding cannot pass).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -19,6 +20,7 @@ import sys
 import accelerate
 import accelerate.accelerator
 
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 
 built = 0
@@ -39,6 +41,8 @@ def main() -> None:
     accelerate.accelerator.Accelerator = Counted  # type: ignore[misc]
     sys.argv = [name]
     runpy.run_module(f"accelerate.test_utils.scripts.{name}", run_name="__main__")
+    gc.collect()  # the script's wrappers (and their reducers) go with its namespace
+    shutdown()  # gloo's threads finish, then the process group ends (no abort at interpreter exit)
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"script": name, "phased_accelerators_built": built}, f)

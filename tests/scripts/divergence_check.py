@@ -30,6 +30,7 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState
 from torch import nn
 
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
@@ -86,8 +87,11 @@ def accelerate_case(when: str, find_unused: bool = False) -> dict[str, Any]:
                 break
             opt.zero_grad()
         seen_warnings = [str(w.message) for w in caught if "hf_altparams" in str(w.message)]
-    return {"error": error, "unchanged": seen, "digest": param_sha(model), "warnings": seen_warnings,
-            "steps": acc.schedule_step}
+    result = {"error": error, "unchanged": seen, "digest": param_sha(model), "warnings": seen_warnings,
+              "steps": acc.schedule_step}
+    shutdown(prepared, destroy=False)  # the wrapper's reducer freed before the next case's
+    acc.free_memory()
+    return result
 
 
 def trainer_case(out: str) -> dict[str, Any]:
@@ -133,6 +137,7 @@ def main() -> None:
         "trainer_callback": trainer_case(out),
     }
     write_rank_result(out, results)
+    shutdown()  # gloo's threads finish, then the process group ends (no abort at interpreter exit)
 
 
 if __name__ == "__main__":
