@@ -63,7 +63,7 @@ from .memory._prefetch import PhasePrefetch
 from .memory._release import ReleasePolicy
 from .memory._residency import ResidencyManager
 from .memory._transfer import optimizer_of
-from .memory._model import StatePolicy
+from .memory.model import StatePolicy
 from .optim._grouped import GroupedOptimizer
 from .optim._scheduler import reapply_state_policy
 from .records import SwitchHistory, SwitchRecord

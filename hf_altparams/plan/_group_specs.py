@@ -6,7 +6,7 @@ names it claims (aliases of tied parameters included) or raises a
 :class:`~hf_altparams.errors.PlanError` naming what is wrong.
 :func:`layer_specs` and :func:`check_module_specs` build and check the specs of
 the ``from_layers`` / ``from_modules`` constructors. The :data:`Spec` type and
-:func:`_format_bytes` are re-exported by :mod:`hf_altparams.plan.groups` (users and
+:func:`format_bytes` are re-exported by :mod:`hf_altparams.plan.groups` (users and
 the planner import them there); this module imports nothing from it, so the two
 depend one way only.
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import PlanError
 
-__all__ = ["Spec", "check_module_specs", "layer_specs", "overlap_message", "resolve_spec"]
+__all__ = ["Spec", "check_module_specs", "format_bytes", "layer_specs", "overlap_message", "resolve_spec"]
 
 #: One group's specification: a pattern, a submodule, or a list mixing both
 #: (re-exported by :mod:`hf_altparams.plan.groups`, where users import it).
@@ -41,7 +41,7 @@ def _preview(names: Sequence[str], limit: int = _SHOW) -> str:
     return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     """``1536 -> '1.50 KiB'``: bytes in the largest binary unit below 1024."""
     if n < 1024:
         return f"{n} B"

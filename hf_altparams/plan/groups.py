@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import PlanError
 from ._group_specs import (
     Spec,
-    _format_bytes,
+    format_bytes,
     _preview,
     _show,
     _unwrap,
@@ -32,7 +32,7 @@ from ._group_specs import (
     resolve_spec,
 )
 
-__all__ = ["ParamGroups", "Spec", "UngroupedPolicy"]
+__all__ = ["ParamGroups", "Spec", "UngroupedPolicy", "format_bytes"]
 
 #: What happens to parameters that no group claims.
 UngroupedPolicy = Literal["frozen", "trainable", "error"]
@@ -243,13 +243,13 @@ class ParamGroups:
             header += "  trainable"
         lines = [header, "-" * len(header)]
         for name, count, size, trains in rows:
-            line = f"{name:<{width}}  {count:>14,}  {_format_bytes(size):>11}"
+            line = f"{name:<{width}}  {count:>14,}  {format_bytes(size):>11}"
             if chosen is not None:
                 line += f"  {'yes' if trains else 'no':>9}"
             lines.append(line)
         total = sum(r[1] for r in rows)
         lines.append("-" * len(header))
-        lines.append(f"{'total':<{width}}  {total:>14,}  {_format_bytes(sum(r[2] for r in rows)):>11}")
+        lines.append(f"{'total':<{width}}  {total:>14,}  {format_bytes(sum(r[2] for r in rows)):>11}")
         if chosen is not None:
             on = sum(r[1] for r in rows if r[3])
             pct = 100.0 * on / total if total else 0.0

@@ -34,7 +34,7 @@ optimizer is fused or capturable), and allocator rounding.
 builds the model on ``meta`` from a transformers config JSON, a checkpoint folder,
 or ``pkg.module:factory``.
 
-The arithmetic is the engine's memory model (:mod:`hf_altparams.engine.memory._model`),
+The arithmetic is the engine's memory model (:mod:`hf_altparams.engine.memory.model`),
 which :func:`~hf_altparams.engine.memory_report` runs on the live model: on the
 same model and run its expected peak equals the planner's figure to the byte.
 The package's modules: ``_sizes`` (the planner's arguments, the sizes of a

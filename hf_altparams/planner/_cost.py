@@ -9,7 +9,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
-from ..engine.memory._model import (Footprint, Layout, Sizes, StatePolicy, Storage, buffer_owners,
+from ..engine.memory.model import (Footprint, Layout, Sizes, StatePolicy, Storage, buffer_owners,
                                     everything_layout, footprint, layout)
 from ._fsdp2 import finish_fsdp2, fsdp2_sizes
 from ._results import CostPlan, PhaseCost, SwitchCost

@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..engine.memory._model import Sizes
+from ..engine.memory.model import Sizes
 from ..plan import ParamGroups
-from ..plan.groups import _format_bytes
+from ..plan.groups import format_bytes
 
 __all__ = ["fsdp2_sizes", "fsdp2_table", "finish_fsdp2", "shard_rows"]
 
@@ -105,11 +105,11 @@ def fsdp2_table(plan: Any) -> str:
         share = 100.0 * row.trainable_params / (plan.total_params or 1)
         ddp: Optional[int] = plan.ddp_device_bytes.get(row.phase)
         values = [row.phase, where, f"{row.trainable_params:,} ({share:.1f}%)",
-                  _format_bytes(row.allreduce_bytes), _format_bytes(row.wire_bytes)]
-        values += [_format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
+                  format_bytes(row.allreduce_bytes), format_bytes(row.wire_bytes)]
+        values += [format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
                                               row.optimizer_bytes + row.master_bytes, row.device_bytes)]
-        values += [_format_bytes(ddp or 0), f"{100.0 * row.device_bytes / (ddp or 1):.0f}%"]
-        return values + ([_format_bytes(row.host_bytes)] if host else [])
+        values += [format_bytes(ddp or 0), f"{100.0 * row.device_bytes / (ddp or 1):.0f}%"]
+        return values + ([format_bytes(row.host_bytes)] if host else [])
 
     ranges = [", ".join(f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in r.ranges[:3])
               + (", ..." if len(r.ranges) > 3 else "") for r in plan.phases]
@@ -128,10 +128,10 @@ def fsdp2_table(plan: Any) -> str:
         + ("" if plan.storage_dtype is None else f" | storage: {plan.storage_dtype}, fp32 masters "
            f"(idle: {plan.master_policy})"),
         rule, fmt(head), rule, *map(fmt, body[:-1]), rule, fmt(body[-1]), rule, *plan.share_lines(),
-        "state policies: " + " | ".join(f"{p}: peak {_format_bytes(v['peak_device_bytes'])}"
+        "state policies: " + " | ".join(f"{p}: peak {format_bytes(v['peak_device_bytes'])}"
                                         for p, v in plan.policies.items()),
         f"bytes per rank (rank 0's padded shards); sent/rank: reduce-scatter only; not in 'device': one unit "
-        f"unsharded in forward/backward (largest: {_format_bytes(plan.unit_bytes)} with one unit per group, "
+        f"unsharded in forward/backward (largest: {format_bytes(plan.unit_bytes)} with one unit per group, "
         "ungrouped parameters in the root's), activations, temporaries, Adam step counters",
     ]
     return "\n".join(lines)

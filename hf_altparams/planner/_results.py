@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from ..errors import PlanError
 from ..plan import TrainShare
-from ..plan.groups import _format_bytes
+from ..plan.groups import format_bytes
 from ._fsdp2 import fsdp2_table
 from ._sizes import _SWITCH_LINES
 
@@ -120,12 +120,12 @@ class CostPlan:
         def cells(row: PhaseCost, where: str) -> list[str]:
             share = 100.0 * row.trainable_params / (self.total_params or 1)
             values = [row.phase, where, f"{row.trainable_params:,} ({share:.1f}%)",
-                      _format_bytes(row.allreduce_bytes), _format_bytes(row.wire_bytes)]
-            values += [_format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
+                      format_bytes(row.allreduce_bytes), format_bytes(row.wire_bytes)]
+            values += [format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
                                                   row.optimizer_bytes + row.master_bytes, row.bucket_bytes,
                                                   row.device_bytes)]
             values.append(f"{100.0 * row.device_bytes / full:.0f}%")
-            return values + ([_format_bytes(row.host_bytes)] if host else [])
+            return values + ([format_bytes(row.host_bytes)] if host else [])
 
         body = [cells(r, _ranges_text(r.ranges)) for r in self.phases]
         body.append(cells(self.everything, "-"))
@@ -149,17 +149,17 @@ class CostPlan:
         ]
         moved = sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in self.switches)
         count = sum(s.count for s in self.switches)
-        lines.append(f"switches ({self.state_policy}): {count}, moving {_format_bytes(moved)} host<->device "
+        lines.append(f"switches ({self.state_policy}): {count}, moving {format_bytes(moved)} host<->device "
                      f"in all (~{1e3 * sum(s.seconds * s.count for s in self.switches):.2f} ms at "
                      f"{self.pcie_gbps:g} GB/s assumed)")
         costly = [s for s in self.switches if s.bytes_to_host or s.bytes_to_device or s.reinit_bytes]
         for s in costly[:_SWITCH_LINES]:
             lines.append(f"  {s.from_phase} -> {s.to_phase} (x{s.count}): to host "
-                             f"{_format_bytes(s.bytes_to_host)}, to device {_format_bytes(s.bytes_to_device)}, "
-                             f"re-initialised {_format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each")
+                             f"{format_bytes(s.bytes_to_host)}, to device {format_bytes(s.bytes_to_device)}, "
+                             f"re-initialised {format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each")
         lines.extend(self.share_lines())
         lines.append("state policies: " + " | ".join(
-            f"{p}: peak {_format_bytes(v['peak_device_bytes'])}, moved {_format_bytes(v['moved_bytes'])}"
+            f"{p}: peak {format_bytes(v['peak_device_bytes'])}, moved {format_bytes(v['moved_bytes'])}"
             for p, v in self.policies.items()))
         lines.append("bytes per rank; sent/rank: ring all-reduce estimate; not counted: activations, "
                      "temporaries, Adam step counters, allocator rounding")

@@ -3,7 +3,7 @@
 The arithmetic itself (bytes per parameter as stored, gradients, DDP buckets,
 optimizer state per optimizer kind, fp32 masters; where state and masters are
 under each :class:`~hf_altparams.engine.optim.StatePolicy`) is
-:mod:`hf_altparams.engine.memory._model`, which
+:mod:`hf_altparams.engine.memory.model`, which
 :func:`~hf_altparams.engine.memory_report` uses on the live model. Here: the
 planner's arguments (optimizer spec, dtype names), the sizes of a
 :class:`~hf_altparams.plan.ParamGroups` built on ``meta``, and the bytes a
@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..engine.memory._model import (OPTIMIZER_STATES, UNGROUPED, Layout, Sizes, StatePolicy, Storage,
+from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Layout, Sizes, StatePolicy, Storage,
                                     state_bytes_for, tensor_sizes)
 from ..errors import PlanError
 from ..plan import ParamGroups

@@ -6,7 +6,7 @@
   device and the host (pinned, asynchronous, prefetched);
 * release (:func:`release_memory`, the ``release`` policy of a switch) and the
   host heap (glibc's ``malloc_trim`` and mmap threshold);
-* the memory model (:mod:`._model`: bytes per group and category under each
+* the memory model (:mod:`.model`: bytes per group and category under each
   :class:`StatePolicy`, shared with the planner), the census
   (:func:`memory_report`) and the expected peak of a phase.
 """
@@ -20,7 +20,7 @@ from ._host import (
     release_memory,
     rss_bytes,
 )
-from ._model import StatePolicy
+from .model import StatePolicy
 from ._report import CATEGORIES, MemoryReport, expected_footprint, expected_peak_bytes, memory_report
 from ._residency import DeviceLike, ResidencyManager, non_resident_groups
 

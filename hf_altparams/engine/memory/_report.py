@@ -30,7 +30,7 @@ once, under the device it lives on.
 
 The *expected peak* of a phase is the device memory its optimizer step needs,
 activations excluded, computed by the memory model the planner uses
-(:mod:`._model`; ``plan_cost`` gives the same bytes for the same model and
+(:mod:`.model`; ``plan_cost`` gives the same bytes for the same model and
 run): resident parameters and buffers, the trainable parameters' gradients
 (fp32 on the masters under ``PrecisionOptimizer``) and DDP's buckets beyond
 them, the optimizer state and fp32 masters on the device. Optimizer state is
@@ -59,7 +59,7 @@ from ..ddp import _surgery as _ddp
 from ..fsdp2._dtensor import local_tensor
 from ..optim._grouped import GroupedOptimizer
 from ..optim._precision import PrecisionOptimizer
-from ._model import (UNGROUPED, Footprint, Sizes, StatePolicy, Storage, buffer_owners, everything_layout, footprint,
+from .model import (UNGROUPED, Footprint, Sizes, StatePolicy, Storage, buffer_owners, everything_layout, footprint,
                      layout, state_bytes_for, state_tensors, tensor_sizes)
 from ._transfer import nbytes, optimizer_of
 

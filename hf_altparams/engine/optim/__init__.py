@@ -11,7 +11,7 @@
 * :class:`GroupedLRScheduler` and :func:`reapply_state_policy` act on a built one.
 """
 
-from ..memory._model import StatePolicyLike
+from ..memory.model import StatePolicyLike
 from ._grouped import GroupedOptimizer, OptimizerFactory, StatePolicy
 from ._loss_scale import DynamicLossScale
 from ._precision import MasterPolicy, PrecisionOptimizer

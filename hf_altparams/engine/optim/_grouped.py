@@ -7,7 +7,7 @@ so it loads into a rebuilt model. Idle groups' optimizer state follows a
 :class:`StatePolicy`: ``keep`` it, ``offload`` it to CPU (pinned when the device
 is CUDA), or ``drop`` it (torch optimizers re-initialise empty state at the next
 step). The policy is one typed value shared with the planner and the memory
-report (:mod:`hf_altparams.engine.memory._model`); users pass its strings.
+report (:mod:`hf_altparams.engine.memory.model`); users pass its strings.
 
 :class:`GroupedLRScheduler` and :func:`reapply_state_policy`, which act on a
 built :class:`GroupedOptimizer` from outside, live in :mod:`._scheduler`.
@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from ...errors import PlanError
 from ...plan.groups import ParamGroups
-from ..memory._model import StatePolicy, StatePolicyLike
+from ..memory.model import StatePolicy, StatePolicyLike
 from ..memory._transfer import HostCopies, Prefetcher, param_group_map, state_target_device, to_device, to_host
 from ..memory._transfer import nbytes as _nbytes
 from ._factories import as_factories, check_groups_argument

@@ -66,7 +66,7 @@ from ._grad32 import Fp32Grads
 from ._loss_scale import DynamicLossScale
 from ..memory._transfer import HostCopies, to_device, to_host
 from ..comm import CommCounter, register_comm_counter
-from ..memory._model import StatePolicy, StatePolicyLike
+from ..memory.model import StatePolicy, StatePolicyLike
 from ._grouped import GroupedOptimizer, OptimizerFactory, policies_per_group
 from ._storage import masters_in_place, store_model
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Union
 from torch.optim import Optimizer
 
 from ...errors import PlanError
-from ..memory._model import StatePolicy
+from ..memory.model import StatePolicy
 from ..memory._transfer import optimizer_of
 from ._grouped import GroupedOptimizer
 
