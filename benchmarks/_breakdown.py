@@ -38,10 +38,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hf_altparams.engine import _collective, _transaction as transaction_module, switch as switch_module
+from hf_altparams.engine import collective as _collective, switch as switch_module
+from hf_altparams.engine.collective import collective_device, is_distributed
 from hf_altparams.engine.ddp import _surgery as _ddp
-from hf_altparams.engine._collective import collective_device, is_distributed
-from hf_altparams.engine.memory._transfer import optimizer_of
+
+transaction_module = switch_module  # the transaction is the switcher's own (module-level names it calls)
 
 #: The parts of a switch, in transaction order, and what each times.
 PARTS: dict[str, str] = {
@@ -53,12 +54,12 @@ PARTS: dict[str, str] = {
     "rebuild_params": "reducer_inputs: parameters, names and buffers (DDP's own methods on a wrapper's first rebuild)",
     "rebuild_init": "DDP _ddp_init_helper: bucket assignment, new Reducer, Logger, construction log",
     "wait": "DIAGNOSTIC barrier before each switch collective: waiting for the slower rank",
-    "collective": "the switch's all-gather(s) (_gather_rows), ranks already aligned by `wait`",
+    "collective": "the switch's all-gather(s) (gather_rows), ranks already aligned by `wait`",
     "collective_local": "rest of settle / agree / any_rank_failed: phase digest, flag tensor",
-    "optimizer": "GroupedOptimizer.set_active: idle-state policy (drop / offload) and restore",
+    "optimizer": "GroupedOptimizer.enter_phase: idle-state policy (drop / offload) and restore",
     "buffers": "buffer_sync.apply: buffer broadcast plan, frozen norm layers",
-    "release": "release decision + release_memory (gc, empty_cache, malloc_trim) when taken",
-    "record": "prefetcher bookkeeping, SwitchRecord, history.append",
+    "release": "release decision (expected footprints) + release_memory (gc, empty_cache, malloc_trim) when taken",
+    "record": "prefetch start, SwitchRecord, history.append",
     "unattributed": "the transaction's own lines and the timers' overhead",
 }
 #: ``--breakdown`` without ``--scenarios`` runs these.
@@ -147,8 +148,10 @@ def _instrument(switcher: Any) -> None:
     rec = RECORDER
     rec.group = switcher.process_group
     switcher.step_to = rec.whole_switch(switcher.step_to)
-    for name in ("phase_at", "_precondition_error"):
+    for name in ("phase_at",):
         _wrap(switcher, name, "plan")
+    for name in ("pending_grads_error", "unattached_error"):
+        setattr(switch_module.invariants, name, rec.timed("plan", getattr(switch_module.invariants, name)))
     _wrap(switcher.backend, "snapshot", "plan")
     for name in ("apply", "non_resident", "ignore_names", "sync_returning", "install_guards", "offloaded_bytes"):
         _wrap(switcher.residency, name, "residency")
@@ -156,13 +159,12 @@ def _instrument(switcher: Any) -> None:
     _wrap(switcher.backend, "apply", "rebuild")
     if switcher.ddp is not None:
         _wrap(switcher.ddp, "_ddp_init_helper", "rebuild_init")
-    grouped = optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
-    if hasattr(grouped, "set_active"):
-        _wrap(grouped, "set_active", "optimizer")
+    grouped = switcher.grouped_optimizer
+    if grouped is not None:
+        _wrap(grouped, "enter_phase", "optimizer")
     _wrap(switcher.buffer_sync, "apply", "buffers")
-    _wrap(switcher.release_policy, "decide", "release")
-    for name in ("switched", "maybe_start"):
-        _wrap(switcher.prefetcher, name, "record")
+    _wrap(switcher, "expected_peak", "release")  # the release decision's footprints (cached per phase)
+    _wrap(switcher, "_start_prefetch", "record")
     _wrap(switcher.history, "append", "record")
 
 
@@ -181,7 +183,7 @@ def activate() -> None:
         setattr(transaction_module, name, rec.with_barrier(getattr(transaction_module, name)))
     transaction_module.release_memory = rec.timed("release", transaction_module.release_memory)
     transaction_module.SwitchRecord = rec.timed("record", transaction_module.SwitchRecord)
-    _collective._gather_rows = rec.timed("collective", _collective._gather_rows)
+    _collective.gather_rows = rec.timed("collective", _collective.gather_rows)
     _ddp.check_ddp_supported = rec.timed("rebuild_checks", _ddp.check_ddp_supported)
     _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)  # _surgery's own name for it
     attach = switch_module.PhaseSwitcher.attach

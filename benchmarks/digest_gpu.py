@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hf_altparams.engine._digest import digest_many, digest_values, tensor_digest
+from hf_altparams.engine.digest import digest_many, digest_values, tensor_digest
 from hf_altparams.engine.prefix._weights import PrefixWeights
 
 

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from benchmarks._machine import machine  # noqa: E402
 from hf_altparams.engine import GroupedOptimizer  # noqa: E402
-from hf_altparams.integrations._user_optimizers import GradientArrivals  # noqa: E402
+from hf_altparams.integrations.accelerate_prepare import GradientArrivals  # noqa: E402
 from hf_altparams.integrations.accelerate import PhasedAccelerator  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 

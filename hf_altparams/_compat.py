@@ -24,7 +24,6 @@ __all__ = [
     "MIN_TORCH",
     "TESTED_TORCH",
     "check_torch_at_import",
-    "is_tested_torch",
     "parse_torch_version",
     "torch_version",
 ]
@@ -67,12 +66,6 @@ def torch_version() -> tuple[int, int]:
     import torch
 
     return parse_torch_version(str(torch.__version__))
-
-
-def is_tested_torch() -> bool:
-    """Whether the installed torch lies in the inclusive range :data:`TESTED_TORCH`."""
-    low, high = TESTED_TORCH
-    return low <= torch_version() <= high
 
 
 def _fmt(version: tuple[int, int]) -> str:

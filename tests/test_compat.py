@@ -49,15 +49,6 @@ def test_min_torch_itself_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     _compat.check_torch_at_import()
 
 
-@pytest.mark.parametrize(
-    ("version", "tested"),
-    [("2.10.0", False), ("2.11.0", True), ("2.13.0+cpu", True), ("2.14.0", False)],
-)
-def test_is_tested_torch(monkeypatch: pytest.MonkeyPatch, version: str, tested: bool) -> None:
-    monkeypatch.setattr(torch, "__version__", version)
-    assert _compat.is_tested_torch() is tested
-
-
 def test_tested_range_is_well_formed() -> None:
     low, high = _compat.TESTED_TORCH
     assert _compat.MIN_TORCH <= low <= high

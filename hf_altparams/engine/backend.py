@@ -9,9 +9,18 @@ API it needs fenced there:
 * :class:`LocalBackend` (here): a plain module, one process or no wrapper yet.
 * ``DDPBackend`` (:mod:`hf_altparams.engine.ddp`): rebuilds the DDP reducer
   in place so that only the phase's gradients are bucketed and all-reduced.
-* ``FSDP2Backend`` (:mod:`hf_altparams.engine.fsdp2._backend`): a ``fully_shard``
+* ``FSDP2Backend`` (:mod:`hf_altparams.engine.fsdp2`): a ``fully_shard``
   model; no rebuild, mixed-precision dtypes re-initialised, shards moved with
   FSDP2's storage.
+* :class:`ModelsBackend` (here): several models trained by one schedule (a
+  GAN: ``ParamGroups.of_models``), one wrapper each, applied together inside
+  the same transaction (one agreement, one rollback for all). A model whose
+  groups are all frozen in a phase gets a reducer over no parameter: DDP then
+  neither all-reduces nor broadcasts for it.
+
+Which backend drives a given model is decided where the switcher attaches it
+(:meth:`~hf_altparams.engine.PhaseSwitcher.attach`), the one place that knows
+every backend.
 
 Example:
     >>> import torch
@@ -22,13 +31,33 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Backend", "LocalBackend"]
+from ..plan.groups import ParamGroups
+
+__all__ = ["Backend", "LocalBackend", "ModelsBackend", "Residency", "model_name_in"]
+
+
+class Residency(Protocol):
+    """What a backend may ask of the run's residency (a :class:`~hf_altparams.engine.memory.ResidencyManager`)."""
+
+    offload_device: Optional[torch.device]
+    guard: bool
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        """The groups off the device now."""
+
+    @property
+    def phase_name(self) -> str:
+        """The phase the forward guards name."""
+
+    def set_data_placer(self, placer: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Route every move of a tensor's data through ``placer`` (FSDP2 swaps its own storage too)."""
 
 
 class Backend:
@@ -59,8 +88,8 @@ class Backend:
         """The compute device of the wrapper, when it has one."""
         return None
 
-    def bind(self, switcher: Any) -> None:
-        """Called once when ``switcher`` attaches the wrapper (before any :meth:`apply`)."""
+    def bind(self, groups: ParamGroups, residency: Residency) -> None:
+        """Called once when the switcher attaches the wrapper (before any :meth:`apply`)."""
 
     def ignored_at_wrap(self) -> set[str]:
         """Names the wrapper was built to ignore (neither synced nor broadcast)."""
@@ -108,3 +137,86 @@ class LocalBackend(Backend):
 
     def __init__(self, module: Optional[nn.Module] = None) -> None:
         self.wrapper = None
+
+def model_name_in(root: nn.Module, module: nn.Module) -> Optional[str]:
+    """The name of ``module`` among ``root``'s direct children (a root of several models), or ``None``."""
+    if not isinstance(root, nn.ModuleDict):
+        return None
+    return next((name for name, child in root.items() if child is module), None)
+
+
+class ModelsBackend(Backend):
+    """One backend per model of a root of several models, applied together.
+
+    Example:
+        >>> backend = ModelsBackend()
+        >>> backend.kind, backend.reduced_bytes_per_step(), backend.wrappers
+        ('models', 0, [])
+    """
+
+    kind = "models"
+
+    def __init__(self) -> None:
+        self.parts: dict[str, Backend] = {}
+        self.wrapper = None
+
+    def add(self, name: str, backend: Backend) -> None:
+        """Drive model ``name``'s wrapper with ``backend`` from now on (replacing an earlier one)."""
+        old = self.parts.get(name)
+        close = getattr(old, "close", None)
+        if close is not None and old is not backend:
+            close()
+        self.parts[name] = backend
+
+    @property
+    def wrappers(self) -> list[nn.Module]:
+        return [b.wrapper for b in self.parts.values() if b.wrapper is not None]
+
+    @property
+    def collective_free_apply(self) -> bool:  # type: ignore[override]
+        return all(b.collective_free_apply for b in self.parts.values())
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return next((b.process_group for b in self.parts.values()), None)
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return next((b.device for b in self.parts.values()), None)
+
+    def ignored_at_wrap(self) -> set[str]:
+        return {f"{name}.{n}" for name, b in self.parts.items() for n in b.ignored_at_wrap()}
+
+    def precondition_error(self, *, in_accumulation_window: bool = False) -> Optional[str]:
+        for name, backend in self.parts.items():
+            error = backend.precondition_error(in_accumulation_window=in_accumulation_window)
+            if error is not None:
+                return f"model {name!r}: {error}"
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {name: b.snapshot() for name, b in self.parts.items()}
+
+    def apply(self, ignore: set[str]) -> None:
+        for name, backend in self.parts.items():
+            backend.apply(_within(name, ignore))
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        for name, backend in self.parts.items():
+            backend.restore(snapshot.get(name))
+
+    def reduced_bytes_per_step(self) -> int:
+        return sum(b.reduced_bytes_per_step() for b in self.parts.values())
+
+    def keep_reducers(self, count: int) -> Optional[str]:
+        reasons = [b.keep_reducers(count) for b in self.parts.values()]
+        return next((r for r in reasons if r), None)
+
+    def kept_reducer_bytes(self) -> int:
+        return sum(b.kept_reducer_bytes() for b in self.parts.values())
+
+
+def _within(name: str, names: set[str]) -> set[str]:
+    """The names under model ``name``, relative to it (what its own wrapper calls them)."""
+    prefix = f"{name}."
+    return {n[len(prefix):] for n in names if n.startswith(prefix)}

@@ -39,14 +39,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
-import torch  # noqa: F401  (the doctests use it)
+import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+from .torch_internals import NORM_BASE
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import PlanError
-from .memory._transfer import nbytes
+from .memory import nbytes
 
 __all__ = [
     "BufferPlan",
@@ -99,7 +99,7 @@ def _updates_buffers(module: nn.Module, updating_types: tuple[type, ...]) -> boo
     if updating_types and isinstance(module, updating_types):
         return True
     return (
-        isinstance(module, _NormBase)
+        isinstance(module, NORM_BASE)
         and bool(module.track_running_stats)
         and module.running_mean is not None
     )
@@ -157,12 +157,12 @@ class _Structure:
         for name, sub in module.named_modules():
             modules[name] = sub
             prefix = f"{name}." if name else ""
-            own = [(prefix + b, sub, b) for b, t in sub._buffers.items() if t is not None]
+            own = [(prefix + b, sub, b) for b, _ in sub.named_buffers(recurse=False, remove_duplicate=False)]
             buffers.extend(own)
             if _updates_buffers(sub, updating_types):
                 params = tuple(prefix + n for n, _ in sub.named_parameters(recurse=False))
                 updating.append(_Updating(name, sub, tuple(n for n, _, _ in own), params,
-                                          isinstance(sub, _NormBase)))
+                                          isinstance(sub, NORM_BASE)))
         return cls(tuple(buffers), tuple(updating), modules)
 
 
@@ -211,8 +211,8 @@ def _plan(
     policy: str,
     frozen_norms: str,
 ) -> BufferPlan:
-    sizes = [(name, nbytes(owner._buffers[attr])) for name, owner, attr in structure.buffers  # type: ignore[arg-type]
-             if owner._buffers.get(attr) is not None]
+    sizes = [(name, nbytes(buffer)) for name, owner, attr in structure.buffers
+             if isinstance(buffer := getattr(owner, attr, None), torch.Tensor)]
     baseline = sum(n for name, n in sizes if name not in user_ignore) if user_broadcast else 0
     live = sum(n for name, n in sizes if name not in ignore)
 

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import PlanError
-from .ddp import _surgery as _ddp
+from .ddp import comm_hook_states
 
 __all__ = ["CommCounter", "counting_allreduce_hook", "register_comm_counter", "register_reduce_scatter_counter"]
 
@@ -87,7 +87,7 @@ def counting_allreduce_hook(
             grads.deliver(params, reduced)
         return buffer.copy_(reduced)
 
-    return dist.all_reduce(send, group=group, async_op=True).get_future().then(written_back)  # type: ignore[union-attr]
+    return dist.all_reduce(send, group=group, async_op=True).get_future().then(written_back)
 
 
 def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch.dtype] = None,
@@ -112,7 +112,7 @@ def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch
         >>> # loss.backward(); optimizer.step(); optimizer.zero_grad()
         >>> # counter.end_step()  -> bytes all-reduced in that optimizer step
     """
-    for state in _ddp.comm_hook_states(ddp):
+    for state in comm_hook_states(ddp):
         if isinstance(state, CommCounter):
             state.dtype = dtype if dtype is not None else state.dtype
             state.grads = grads if grads is not None else state.grads

@@ -28,13 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from ..errors import PlanError
-from ._collective import check_timeout
+from .collective import check_timeout
 from .buffers import BufferSyncPolicy, FrozenNormPolicy, check_buffer_sync
-from .ddp._reducer_cache import check_keep_reducers
+from .ddp import check_keep_reducers
 from .drift import DriftSetting, check_drift_setting
-from .memory._prefetch import PrefetchSetting, check_prefetch
-from .memory._release import ReleaseSetting, check_release
-from .memory._residency import DeviceLike, as_device
+from .memory import DeviceLike, PrefetchSetting, ReleaseSetting, as_device, check_prefetch, check_release
 from .records import check_history_window
 
 __all__ = ["SwitchConfig"]
@@ -160,7 +158,3 @@ class SwitchConfig:
         if unknown:
             raise PlanError(f"`{argument}` has unknown keys {unknown}; accepted: {cls.names()}")
         return cls(**merged)
-
-    def replace(self, **changes: Any) -> SwitchConfig:
-        """A copy with ``changes`` (validated again)."""
-        return dataclasses.replace(self, **changes)

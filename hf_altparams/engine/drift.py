@@ -7,7 +7,7 @@ weights on one rank (an EMA, a load), a faulty kernel, a bit flip. A checkpoint
 written then holds rank 0's weights while the other ranks train on others.
 
 :func:`check_drift` digests every parameter of the model (all of them, trainable
-or not; :mod:`._digest`: exact integer sums of the raw bytes, one memory pass),
+or not; :mod:`.digest`: exact integer sums of the raw bytes, one memory pass),
 per group (plus ``(ungrouped)``), and compares the digests across ranks in one
 all-gather of a few int64 per group. When they differ, every rank raises the
 same :class:`~hf_altparams.errors.DriftError`, naming the groups and the ranks
@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from ..errors import AltParamsError, DriftError, PlanError
 from ..plan.groups import ParamGroups
-from ._collective import _gather_rows, is_distributed
-from ._digest import combine, digest_many, digest_values
-from .fsdp2._dtensor import is_dtensor, local_tensor
+from .collective import gather_rows, is_distributed
+from .digest import combine, digest_many, digest_values
+from .fsdp2 import is_dtensor, local_tensor
 
 __all__ = ["UNGROUPED", "DriftCheck", "DriftSetting", "check_drift", "check_drift_setting", "find_drift",
            "local_digests"]
@@ -232,7 +232,7 @@ def check_drift(groups: ParamGroups, group: Optional[dist.ProcessGroup] = None, 
     entries = _entries(groups)
     row = local_digests(groups)
     try:
-        rows = _gather_rows(row, group, timeout)
+        rows = gather_rows(row, group, timeout)
     except RuntimeError as exc:  # torch.distributed's errors: a rank died or hangs
         raise AltParamsError(
             f"the drift check {when}: rank {dist.get_rank()} of {dist.get_world_size(group)} got no answer from the "

@@ -17,7 +17,7 @@ class SwitchRecord:
 
     ``released`` says whether the switch ran the memory release (gc,
     ``empty_cache``, ``malloc_trim``) and ``release_reason`` why (the
-    ``release="auto"`` decision, see :mod:`hf_altparams.engine.memory._release`).
+    ``release="auto"`` decision, see :mod:`hf_altparams.engine.memory.release`).
 
     Example:
         >>> import torch

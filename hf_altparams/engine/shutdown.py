@@ -42,8 +42,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from .ddp._backend import free_reducer
-from .ddp._surgery import is_ddp
+from .ddp import free_reducer, is_ddp
 
 __all__ = ["install_exit_hook", "quiesce_comm_threads", "shutdown"]
 

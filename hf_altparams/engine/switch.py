@@ -5,70 +5,92 @@ wrapper and optimizer, and applies each phase its :class:`~.driver.PhaseDriver`
 asks for (the driver owns the schedule position and the current phase). At a
 switch it
 
-1. checks the preconditions (optimizer-step boundary, not inside ``no_sync``),
-2. clears every gradient (``None``: bucket views must not pin old buckets),
-3. flips ``requires_grad`` to the new trainable set,
-4. lets the backend adapt the wrapper (:mod:`.backend`; for DDP the reducer
-   is rebuilt in place, :mod:`.ddp`),
-5. settles, in ONE small all-gather, that every rank asked for the same phase,
-   none refused and none failed (:func:`._collective.settle`); otherwise every
-   rank restores the previous flags and reducer and raises the same
+1. checks the preconditions (optimizer-step boundary, not inside ``no_sync``,
+   no pending gradient, comm hooks that allow a rebuild,
+   :mod:`.invariants`),
+2. moves residency (groups the phase does not keep resident go off the
+   device, returning ones come back), calls the phase hooks (peft's active
+   adapters), clears every gradient (``None``: bucket views must not pin old
+   buckets) and flips ``requires_grad`` to the new trainable set,
+3. lets the backend adapt the wrapper (:class:`~.backend.Backend`; for DDP the
+   reducer is rebuilt in place, :mod:`.ddp`),
+4. settles, in ONE small all-gather, that every rank asked for the same phase,
+   none refused and none failed (:func:`.collective.settle`); otherwise every
+   rank restores the previous flags, residency and reducer and raises the same
    :class:`~hf_altparams.errors.SwitchError`,
-6. re-applies the optimizer's idle-state policy,
-7. releases memory when the schedule says it pays (``release="auto"``,
-   :mod:`.memory._release`; the all-gather of step 5 is the barrier), and
-8. records what it did in a :class:`SwitchRecord` (a bounded
-   :class:`~hf_altparams.engine.records.SwitchHistory` keeps the recent ones
-   and running totals).
+5. broadcasts groups coming back for the first time since the wrap, puts the
+   forward guards on non-resident modules, tells the optimizer which groups
+   now train (their idle-state policy applies), applies the buffer-sync policy,
+6. releases memory when the schedule says it pays (``release="auto"``,
+   :mod:`.memory.release`; the all-gather of step 4 is the barrier), and
+7. records what it did in a :class:`~.records.SwitchRecord` (a bounded
+   :class:`~.records.SwitchHistory` keeps the recent ones and running totals).
 
-Steps 2-4 are local and undone on the slow path (:mod:`._undo`); a backend
-whose apply runs collectives agrees first and checks the outcome after, in two
-all-gathers. ``docs/switch.md`` explains the choice.
-
-Memory (:mod:`.memory`, :mod:`.buffers`): before step 4, groups the phase does
-not keep resident move off the device and returning ones come back (rolled back
-on failure); after it, returning groups are broadcast from rank 0 once, guards
-go on non-resident modules, the buffer-sync policy is applied, and with
-``prefetch`` the next phase's offloaded tensors start copying back during the
-last step of the current one. Settings: one
-:class:`~hf_altparams.engine.config.SwitchConfig`; wiring a wrapper: :mod:`._attach`.
+Steps 2-3 are local and undone on the slow path; a backend whose apply runs
+collectives agrees first and checks the outcome after, in two all-gathers.
+``docs/switch.md`` explains the choices; ``docs/design.md`` shows where the
+switch sits on an optimizer step's path.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+import contextlib
+import time
+import warnings
+from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..errors import AltParamsError, SwitchError
+from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from . import _misuse
-from ._attach import attach_wrapper
-from ._transaction import run_transaction
-from ._collective import is_distributed
-from ._layout import PhaseLayouts
-from ._undo import rollback
-from .backend import Backend, LocalBackend
+from . import invariants
+from .backend import Backend, LocalBackend, ModelsBackend, model_name_in
 from .buffers import BufferSync
+from .collective import agree, any_rank_failed, collective_errors, is_distributed, settle
 from .config import SwitchConfig
+from .ddp import DDPBackend, is_ddp
 from .drift import DriftCheck, check_drift
-from .driver import PhaseDriver
-from .invariants import check_before_step, check_each_step
-from .memory._prefetch import PhasePrefetch
-from .memory._release import ReleasePolicy
-from .memory._residency import ResidencyManager
-from .memory._transfer import optimizer_of
-from .memory.model import StatePolicy
-from .optim._grouped import GroupedOptimizer
-from .optim._scheduler import reapply_state_policy
+from .driver import DriverState, PhaseDriver
+from .fsdp2 import FSDP2Backend, is_fsdp2
+from .layouts import PhaseLayouts, remember
+from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
+from .optim import GroupedOptimizer, grouped_in
 from .records import SwitchHistory, SwitchRecord
+from .report import expected_peak_bytes
+from .shutdown import install_exit_hook
 
-__all__ = ["PhaseSwitcher", "SwitchRecord"]
+__all__ = ["PhaseHook", "PhaseSwitcher", "SwitchRecord", "backend_for"]
+
+STATE_FORMAT = "hf_altparams.PhaseSwitcher/2"
+
+
+class PhaseHook(Protocol):
+    """Called with the new phase inside each switch, before ``requires_grad`` is set (with the previous
+    phase if the switch is rolled back): what else must follow the phase (peft's active adapters)."""
+
+    def __call__(self, phase: Phase) -> Any: ...
+
+
+def backend_for(model: nn.Module) -> Backend:
+    """The backend for ``model``: a ``fully_shard`` model gets FSDP2's, a DDP wrapper DDP's, anything else none.
+
+    Example:
+        >>> import torch
+        >>> backend_for(torch.nn.Linear(2, 2)).kind
+        'local'
+    """
+    if is_fsdp2(model):
+        return FSDP2Backend(model)
+    if is_ddp(model):
+        install_exit_hook()  # a wrapper's last all-reduce must not race interpreter exit
+        assert isinstance(model, DistributedDataParallel)
+        return DDPBackend(model)
+    return LocalBackend(model)
 
 
 class PhaseSwitcher:
@@ -78,8 +100,8 @@ class PhaseSwitcher:
         groups: the parameter groups (their module is the model to switch).
         schedule: maps a step (and epoch) to a :class:`~hf_altparams.plan.Phase`;
             validated against ``groups`` here, before any training step.
-        optimizer: optional; a :class:`GroupedOptimizer` gets its active groups
-            and idle-state policy applied at every switch. A plain optimizer over
+        optimizer: optional; a :class:`GroupedOptimizer` follows the phases
+            (its active groups and idle-state policy). A plain optimizer over
             all parameters needs nothing (torch skips parameters whose grad is None).
         model: the DDP wrapper around ``groups.module``, if already built (else
             call :meth:`attach` once it is).
@@ -89,6 +111,9 @@ class PhaseSwitcher:
             arguments (``**options``), which override it.
         driver: the :class:`~.driver.PhaseDriver` that owns the schedule position
             and the current phase (default: a new one for ``schedule``).
+        refuse_missing_grads: refuse, at the optimizer step, a trainable
+            parameter without a gradient under DDP (the integrations set it;
+            otherwise the next switch refuses it).
 
     Example:
         >>> import torch
@@ -110,46 +135,46 @@ class PhaseSwitcher:
         model: Optional[nn.Module] = None,
         config: Union[None, SwitchConfig, Mapping[str, Any]] = None,
         driver: Optional[PhaseDriver] = None,
+        refuse_missing_grads: bool = False,
         **options: Any,
     ) -> None:
         self.config = SwitchConfig.build(config, argument="PhaseSwitcher's settings", **options)
         if driver is not None and driver.schedule is not schedule:
             raise AltParamsError("`driver` drives another schedule than `schedule`; pass the driver's own schedule")
+        if not isinstance(groups, ParamGroups):
+            raise PlanError(f"`groups` must be a ParamGroups, got {type(groups).__name__}")
         schedule.validate(groups)
-        self.driver = driver if driver is not None else PhaseDriver(schedule)
-        self.driver.bind(self._apply_phase, moved=self._moved, clear_grads=self._clear_grads)
-        self.drift = DriftCheck(self.config.drift_check)
-        self._ranks_met = False  # collective_timeout applies once the ranks met in a transaction
-        self.release_policy = ReleasePolicy(self.config.release)
-        self.history = SwitchHistory(self.config.history_window)
-        self.prefetcher = PhasePrefetch(self.config.prefetch)
-        self.residency = ResidencyManager(groups, offload_device=self.config.offload_device,
-                                          device=self.config.device, guard=self.config.guard_offloaded)
-        self.residency.optimizer = optimizer
-        self.buffer_sync = BufferSync(self.config.buffer_sync, self.config.frozen_norms,
-                                      self.config.buffer_updating_types)
         self.groups = groups
         self.schedule = schedule
-        self.optimizer = optimizer
+        self.driver = driver if driver is not None else PhaseDriver(schedule)
+        self.driver.bind(self)
+        self.drift = DriftCheck(self.config.drift_check)
+        self.history = SwitchHistory(self.config.history_window)
+        self.residency = ResidencyManager(groups, self.driver, offload_device=self.config.offload_device,
+                                          device=self.config.device, guard=self.config.guard_offloaded)
+        self.buffer_sync = BufferSync(self.config.buffer_sync, self.config.frozen_norms,
+                                      self.config.buffer_updating_types)
         self.backend: Backend = LocalBackend()
-        #: a plain module was attached on purpose (a multi-rank run without a wrapper)
-        self.plain_attached = False
-        # Per-phase caches (the groups never change): flags, sizes, reduced bytes.
+        self.optimizer: Optional[Optimizer] = None
+        self._grouped: Optional[GroupedOptimizer] = None
+        self._release = ReleasePolicy(self.config.release)
+        self._prefetch = PhasePrefetch(self.config.prefetch)
+        self._refuse_missing = bool(refuse_missing_grads)
+        self._ranks_met = False  # collective_timeout applies once the ranks met in a transaction
+        self._plain_attached = False  # a plain module was attached on purpose (multi-rank without a wrapper)
+        # Per-phase caches (the groups never change): flags, sizes, reduced bytes, expected footprints.
         self._layouts = PhaseLayouts(groups)
-        self._names, self._params = self._layouts.names, self._layouts.params
         self._reduced_bytes: dict[Phase, int] = {}
+        self._footprints: dict[tuple[Phase, frozenset[str]], int] = {}
         self._warned_flags: set[str] = set()
-        #: refuse, at the step, a trainable parameter without a gradient (the integrations set it; else the
-        #: next switch refuses it)
-        self.check_missing_grads = False
-        #: called with the new phase inside each switch, before ``requires_grad`` is set (and with
-        #: the previous phase if the switch is rolled back): what else must follow the phase
-        self.phase_hooks: list[Callable[[Phase], Any]] = []
-        self._step_hook = check_each_step(optimizer, self)
+        self._hooks: list[PhaseHook] = []
+        self._step_hook: Any = None
+        if optimizer is not None:
+            self.set_optimizer(optimizer)
         if model is not None:
             self.attach(model)
 
-    # ------------------------------------------------------------ state
+    # ------------------------------------------------------------ state (the driver's)
     @property
     def current(self) -> Optional[Phase]:
         """The phase applied now (the driver's; ``None`` before the first switch)."""
@@ -159,6 +184,11 @@ class PhaseSwitcher:
     def phase(self) -> Optional[Phase]:
         """The phase that trains now (as ``PhasedAccelerator.phase``); same as :attr:`current`."""
         return self.driver.current
+
+    @property
+    def task(self) -> Optional[str]:
+        """The current task's name under :class:`~hf_altparams.plan.PerTaskCycle` (else ``None``)."""
+        return None if self.driver.current is None else self.driver.current.task
 
     @property
     def records(self) -> list[SwitchRecord]:
@@ -172,20 +202,29 @@ class PhaseSwitcher:
     @property
     def ddp(self) -> Optional[DistributedDataParallel]:
         """The attached DDP wrapper, or ``None``."""
-        return self.backend.wrapper if self.backend.kind == "ddp" else None  # type: ignore[return-value]
+        wrapper = self.backend.wrapper
+        return wrapper if isinstance(wrapper, DistributedDataParallel) else None
 
     @property
     def wrappers(self) -> list[nn.Module]:
         """Every DDP wrapper the switcher drives: one, one per model (``ParamGroups.of_models``), or none."""
-        return list(getattr(self.backend, "wrappers", [])) or ([self.ddp] if self.ddp is not None else [])
+        if isinstance(self.backend, ModelsBackend):
+            return self.backend.wrappers
+        return [self.ddp] if self.ddp is not None else []
+
+    @property
+    def grouped_optimizer(self) -> Optional[GroupedOptimizer]:
+        """The :class:`GroupedOptimizer` that follows the phases (inside a prepared wrapper too), if any."""
+        return self._grouped
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """The process group of the attached wrapper (``None``: no wrapper)."""
         return self.backend.process_group
 
-    def _distributed(self) -> bool:
-        return is_distributed(self.process_group)
+    @property
+    def refuses_missing_grads(self) -> bool:
+        return self._refuse_missing
 
     def phase_at(self, step: int, epoch: int = 0) -> Phase:
         """The schedule's phase at ``step`` / ``epoch`` (pure; switches nothing)."""
@@ -208,6 +247,59 @@ class PhaseSwitcher:
         """The current phase's trainable ``(name, parameter)`` pairs (empty before the first switch)."""
         return [] if self.current is None else self._layouts.split(self.current.trainable)[0]
 
+    def expected_peak(self, phase: Phase) -> int:
+        """``phase``'s expected device peak, activations excluded (:func:`~hf_altparams.engine.expected_peak_bytes`).
+
+        Computed once per phase and set of groups trained so far (an idle
+        group holds optimizer state and a master only once it has trained).
+        """
+        key = (phase, self.driver.trained_groups)
+        cached = self._footprints.get(key)
+        if cached is None:
+            cached = remember(self._footprints, key, expected_peak_bytes(self, phase)[0])
+        return cached
+
+    # ------------------------------------------------------------ what follows the phase
+    def add_phase_hook(self, hook: PhaseHook) -> None:
+        """Call ``hook(phase)`` inside every switch, before ``requires_grad`` is set (peft's active adapters)."""
+        if hook not in self._hooks:
+            self._hooks.append(hook)
+
+    def remove_phase_hook(self, hook: PhaseHook) -> None:
+        if hook in self._hooks:
+            self._hooks.remove(hook)
+
+    @property
+    def phase_hooks(self) -> tuple[PhaseHook, ...]:
+        """The phase hooks called at every switch, in order."""
+        return tuple(self._hooks)
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Take ``optimizer`` as the run's optimizer (given later than the model: a separate ``prepare``).
+
+        Its steps are checked against the phase from now on (a step pre-hook,
+        :mod:`.invariants`); a :class:`GroupedOptimizer` inside it follows the
+        driver's phase.
+        """
+        if self.optimizer is not None:
+            raise AltParamsError("the switcher has an optimizer already; a second would step outside the schedule")
+        self.optimizer = optimizer
+        self._grouped = grouped_in(optimizer)
+        self.residency.set_optimizer(optimizer)
+        self._step_hook = invariants.check_each_step(optimizer, self)
+        if self._grouped is not None:
+            self._grouped.follow(self.driver)
+            if self.current is not None:
+                self._grouped.enter_phase(self.current.trainable)
+        self.reapply_placement()
+
+    def close(self) -> None:
+        """The run that owns this switcher is over: stop checking the optimizer's steps, remove the forward guards."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self.residency.remove_guards()
+
     def check_before_step(self) -> int:
         """Check gradients and ``requires_grad`` against the phase before an optimizer step (:mod:`.invariants`).
 
@@ -219,27 +311,38 @@ class PhaseSwitcher:
             return 0
         trainable, idle = self._layouts.split(phase.trainable)
         wrappers = self.wrappers
-        return check_before_step(phase, trainable, idle, ddp_reduces=bool(wrappers),
-                                 find_unused=any(bool(w.find_unused_parameters) for w in wrappers),
-                                 warned=self._warned_flags, check_missing=self.check_missing_grads)
+        return invariants.check_before_step(
+            phase, trainable, idle, ddp_reduces=bool(wrappers),
+            find_unused=any(bool(getattr(w, "find_unused_parameters", False)) for w in wrappers),
+            warned=self._warned_flags, check_missing=self._refuse_missing)
 
-    def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Take ``optimizer`` as the run's optimizer when it comes after the model (a separate ``prepare``)."""
-        if self.optimizer is not None:
-            raise AltParamsError("the switcher has an optimizer already; a second would step outside the schedule")
-        self.optimizer = self.residency.optimizer = optimizer
-        self._step_hook = check_each_step(optimizer, self)
-        grouped = optimizer_of(optimizer)
-        if isinstance(grouped, GroupedOptimizer) and self.current is not None:
-            grouped.set_active(self.current.trainable)
-        self.reapply_placement()
+    @contextlib.contextmanager
+    def visiting(self, groups: Union[str, Iterable[str]]) -> Iterator[None]:
+        """Bring non-resident ``groups`` back to the device for the ``with`` block (e.g. to evaluate them).
 
-    def close(self) -> None:
-        """The run that owns this switcher is over: stop checking the optimizer's steps, remove the forward guards."""
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-        self.residency.remove_guards()
+        Under a schedule whose phases keep only some groups resident
+        (``PerTaskCycle``), the other groups live off the device, out of DDP,
+        and a forward through them is refused. Inside the block their parameters
+        and buffers are back and the forward is allowed; on leaving, they go back
+        where they were. Their optimizer state stays where it is and DDP keeps
+        ignoring them, so use it for evaluation, under ``torch.no_grad()``. Not
+        a collective: a rank may visit alone.
+
+        Raises:
+            AltParamsError: before the first phase was applied.
+            PlanError: a name that is not one of the groups.
+        """
+        if self.current is None:
+            raise AltParamsError(f"`visiting({groups!r})` before the first phase was applied: every group is where "
+                                 "the model put it")
+        names = [groups] if isinstance(groups, str) else list(groups)
+        if not all(isinstance(n, str) for n in names):
+            raise PlanError(f"`groups` must be group names (str), got {groups!r}")
+        unknown = sorted(set(names) - set(self.groups.names))
+        if unknown:
+            raise PlanError(f"`visiting` got unknown group(s) {unknown}; the groups are {list(self.groups.names)}")
+        with self.residency.visiting(names):
+            yield
 
     # ------------------------------------------------------------ wiring
     def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:
@@ -259,15 +362,108 @@ class PhaseSwitcher:
                 Allowed at the start of a gradient-accumulation window (inside
                 ``no_sync``) as long as no gradient is pending.
         """
-        rebuild = attach_wrapper(self, model, rebuild)
+        if not is_ddp(model):
+            self._attach_plain(model)
+            return None
+        assert isinstance(model, DistributedDataParallel)
+        part = model_name_in(self.module, model.module)
+        if model.module is not self.module and part is None:
+            raise SwitchError(
+                "`model` is a DistributedDataParallel around a different module than the one "
+                "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping), or on "
+                "the models together with ParamGroups.of_models({...}) when each has its own wrapper"
+            )
+        backend = backend_for(model)
+        rebuild = self._attach_part(part, backend) if part is not None else self._attach_ddp(model, backend, rebuild)
         if not rebuild:
             return None
         if self.current is None:
             raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
         self._ranks_met = False  # ranks reach the wrapper's first call apart (their data loaders start)
         local_error = (self.backend.precondition_error(in_accumulation_window=True)
-                       or self._pending_grads_error())
+                       or invariants.pending_grads_error(self.groups.all_named_params()))
         return self._transaction(self.current, None, None, local_error)
+
+    def _forget_sizes(self) -> None:
+        """The wrapper changed: what it reduces and its gradient copies differ."""
+        self._reduced_bytes.clear()
+        self._footprints.clear()
+
+    def _attach_ddp(self, model: DistributedDataParallel, backend: Backend, rebuild: bool) -> bool:
+        """A wrapper around the whole grouped module; returns whether it must be re-bucketed now."""
+        self.backend = backend
+        keep = self.config.keep_reducers
+        why_not = backend.keep_reducers(keep)
+        if why_not:
+            warnings.warn(f"hf_altparams: keep_reducers={keep} is not used with this DDP wrapper "
+                          f"({why_not}); every switch builds a new reducer", stacklevel=3)
+        grouped = self._grouped
+        if grouped is not None:
+            grouped.attach_ddp(model)  # PrecisionOptimizer(allreduce_dtype=...): its comm hook
+        self._forget_sizes()
+        current = self.current
+        if current is not None and not rebuild:
+            group = self.process_group if self._distributed() else None
+            mismatch = invariants.wrapper_mismatch(model, group)
+            if mismatch:
+                warnings.warn(
+                    f"hf_altparams: the DDP wrapper passed to `attach` was built before phase "
+                    f"{current.name!r} was applied: its reducer {mismatch}, so the ranks would diverge. "
+                    "Re-bucketing it now for the current phase; build DDP after `switcher.step_to(0)` "
+                    "(or pass `attach(ddp, rebuild=True)`) to skip this.", stacklevel=3)
+                rebuild = True
+        self.residency.attached(backend.ignored_at_wrap(), backend.device)
+        self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
+        if current is not None:
+            # Accelerate's prepare() and the Trainer move the whole model to the device.
+            self.residency.enforce(keep_state_off=self._state_stays_off(current))
+            self.residency.install_guards()
+            if not rebuild:
+                if backend.ignored_at_wrap() != self.residency.ignore_names():
+                    backend.apply(self.residency.ignore_names())
+                self.buffer_sync.apply(self.module, self.trainable_names(current), ddp=model,
+                                       ignore=self.residency.ignore_names())
+        return rebuild
+
+    def _attach_part(self, name: str, backend: Backend) -> bool:
+        """One model of several (``ParamGroups.of_models``): its wrapper joins the others'; always re-bucketed.
+
+        Its DDP was built over every parameter of the model (DDP refuses a module
+        with nothing to train), so it is re-bucketed for the current phase now.
+        """
+        if self.config.buffer_sync != "keep":
+            raise SwitchError(f"`buffer_sync={self.config.buffer_sync!r}` is not supported with one wrapper per "
+                              "model; leave it at 'keep'")
+        models = self.backend if isinstance(self.backend, ModelsBackend) else ModelsBackend()
+        if self.backend is not models and self.backend.kind != "local":
+            raise SwitchError(f"model {name!r} has its own wrapper, but the switcher already drives a "
+                              f"{self.backend.kind} wrapper around the whole module; wrap either the models or the "
+                              "root")
+        why_not = backend.keep_reducers(self.config.keep_reducers)
+        if why_not:
+            warnings.warn(f"hf_altparams: keep_reducers={self.config.keep_reducers} is not used with model "
+                          f"{name!r}'s wrapper ({why_not}); every switch builds a new reducer", stacklevel=4)
+        models.add(name, backend)
+        self.backend = models
+        self._forget_sizes()
+        self.residency.attached(models.ignored_at_wrap(), models.device)
+        return self.current is not None
+
+    def _attach_plain(self, model: nn.Module) -> None:
+        if model is not self.module:
+            raise SwitchError(
+                f"`model` ({type(model).__name__}) is neither the grouped module nor a "
+                "DistributedDataParallel around it; build ParamGroups on the model you train"
+            )
+        self._plain_attached = True  # no DDP wrapper, on purpose
+        backend = backend_for(model)
+        if backend.kind == "local":
+            return
+        backend.bind(self.groups, self.residency)  # FSDP2: groups vs units checked, residency moves routed
+        self.backend = backend  # fully_shard changed the module in place (FSDP2)
+        self._forget_sizes()  # footprints are per-rank shards from now on
+        if self.current is not None:
+            backend.apply(self.residency.ignore_names())
 
     # ------------------------------------------------------------ switching
     def step_to(self, step: int, epoch: int = 0) -> Optional[SwitchRecord]:
@@ -278,18 +474,33 @@ class PhaseSwitcher:
         phase is unchanged (no collective is run then: every rank computes the
         same phase from the same step).
         """
-        return self.driver.move_to(step, epoch)  # type: ignore[no-any-return]
+        return self.driver.move_to(step, epoch)
 
     def switch(self, phase: Phase, *, step: Optional[int] = None, epoch: Optional[int] = None) -> SwitchRecord:
         """Apply ``phase`` now, as one collective transaction (see the module docstring)."""
-        return self.driver.switch_to(phase, step, epoch)  # type: ignore[no-any-return]
+        record = self.driver.switch_to(phase, step, epoch)
+        assert record is not None
+        return record
 
-    def _moved(self) -> None:
+    # The driver's PhaseApplier interface.
+    def apply_phase(self, phase: Phase, step: Optional[int], epoch: Optional[int]) -> SwitchRecord:
+        """One transaction into ``phase`` (the driver commits it after); called by the driver."""
+        local_error = (self.backend.precondition_error()
+                       or invariants.pending_grads_error(self.groups.all_named_params())
+                       or invariants.unattached_error(self.current, self.backend.kind, self._plain_attached))
+        return self._transaction(phase, step, epoch, local_error)
+
+    def position_moved(self) -> None:
         """After every move of the driver's position: start a prefetch, run the every-N drift check."""
-        self.prefetcher.maybe_start(self)
+        self._start_prefetch()
         step = self.driver.step
         if self.drift.due_at_step(step):
             self.check_weights(f"at step {step} (drift_check={self.drift.setting!r})", timeout=self._timeout())
+
+    def drop_applied_gradients(self) -> None:
+        """Drop every gradient (the optimizer step applied them; none may reach the next phase)."""
+        for param in self._layouts.params:
+            param.grad = None
 
     def check_weights(self, when: str, refused: str = "", timeout: Optional[float] = None) -> None:
         """The drift check (:func:`~hf_altparams.engine.drift.check_drift`) now: a collective, on every rank.
@@ -302,20 +513,174 @@ class PhaseSwitcher:
         check_drift(self.groups, self.process_group if self.wrappers else None, when=when, refused=refused,
                     timeout=timeout)
 
+    def _distributed(self) -> bool:
+        return is_distributed(self.process_group)
+
     def _timeout(self) -> Optional[float]:
         """``collective_timeout`` once the ranks have met in a transaction; the group's own before."""
         return self.config.collective_timeout if self._ranks_met else None
 
-    def _apply_phase(self, phase: Phase, step: Optional[int], epoch: Optional[int]) -> SwitchRecord:
-        """The driver's ``apply``: one transaction into ``phase`` (the driver commits it after)."""
-        return self._transaction(phase, step, epoch, self._precondition_error())
+    def _transaction(self, phase: Phase, step: Optional[int], epoch: Optional[int],
+                     local_error: Optional[str]) -> SwitchRecord:
+        """One switch into ``phase`` on every rank: apply, settle, roll back or commit the rest, record."""
+        started = time.perf_counter()
+        timeout = self._timeout()
+        group = self.process_group if self._distributed() else None
+        one_collective = self.backend.collective_free_apply
+        if not one_collective:
+            agree(group, phase, step, local_error, timeout)
+        layout = self._layouts.get(phase.trainable)
+        before = [param.requires_grad for param in self._layouts.params]
+        offloaded_before = self.residency.offloaded
+        snapshot = self.backend.snapshot()
+        failure: Optional[BaseException] = None
+        applied, moved = False, 0
+        if local_error is None:
+            try:
+                applied = True
+                moved = self.residency.apply(self.residency.non_resident(phase),
+                                             keep_state_off=self._state_stays_off(phase))
+                for hook in self._hooks:  # e.g. peft's active adapters; the flags below win
+                    hook(phase)
+                self._apply_flags(layout.flags)
+                self.backend.apply(self.residency.ignore_names())
+            except Exception as exc:  # rolled back below, once every rank has heard of it
+                failure = exc
+        if one_collective:
+            reason = f"{type(failure).__name__}: {failure}" if failure else None
+            message, all_refused = settle(group, phase, step, local_error, reason, timeout)
+        elif any_rank_failed(group, failure is not None, phase, step, timeout):
+            reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
+            message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
+                                    "previous trainable set and DDP reducer were restored on every rank"), False
+        else:
+            message, all_refused = None, False
+        if message is not None:
+            if applied:
+                self._rollback(before, offloaded_before, snapshot)
+            elif group is not None and not all_refused:
+                self._resync_refusing(snapshot)
+            raise SwitchError(message) from failure
 
-    def _transaction(
-        self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
-    ) -> SwitchRecord:
-        return run_transaction(self, phase, step, epoch, local_error)
+        with collective_errors(phase, step, group, None, "broadcast of returning groups"):
+            synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
+        self.residency.install_guards(phase)
+        if self._grouped is not None:
+            self._grouped.enter_phase(phase.trainable)
+        plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
+                                      ignore=self.residency.ignore_names())
+        previous = self.current
+        released, release_reason = self._release.decide(
+            previous, phase, step, self.schedule,
+            held=None if previous is None else self.expected_peak(previous), coming=self.expected_peak(phase))
+        if released:
+            # No barrier: the settling all-gather above is one every rank just passed.
+            release_memory(barrier=False, full_gc=self.config.full_gc, trim=self.config.trim)
+        if self._prefetch.enabled:
+            self._prefetch.note_peak(self.expected_peak(phase))
+        reduced = self._reduced_bytes.get(phase)
+        if reduced is None:
+            reduced = remember(self._reduced_bytes, phase, self.allreduce_bytes_per_step())
+        record = SwitchRecord(
+            step=step,
+            epoch=epoch,
+            phase=phase.name,
+            trainable_groups=layout.groups,
+            trainable_params=layout.params,
+            trainable_bytes=layout.nbytes,
+            allreduce_bytes_per_step=reduced,
+            rebuilt_ddp=bool(self.wrappers),
+            seconds=time.perf_counter() - started,
+            moved_bytes=moved,
+            offloaded_bytes=self.residency.offloaded_bytes(),
+            synced_bytes=synced,
+            buffer_broadcast_bytes=plan.bytes_per_forward,
+            buffer_broadcast_saved_bytes=plan.saved_bytes_per_forward,
+            released=released,
+            release_reason=release_reason,
+        )
+        self.history.append(record)
+        self._ranks_met = True
+        if self.drift.after_switch:
+            self.check_weights(f"after the switch to {phase.name!r} at step {step}", timeout=timeout)
+        return record
+
+    def _apply_flags(self, flags: tuple[bool, ...]) -> None:
+        for param, flag in zip(self._layouts.params, flags):
+            param.grad = None
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
+
+    def _rollback(self, before: list[bool], offloaded: frozenset[str], snapshot: Any) -> None:
+        """Put residency, phase hooks, ``requires_grad`` flags and the wrapper back as before the switch."""
+        current = self.current
+        keep_off = self._state_stays_off(current) if current is not None else None
+        if current is not None:
+            for hook in self._hooks:
+                hook(current)
+        try:
+            self.residency.apply(offloaded, keep_state_off=keep_off or _never)
+        except Exception as exc:
+            raise SwitchError(
+                "phase switch failed and moving parameters back to their previous devices "
+                f"failed too ({type(exc).__name__}: {exc}); restart from the last checkpoint"
+            ) from exc
+        for param, flag in zip(self._layouts.params, before):
+            param.grad = None
+            param.requires_grad_(flag)
+        try:
+            self.backend.restore(snapshot)
+        except Exception as exc:
+            raise SwitchError(
+                f"phase switch failed and restoring the previous {self.backend.kind} wrapper failed too "
+                f"({type(exc).__name__}: {exc}); the wrapper is unusable, restart from the last checkpoint"
+            ) from exc
+
+    def _resync_refusing(self, snapshot: Any) -> None:
+        """On a rank that refused while others applied and rolled back: rebuild the wrapper too.
+
+        Every other rank now has a freshly rebuilt wrapper (for DDP: a reducer that
+        re-buckets, with a broadcast, after its first iteration); this rank must
+        match it, keeping its pending gradients (the refusal changed nothing else).
+        Without it, the next steps pair mismatched collectives and hang.
+        """
+        grads = [param.grad for param in self._layouts.params]
+        try:
+            self.backend.restore(snapshot)
+        except Exception as exc:
+            raise SwitchError(
+                f"phase switch refused and re-synchronising this rank's {self.backend.kind} wrapper with the "
+                f"other ranks failed ({type(exc).__name__}: {exc}); restart from the last checkpoint"
+            ) from exc
+        for param, grad in zip(self._layouts.params, grads):
+            param.grad = grad
 
     # ------------------------------------------------------------ memory
+    def _state_stays_off(self, phase: Phase) -> Any:
+        """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
+        grouped = self._grouped
+        if grouped is None:
+            return _never
+        return lambda group: group not in phase.trainable and grouped.idle_state_leaves(group)
+
+    def _start_prefetch(self) -> int:
+        """If the driver's step is the current phase's last, start copying the next phase's offloaded tensors."""
+        if not self._prefetch.enabled:
+            return 0
+        upcoming, current = self.driver.upcoming(), self.current
+        if upcoming is None or current is None:  # same phase next step, epoch unit, or nothing applied yet
+            return 0
+        budget = self._prefetch.budget(self.expected_peak(current), self.expected_peak(upcoming)
+                                       if self._prefetch.setting == "auto" else 0)
+        residency = self.residency
+        started = residency.prefetch(residency.offloaded - residency.non_resident(upcoming), budget)
+        grouped = self._grouped
+        if grouped is not None:
+            for name in sorted(upcoming.trainable - grouped.active):
+                if budget is None or started < budget:
+                    started += grouped.prefetch(name, None if budget is None else budget - started)
+        return started
+
     def reapply_placement(self) -> int:
         """Put parameters and optimizer state back where the current phase wants them.
 
@@ -328,56 +693,33 @@ class PhaseSwitcher:
         moved = 0
         if self.current is not None:
             moved += self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
-            self.residency.install_guards(self.current.name)
-        if self.optimizer is not None:
-            moved += reapply_state_policy(self.optimizer)
+            self.residency.install_guards()
+        if self._grouped is not None:
+            moved += self._grouped.reapply_policy()
         return moved
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's state and the current phase (for checkpoints)."""
-        return {"schedule": self.schedule.state_dict(),
+        """The schedule's state, the position and the groups trained so far, and the current phase."""
+        return {"format": STATE_FORMAT, "schedule": self.schedule.state_dict(),
+                "driver": self.driver.state().as_dict(),
                 "phase": None if self.current is None else sorted(self.current.trainable)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Check the saved schedule matches this one (the phase itself follows the step)."""
+        """Check the saved schedule matches this one; take the saved position (the phase follows the step).
+
+        The phase saved is applied at the next :meth:`step_to` (or right away by
+        the integrations, before the optimizer state loads).
+        """
         self._ranks_met = False  # a resume: ranks finish loading apart (see collective_timeout)
         try:
             self.schedule.load_state_dict(state["schedule"])
         except KeyError as exc:
-            raise SwitchError(f"switcher state is missing {exc}; expected keys ['schedule', 'phase']") from exc
+            raise SwitchError(f"switcher state is missing {exc}; expected keys ['schedule', 'driver', 'phase']"
+                              ) from exc
+        if "driver" in state:
+            self.driver.restore(DriverState.from_dict(state["driver"]))
 
-    # ------------------------------------------------------------ internals
-    def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
-        """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
-        opt = optimizer_of(self.optimizer) if self.optimizer is not None else None
-        if not isinstance(opt, GroupedOptimizer):
-            return lambda group: False
-        return lambda group: (group not in phase.trainable
-                              and opt.policies.get(group, StatePolicy.KEEP) is not StatePolicy.KEEP)
 
-    def _precondition_error(self) -> Optional[str]:
-        return (self.backend.precondition_error() or self._pending_grads_error()
-                or _misuse.unattached_error(self.current, self.backend, self.plain_attached))
-
-    def _pending_grads_error(self) -> Optional[str]:
-        return _misuse.pending_grads_error(self.groups.all_named_params())
-
-    def _clear_grads(self) -> None:
-        for param in self._params:
-            param.grad = None
-
-    def _apply_flags(self, trainable: frozenset[str]) -> None:
-        for param, flag in zip(self._params, self._layouts.flags(trainable)):
-            param.grad = None
-            if param.requires_grad != flag:
-                param.requires_grad_(flag)
-
-    def _rollback(self, before: list[bool], offloaded: Optional[frozenset[str]] = None,
-                  snapshot: Any = None) -> None:
-        keep_off = self._state_stays_off(self.current) if self.current is not None else None
-        if self.current is not None:
-            for hook in self.phase_hooks:
-                hook(self.current)
-        rollback(self.residency, self.backend, self._params, before, offloaded, snapshot,
-                 keep_off or (lambda group: False))
+def _never(group: str) -> bool:
+    return False

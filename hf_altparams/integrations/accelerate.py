@@ -1,7 +1,7 @@
 """Phased training in a stock Accelerate loop: :class:`PhasedAccelerator`.
 
 ``PhasedAccelerator`` is an :class:`accelerate.Accelerator` whose phases are one
-:class:`~._accelerate_run.PhasedRun`: the schedule position and current phase
+:class:`~.accelerate_run.PhasedRun`: the schedule position and current phase
 (a :class:`~hf_altparams.engine.driver.PhaseDriver`), the
 :class:`~hf_altparams.engine.PhaseSwitcher` built at ``prepare``, and the loop
 checks. Everything else in the loop stays Accelerate's: ``backward``,
@@ -20,13 +20,17 @@ hooks from ``DistributedDataParallelKwargs``. What it adds, and where:
   ``backward`` and ``step``. Micro-steps inside ``accumulate`` never switch.
 * the same ``step()`` refuses, before the update, a step whose gradients never
   went through the DDP wrapper and an epoch-unit schedule whose epoch is never
-  set (:mod:`._loop_guard`), and a step where ``requires_grad`` or a gradient
-  does not match the phase (:mod:`hf_altparams.engine.invariants`);
+  set (:class:`~.accelerate_run.LoopGuard`), and a step where ``requires_grad``
+  or a gradient does not match the phase (:mod:`hf_altparams.engine.invariants`);
   ``end_training`` frees the reducer before the process group goes.
 * ``save_state`` / ``load_state`` also save and restore the schedule position
   (``hf_altparams_state.json``) and switch to the saved phase *before* the
   optimizer state is loaded, so idle groups keep their state policy; a barrier
-  follows ``save_state`` (:mod:`._accelerate_checkpoints`).
+  follows ``save_state`` (:mod:`.accelerate_checkpoints`).
+
+``prepare``'s accepted forms are in :mod:`.accelerate_prepare`; the few
+Accelerate internals the class needs (its lists of prepared objects) are
+reached through :mod:`.accelerate_internals`.
 
 Subclass rather than composition with the Accelerator: the loop already talks to
 one object, and the points to hook (``prepare``, ``prepare_optimizer``,
@@ -38,14 +42,17 @@ silently skipping the schedule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, DynamoBackend
 from torch import nn
 from torch.optim import Optimizer
 
@@ -59,22 +66,23 @@ from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.switch import PhaseSwitcher
-from ..errors import PlanError
+from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
+from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from ._accelerate_checkpoints import STATE_FILE, Checkpoints
-from ._accelerate_parts import PhasedOptimizer, PreparedGroupedLRScheduler, check_supported
-from ._accelerate_run import PhasedRun, RunSettings
-from ._fsdp2_prepare import fsdp2_metrics, fsdp2_not_running
-from ._phase_queries import PhaseQueries
-from ._prepare_forms import checked_phases, find_grouped
-from ._unreached import check_loss
-from ._user_optimizers import OptimizerHandle, unscale_once
+from .accelerate_checkpoints import STATE_FILE, Checkpoints
+from .accelerate_internals import (is_prepared, prepared_dataloaders, prepared_optimizers, register_prepared_optimizer,
+                                   register_prepared_scheduler)
+from .accelerate_prepare import OptimizerHandle, checked_phases, find_grouped, unscale_once
+from .accelerate_run import PhasedRun, RunSettings
+from .fsdp2 import accelerator_refusal, fsdp2_metrics, fsdp2_not_running
+from .unreached import check_loss
 
-__all__ = ["OptimizerHandle", "PhasedAccelerator", "STATE_FILE"]
+__all__ = ["OptimizerHandle", "PhasedAccelerator", "PhasedOptimizer", "PreparedGroupedLRScheduler", "STATE_FILE",
+           "check_supported"]
 
 
-class PhasedAccelerator(PhaseQueries, Accelerator):
+class PhasedAccelerator(Accelerator):
     """An ``Accelerator`` that trains one phase of a schedule at a time.
 
     Args:
@@ -128,7 +136,7 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         >>> # model, opt1, opt2, loader = accelerator.prepare(model, opt1, opt2, loader)
     """
 
-    _started_by = "`accelerator.prepare(model, optimizer, ...)`"
+    ddp_handler: Optional[DistributedDataParallelKwargs]  # Accelerate's own attribute, typed for the checker
 
     def __init__(
         self,
@@ -180,7 +188,7 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         return self.run.groups
 
     @property
-    def switcher(self) -> Optional[PhaseSwitcher]:  # type: ignore[override]
+    def switcher(self) -> Optional[PhaseSwitcher]:
         """The engine's switcher (``None`` before ``prepare``)."""
         return self.run.switcher
 
@@ -195,9 +203,45 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         return self.run.driver.step if self.run.driver is not None else 0
 
     @property
-    def schedule_epoch(self) -> int:
-        """The epoch last given to :meth:`set_epoch` (or restored by ``load_state``)."""
-        return self.run.driver.epoch if self.run.driver is not None else 0
+    def phase(self) -> Optional[Phase]:
+        """The phase that trains now: the one the next forward and backward train (``None`` before ``prepare``).
+
+        Read at the top of an iteration, it is right whatever the loop's order
+        of ``zero_grad`` / ``backward`` / ``step``: a switch happens at the end
+        of the sync-boundary ``step()`` that completes the previous phase.
+        """
+        return None if self.switcher is None else self.switcher.phase
+
+    @property
+    def task(self) -> Optional[str]:
+        """The current task's name under :class:`~hf_altparams.plan.PerTaskCycle` (else ``None``).
+
+        The task's group names joined by ``+`` (``"t0"``, or ``"a+b"`` for a
+        task of two groups), as in the schedule, so a multi-task loop can pick
+        its data directly: ``batch = next(iterators[accelerator.task])``.
+        """
+        return None if self.switcher is None else self.switcher.task
+
+    @contextlib.contextmanager
+    def visiting(self, groups: Union[str, Iterable[str]]) -> Iterator[None]:
+        """Bring non-resident ``groups`` back to the device for the ``with`` block (e.g. to evaluate them).
+
+        See :meth:`~hf_altparams.engine.PhaseSwitcher.visiting`: use it for
+        evaluation, under ``torch.no_grad()``; not a collective.
+
+        Raises:
+            AltParamsError: before ``prepare`` (no phase applied yet).
+
+        Example:
+            >>> # with torch.no_grad(), accelerator.visiting(["head2"]):
+            >>> #     loss2 = model(x, task="head2").mean()
+        """
+        if self.switcher is None:
+            raise AltParamsError(
+                f"`visiting({groups!r})` was called before `accelerator.prepare(model, optimizer, ...)`: no phase "
+                "is applied yet, so every group is where the model put it; call it after that")
+        with self.switcher.visiting(groups):
+            yield
 
     @property
     def comm_counter(self) -> Optional[CommCounter]:
@@ -225,9 +269,7 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         if self.run.prepared_models or self.run.switcher is not None:
             raise PlanError("`set_phases` came after `prepare` of the grouped model; call it before, so the first "
                             "phase is applied before DDP wraps the model")
-        schedule, checked = checked_phases(schedule, groups)
-        self.run.schedule, self.run.groups_given = schedule, checked
-        self.run.reset()
+        self.run.set_phases(*checked_phases(schedule, groups))
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
@@ -283,22 +325,22 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
 
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None) -> Optimizer:
         """As in Accelerate; the optimizer that drives the schedule gets the phase-aware wrapper."""
-        if optimizer is not self.run.driving or getattr(optimizer, "_is_accelerate_prepared", False):
+        if optimizer is not self.run.driving or is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         placement = self.device_placement if device_placement is None else device_placement
         wrapped = PhasedOptimizer(optimizer, self.run, lambda: int(self.gradient_accumulation_steps),
                                   device_placement=placement, scaler=self.scaler)
-        self._optimizers.append(wrapped)
+        register_prepared_optimizer(self, wrapped)
         return wrapped
 
     def _prepare_grouped_scheduler(self, scheduler: GroupedLRScheduler) -> PreparedGroupedLRScheduler:
-        optimizer = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), self._optimizers)
+        prepared = prepared_optimizers(self)
+        optimizer = next((o for o in prepared if o.optimizer is scheduler.optimizer), prepared)
         wrapped = PreparedGroupedLRScheduler(
             scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        wrapped._is_accelerate_prepared = True  # type: ignore[attr-defined]
-        self._schedulers.append(wrapped)
+        register_prepared_scheduler(self, wrapped)
         return wrapped
 
     # ------------------------------------------------------- the training loop
@@ -310,7 +352,7 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``.
 
         A loss that depends on no trainable parameter is refused first, naming the
-        phase and the likely causes (:mod:`._unreached`), instead of torch's
+        phase and the likely causes (:mod:`.unreached`), instead of torch's
         "element 0 of tensors does not require grad".
         """
         if self.run.prepared_models and not self.run.driving_bound:
@@ -323,16 +365,16 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
                        "`accelerator.task` / `accelerator.phase`")
         super().backward(loss, **kwargs)
         if self.run.driver is not None:
-            self.run.driver.loop.backward_pending = True
+            self.run.driver.note_backward()
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """``Accelerator.unscale_gradients``; one grouped optimizer behind several handles is unscaled once."""
-        super().unscale_gradients(unscale_once(optimizer, self._optimizers, self.run.arrivals))
+        super().unscale_gradients(unscale_once(optimizer, prepared_optimizers(self), self.run.arrivals))
 
     def _steps_per_epoch(self) -> int:
         """Optimizer steps in one pass over the longest prepared dataloader (0: unknown)."""
         lengths = []
-        for loader in getattr(self, "_dataloaders", []):
+        for loader in prepared_dataloaders(self):
             try:
                 lengths.append(len(loader))
             except TypeError:  # an iterable dataset has no length
@@ -417,3 +459,80 @@ class PhasedAccelerator(PhaseQueries, Accelerator):
         self.run.reset()
         return super().free_memory(*objects)
 
+
+class StepHooks(Protocol):
+    """What the prepared optimizer calls around a sync-boundary step (a :class:`~.accelerate_run.PhasedRun`)."""
+
+    guard: Any
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> Any: ...
+
+#: Refused distributed types (DeepSpeed and FSDP1: ``_fsdp2_prepare.fsdp_refusal``, naming FSDP2).
+UNSUPPORTED = {
+    DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
+    DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
+}
+
+
+
+def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
+    """Refuse, with the reason, a configuration whose reducer or trainable set the phases cannot drive."""
+    reason = accelerator_refusal(acc, fsdp_plugin_given) or UNSUPPORTED.get(acc.distributed_type)
+    parallelism = getattr(acc, "parallelism_config", None)
+    if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
+        reason = "tensor/context parallelism shards parameters outside DDP"
+    dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
+    if reason is None and dynamo != DynamoBackend.NO:
+        reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
+    if reason is not None:
+        raise AltParamsError(
+            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
+            f"distributed_type={acc.distributed_type.value!r} / this configuration: {reason} "
+            "(and no dynamo backend)."
+        )
+
+
+class PhasedOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer: a sync-boundary ``step()`` is checked first, then drives the schedule.
+
+    Before the update, the run's loop checks run (:class:`~.accelerate_run.LoopGuard`;
+    the phase's invariants run in the inner optimizer's own step hook); after it,
+    the run's driver counts the step and switches phase when the schedule says
+    so, so the next iteration, whatever its order, starts in the right phase.
+
+    Args:
+        optimizer: the optimizer that drives the schedule.
+        run: the accelerator's :class:`~.accelerate_run.PhasedRun`.
+        accumulation_steps: the accelerator's gradient-accumulation steps (read at each call).
+    """
+
+    def __init__(self, optimizer: Optimizer, run: StepHooks, accumulation_steps: Callable[[], int],
+                 **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self._run = run
+        self._accumulation_steps = accumulation_steps
+
+    def step(self, closure: Any = None) -> None:
+        at_boundary = self.gradient_state.sync_gradients
+        if at_boundary:
+            self._run.before_step()
+        super().step(closure)
+        if at_boundary:
+            self._run.after_step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        guard = self._run.guard
+        if self.gradient_state.sync_gradients and guard is not None:  # Accelerate skips it inside a window
+            guard.zero_grad_at_boundary(self._accumulation_steps())
+        super().zero_grad(set_to_none)
+
+
+class PreparedGroupedLRScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper for a GroupedLRScheduler (which has no ``_step_count``)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.step_with_optimizer and not self.gradient_state.sync_gradients:
+            return  # inside an accumulation window: the optimizer did not step
+        super().step(*args, **kwargs)

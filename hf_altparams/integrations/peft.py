@@ -26,6 +26,18 @@ and DDP on another; :class:`PeftAdapters` refuses the next training forward
 and without the hook the per-step check (:mod:`hf_altparams.engine.invariants`)
 refuses the optimizer step that would apply gradients DDP never reduced.
 
+Which parameters belong to which adapter is read from the model's structure
+(:func:`adapter_parameters`): peft keeps each adapter's weights in containers
+keyed by the adapter's name; every tuner layer (``BaseTunerLayer``: LoRA's
+``lora_A`` / ``lora_B`` / ``lora_embedding_A`` / ``lora_embedding_B`` /
+``lora_magnitude_vector``, and the like for the other tuners) and every
+auxiliary wrapper (``AuxiliaryTrainingWrapper``: the per-adapter copies of
+``modules_to_save``, trainable tokens) lists those containers in its
+``adapter_layer_names``, so an adapter's parameters are found whatever its
+tuner and whatever the names of the modules it wraps. peft is optional: this
+module imports without it, and every entry point says how to install it when
+it is missing.
+
 Decisions:
 
 * adapters that no phase trains stay inactive and frozen (they are saved
@@ -51,20 +63,136 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ..engine.layouts import remember
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from ._peft_params import adapter_parameters, as_peft_model, check_adapter_names
 
-__all__ = ["PeftAdapters", "adapter_groups", "adapter_parameters", "follow_phases"]
+peft: Any
+_IMPORT_ERROR: Optional[ImportError]
+try:  # peft is an optional dependency (the `test` and `examples` extras install it)
+    import peft
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+except ImportError as _missing:  # pragma: no cover - exercised only without peft
+    peft = None
+    _IMPORT_ERROR = _missing
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["PeftAdapters", "adapter_groups", "adapter_parameters", "as_peft_model", "check_adapter_names",
+           "follow_phases"]
+
+
+def _require_peft() -> None:
+    if _IMPORT_ERROR is not None:
+        raise PlanError(
+            "hf_altparams.integrations.peft needs the `peft` package (with `BaseTunerLayer` and "
+            f"`AuxiliaryTrainingWrapper`; tested with peft 0.21): `pip install peft` ({_IMPORT_ERROR})"
+        )
+
+
+def as_peft_model(model: Any, *, argument: str = "model") -> Any:
+    """``model`` itself (a DDP wrapper unwrapped) if it is a peft model with adapters; else a clear error.
+
+    Example:
+        >>> import torch
+        >>> as_peft_model(torch.nn.Linear(2, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: `model` must be a peft model ...
+    """
+    _require_peft()
+    inner = getattr(model, "module", None)
+    if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        model = inner
+    if not isinstance(model, (peft.PeftModel, peft.PeftMixedModel)):
+        raise PlanError(
+            f"`{argument}` must be a peft model (a PeftModel from `peft.get_peft_model(model, config)` or "
+            f"`PeftModel.from_pretrained(...)`, or a PeftMixedModel), got {type(model).__name__}; build the groups "
+            "and the phase hook on the peft model itself, not on the model it wraps"
+        )
+    if not getattr(model, "peft_config", None):
+        raise PlanError(f"`{argument}` ({type(model).__name__}) has no adapter: its `peft_config` is empty")
+    return model
+
+
+def _container(module: Any, attribute: str) -> Any:
+    """``module.<attribute>``, following dots (``"token_adapter.trainable_tokens_delta"``); ``None`` if absent."""
+    try:
+        return functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        return None
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each adapter of a peft model -> the canonical names of its parameters, in module order.
+
+    Every adapter named in ``model.peft_config`` is a key, in that order; an
+    adapter whose weights live in no tuner layer or auxiliary wrapper (prompt
+    learning: prompt tuning, prefix tuning, ...) maps to an empty tuple.
+
+    Example:
+        >>> # adapter_parameters(peft_model)["a"][:2]
+        >>> # ('base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.a.weight',
+        >>> #  'base_model.model.bert.encoder.layer.0.attention.self.query.lora_B.a.weight')
+    """
+    peft_model = as_peft_model(model)
+    owner: dict[int, str] = {}  # id(parameter) -> adapter
+    adapters = list(peft_model.peft_config)
+    for module in peft_model.modules():
+        if not isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            continue
+        for attribute in module.adapter_layer_names:
+            container = _container(module, attribute)
+            if isinstance(container, nn.ModuleDict):
+                items = [(key, list(sub.parameters())) for key, sub in container.items()]
+            elif isinstance(container, nn.ParameterDict):
+                items = [(key, [param]) for key, param in container.items()]
+            else:
+                continue
+            for key, params in items:
+                if key in peft_model.peft_config:
+                    for param in params:
+                        owner.setdefault(id(param), key)
+    found: dict[str, list[str]] = {name: [] for name in adapters}
+    for name, param in peft_model.named_parameters():  # canonical names: each parameter object once
+        adapter = owner.get(id(param))
+        if adapter is not None:
+            found[adapter].append(name)
+    return {adapter: tuple(names) for adapter, names in found.items()}
+
+
+def check_adapter_names(names: Any, known: Sequence[str], *, argument: str) -> tuple[str, ...]:
+    """``names`` (one adapter name or a list of them) as a tuple, each a known adapter; else a clear error.
+
+    Example:
+        >>> check_adapter_names("a", ["a", "b"], argument="fallback")
+        ('a',)
+        >>> check_adapter_names(["c"], ["a", "b"], argument="adapters")
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: `adapters` names unknown adapter(s) ['c']; the model's adapters are ['a', 'b']
+    """
+    values = [names] if isinstance(names, str) else names
+    if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) for v in values):
+        raise PlanError(f"`{argument}` must be an adapter name or a non-empty list of them, got {names!r}; "
+                        f"the model's adapters are {list(known)}")
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise PlanError(f"`{argument}` names unknown adapter(s) {unknown}; the model's adapters are {list(known)}")
+    if len(set(values)) != len(values):
+        raise PlanError(f"`{argument}` names an adapter twice: {list(values)}")
+    return tuple(values)
 
 
 def adapter_groups(
@@ -149,7 +277,8 @@ class PeftAdapters:
 
     def __init__(self, model: nn.Module, groups: ParamGroups, *,
                  fallback: Union[None, str, Sequence[str]] = None) -> None:
-        self.model = as_peft_model(model)
+        self.model: Any = as_peft_model(model)
+        self._order = list(self.model.peft_config)
         if not isinstance(groups, ParamGroups):
             raise PlanError(f"`groups` must be a ParamGroups, got {type(groups).__name__}")
         if groups.module is not self.model:
@@ -158,18 +287,22 @@ class PeftAdapters:
                 "the peft model itself (`adapter_groups(peft_model, ...)`)"
             )
         self.groups = groups
-        self._order = list(self.model.peft_config)
         self.fallback = None if fallback is None else check_adapter_names(fallback, self._order, argument="fallback")
         self._adapter_of = {n: a for a, names in adapter_parameters(self.model).items() for n in names}
-        #: the phase last applied, and the adapters it made active (``None`` before the first)
-        self.phase: Optional[Phase] = None
-        self.active: Optional[tuple[str, ...]] = None
+        self._applied: Optional[Phase] = None  # the phase this hook last activated adapters for (rolled back too)
+        self._adapters: dict[Phase, tuple[str, ...]] = {}  # per phase, derived once (bounded)
         self.switcher: Optional[PhaseSwitcher] = None
         self._guard: Optional[Any] = self.model.register_forward_pre_hook(self._check_forward)
 
     # ------------------------------------------------------------ the hook
     def adapters_of(self, phase: Phase) -> tuple[str, ...]:
         """The adapters ``phase`` trains (in the model's order), or ``fallback`` when it trains none."""
+        cached = self._adapters.get(phase)
+        if cached is None:
+            cached = remember(self._adapters, phase, self._find_adapters(phase))
+        return cached
+
+    def _find_adapters(self, phase: Phase) -> tuple[str, ...]:
         names = self.groups.trainable_param_names(phase.trainable)
         trained = {self._adapter_of[n] for n in names if n in self._adapter_of}
         if trained:
@@ -195,11 +328,23 @@ class PeftAdapters:
             for _, _, phase in schedule.segments(length):
                 self.adapters_of(phase)
 
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The phase whose adapters are active (the followed switcher's, once a switch completed)."""
+        if self.switcher is not None and self.switcher.current is not None:
+            return self.switcher.current
+        return self._applied
+
+    @property
+    def active(self) -> Optional[tuple[str, ...]]:
+        """The adapters the current phase trains (``None`` before the first phase)."""
+        phase = self.phase
+        return None if phase is None else self.adapters_of(phase)
+
     def __call__(self, phase: Phase) -> None:
         """Activate the adapters ``phase`` trains (the switcher then sets ``requires_grad`` for the phase)."""
-        adapters = self.adapters_of(phase)
-        self._activate(adapters, phase)
-        self.phase, self.active = phase, adapters
+        self._activate(self.adapters_of(phase), phase)
+        self._applied = phase
 
     def _activate(self, adapters: tuple[str, ...], phase: Optional[Phase]) -> None:
         try:
@@ -229,7 +374,7 @@ class PeftAdapters:
         if switcher.current is not None:
             self(switcher.current)
             self._apply_flags(switcher.current)
-        switcher.phase_hooks.append(self)
+        switcher.add_phase_hook(self)
         self.switcher = switcher
         return self
 
@@ -238,8 +383,8 @@ class PeftAdapters:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
-        if self.switcher is not None and self in self.switcher.phase_hooks:
-            self.switcher.phase_hooks.remove(self)
+        if self.switcher is not None:
+            self.switcher.remove_phase_hook(self)
         self.switcher = None
 
     # ------------------------------------------------------------ evaluation
@@ -248,10 +393,11 @@ class PeftAdapters:
 
         Gradients are left as they are. Nothing to do before the first phase.
         """
-        if self.phase is None or self.active is None:
+        phase = self.phase
+        if phase is None:
             return
-        self._activate(self.active, self.phase)
-        self._apply_flags(self.phase)
+        self._activate(self.adapters_of(phase), phase)
+        self._apply_flags(phase)
 
     @contextlib.contextmanager
     def visiting(self, adapters: Union[str, Sequence[str]]) -> Iterator[None]:
@@ -273,7 +419,7 @@ class PeftAdapters:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             if self.switcher is not None and self.switcher.current is not None and holding:
-                stack.enter_context(self.switcher.residency.visiting(holding))
+                stack.enter_context(self.switcher.visiting(holding))
             stack.callback(self.restore)
             self._activate(names, None)
             yield
@@ -288,14 +434,16 @@ class PeftAdapters:
                 param.requires_grad_(flag)
 
     def _check_forward(self, module: nn.Module, args: Any) -> None:
-        if self.active is None or self.phase is None or not torch.is_grad_enabled():
+        phase = self.phase
+        if phase is None or not torch.is_grad_enabled():
             return
+        wanted = self.adapters_of(phase)
         current = list(self.model.active_adapters)
-        if sorted(current) == sorted(self.active):
+        if sorted(current) == sorted(wanted):
             return
         raise AltParamsError(
-            f"peft's active adapter(s) {current} are not the adapter(s) phase {self.phase.name!r} trains "
-            f"({list(self.active)}): `set_adapter(...)` was called behind the schedule's back (by the loop, an "
+            f"peft's active adapter(s) {current} are not the adapter(s) phase {phase.name!r} trains "
+            f"({list(wanted)}): `set_adapter(...)` was called behind the schedule's back (by the loop, an "
             "evaluation helper or a callback). This training forward was refused before it ran: it would have "
             "computed gradients DDP does not reduce for one adapter and none for the phase's. Let the schedule "
             "pick the adapter (remove the call); to evaluate another adapter use "

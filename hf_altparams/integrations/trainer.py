@@ -16,21 +16,30 @@ and the DDP wrapper caught at its first call; each optimizer step: the phase's
 invariants; ``on_step_end``: the switch; ``on_log``, ``on_save``): ``docs/trainer.md``.
 
 The engine (a :class:`~hf_altparams.engine.PhaseSwitcher` and its driver) does
-every switch; this module holds the callback's arguments and events. Groups:
-:mod:`._trainer_groups`; log values: :mod:`._trainer_reporting`; refusals and
-the wrapper's first call: :mod:`._trainer_support`; the saved schedule and the
-checkpoint markers: :mod:`._trainer_state`, :mod:`._trainer_checkpoints`.
+every switch; this module holds the callback, with what it needs around the
+Trainer: its groups on the Trainer's model (:func:`resolve_groups`), the
+refusals of strategies it cannot drive (:func:`unsupported_backend`), the
+one-shot hook that finds the Trainer's DDP wrapper at its first call
+(:class:`FirstCallCatcher`) and the log values (:class:`TrainerReport`).
+Saves and resumes are in :mod:`.trainer_checkpoints`; the optimizer helpers in
+:mod:`.trainer_optim`; the Trainer internals it reads in
+:mod:`.transformers_internals`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import sys
-from typing import Any, Callable, Mapping, Optional, Union
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import Optimizer
 from transformers import (
     TrainerCallback,
@@ -43,32 +52,25 @@ from ..engine.comm import CommCounter, register_comm_counter, register_reduce_sc
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
 from ..engine.fsdp2 import is_fsdp2
+from ..engine.optim import GroupedOptimizer, uncovered_message
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
+from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from ._fsdp2_prepare import fsdp2_not_running, shard_trainer_groups, uses_fsdp2
-from ._phase_queries import PhaseQueries
-from ._trainer_checkpoints import check_resumed, last_complete_checkpoint, mark_complete, prepare_save
-from ._trainer_checkpoints import resumed_checkpoint
-from ._trainer_groups import (
-    GroupsSpec,
-    check_optimizer_covers,
-    make_scheduled_trainable,
-    resolve_groups,
-    scheduled_param_names,
-)
-from ._trainer_optim import grouped_optimizer
-from ._trainer_reporting import Metrics, TrainerReport
-from ._trainer_state import STATE_KEY, check_callback_state, save_callback_state, trained_groups
-from ._trainer_support import FIND_UNUSED_WARNING, FirstCallCatcher, no_wrapper_error, run_before_reporters
-from ._trainer_support import unsupported_backend
-from ._unreached import OutputGuard
-from ._trainer_support import unwrap_optimizer
+from .accelerate_internals import shared_accelerator_state
+from .fsdp2 import FSDP1_MESSAGE, fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
+from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed, last_complete_checkpoint,
+                                  mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
+                                  saved_driver_state)
+from .trainer_optim import grouped_optimizer
+from .transformers_internals import caller_frame, move_before_reporters
+from .unreached import OutputGuard
 
-__all__ = ["STATE_KEY", "AlternatingFreeze", "grouped_optimizer", "last_complete_checkpoint"]
+__all__ = ["FIND_UNUSED_WARNING", "STATE_KEY", "AlternatingFreeze", "FirstCallCatcher", "GroupsSpec", "TrainerReport",
+           "grouped_optimizer", "last_complete_checkpoint", "resolve_groups", "unsupported_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,266 @@ logger = logging.getLogger(__name__)
 #: function model -> ParamGroups, or ParamGroups built on the Trainer's model.
 GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamGroups]
 
-class AlternatingFreeze(PhaseQueries, TrainerCallback):
+Metrics = dict[str, Union[int, float, str]]
+
+
+_DEEPSPEED_MESSAGE = (
+    "AlternatingFreeze does not support DeepSpeed: DeepSpeed fixes the trainable set, its gradient "
+    "partitions and optimizer state at `deepspeed.initialize` and ignores (or crashes on) later "
+    "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
+    "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
+    "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
+    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
+    "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'version': 2}`."
+)
+_FSDP_MESSAGE = "AlternatingFreeze does not support FSDP1: " + FSDP1_MESSAGE
+_COMPILE_MESSAGE = (
+    "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
+    "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
+    "switch changes. Set `torch_compile=False` (a single-process run may compile)."
+)
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unsupported_backend(args: TrainingArguments) -> Optional[str]:
+    """The refusal message for DeepSpeed / FSDP1 / compiled DDP in ``args``, or None (FSDP2 is accepted)."""
+    shared = shared_accelerator_state()  # the Trainer's accelerator exists by on_init_end
+    kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
+    if (
+        kind == "DEEPSPEED"
+        or getattr(args, "deepspeed", None)
+        or getattr(args, "deepspeed_plugin", None) is not None
+        or shared.get("deepspeed_plugin") is not None
+        or shared.get("deepspeed_plugins") is not None
+        or _env_true("ACCELERATE_USE_DEEPSPEED")
+    ):
+        return _DEEPSPEED_MESSAGE
+    if (
+        kind == "FSDP"
+        or getattr(args, "fsdp", None)
+        or getattr(args, "fsdp_plugin_args", None) is not None
+        or shared.get("fsdp_plugin") is not None
+        or _env_true("ACCELERATE_USE_FSDP")
+    ) and trainer_fsdp_version(args, shared.get("fsdp_plugin")) != 2:
+        return _FSDP_MESSAGE  # FSDP2 is supported (on_train_begin rebinds the groups to the shards)
+    if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
+        return _COMPILE_MESSAGE
+    return None
+
+
+def unwrap_optimizer(optimizer: Optional[Any]) -> Optional[Any]:
+    """The user's optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and seen < 4:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, Optimizer):
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+class FirstCallCatcher:
+    """A one-shot *global* forward pre-hook that finds the wrapper the Trainer built.
+
+    The Trainer keeps its ``DistributedDataParallel`` in a local variable and
+    hands callbacks the bare model. A global pre-hook sees every module call,
+    the wrapper's own included, *before* its ``forward`` runs (a pre-hook on
+    the inner module would run after ``DDP._pre_forward`` has already prepared
+    the old reducer for this iteration). It removes itself at the first call
+    of either the wrapper or, when there is none, the bare model in training.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        on_ddp: Callable[[nn.parallel.DistributedDataParallel], None],
+        on_plain: Callable[[], None],
+    ) -> None:
+        self._module = weakref.ref(module)  # a global hook must not keep the model alive
+        self.on_ddp = on_ddp
+        self.on_plain = on_plain
+        self._handle: Optional[Any] = register_module_forward_pre_hook(self._hook)
+
+    def _hook(self, called: nn.Module, _inputs: Any) -> None:
+        module = self._module()
+        if module is None:
+            self.remove()
+        elif isinstance(called, nn.parallel.DistributedDataParallel) and called.module is module:
+            self.remove()
+            self.on_ddp(called)
+        elif called is module and called.training and torch.is_grad_enabled():
+            self.remove()
+            self.on_plain()
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+#: Logged when the Trainer's DDP searches for unused parameters (its default without gradient checkpointing).
+FIND_UNUSED_WARNING = (
+    "AlternatingFreeze: DDP runs with find_unused_parameters=True (the Trainer's default without gradient "
+    "checkpointing), which walks the autograd graph and all-reduces a used-parameter map on every step. "
+    "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
+    "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips some trainable parameters."
+)
+
+
+def no_wrapper_error() -> Optional[str]:
+    """Why a model training without a DDP wrapper is refused (several processes), or ``None``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world <= 1:
+        return None
+    return (
+        f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
+        "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
+        "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
+        "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
+        "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
+        "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
+        "Trainer's default for multi-process runs) is supported."
+    )
+
+
+@dataclass(frozen=True)
+class GroupsSpec:
+    """How :class:`~hf_altparams.integrations.trainer.AlternatingFreeze` was told to build its groups.
+
+    ``groups`` (a mapping, a function or ParamGroups), or ``layers`` with ``per``,
+    ``prefix`` and ``extra``; ``ungrouped`` is the policy for the rest.
+    """
+
+    groups: Any = None
+    layers: Optional[str] = None
+    per: int = 1
+    prefix: str = "layer"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    ungrouped: UngroupedPolicy = "frozen"
+
+
+def resolve_groups(spec: GroupsSpec, schedule: Schedule, model: nn.Module) -> ParamGroups:
+    """Build the groups of ``spec`` on ``model`` and validate ``schedule`` against them."""
+    arg = spec.groups
+    try:
+        if isinstance(arg, ParamGroups):
+            groups = arg if arg.module is model else arg.rebind(model)
+        elif isinstance(arg, Mapping):
+            groups = ParamGroups(model, arg, ungrouped=spec.ungrouped)
+        elif arg is not None:
+            groups = arg(model)
+            if not isinstance(groups, ParamGroups):
+                raise PlanError(
+                    f"the `groups` function returned {type(groups).__name__}; it must return "
+                    "ParamGroups built on the model it is given"
+                )
+        else:
+            assert spec.layers is not None
+            groups = ParamGroups.from_layers(model, spec.layers, per=spec.per, prefix=spec.prefix,
+                                             extra=dict(spec.extra), ungrouped=spec.ungrouped)
+    except PlanError as err:
+        raise PlanError(f"AlternatingFreeze: cannot build the groups on {type(model).__name__}: {err}") from err
+    if groups.module is not model:
+        raise PlanError(
+            "AlternatingFreeze: the groups were built on another module than the Trainer's "
+            f"model ({type(groups.module).__name__} vs {type(model).__name__}); build them on "
+            "the model you pass to Trainer"
+        )
+    schedule.validate(groups)
+    return groups
+
+
+def scheduled_param_names(groups: ParamGroups, schedule: Schedule) -> frozenset[str]:
+    """Canonical names of every parameter some phase of ``schedule`` may train."""
+    names = [g for g in groups.names if g in schedule.group_names()]
+    return groups.trainable_param_names(names)
+
+
+def make_scheduled_trainable(groups: ParamGroups, schedule: Schedule, only: bool = False) -> None:
+    """``requires_grad=True`` on every parameter the schedule may train (``only``: the rest frozen too)."""
+    wanted = scheduled_param_names(groups, schedule)
+    for name, param in groups.all_named_params():
+        if name in wanted or only:  # FSDP2: the rest frozen too (a resume loads no state for them)
+            param.requires_grad_(name in wanted)
+
+
+def check_optimizer_covers(groups: ParamGroups, schedule: Schedule, optimizer: Optional[Optimizer]) -> None:
+    """Refuse an optimizer that leaves out a parameter the schedule trains (it would never be updated)."""
+    if optimizer is None:
+        return
+    missing = uncovered_message(groups, schedule.group_names(), [optimizer])
+    if missing is None:
+        return
+    raise PlanError(
+        f"AlternatingFreeze: the optimizer {missing}; they would never be updated. The Trainer's default "
+        "optimizer covers them when AlternatingFreeze is in `callbacks` of `Trainer(...)`. If you "
+        "pass `optimizers=(optimizer, scheduler)` or build the optimizer yourself, build it over "
+        "every parameter the schedule trains, whether frozen now or not (e.g. "
+        "`torch.optim.AdamW(model.parameters())`, or `grouped_optimizer(groups, ...)` from "
+        "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`."
+    )
+
+
+def describe_phase(switcher: PhaseSwitcher, phase: Optional[Phase]) -> dict[str, Union[int, str]]:
+    """``phase``, ``trainable_params`` and ``allreduce_bytes_per_step`` of ``phase`` (as last applied)."""
+    if phase is None:
+        return {"phase": "", "trainable_params": 0, "allreduce_bytes_per_step": 0}
+    trainable = switcher.trainable_names(phase)
+    return {
+        "phase": phase.name,
+        "trainable_params": sum(p.numel() for n, p in switcher.groups.all_named_params() if n in trainable),
+        "allreduce_bytes_per_step": switcher.reduced_bytes(phase),
+    }
+
+
+class TrainerReport:
+    """The callback's log values, and what the previous log already covered.
+
+    Args:
+        prefix: prefix of the keys (``"altparams/"``).
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.logged_seconds = 0.0  # switch seconds already reported by the previous log
+        self.logged_comm = 0  # measured steps already reported by the previous log
+
+    def reset(self) -> None:
+        """A new ``train()``: nothing reported yet."""
+        self.logged_seconds, self.logged_comm = 0.0, 0
+
+    def metrics(self, switcher: PhaseSwitcher, comm: Optional[CommCounter], frozen_prefix: Any) -> Metrics:
+        """The ``altparams/*`` values of the step just trained and of the switches since the last log.
+
+        Describing the optimizer step just trained (the one whose loss is
+        logged): ``phase``, ``trainable_params``, ``allreduce_bytes_per_step``
+        (bytes the DDP reducer all-reduces per step; 0 without DDP); then
+        ``switches`` (so far in this ``train()``, the wrapper's first
+        re-bucketing included), ``switch_seconds`` (time spent switching since
+        the previous log), and with a comm counter ``allreduce_bytes_measured``
+        (mean bytes per step since the previous log).
+        """
+        prefix, history, driver = self.prefix, switcher.history, switcher.driver
+        info = describe_phase(switcher, driver.trained or driver.current)
+        out: Metrics = {f"{prefix}{k}": v for k, v in info.items()}
+        out.update({
+            f"{prefix}switches": history.count,
+            f"{prefix}switch_seconds": history.seconds - self.logged_seconds,
+        })
+        self.logged_seconds = history.seconds
+        if comm is not None:
+            recent = comm.history[self.logged_comm:]
+            self.logged_comm = len(comm.history)
+            out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
+        if frozen_prefix is not None:
+            out.update(frozen_prefix.metrics(prefix))
+        return out
+
+
+class AlternatingFreeze(TrainerCallback):
     """Phased training for the 🤗 Trainer: one callback, nothing else changed.
 
     Args:
@@ -121,7 +382,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
 
     ``phase``, ``task`` (the current ``PerTaskCycle`` task) and
     ``visiting(groups)`` (evaluate a non-resident group) answer from
-    ``trainer.train()`` on (:class:`~._phase_queries.PhaseQueries`).
+    ``trainer.train()`` on.
 
     Side effects: at ``Trainer(...)`` time the parameters the schedule trains
     get ``requires_grad=True`` (so the default optimizer covers them); from
@@ -142,8 +403,6 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         ...     schedule=GradualUnfreeze(["layer0", "layer1"], every=10, always=["head"]))
         >>> # Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
     """
-
-    _started_by = "`trainer.train()`"
 
     def __init__(
         self,
@@ -222,6 +481,32 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         """The schedule position and current phase of the current ``train()`` (``None`` before it)."""
         return None if self.switcher is None else self.switcher.driver
 
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The phase that trains now (``None`` before ``trainer.train()``); switches happen at ``on_step_end``."""
+        return None if self.switcher is None else self.switcher.phase
+
+    @property
+    def task(self) -> Optional[str]:
+        """The current task's name under :class:`~hf_altparams.plan.PerTaskCycle` (else ``None``)."""
+        return None if self.switcher is None else self.switcher.task
+
+    @contextlib.contextmanager
+    def visiting(self, groups: Union[str, Iterable[str]]) -> Iterator[None]:
+        """Bring non-resident ``groups`` back to the device for the ``with`` block (e.g. to evaluate them).
+
+        See :meth:`~hf_altparams.engine.PhaseSwitcher.visiting`; from ``trainer.train()`` on.
+
+        Example:
+            >>> # with torch.no_grad(), callback.visiting(["head2"]):
+            >>> #     metrics = evaluate(model, task="head2")
+        """
+        if self.switcher is None:
+            raise AltParamsError(f"`visiting({groups!r})` was called before `trainer.train()`: no phase is applied "
+                                 "yet, so every group is where the model put it; call it after that")
+        with self.switcher.visiting(groups):
+            yield
+
     # ------------------------------------------------------------------ groups, reports
     def resolve(self, model: nn.Module) -> ParamGroups:
         """Build the groups on ``model`` and validate the schedule against them."""
@@ -257,7 +542,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         self.groups = self.resolve(model)
         make_scheduled_trainable(self.groups, self.schedule, only=uses_fsdp2(args))
         self._attach_prefix(model)
-        run_before_reporters(self, sys._getframe(0))
+        move_before_reporters(self, caller_frame())
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
@@ -268,7 +553,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
-        trained = trained_groups(state)  # from a resumed checkpoint's record (empty otherwise)
+        resumed_from = saved_driver_state(state, self._epoch(state))  # a resumed checkpoint's record (or none)
+        trained = set(resumed_from.trained_groups)
         sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
         if sharded is None and uses_fsdp2(args) and state.is_world_process_zero:
             logger.warning(fsdp2_not_running("fsdp_config={'version': 2}", "plain DDP"))
@@ -277,7 +563,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
                                                has_prefix=self._prefix_option is not None)
         self._attach_prefix(self.groups.module)
         check_optimizer_covers(self.groups, self.schedule, optimizer)
-        resumed = resumed_checkpoint(sys._getframe(0), args, state)
+        resumed = resumed_checkpoint(caller_frame(), args, state)
         if resumed is not None:
             saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
             check_resumed(resumed, state, saved)
@@ -287,7 +573,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
             self.switcher.close()  # the last train()'s: its optimizer step check goes
         self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer),
                                       config=self.config)
-        self.switcher.driver.trained_groups = trained
+        self.switcher.driver.restore(resumed_from)
         if self._on_start is not None:
             self._on_start(self.switcher)
         self.comm = None
@@ -317,7 +603,8 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         if control.should_save:
             self._prepare_save(args, state)  # drift check; the folder the Trainer saves next may be an old run's
         last = bool(state.max_steps and state.global_step >= state.max_steps)  # no step follows: no switch
-        if self.switcher.driver.stepped(state.global_step, self._epoch(state), switch=not last) is not None:
+        switched = self.switcher.driver.stepped(state.global_step, self._epoch(state), switch=not last) is not None
+        if switched or control.should_save:  # the checkpoint's record holds the groups trained up to this step
             self._save_state(state)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -327,7 +614,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
         metrics = self.metrics()
         logs.update(metrics)
         # Trainer.log appended a copy of `logs` to the history before calling us.
-        last = state.log_history[-1] if state.log_history else None
+        last: Optional[dict[str, Any]] = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and all(k in last for k in logs if k not in metrics):
             last.update(metrics)
 
@@ -405,8 +692,7 @@ class AlternatingFreeze(PhaseQueries, TrainerCallback):
 
     def _save_state(self, state: TrainerState) -> None:
         assert self.switcher is not None and self.groups is not None
-        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self._epoch(state),
-                            self.switcher.driver.trained_groups)
+        save_callback_state(state, self.schedule, self.groups, self.switcher.current, self.switcher.driver.state())
 
     def _check_saved_state(self, state: TrainerState) -> None:
         if self.check_resume:

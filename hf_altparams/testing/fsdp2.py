@@ -14,8 +14,9 @@ on a GPU only (the fp16 grad scaler, device choice): test those on a GPU.
 from __future__ import annotations
 
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin
+
+from ..integrations import accelerate_internals
 
 __all__ = ["fresh_accelerator_state", "use_accelerate_fsdp2"]
 
@@ -31,7 +32,7 @@ def fresh_accelerator_state() -> None:
         fresh_accelerator_state()
         acc = PhasedAccelerator(schedule, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     """
-    AcceleratorState._reset_state()
+    accelerate_internals.fresh_accelerator_state()
 
 
 def use_accelerate_fsdp2(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -48,10 +49,4 @@ def use_accelerate_fsdp2(accelerator: Accelerator, plugin: FullyShardedDataParal
             use_accelerate_fsdp2(acc, plugin)
         model, optimizer = acc.prepare(model, optimizer)  # fully_shard, as on GPUs
     """
-    state = AcceleratorState()
-    state.distributed_type = DistributedType.FSDP
-    if state.mixed_precision != "no":  # what AcceleratorState.__init__ does for an FSDP run
-        plugin.set_mixed_precision(state.mixed_precision)
-    state.fsdp_plugin = plugin
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    assert accelerator.is_fsdp2
+    accelerate_internals.run_fsdp_state(accelerator, plugin)

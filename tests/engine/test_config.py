@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ def test_build_overrides_and_replace_validates_again() -> None:
     built = SwitchConfig.build(base, keep_reducers=1)
     assert (built.prefetch, built.keep_reducers) == ("auto", 1)
     with pytest.raises(AltParamsError, match="keep_reducers"):
-        built.replace(keep_reducers=-2)
+        dataclasses.replace(built, keep_reducers=-2)  # a changed copy is checked as a new one
 
 
 def test_every_entry_point_checks_the_settings_at_construction() -> None:

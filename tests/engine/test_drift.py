@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_altparams.engine import PhaseSwitcher
-from hf_altparams.engine._digest import digest_many, digest_values, tensor_digest
+from hf_altparams.engine.digest import digest_many, digest_values, tensor_digest
 from hf_altparams.engine.drift import UNGROUPED, find_drift, local_digests
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups

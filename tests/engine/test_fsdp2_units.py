@@ -13,7 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from hf_altparams.engine import PhaseSwitcher, shard_by_groups
 from hf_altparams.engine import fsdp2 as _fsdp2
 from hf_altparams.engine.fsdp2._units import mixed_units
-from hf_altparams.engine.memory._transfer import nbytes, to_device, to_host
+from hf_altparams.engine.fsdp2 import set_data
+from hf_altparams.engine.memory.transfer import nbytes, to_device, to_host
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle
 
@@ -115,7 +116,7 @@ def test_place_data_swaps_fsdp2_storage_so_the_all_gather_reads_the_new_values(
     groups = shard_by_groups(model, ParamGroups(model, SPEC))
     switcher = PhaseSwitcher(groups, Alternating(["trunk", "mid"]), model=model)
     backend = switcher.backend
-    assert switcher.residency.place_data == backend.place_data
+    assert switcher.residency.data_placer == backend.place_data
     x = torch.randn(5, 3)
     model(x)  # FSDP2's lazy init (which would re-read swapped shards once) is behind us
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
@@ -138,7 +139,7 @@ def test_a_shard_moved_before_attach_is_put_back_into_fsdp2_storage(gloo_world_1
     for param, ref in zip(model.parameters(), reference.parameters()):
         moved = to_host(param.data, torch.device("cpu"))
         moved.to_local().add_(1.0)
-        switcher.residency.place_data(param, moved)  # the plain move, before any FSDP2 backend
+        set_data(param, moved)  # the plain move, before any FSDP2 backend
         with torch.no_grad():
             ref.add_(1.0)
     switcher.attach(model)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hf_altparams.engine import HostHeap, host_heap, mmap_large_host_allocations
-from hf_altparams.engine.memory import _host as memory_module
+from hf_altparams.engine.memory import release as memory_module
 from hf_altparams.engine.memory import MAX_MMAP_THRESHOLD
 from hf_altparams.errors import AltParamsError
 from hf_altparams.testing import launch, rank_results

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_altparams.engine import CommCounter, GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer, memory_report
 from hf_altparams.engine.comm import counting_allreduce_hook
-from hf_altparams.engine.memory import expected_footprint, expected_peak_bytes
+from hf_altparams.engine.report import expected_footprint, expected_peak_bytes
 from hf_altparams.engine.memory.model import StatePolicyLike
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.planner import plan_cost

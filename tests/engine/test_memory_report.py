@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, expected_peak_bytes, memory_report
-from hf_altparams.engine.memory import CATEGORIES
+from hf_altparams.engine.report import CATEGORIES
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_altparams.engine import PhaseSwitcher, memory_report
-from hf_altparams.engine import _transaction as transaction_module
+from hf_altparams.engine import switch as transaction_module
 from hf_altparams.errors import AltParamsError
 from hf_altparams.plan import Alternating, ParamGroups
 
@@ -138,7 +138,7 @@ def test_memory_allocated_returns_to_the_same_value_after_every_switch(policy: s
 
 
 def test_per_phase_caches_stay_bounded_under_a_random_schedule() -> None:
-    from hf_altparams.engine._layout import CACHED_PHASES
+    from hf_altparams.engine.layouts import CACHED_PHASES
     from hf_altparams.plan import RandomBlocks
 
     net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
@@ -152,5 +152,5 @@ def test_per_phase_caches_stay_bounded_under_a_random_schedule() -> None:
         assert all(p.requires_grad == (f"g{i}" in active) for i, layer in enumerate(net) for p in layer.parameters())
     assert len(seen) > CACHED_PHASES
     caches = (switcher._layouts._by_groups, switcher._layouts._flags, switcher._reduced_bytes,
-              switcher.release_policy._footprints)
+              switcher._footprints)
     assert all(len(cache) <= CACHED_PHASES for cache in caches)

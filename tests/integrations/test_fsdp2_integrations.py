@@ -181,7 +181,7 @@ def _grouped() -> tuple[nn.Module, Any]:
 
 
 def test_rebind_follows_replaced_parameters_and_refuses_an_unswapped_optimizer() -> None:
-    from hf_altparams.integrations._fsdp2_prepare import rebind_groups, rebind_optimizer
+    from hf_altparams.integrations.fsdp2 import rebind_groups, rebind_optimizer
 
     model, opt = _grouped()
     old = opt.groups
@@ -196,7 +196,7 @@ def test_rebind_follows_replaced_parameters_and_refuses_an_unswapped_optimizer()
 
 
 def test_rebind_names_the_parameters_a_sharded_model_lacks() -> None:
-    from hf_altparams.integrations._fsdp2_prepare import rebind_groups
+    from hf_altparams.integrations.fsdp2 import rebind_groups
 
     model, opt = _grouped()
     with pytest.raises(AltParamsError, match=r"no parameter named \['2.weight', '2.bias'\]"):
@@ -206,7 +206,7 @@ def test_rebind_names_the_parameters_a_sharded_model_lacks() -> None:
 def test_trainer_refuses_to_checkpoint_a_grouped_optimizer_under_fsdp2() -> None:
     from types import SimpleNamespace
 
-    from hf_altparams.integrations._fsdp2_prepare import shard_trainer_groups
+    from hf_altparams.integrations.fsdp2 import shard_trainer_groups
 
     model, opt = _grouped()
     state = SimpleNamespace(global_step=0)

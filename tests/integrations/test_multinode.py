@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hf_altparams.errors import AltParamsError
-from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
+from hf_altparams.integrations.accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
 from hf_altparams.testing import LaunchError, rank_results
 from tests.scripts import script_path
 from hf_altparams.testing.nodes import launch_nodes

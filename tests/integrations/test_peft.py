@@ -152,7 +152,7 @@ def test_a_phase_training_no_adapter_is_refused_unless_a_fallback_is_given() -> 
     switcher = PhaseSwitcher(groups, Alternating(["a", "base"]))
     with pytest.raises(AltParamsError, match=r"phase 'base' trains no adapter .* pass `fallback=`"):
         follow_phases(switcher)  # a known pattern: refused before any step
-    assert switcher.phase_hooks == []
+    assert switcher.phase_hooks == ()
 
     # A user function has no known pattern: the switch into such a phase is refused and rolled back.
     schedule = FnSchedule(lambda step, epoch: ["a"] if step == 0 else ["base"], groups=["a", "base"])
@@ -186,7 +186,7 @@ def test_a_phase_over_two_adapters_activates_both_and_a_failed_switch_restores_t
         if "b" not in phase.trainable:
             raise RuntimeError("a later hook failed")
 
-    switcher.phase_hooks.append(fail)
+    switcher.add_phase_hook(fail)
     with pytest.raises(SwitchError, match="a later hook failed"):
         switcher.step_to(2)  # back to phase a: peft switched to "a", then the switch rolled back
     assert sorted(model.active_adapters) == ["a", "b"]
@@ -241,7 +241,7 @@ def test_visiting_evaluates_another_adapter_without_gradients_and_puts_the_phase
     with adapters.visiting("b"):  # "b" is not resident in phase a: it comes back for the block
         assert model.active_adapters == ["b"] and not torch.is_grad_enabled()
         visited = model(input_ids=ids()).logits
-    with torch.no_grad(), switcher.residency.visiting(["b"]):  # the same by hand
+    with torch.no_grad(), switcher.visiting(["b"]):  # the same by hand
         model.set_adapter("b")
         direct = model(input_ids=ids()).logits
     adapters.restore()

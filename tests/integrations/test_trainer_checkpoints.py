@@ -24,7 +24,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerState
 
 from hf_altparams.errors import AltParamsError
-from hf_altparams.integrations import _accelerate_checkpoints
+from hf_altparams.integrations import accelerate_checkpoints as _accelerate_checkpoints
 from hf_altparams.integrations.trainer import AlternatingFreeze, last_complete_checkpoint
 from hf_altparams.plan import Alternating
 from tests.scripts import script_path
@@ -158,7 +158,7 @@ def test_a_trainer_save_killed_at_any_stage_never_resumes_wrong(
 
 
 def test_a_marker_left_by_another_run_is_refused(tmp_path: Path) -> None:
-    from hf_altparams.integrations._trainer_checkpoints import check_resumed
+    from hf_altparams.integrations.trainer_checkpoints import check_resumed
 
     folder = tmp_path / "checkpoint-4"
     folder.mkdir()

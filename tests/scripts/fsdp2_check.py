@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, memory_report, shard_by_groups
-from hf_altparams.engine.memory._transfer import to_host
+from hf_altparams.engine.memory.transfer import to_host
 from hf_altparams.plan import Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, RandomBlocks
 from hf_altparams.planner import plan_cost
 from hf_altparams.testing import write_rank_result
@@ -120,7 +120,7 @@ def train_state(sharded, rank, world, policy=None, per_task=False):
         if per_task and record is not None and sharded:
             for group in sorted(switcher.residency.non_resident(switcher.current)):
                 for param in groups.params(group):  # the offload round trip, as fresh storage
-                    switcher.residency.place_data(param, to_host(param.data, torch.device("cpu")))
+                    switcher.backend.place_data(param, to_host(param.data, torch.device("cpu")))  # type: ignore[attr-defined]
         model.task = switcher.current.task or "t0"
         if sharded:
             x = x.chunk(world)[rank]

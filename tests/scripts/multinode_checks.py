@@ -59,8 +59,8 @@ from torch import nn
 from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError
-from hf_altparams.integrations import _accelerate_checkpoints as checkpoints
-from hf_altparams.integrations._accelerate_save import writes_state_files
+from hf_altparams.integrations import accelerate_checkpoints as checkpoints
+from hf_altparams.integrations.accelerate_checkpoints import writes_state_files
 from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result

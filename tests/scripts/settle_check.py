@@ -6,7 +6,7 @@ Usage (every rank runs it; results go to ``OUT_DIR/rank{r}.json``)::
 
 With two ranks, "one rank differs" and "half the ranks differ" are the same
 case; with three, a rank in the majority must still take the slow path. Each
-case calls :func:`hf_altparams.engine._collective.settle` (or ``agree`` /
+case calls :func:`hf_altparams.engine.collective.settle` (or ``agree`` /
 ``any_rank_failed``) directly, with a per-rank phase, refusal or failure, and
 records what it returned or raised, so the test can check that every rank
 took the same branch with the same text.
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from hf_altparams.engine._collective import agree, any_rank_failed, settle
+from hf_altparams.engine.collective import agree, any_rank_failed, settle
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan.phase import Phase
 from hf_altparams.testing.launch import write_rank_result

@@ -37,7 +37,7 @@ from typing import Any, Callable, NoReturn, Optional
 import pytest
 from accelerate import Accelerator
 
-from hf_altparams.integrations._accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE
+from hf_altparams.integrations.accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE
 from hf_altparams.integrations.trainer import AlternatingFreeze
 
 __all__ = ["STAGES", "SaveFault"]

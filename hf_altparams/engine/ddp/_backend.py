@@ -4,7 +4,7 @@ The surgery itself (private torch APIs, fenced and version-checked) is in
 :mod:`._surgery`; this module is what :class:`~hf_altparams.engine.backend.Backend`
 asks of it, and the owner of each wrapper's state between switches: whether
 the fast reducer inputs were verified for it, and its kept idle reducers. The
-wrapper refers back to its backend weakly (``backend_of``), so that ending a
+wrapper's backend is found weakly (``backend_of``), so that ending a
 wrapper's life (:func:`free_reducer`) also frees the reducers kept for it. It
 calls ``_ddp.rebuild_reducer`` through the module, so a test that replaces that
 function (to inject a failed rebuild) reaches every switch.
@@ -26,8 +26,8 @@ from ..backend import Backend
 
 __all__ = ["DDPBackend", "backend_of", "free_reducer"]
 
-#: The attribute of a DDP wrapper that refers (weakly) to the backend driving it.
-_BACKEND_ATTRIBUTE = "_hf_altparams_backend"
+#: The backend driving each DDP wrapper (held weakly on both sides: neither keeps the other alive).
+_BACKENDS: "weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[DDPBackend]]" = weakref.WeakKeyDictionary()
 
 
 class DDPBackend(Backend):
@@ -52,7 +52,7 @@ class DDPBackend(Backend):
         previous = backend_of(ddp)
         if previous is not None and previous is not self:
             previous.close()  # attached again: one backend per wrapper, its kept reducers freed
-        setattr(ddp, _BACKEND_ATTRIBUTE, weakref.ref(self))
+        _BACKENDS[ddp] = weakref.ref(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -116,7 +116,7 @@ class DDPBackend(Backend):
 
 def backend_of(ddp: DistributedDataParallel) -> Optional[DDPBackend]:
     """The live backend driving ``ddp``, if a switcher attached it."""
-    ref = getattr(ddp, _BACKEND_ATTRIBUTE, None)
+    ref = _BACKENDS.get(ddp)
     return ref() if ref is not None else None
 
 

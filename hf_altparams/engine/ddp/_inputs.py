@@ -89,7 +89,8 @@ class ReducerInputs:
 
     def module_parameters(self, ignore: AbstractSet[str]) -> list[nn.Parameter]:
         """``[p for n, p in module.named_parameters() if n not in ignore]`` (DDP's ``_module_parameters``)."""
-        return [tensor for name, tensor in self._named("_parameters") if name not in ignore]
+        return [tensor for name, tensor in self._named("_parameters")
+                if name not in ignore and isinstance(tensor, nn.Parameter)]
 
     def buffers(self, ignore: AbstractSet[str]) -> dict[str, torch.Tensor]:
         """``named_buffers()`` not in ``ignore``, in order (DDP's ``named_module_buffers``)."""

@@ -16,7 +16,7 @@ names, the broadcast buffers) come from one walk of the module tree
 Every private name used here is listed in :data:`PRIVATE_DDP_ATTRIBUTES` and
 checked by :func:`check_ddp_supported` together with the torch version, so an
 untested torch fails with a clear message before any state is touched.
-The switch's DDP backend, ``DDPBackend``, is in :mod:`._ddp_backend`.
+The switch's DDP backend, ``DDPBackend``, is in :mod:`._backend`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ def is_ddp(module: object) -> bool:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (or ``module`` itself)."""
-    return module.module if is_ddp(module) else module
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def ignored_before_wrap(module: nn.Module) -> set[str]:
@@ -113,7 +113,7 @@ def mark_ignored_before_wrap(
     """
     ignore = set(ignore)
     keep = set(keep_tagged)
-    module._ddp_params_and_buffers_to_ignore = sorted(ignore)
+    module._ddp_params_and_buffers_to_ignore = sorted(ignore)  # type: ignore[assignment]
     for name, tensor in tensors.items():
         if name in ignore:
             tensor._ddp_ignored = True  # type: ignore[attr-defined]
@@ -354,17 +354,19 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     if reused:
         return
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, name_mapping, ddp.static_graph)
+    reducer: Any = ddp.reducer  # built by the helper (the type checker still sees the None set above)
+    logger: Any = ddp.logger
     if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
+        reducer._set_static_graph()
+        logger._set_static_graph()
         # The new reducer starts a static-graph first iteration, whose all-reduce
         # runs from a callback that DDP's forward queues only while this flag is
         # False; left True, nothing is ever all-reduced and the ranks drift apart.
         ddp._static_graph_delay_allreduce_enqueued = False
     for hook, state in hooks:
         _reset_hook_state(state)
-        dist._register_comm_hook(ddp.reducer, state, hook)
-        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(reducer, state, hook)
+        logger._set_comm_hook_name(hook.__qualname__)
     ddp._comm_hooks = hooks
     ddp._has_rebuilt_buckets = False
     ddp._lazy_init_ran = False

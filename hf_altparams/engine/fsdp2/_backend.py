@@ -41,7 +41,8 @@ from torch import nn
 
 from ..._compat import ALLOW_UNTESTED_ENV, TESTED_TORCH, torch_version
 from ...errors import SwitchError
-from ..backend import Backend
+from ...plan.groups import ParamGroups
+from ..backend import Backend, Residency
 from ._dtensor import _param_groups, dtensor_with_local, fsdp2_units, is_fsdp2, local_tensor, set_data
 from ._units import check_groups_fit_units, install_unit_guards
 
@@ -103,7 +104,7 @@ def check_fsdp2_supported(model: nn.Module) -> None:
         missing += _missing(unit, "FSDPModule")
         if missing:
             break
-        state = unit._get_fsdp_state()  # type: ignore[operator]
+        state = unit._get_fsdp_state()
         if not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
             missing.append("FSDPState._fsdp_param_groups")
             break
@@ -152,17 +153,16 @@ class FSDP2Backend(Backend):
             return group.mesh_info.shard_process_group
         return None
 
-    def bind(self, switcher: Any) -> None:
-        """Check the switcher's groups against the units and route residency moves through here."""
-        check_groups_fit_units(self.model, switcher.groups)
-        switcher.residency.place_data = self.place_data
-        switcher.release_policy.forget_footprints()  # footprints are per-rank shards from now on
-        install_unit_guards(self.model, switcher.groups, switcher.residency)
+    def bind(self, groups: ParamGroups, residency: Residency) -> None:
+        """Check the groups against the units and route residency moves through here."""
+        check_groups_fit_units(self.model, groups)
+        residency.set_data_placer(self.place_data)
+        install_unit_guards(self.model, groups, residency)
         for fp in self._fsdp_param_of.values():  # moved before the attach, around FSDP2's storage
             local, storage = local_tensor(fp.sharded_param), fp._sharded_param_data
             if local.numel() and local.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():
                 self.place_data(fp.sharded_param, fp.sharded_param.data)
-        self._moves_residency = switcher.residency.offload_device is not None
+        self._moves_residency = residency.offload_device is not None
 
     def apply(self, ignore: set[str]) -> None:
         if ignore and self._moves_residency:

@@ -1,7 +1,7 @@
 """What FSDP2 builds, read from the outside: its units, their sharded parameters, DTensors.
 
 Small helpers shared by the FSDP2 backend (:mod:`._backend`), the unit checks
-(:mod:`._units`) and the memory moves (:mod:`hf_altparams.engine.memory._transfer`),
+(:mod:`._units`) and the memory moves (:mod:`hf_altparams.engine.memory.transfer`),
 which must handle a DTensor parameter or optimizer state like a plain tensor.
 ``_param_groups`` reads FSDP2's per-module state (a private attribute fenced by
 :func:`._backend.check_fsdp2_supported`).
@@ -46,7 +46,7 @@ def dtensor_with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg,attr-defined]
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]
 
 
 def set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:

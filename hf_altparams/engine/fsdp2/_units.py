@@ -17,19 +17,22 @@ that live on the host): :func:`install_unit_guards`.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Iterable
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ...errors import SwitchError
 from ...plan.groups import ParamGroups
+from ..backend import Residency
 from ._dtensor import fsdp2_units, is_fsdp2, unit_params
 
 __all__ = ["check_groups_fit_units", "check_residency_fits_units", "install_unit_guards", "mixed_units",
            "shard_by_groups"]
 
-#: Module attribute holding the unit guards' hook handles (replaced when a switcher attaches again).
-_GUARDS_ATTR = "_hf_altparams_unit_guards"
+#: The unit guards' hook handles per model (replaced when a switcher attaches again).
+_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]]" = weakref.WeakKeyDictionary()
 
 
 def _unit_names(model: nn.Module) -> dict[int, str]:
@@ -91,13 +94,13 @@ def check_residency_fits_units(model: nn.Module, off_names: Iterable[str]) -> No
             )
 
 
-def install_unit_guards(model: nn.Module, groups: ParamGroups, residency: Any) -> None:
+def install_unit_guards(model: nn.Module, groups: ParamGroups, residency: Residency) -> None:
     """Refuse, before FSDP2 all-gathers it, a forward through a unit whose groups are all non-resident.
 
     The hooks read ``residency.offloaded`` when they run, so ``residency.visiting``
     (which brings groups back for a while) passes through.
     """
-    for handle in getattr(model, _GUARDS_ATTR, ()):
+    for handle in _GUARDS.pop(model, []):
         handle.remove()
     group_of = {id(p): g for g in groups.names for p in groups.params(g)}
     names = _unit_names(model)
@@ -110,14 +113,14 @@ def install_unit_guards(model: nn.Module, groups: ParamGroups, residency: Any) -
         def refuse(module: nn.Module, args: object, held: frozenset[Any] = held, name: str = names[id(unit)]) -> None:
             if residency.guard and held <= residency.offloaded:
                 raise SwitchError(
-                    f"fully_shard unit {name!r} ran its forward in phase {residency._phase_name!r}, but its groups "
+                    f"fully_shard unit {name!r} ran its forward in phase {residency.phase_name!r}, but its groups "
                     f"{sorted(held)} are not resident in that phase (their shards live on "
                     f"{residency.offload_device}). Add them to the phase's `resident` groups, route inputs only "
-                    "through the resident tasks, or wrap an evaluation in `switcher.residency.visiting(...)`"
+                    "through the resident tasks, or wrap an evaluation in `switcher.visiting(...)`"
                 )
 
         handles.append(unit.register_forward_pre_hook(refuse, prepend=True))
-    setattr(model, _GUARDS_ATTR, handles)
+    _GUARDS[model] = handles
 
 
 def _pure_modules(model: nn.Module, members: set[int]) -> list[tuple[str, nn.Module]]:

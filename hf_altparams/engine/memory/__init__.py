@@ -1,44 +1,63 @@
-"""Memory of a phased run: where idle groups live, when memory is released, and what is held.
+"""Memory of a phased run: where idle groups live, how tensors move, when memory is released.
 
-* residency (:class:`ResidencyManager`): the groups a phase does not keep
-  resident live off the device, out of DDP, guarded against a forward;
-* placement and transfer: how parameters and optimizer state move between the
-  device and the host (pinned, asynchronous, prefetched);
-* release (:func:`release_memory`, the ``release`` policy of a switch) and the
-  host heap (glibc's ``malloc_trim`` and mmap threshold);
-* the memory model (:mod:`.model`: bytes per group and category under each
-  :class:`StatePolicy`, shared with the planner), the census
-  (:func:`memory_report`) and the expected peak of a phase.
+* :class:`ResidencyManager` (:mod:`.residency`): the groups a phase does not
+  keep resident live off the device, out of DDP, guarded against a forward;
+* :class:`TensorMover` (:mod:`.transfer`): the one mover of tensors between the
+  device and the host (pinned, asynchronous, prefetched), used by residency and
+  by the optimizers for idle state and fp32 masters;
+* :mod:`.release`: when a switch releases memory (:class:`ReleasePolicy`), the
+  release itself (:func:`release_memory`) and glibc's host heap;
+* :mod:`.prefetch`: how much a coming phase may prefetch;
+* :mod:`.model`: the memory model (bytes per group and category under each
+  :class:`StatePolicy`, pure arithmetic shared with the planner and with
+  :func:`hf_altparams.engine.memory_report`).
+
+This package imports nothing from :mod:`hf_altparams.engine.optim` (the
+optimizers build on it, not the other way round).
 """
 
-from ._host import (
+from .model import StatePolicy, StatePolicyLike
+from .prefetch import PhasePrefetch, PrefetchSetting, check_prefetch
+from .release import (
     MAX_MMAP_THRESHOLD,
     HostHeap,
+    ReleasePolicy,
+    ReleaseSetting,
+    check_release,
     host_heap,
     malloc_trim,
     mmap_large_host_allocations,
     release_memory,
     rss_bytes,
 )
-from .model import StatePolicy
-from ._report import CATEGORIES, MemoryReport, expected_footprint, expected_peak_bytes, memory_report
-from ._residency import DeviceLike, ResidencyManager, non_resident_groups
+from .residency import DeviceLike, ResidencyManager, as_device, non_resident_groups
+from .transfer import TensorMover, nbytes, optimizer_of, param_group_map, state_target_device, to_device, to_host
 
 __all__ = [
-    "CATEGORIES",
+    "MAX_MMAP_THRESHOLD",
     "DeviceLike",
     "HostHeap",
-    "MAX_MMAP_THRESHOLD",
-    "MemoryReport",
+    "PhasePrefetch",
+    "PrefetchSetting",
+    "ReleasePolicy",
+    "ReleaseSetting",
     "ResidencyManager",
     "StatePolicy",
-    "expected_footprint",
-    "expected_peak_bytes",
+    "StatePolicyLike",
+    "TensorMover",
+    "as_device",
+    "check_prefetch",
+    "check_release",
     "host_heap",
     "malloc_trim",
-    "memory_report",
     "mmap_large_host_allocations",
+    "nbytes",
     "non_resident_groups",
+    "optimizer_of",
+    "param_group_map",
     "release_memory",
     "rss_bytes",
+    "state_target_device",
+    "to_device",
+    "to_host",
 ]

@@ -1,22 +1,33 @@
 """Optimizers of a phased run: one per parameter group, and low-precision storage with fp32 masters.
 
-* :class:`GroupedOptimizer`: one inner optimizer per group behind one
-  ``torch.optim.Optimizer``; idle groups' state follows a :class:`StatePolicy`
-  (``keep``, ``offload`` or ``drop``; users pass the strings), the one typed
-  value the planner and the memory report read too.
-* :class:`PrecisionOptimizer`: a GroupedOptimizer over a model stored in
-  bf16/fp16 (:func:`store_model`) with fp32 master weights (and state) only for
-  the groups that train; idle masters follow a :class:`StatePolicy` as well
-  (``MasterPolicy`` is the same type).
-* :class:`GroupedLRScheduler` and :func:`reapply_state_policy` act on a built one.
+* :class:`GroupedOptimizer` (:mod:`.grouped`): one inner optimizer per group
+  behind one ``torch.optim.Optimizer``; idle groups' state follows a
+  :class:`StatePolicy` (``keep``, ``offload`` or ``drop``; users pass the
+  strings), the one typed value the planner and the memory report read too.
+* :class:`PrecisionOptimizer` (:mod:`.precision`): a GroupedOptimizer over a
+  model stored in bf16/fp16 (:func:`store_model`) with fp32 master weights (and
+  state) only for the groups that train; idle masters follow a
+  :class:`StatePolicy` as well (``MasterPolicy`` is the same type).
+* :class:`GroupedLRScheduler` (:mod:`.scheduler`): one LR schedule per group.
+
+Both optimizers move state and masters through
+:class:`~hf_altparams.engine.memory.TensorMover`; this package builds on
+:mod:`hf_altparams.engine.memory`, never the other way round.
 """
 
-from ..memory.model import StatePolicyLike
-from ._grouped import GroupedOptimizer, OptimizerFactory, StatePolicy
-from ._loss_scale import DynamicLossScale
-from ._precision import MasterPolicy, PrecisionOptimizer
-from ._scheduler import GroupedLRScheduler, SchedulerFactory, reapply_state_policy
-from ._storage import store_model
+from ..memory import StatePolicyLike
+from .grouped import (
+    GroupedOptimizer,
+    OptimizerFactory,
+    StatePolicy,
+    grouped_in,
+    match_to_groups,
+    reapply_state_policy,
+    uncovered,
+    uncovered_message,
+)
+from .precision import DynamicLossScale, MasterPolicy, PrecisionOptimizer, store_model
+from .scheduler import GroupedLRScheduler, SchedulerFactory
 
 __all__ = [
     "DynamicLossScale",
@@ -28,6 +39,10 @@ __all__ = [
     "SchedulerFactory",
     "StatePolicy",
     "StatePolicyLike",
+    "grouped_in",
+    "match_to_groups",
     "reapply_state_policy",
     "store_model",
+    "uncovered",
+    "uncovered_message",
 ]

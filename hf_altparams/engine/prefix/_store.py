@@ -85,7 +85,7 @@ class ActivationStore:
 
     def get(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
         """The stacked rows of ``indices`` (on the host), or ``None`` unless all are held with one shape."""
-        rows = []
+        rows: list[torch.Tensor] = []
         for index in indices:
             row = self._memory.get(index)
             if row is None:

@@ -10,7 +10,7 @@ compares, at every training forward:
 * which tensors the stages hold now (their identity and storage address: a
   swapped ``nn.Parameter`` object or a moved tensor), read from the modules
   again each time, not from a list taken earlier;
-* what they hold: an exact digest of their bytes (:mod:`hf_altparams.engine._digest`,
+* what they hold: an exact digest of their bytes (:mod:`hf_altparams.engine.digest`,
   one memory pass over the prefix's weights, small tensors concatenated).
 
 Any difference drops the rows before the forward can serve one. The digest is
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._digest import digest_many, digest_values
+from ..digest import digest_many, digest_values
 
 __all__ = ["PrefixWeights"]
 

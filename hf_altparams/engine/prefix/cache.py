@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ...errors import AltParamsError, PlanError
+from ..torch_internals import DROPOUT_BASE
 from ._store import ActivationStore
 from ._weights import PrefixWeights
 from .config import FrozenPrefix
@@ -172,7 +173,7 @@ class FrozenPrefixCache:
         self.stage_names, self.stages = find_stages(model, config)
         self._stage_params = [list(m.parameters()) for m in self.stages]
         if config.cache and not config.eval_frozen:
-            drops = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+            drops = [n for n, m in model.named_modules() if isinstance(m, DROPOUT_BASE) and float(m.p) > 0
                      and any(m is s or any(m is x for x in s.modules()) for s in self.stages)]
             if drops:
                 raise PlanError(
@@ -215,7 +216,7 @@ class FrozenPrefixCache:
         self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
         index_param = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=None)
         forward.__signature__ = sig.replace(parameters=[self_param, *params, index_param, *extra])  # type: ignore[attr-defined]
-        model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+        model.forward = types.MethodType(forward, model)
         self._attached = True
         return self
 
@@ -252,7 +253,7 @@ class FrozenPrefixCache:
             if previous is None:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = previous  # type: ignore[method-assign]
+                module.forward = previous
         self._installed = []
         if self.config.eval_frozen:  # stages leaving the prefix train again with the model
             for stage in self.stages[depth: self.depth]:
@@ -269,7 +270,7 @@ class FrozenPrefixCache:
         if depth and self.config.cache:
             for i, stage in enumerate(self.stages[:depth]):
                 self._installed.append((stage, stage.__dict__.get("forward")))
-                stage.forward = self._stage_forward(i, stage.forward)  # type: ignore[method-assign]
+                stage.forward = self._stage_forward(i, stage.forward)
 
     def _refresh(self) -> None:
         depth = self._frozen_depth()

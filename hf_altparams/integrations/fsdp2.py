@@ -43,6 +43,7 @@ from ..engine.optim import GroupedOptimizer
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
+from .accelerate_internals import shared_accelerator_state
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -150,7 +151,7 @@ def rebind_optimizer(driving: Optional[Optimizer], old: ParamGroups, new: ParamG
     """
     inner = _unwrapped(driving)
     if isinstance(inner, GroupedOptimizer) and inner.groups is old:
-        inner.groups = new
+        inner.rebind(new)
     if inner is None:
         return
     current = {id(p) for _, p in new.all_named_params()}
@@ -163,7 +164,7 @@ def rebind_optimizer(driving: Optional[Optimizer], old: ParamGroups, new: ParamG
         )
 
 
-class InnerOptimizers(tuple):  # type: ignore[type-arg]
+class InnerOptimizers(tuple):
     """The inner optimizers of a GroupedOptimizer, as the tuple DCP's ``get_optimizer_state_dict`` accepts."""
 
 
@@ -199,7 +200,7 @@ def grouped_checkpoint_view(optimizers: list[Any], names_by_index: Optional[dict
     """Within the block, each prepared GroupedOptimizer in ``optimizers`` is its inner optimizers.
 
     Accelerate's FSDP2 ``save_state`` / ``load_state`` pass each entry of
-    ``accelerator._optimizers`` to ``torch.distributed.checkpoint``; a
+    prepared optimizer to ``torch.distributed.checkpoint``; a
     GroupedOptimizer's own state dict is not the format DCP reads, its inner
     optimizers (one standard torch optimizer per group) are. Only groups with
     state are passed (an idle group under ``drop`` has none, and must not be
@@ -293,9 +294,7 @@ def fsdp2_not_running(asked: str, running: str) -> str:
 
 def uses_fsdp2(args: Any) -> bool:
     """True when a Trainer run with ``args`` shards with FSDP2 (Accelerate's shared plugin or the arguments)."""
-    from accelerate.state import AcceleratorState
-
-    shared = AcceleratorState._shared_state
+    shared = shared_accelerator_state()
     return trainer_fsdp_version(args, shared.get("fsdp_plugin")) == 2 and bool(
         getattr(args, "fsdp", None) or shared.get("fsdp_plugin") is not None)
 

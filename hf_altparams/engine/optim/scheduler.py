@@ -1,11 +1,8 @@
-"""What acts on a built :class:`~hf_altparams.engine.GroupedOptimizer` from outside.
+"""One LR schedule per group of a :class:`~hf_altparams.engine.GroupedOptimizer`: :class:`GroupedLRScheduler`.
 
-:class:`GroupedLRScheduler` keeps one torch LR scheduler per group and advances
-only the groups that stepped, so a group's schedule pauses while it is idle;
-:func:`reapply_state_policy` puts idle groups' optimizer state back where their
-policy says after something else (a checkpoint load, Accelerate's preparation,
-the Trainer's resume) moved it. Import them from :mod:`hf_altparams.engine.optim`
-or from :mod:`hf_altparams.engine`.
+It keeps one torch LR scheduler per group and advances only the groups that
+stepped, so a group's schedule pauses while it is idle. Import it from
+:mod:`hf_altparams.engine.optim` or from :mod:`hf_altparams.engine`.
 """
 
 from __future__ import annotations
@@ -16,11 +13,9 @@ from typing import Any, Callable, Mapping, Union
 from torch.optim import Optimizer
 
 from ...errors import PlanError
-from ..memory.model import StatePolicy
-from ..memory._transfer import optimizer_of
-from ._grouped import GroupedOptimizer
+from .grouped import GroupedOptimizer
 
-__all__ = ["GroupedLRScheduler", "SchedulerFactory", "reapply_state_policy"]
+__all__ = ["GroupedLRScheduler", "SchedulerFactory"]
 
 SchedulerFactory = Callable[[Optimizer], Any]
 
@@ -68,11 +63,12 @@ class GroupedLRScheduler:
     def step(self) -> None:
         """Advance the schedules of the active groups (of all groups if ``advance_idle``).
 
-        When a switch came right after the optimizer's step (``PhasedAccelerator``
-        switches at the end of ``step()``), the groups that stepped
-        (``optimizer.stepped``) advance, not the next phase's.
+        The groups the optimizer's last ``step()`` stepped advance
+        (``optimizer.last_stepped``), not the next phase's when a switch came
+        right after the step (``PhasedAccelerator`` switches at the end of
+        ``step()``); before any step, the active groups.
         """
-        stepped = self.optimizer.stepped
+        stepped = self.optimizer.last_stepped
         trained = self.optimizer.active if stepped is None else stepped
         for name, sched in self.schedulers.items():
             if self.advance_idle or name in trained:
@@ -92,35 +88,3 @@ class GroupedLRScheduler:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict["schedulers"][name])
-
-
-def reapply_state_policy(optimizer: Any) -> int:
-    """Re-apply a :class:`~hf_altparams.engine.GroupedOptimizer`'s idle-state policy; return the bytes re-offloaded.
-
-    Three places move optimizer state back onto the device by themselves:
-    ``Optimizer.load_state_dict`` (torch casts state to the parameters' device),
-    Accelerate's optimizer preparation (``AcceleratedOptimizer`` with
-    ``device_placement=True`` reloads the state dict moved to the device) and
-    the Trainer's resume. ``GroupedOptimizer.load_state_dict`` re-applies the
-    policy itself; call this after anything else that may have touched the
-    state. ``optimizer`` may be wrapped (``.optimizer`` chains such as
-    ``AcceleratedOptimizer`` are unwrapped); any other optimizer is left alone
-    (returns 0).
-
-    Example:
-        >>> # optimizer = accelerator.prepare(GroupedOptimizer(groups, factory, state_policy="offload"))
-        >>> # reapply_state_policy(optimizer)  # idle groups' state back on the CPU
-    """
-    inner = optimizer_of(optimizer)
-    if not isinstance(inner, GroupedOptimizer):
-        return 0
-    moved = 0
-    for name in inner.groups.names:
-        if name in inner.active:
-            inner._restore(name)
-        elif inner.policies[name] is StatePolicy.OFFLOAD:
-            moved += inner.offload(name)
-        elif inner.policies[name] is StatePolicy.DROP:
-            moved += sum(inner.state_bytes(name).values())
-            inner._apply_idle_policy(name)
-    return moved

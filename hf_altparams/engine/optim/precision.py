@@ -45,32 +45,274 @@ all-reduced first, so every rank sees the same inf/NaN) and the scale halves.
 :meth:`PrecisionOptimizer.attach_ddp` registers (``PhaseSwitcher.attach``
 calls it); the masters get the fp32 sum. Gradient accumulation sums the
 micro-steps in fp32 (4 bytes per trainable parameter from the second
-micro-step; :mod:`hf_altparams.engine.optim._grad32`), ``param.grad`` holding the
-sum rounded to the storage dtype; a gradient changed before the step (clipped)
-is taken as changed.
+micro-step; :class:`Fp32Grads`), ``param.grad`` holding the sum rounded to the
+storage dtype; a gradient changed before the step (clipped) is taken as changed.
+
+The pieces, in this module: :func:`store_model` (the model cast to the storage
+dtype, once), :func:`masters_in_place` (the masters stand in for their
+parameters in the inner optimizers for the duration of a step),
+:class:`Fp32Grads` (the fp32 gradients between the backward passes and the
+step), :class:`DynamicLossScale` (fp16's loss scale) and
+:class:`PrecisionOptimizer`. Idle masters move to the host and back through a
+:class:`~hf_altparams.engine.memory.TensorMover`, as optimizer state does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ...errors import AltParamsError, PlanError, SwitchError
 from ...plan.groups import ParamGroups
-from ..ddp import _surgery as _ddp
-from ._grad32 import Fp32Grads
-from ._loss_scale import DynamicLossScale
-from ..memory._transfer import HostCopies, to_device, to_host
 from ..comm import CommCounter, register_comm_counter
-from ..memory.model import StatePolicy, StatePolicyLike
-from ._grouped import GroupedOptimizer, OptimizerFactory, policies_per_group
-from ._storage import masters_in_place, store_model
+from ..ddp import comm_hook_states
+from ..memory import StatePolicy, StatePolicyLike, TensorMover
+from .grouped import GroupedOptimizer, OptimizerFactory, policies_per_group
 
-__all__ = ["MasterPolicy", "PrecisionOptimizer", "DynamicLossScale"]
+__all__ = ["DynamicLossScale", "Fp32Grads", "MasterPolicy", "PrecisionOptimizer", "masters_in_place", "store_model"]
+
+def store_model(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Store ``module`` in ``dtype``: cast its floating parameters and their modules' floating buffers in place.
+
+    Every floating-point parameter is cast, in a group or not: a model runs in
+    one dtype (an fp32 parameter left among bf16 ones fails in the first matmul
+    that mixes them), and the planner counts it so. A module's floating buffers
+    follow its own parameters (BatchNorm's running statistics must match its
+    weight); buffers of modules without parameters of their own (rotary
+    frequencies, fixed masks) keep the dtype the model gave them. Tensors keep
+    their identity (only ``.data`` changes). Returns the names of the tensors cast.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.BatchNorm1d(2))
+        >>> store_model(net, torch.bfloat16)
+        ['0.weight', '1.weight', '1.bias', '1.running_mean', '1.running_var']
+    """
+    cast: list[str] = []
+    for mname, sub in module.named_modules():
+        own = [(n, p) for n, p in sub.named_parameters(recurse=False) if p.is_floating_point()]
+        if not own:
+            continue
+        buffers = [(n, b) for n, b in sub.named_buffers(recurse=False) if b is not None and b.is_floating_point()]
+        for name, tensor in [*own, *buffers]:
+            if tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+                cast.append(f"{mname}.{name}" if mname else name)
+    return cast
+
+
+@contextlib.contextmanager
+def masters_in_place(optimizers: Iterable[Optimizer], pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> Iterator[None]:
+    """Within the block, each master replaces its parameter in the optimizers' ``param_groups`` and ``state``.
+
+    Python lists and dicts only: the stored parameters are never touched, so
+    DDP's autograd hooks on them stay valid.
+
+    Example:
+        >>> p = nn.Parameter(torch.ones(2, dtype=torch.bfloat16)); master = p.detach().float()
+        >>> opt = torch.optim.SGD([p], lr=1.0); master.grad = torch.ones(2)
+        >>> with masters_in_place([opt], [(p, master)]):
+        ...     opt.step()
+        >>> master, opt.param_groups[0]["params"][0] is p
+        (tensor([0., 0.]), True)
+    """
+    optimizers = list(optimizers)
+    master_of = {id(p): m for p, m in pairs}
+    param_of = {id(m): p for p, m in pairs}
+
+    def swap(lookup: dict[int, torch.Tensor]) -> None:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["params"] = [lookup.get(id(t), t) for t in group["params"]]
+            for old in [t for t in opt.state if id(t) in lookup]:
+                opt.state[lookup[id(old)]] = opt.state.pop(old)
+
+    swap(master_of)
+    try:
+        yield
+    finally:
+        swap(param_of)  # type: ignore[arg-type]
+
+
+class DynamicLossScale:
+    """A loss scale that halves on a non-finite gradient and doubles after ``growth_interval`` clean steps.
+
+    Example:
+        >>> s = DynamicLossScale(init_scale=8.0, growth_interval=2)
+        >>> s.update(found_inf=True); s.scale
+        4.0
+        >>> s.update(False); s.update(False); s.scale
+        8.0
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, dynamic: bool = True) -> None:
+        if not init_scale > 0:
+            raise PlanError(f"`loss_scale` must be positive; got {init_scale!r}")
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.dynamic = dynamic
+        self._clean = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a step (skipped if ``found_inf``)."""
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self._clean = 0
+        else:
+            self._clean += 1
+            if self._clean >= self.growth_interval:
+                self.scale *= 2.0
+                self._clean = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "clean": self._clean}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._clean = int(state["clean"])
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Fp32Grads:
+    """The fp32 gradients of a :class:`PrecisionOptimizer`'s stored parameters.
+
+    It holds, per stored (bf16/fp16) parameter of a group that trains:
+    * ``accumulated``: with gradient accumulation, the fp32 sum of the local
+      gradients of the window's micro-steps. Before each forward pass with grad
+      enabled (a forward pre-hook on the grouped module) the gradient left in
+      ``param.grad`` moves into the fp32 sum and ``param.grad`` is released, so the
+      next backward starts a fresh storage-dtype gradient; after that backward
+      (a post-accumulate-grad hook, which runs before DDP's own hook) the new
+      gradient is added to the sum and ``param.grad`` is overwritten with the sum
+      rounded to the storage dtype. So ``param.grad`` always holds the whole
+      window's gradient, as without this class (what DDP buckets and all-reduces,
+      what gradient clipping sees), and the step uses the fp32 sum itself as long as
+      ``param.grad`` still equals its rounding. Nothing happens at accumulation 1.
+      Cost: 4 bytes per trainable parameter from the second micro-step to the step.
+    * ``reduced``: the all-reduced gradient in fp32 when DDP's buckets are
+      all-reduced in fp32 (``allreduce_dtype=torch.float32``), delivered by the
+      comm hook (:func:`~hf_altparams.engine.comm.counting_allreduce_hook`, which
+      also replaces each bucket slice by its fp32 sum before reducing).
+
+    The step takes the fp32 value only while ``param.grad`` still equals its
+    rounding: a gradient changed in between (clipped, unscaled) is taken from
+    ``param.grad``. In a multi-process run a local fp32 sum that no fp32 all-reduce
+    consumed is never used: DDP (or the user) reduced ``param.grad``, which then holds the truth.
+
+    Example:
+        >>> net = nn.Linear(2, 1).to(torch.bfloat16)
+        >>> grads = Fp32Grads(lambda: list(net.parameters()))
+        >>> for _ in range(2):  # two micro-steps
+        ...     grads.before_forward()
+        ...     net(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+        >>> net.bias.grad, grads.take(net.bias), net.bias.grad
+        (tensor([2.], dtype=torch.bfloat16), tensor([2.]), None)
+    """
+
+    def __init__(self, params: Callable[[], Sequence[nn.Parameter]]) -> None:
+        self._params = params  # the stored parameters of the active groups that have masters
+        self.accumulated: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int, torch.Tensor] = {}
+        self._hooked: set[int] = set()
+        self._added: set[int] = set()  # parameters whose gradient of this micro-step is in `accumulated`
+
+    def before_forward(self) -> None:
+        """Move each gradient the last micro-step left in ``param.grad`` into its fp32 sum."""
+        if not torch.is_grad_enabled():
+            return
+        self._added.clear()
+        with torch.no_grad():
+            for param in self._params():
+                if id(param) not in self._hooked and param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._after_accumulate)
+                    self._hooked.add(id(param))
+                grad = param.grad
+                if grad is None:
+                    continue
+                total = self.accumulated.get(id(param))
+                if total is None:
+                    self.accumulated[id(param)] = grad.float()
+                elif not torch.equal(grad, total.to(grad.dtype)):  # changed since: take it as it is now
+                    total.copy_(grad)
+                param.grad = None
+
+    def _after_accumulate(self, param: torch.Tensor) -> None:
+        total, grad = self.accumulated.get(id(param)), param.grad
+        if total is None or grad is None:
+            return  # the window's first micro-step: param.grad is its whole gradient
+        with torch.no_grad():
+            if id(param) in self._added:  # a second accumulation in one backward (reentrant checkpointing)
+                total.add_(grad.float() - total.to(grad.dtype).float())
+            else:
+                total.add_(grad)
+                self._added.add(id(param))
+            grad.copy_(total)  # rounded: the window's gradient, for DDP and anyone reading param.grad
+
+    def bucket_input(self, params: Sequence[torch.Tensor], buffer: torch.Tensor,
+                     dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """What a DDP bucket all-reduces in ``dtype``: its gradients, the fp32 sums where there are some."""
+        dtype = dtype or buffer.dtype
+        if dtype != torch.float32:
+            return buffer if dtype == buffer.dtype else buffer.to(dtype)
+        flat = buffer.to(torch.float32, copy=True)
+        offset = 0
+        for param in params:
+            total = self.accumulated.pop(id(param), None)
+            if total is not None:
+                flat[offset:offset + param.numel()].copy_(total.view(-1))
+            offset += param.numel()
+        return flat
+
+    def deliver(self, params: Sequence[torch.Tensor], reduced: torch.Tensor) -> None:
+        """Keep an fp32 all-reduced bucket's slices as its parameters' gradients for the step."""
+        if reduced.dtype != torch.float32:
+            return
+        managed = {id(p) for p in self._params()}
+        offset = 0
+        for param in params:
+            if id(param) in managed:
+                self.reduced[id(param)] = reduced[offset:offset + param.numel()].view(param.shape)
+            offset += param.numel()
+
+    def take(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """``param``'s fp32 gradient for the step (``None`` if it has none); ``param.grad`` is released."""
+        grad, param.grad = param.grad, None
+        reduced = self.reduced.pop(id(param), None)
+        total = self.accumulated.pop(id(param), None)
+        if total is not None and _multi_process():
+            total = None  # a local sum: param.grad was all-reduced, the fp32 sum was not
+        exact = reduced if reduced is not None else total
+        if grad is None:
+            return exact
+        if exact is not None and torch.equal(grad, exact.to(grad.dtype)):
+            return exact
+        return grad.float()
+
+    def pending(self) -> int:
+        """Bytes held for gradients not yet consumed by a step."""
+        return sum(t.nbytes for t in (*self.accumulated.values(), *self.reduced.values()))
+
+    def clear(self) -> None:
+        """Drop every pending fp32 gradient (``zero_grad``)."""
+        self.accumulated.clear()
+        self.reduced.clear()
+
+
+#: The hook of each module that feeds a PrecisionOptimizer's fp32 gradients (one per module: a later
+#: PrecisionOptimizer on the same model takes it over).
+_GRADS32_HOOKS: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
 
 #: An idle group's fp32 master follows the same three policies as its optimizer state.
 MasterPolicy = StatePolicy
@@ -148,22 +390,25 @@ class PrecisionOptimizer(GroupedOptimizer):
             raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic' or a positive number")
         self.master_policies: dict[str, StatePolicy] = policies
         self.masters: dict[str, dict[str, torch.Tensor]] = {n: {} for n in groups.names}
-        self._master_copies = HostCopies()
         self.skipped_steps = 0
         self._loss_scaled = False
         self.allreduce_dtype = allreduce_dtype
         this = weakref.ref(self)  # the module's hook must not keep the optimizer alive
-        self._grads32 = Fp32Grads(lambda: this()._stored_active() if this() is not None else [])  # type: ignore[union-attr]
+
+        def stored_active() -> list[nn.Parameter]:
+            live = this()
+            return live.stored_active() if live is not None else []
+
+        self._grads32 = Fp32Grads(stored_active)
         super().__init__(groups, optimizers, state_policy=state_policy, active=active)
         grads = self._grads32
         # one such hook per module: a later PrecisionOptimizer on the same model takes it over
-        previous = getattr(groups.module, "_hf_altparams_grads32_hook", None)
+        previous = _GRADS32_HOOKS.pop(groups.module, None)
         if previous is not None:
             previous.remove()
-        groups.module._hf_altparams_grads32_hook = groups.module.register_forward_pre_hook(  # type: ignore[assignment]
-            lambda *_: grads.before_forward())
+        _GRADS32_HOOKS[groups.module] = groups.module.register_forward_pre_hook(lambda *_: grads.before_forward())
 
-    def _stored_active(self) -> list[nn.Parameter]:
+    def stored_active(self) -> list[nn.Parameter]:
         """The active groups' low-precision parameters (those with fp32 masters)."""
         return [p for n in self.active for p in self.groups.params(n) if self._needs_master(p)]
 
@@ -179,7 +424,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         """
         if self.allreduce_dtype is None:
             return None
-        others = [type(s).__name__ for s in _ddp.comm_hook_states(ddp) if not isinstance(s, CommCounter)]
+        others = [type(s).__name__ for s in comm_hook_states(ddp) if not isinstance(s, CommCounter)]
         if others:
             raise SwitchError(f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
                               f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
@@ -196,17 +441,16 @@ class PrecisionOptimizer(GroupedOptimizer):
     def _needs_master(param: nn.Parameter) -> bool:
         return param.is_floating_point() and param.dtype != torch.float32
 
-    def set_active(self, names: Iterable[str]) -> None:
-        """Make ``names`` the groups that step (their offloaded masters come back to the
-        parameters' device); idle groups' masters follow ``master_policy``; then the
-        optimizer-state policy applies."""
-        new_active = frozenset(n for n in names if n in self.inner)
+    def enter_phase(self, trainable: Iterable[str]) -> None:
+        """A phase that trains ``trainable`` starts: its offloaded masters come back to the parameters'
+        device, idle groups' masters follow ``master_policy``; then the optimizer-state policy applies."""
+        coming = frozenset(n for n in trainable if n in self.inner)
         for name in self.groups.names:
-            if name in new_active:
+            if name in coming:
                 self._materialize(name)
             else:
                 self._idle_master(name)
-        super().set_active(new_active)
+        super().enter_phase(coming)
 
     def _materialize(self, name: str) -> None:
         """Bring group ``name``'s offloaded masters back; missing ones are created at its next step."""
@@ -214,7 +458,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         for pname, param in self.groups.named_params(name):
             master = masters.get(pname)
             if master is not None and master.device != param.device:
-                masters[pname] = to_device(master, param.device)
+                masters[pname] = self._mover.to_device(master, param.device)
 
     def _master(self, name: str, pname: str, param: nn.Parameter) -> torch.Tensor:
         """Group ``name``'s master of ``param``: created at its first step (or after a drop)
@@ -232,9 +476,7 @@ class PrecisionOptimizer(GroupedOptimizer):
             host = torch.device("cpu")
             for pname, master in list(self.masters[name].items()):
                 if master.device.type != "cpu":
-                    self.masters[name][pname] = to_host(master, host)
-                    self._master_copies.note(master.device)
-            self._master_copies.record()
+                    self.masters[name][pname] = self._mover.to_host(master, host)
 
     def master_bytes(self) -> dict[str, int]:
         """Bytes held by fp32 masters, by device type."""
@@ -286,7 +528,8 @@ class PrecisionOptimizer(GroupedOptimizer):
         inv = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale.scale
         pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (stored param, its fp32 master)
         found_inf = False
-        for name in self.active:
+        active = self.active
+        for name in active:
             for pname, param in self.groups.named_params(name):
                 if not self._needs_master(param):
                     continue
@@ -309,10 +552,11 @@ class PrecisionOptimizer(GroupedOptimizer):
             # parameters are never touched, so DDP's autograd hooks on them stay valid).
             with masters_in_place(self.inner.values(), pairs):
                 for name in self.groups.names:
-                    if name in self.active:
+                    if name in active:
                         self.inner[name].step()
             for param, master in pairs:
                 param.detach().copy_(master)
+        self.last_stepped = active
         for _, master in pairs:
             master.grad = None
         if self.loss_scale is not None:
@@ -332,7 +576,7 @@ class PrecisionOptimizer(GroupedOptimizer):
                 f"window ({self._grads32.pending()} bytes of fp32 gradient sums pending, not saved); save after "
                 "optimizer.step() and zero_grad(), where a resumed run is exact")
         out = super().state_dict()
-        self._master_copies.wait()
+        self._mover.settle()
         out["precision"] = {
             "format": PRECISION_FORMAT,
             "master_policies": {n: p.value for n, p in self.master_policies.items()},
@@ -378,4 +622,4 @@ class PrecisionOptimizer(GroupedOptimizer):
                     if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
                             and value.is_floating_point() and current.dtype != value.dtype:
                         opt.state[param][key] = value.to(device=current.device, copy=True)
-        self.set_active(self.active)  # masters and state placed per policy
+        self.enter_phase(self.active)  # masters and state placed per policy

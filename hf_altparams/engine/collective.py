@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..errors import PlanError, SwitchError
 from ..plan.phase import Phase
 
-__all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors",
+__all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors", "gather_rows",
            "is_distributed", "settle"]
 
 
@@ -59,7 +59,7 @@ class _TimedOut(RuntimeError):
     """A collective of the switch did not complete within ``collective_timeout``."""
 
 
-def _gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
+def gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
                  timeout: Optional[float]) -> list[list[int]]:
     """Every rank's ``values`` (one row per rank, in rank order): one all-gather of int64.
 
@@ -151,7 +151,7 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
         return
     code = _phase_code(phase)
     with collective_errors(phase, step, group, timeout):
-        rows = _gather_rows([code, int(local_error is not None)], group, timeout)
+        rows = gather_rows([code, int(local_error is not None)], group, timeout)
     if all(row == [code, 0] for row in rows):
         return
     # Slow path, taken by every rank alike: gather the details for one clear message.
@@ -178,7 +178,7 @@ def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool, phase: Opt
     if not is_distributed(group):
         return failed
     with collective_errors(phase, step, group, timeout, "closing"):
-        rows = _gather_rows([int(failed)], group, timeout)
+        rows = gather_rows([int(failed)], group, timeout)
     return any(row[0] for row in rows)
 
 
@@ -205,7 +205,7 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
         return None, False
     code = _phase_code(phase)
     with collective_errors(phase, step, group, timeout):
-        rows = _gather_rows([code, int(local_error is not None), int(failure is not None)], group, timeout)
+        rows = gather_rows([code, int(local_error is not None), int(failure is not None)], group, timeout)
     if all(row == [code, 0, 0] for row in rows):
         return None, False
     world = dist.get_world_size(group)

@@ -1,16 +1,39 @@
-"""Releasing memory after a switch, and reading it back; glibc's host heap.
+"""Releasing memory: when a switch gives freed memory back (:class:`ReleasePolicy`), how (:func:`release_memory`),
+and the host heap it comes from (glibc).
 
-On CPU, training memory comes from the C library's ``malloc``. glibc serves a
-block from ``mmap`` (returned to the OS when freed) once it is at least its
-*mmap threshold*, and from its heap (kept for reuse, returned only by
-``malloc_trim`` or from the top) below it. The threshold starts at 128 KiB and
-rises, after each mmapped block is freed, to that block's size, up to 32 MiB on
-64-bit. Per-step alternation of two equal groups frees and re-creates tensors
-of the same size every step, so after the first switch they all come from the
-heap, which fragments: the process holds free heap that no live tensor uses.
-:func:`host_heap` shows it; :func:`mmap_large_host_allocations` is the opt-in
-that stops it.
+**When.** Releasing (a gc pass, ``torch.cuda.empty_cache``, ``malloc_trim``)
+gives memory the old phase freed back to the device or the OS. It pays only
+when the memory is not needed again soon: on CPU ``malloc_trim`` costs 10-50 ms
+for tens of MiB and the next step page-faults the same pages back; on CUDA the
+next step re-allocates through ``cudaMalloc`` what ``empty_cache`` returned.
+``release="auto"`` (the default) decides per switch from the schedule and the
+phases' expected footprints (:func:`~hf_altparams.engine.expected_peak_bytes`,
+activations excluded):
+
+* release when the coming phase's expected footprint is smaller than the one
+  held so far (by at least ``1/32`` of it and 1 MiB) **and** the coming phase
+  lasts at least ``min_steps`` steps (or any whole epoch), so the release is
+  amortised;
+* skip it otherwise: a phase as large as the last one (equal-sized groups
+  alternating) reuses the freed memory at once, and a short smaller phase gives
+  it back one or few steps later.
+
+``True`` releases at every switch, ``False`` never. The decision and its reason
+go into the switch's :class:`~hf_altparams.engine.SwitchRecord`
+(``released``, ``release_reason``).
+
+**The host heap.** On CPU, training memory comes from the C library's
+``malloc``. glibc serves a block from ``mmap`` (returned to the OS when freed)
+once it is at least its *mmap threshold*, and from its heap (kept for reuse,
+returned only by ``malloc_trim`` or from the top) below it. The threshold
+starts at 128 KiB and rises, after each mmapped block is freed, to that
+block's size, up to 32 MiB on 64-bit. Per-step alternation of two equal groups
+frees and re-creates tensors of the same size every step, so after the first
+switch they all come from the heap, which fragments: the process holds free
+heap that no live tensor uses. :func:`host_heap` shows it;
+:func:`mmap_large_host_allocations` is the opt-in that stops it.
 """
+
 
 from __future__ import annotations
 
@@ -21,16 +44,21 @@ import numbers
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ...errors import AltParamsError
+from ...errors import AltParamsError, SwitchError
+from ...plan.phase import Phase
+from ...plan.schedules import Schedule
 
 __all__ = [
     "MAX_MMAP_THRESHOLD",
     "HostHeap",
+    "ReleasePolicy",
+    "ReleaseSetting",
+    "check_release",
     "host_heap",
     "malloc_trim",
     "mmap_large_host_allocations",
@@ -210,3 +238,77 @@ def rss_bytes() -> int:
     except OSError:
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+ReleaseSetting = Union[bool, str]
+_MIB = 2**20
+
+
+def check_release(setting: object) -> None:
+    """Validate the ``release`` setting: ``"auto"``, ``True`` or ``False``."""
+    if not (setting is True or setting is False or setting == "auto"):
+        raise SwitchError(f"`release` is {setting!r}; accepted: 'auto', True or False")
+
+
+class ReleasePolicy:
+    """Decides, at each switch, whether to release the memory the old phase freed.
+
+    Args:
+        setting: ``"auto"``, ``True`` (always) or ``False`` (never).
+        min_steps: with ``"auto"``, the shortest phase (in steps) worth a release.
+
+    Example:
+        >>> from hf_altparams.plan import Alternating, Phase
+        >>> policy, schedule = ReleasePolicy(), Alternating(["a", "b"])
+        >>> policy.decide(None, Phase({"a"}), 0, schedule, held=None, coming=864)
+        (False, 'skipped: first phase, nothing freed')
+        >>> policy.decide(Phase({"a"}), Phase({"b"}), 1, schedule, held=864, coming=864)
+        (False, 'skipped: the coming phase needs as much memory as the last (864 B vs 864 B)')
+    """
+
+    def __init__(self, setting: ReleaseSetting = "auto", min_steps: int = 8) -> None:
+        check_release(setting)
+        self.setting = setting
+        self.min_steps = min_steps
+        self._held = 0  # the largest expected footprint since the last release
+
+    def decide(self, previous: Optional[Phase], phase: Phase, step: Optional[int], schedule: Schedule, *,
+               held: Optional[int], coming: int) -> tuple[bool, str]:
+        """``(release now?, why)`` for a switch from ``previous`` to ``phase`` at ``step``.
+
+        ``held`` and ``coming``: the expected footprints (device bytes,
+        activations excluded) of ``previous`` and of ``phase``.
+        """
+        if self.setting is True:
+            return True, "release=True"
+        if self.setting is False:
+            return False, "release=False"
+        if previous is None or held is None:
+            self._held = coming
+            return False, "skipped: first phase, nothing freed"
+        self._held = max(self._held, held)
+        held = self._held
+        if held - coming < max(_MIB, held // 32):
+            return False, (f"skipped: the coming phase needs as much memory as the last "
+                           f"({_size(coming)} vs {_size(held)})")
+        lasts = self._lasts(schedule, step)
+        if lasts is not None and lasts < self.min_steps:
+            return False, (f"skipped: the coming phase is smaller ({_size(coming)} vs {_size(held)}) "
+                           f"but lasts {lasts} step(s) < {self.min_steps}")
+        self._held = coming
+        return True, f"released: the coming phase needs {_size(coming)} of the {_size(held)} held"
+
+    def _lasts(self, schedule: Schedule, step: Optional[int]) -> Optional[int]:
+        """Steps the coming phase lasts (``None``: unknown or longer than the horizon, or epochs)."""
+        if schedule.unit != "step" or step is None:
+            return None
+        change = schedule.next_change(step, horizon=self.min_steps)
+        return None if change is None else change - step
+
+
+def _size(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= _MIB:
+        return f"{n / _MIB:.1f} MiB"
+    return f"{n} B"

@@ -1,14 +1,32 @@
-"""Checkpoints of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator`.
+"""Checkpoints of :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator`: save, load, resume.
 
-``save_state`` adds ``hf_altparams_state.json`` (the schedule position, the
-switcher's state and the group membership) to Accelerate's checkpoint folder, and
-a completion marker written after everything else, listing every file with its
-size: a save killed part-way leaves a folder without it, which ``load_state``
-refuses and automatic resume skips. Before anything is written, the ranks'
-weights are compared (the drift check, :mod:`hf_altparams.engine.drift`) and an
-old marker in the folder is removed on every rank, then a barrier. ``load_state``
-checks the listed files and the groups before anything loads, and applies the
-saved phase before the optimizer state loads, so idle groups keep their policy.
+``save_state`` adds ``hf_altparams_state.json`` (the switcher's state: the
+schedule, the position and the groups trained so far; and the group
+membership) to Accelerate's checkpoint folder, and a completion marker written
+after everything else, listing every file with its size: a save killed
+part-way leaves a folder without it, which ``load_state`` refuses and automatic
+resume skips. Around Accelerate's own save, on every rank:
+
+1. the drift check (:meth:`~hf_altparams.engine.PhaseSwitcher.check_weights`,
+   unless ``drift_check=False``): ranks holding different weights get a
+   :class:`~hf_altparams.errors.DriftError` on every rank, and nothing is
+   written (an older checkpoint in the same folder stays complete);
+2. the completion marker an earlier save left in the target folder
+   (``save_state("latest")`` again) is removed by every process that writes
+   markers, then a barrier: from then on a save killed part-way leaves a
+   folder without a marker, never one whose old marker vouches for new files;
+3. ``ProjectConfiguration(total_limit=N)`` with automatic naming is set aside
+   for Accelerate's save (which would count torn folders and delete the oldest
+   ones before saving, the last complete checkpoint among them); once the
+   marker is written, the N newest complete checkpoints are kept and older
+   ones, and torn ones below the new checkpoint, are deleted
+   (:func:`~.checkpoint_files.prune`): at most N + 1 folders exist while a save
+   runs, and the last complete checkpoint goes only once a newer one is complete.
+
+``load_state`` agrees with the other ranks on the folder (each reads its own
+disk), checks the listed files and the groups before anything loads, and
+applies the saved phase before the optimizer state loads, so idle groups keep
+their policy.
 """
 
 from __future__ import annotations
@@ -23,40 +41,34 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
+from ..engine.driver import DriverState
+from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
-from ._accelerate_save import after_save, before_save, total_limit_counted_by_us, writes_state_files
-from ._checkpoint_files import COMPLETE_MARKER, manifest, manifest_problem, numbered_folders
-from ._fsdp2_prepare import grouped_checkpoint_view
-from ._membership import membership, membership_difference
+from .accelerate_internals import prepared_optimizers, without_total_limit
+from .checkpoint_files import (COMPLETE_MARKER, manifest, manifest_problem, membership, membership_difference,
+                               numbered_folders, prune, remove_file, write_atomically)
+from .fsdp2 import grouped_checkpoint_view
 
 if TYPE_CHECKING:
-    from ._accelerate_run import PhasedRun
+    from .accelerate_run import PhasedRun
 
 __all__ = ["COMPLETE_MARKER", "STATE_FILE", "Checkpoints", "agreed_checkpoint", "check_complete",
-           "complete_iterations", "latest_complete_checkpoint", "read_state", "write_state"]
+           "complete_iterations", "latest_complete_checkpoint", "read_state", "save_target", "write_state",
+           "writes_state_files"]
 
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
 _STATE_FORMAT = "hf_altparams.PhasedAccelerator/1"
 
 
-def _write_atomically(path: str, payload: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
-
-
 def write_state(output_dir: str, **state: Any) -> None:
     """Write the schedule position and switcher state into checkpoint folder ``output_dir``."""
-    _write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state})
+    write_atomically(os.path.join(output_dir, STATE_FILE), {"format": _STATE_FORMAT, **state})
 
 
 def mark_complete(output_dir: str) -> None:
     """Write the completion marker, listing every file and its size: call after every rank finished writing."""
-    _write_atomically(os.path.join(output_dir, COMPLETE_MARKER),
+    write_atomically(os.path.join(output_dir, COMPLETE_MARKER),
                       {"format": _STATE_FORMAT, "files": manifest(output_dir, skip=[COMPLETE_MARKER])})
 
 
@@ -159,9 +171,9 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
             check_complete(input_dir)
             return input_dir
         assert checkpoints_dir is not None
-        chosen = latest_complete_checkpoint(checkpoints_dir)
-        check_complete(chosen)
-        return chosen
+        latest = latest_complete_checkpoint(checkpoints_dir)
+        check_complete(latest)
+        return latest
     gathered = _gathered(found)
     if input_dir is not None:
         _refuse_problems(input_dir, gathered)
@@ -228,6 +240,44 @@ def read_state(input_dir: str) -> dict[str, Any]:
     return state
 
 
+def writes_state_files(acc: Accelerator) -> bool:
+    """Whether this process writes the state file and the marker (the main one; per node with ``save_on_each_node``)."""
+    on_each_node = acc.project_configuration.save_on_each_node
+    return bool(acc.is_main_process or (on_each_node and acc.is_local_main_process))
+
+
+def save_target(acc: Accelerator, output_dir: Optional[str]) -> Optional[str]:
+    """The folder Accelerate's ``save_state(output_dir)`` is about to write."""
+    config = acc.project_configuration
+    if config.automatic_checkpoint_naming:
+        return os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+    return None if output_dir is None else os.path.expanduser(str(output_dir))
+
+
+def before_save(acc: Accelerator, switcher: PhaseSwitcher, output_dir: Optional[str]) -> Optional[int]:
+    """Steps 1 and 2 of the module docstring, on every rank; returns the ``total_limit`` to set aside (or ``None``)."""
+    if switcher.drift.at_save:
+        switcher.check_weights(f"before save_state at step {switcher.driver.step}",
+                               "save_state refused: nothing was written")
+    target = save_target(acc, output_dir)
+    if target is not None and writes_state_files(acc):
+        remove_file(os.path.join(target, COMPLETE_MARKER))
+    acc.wait_for_everyone()  # no rank writes into the folder while its old marker stands
+    config = acc.project_configuration
+    return config.total_limit if config.automatic_checkpoint_naming else None
+
+
+def after_save(acc: Accelerator, location: str, limit: Optional[int]) -> None:
+    """Once ``location`` is complete: delete what ``total_limit`` lets go (each process that writes markers)."""
+    if limit is None or not writes_state_files(acc):
+        return
+    checkpoints_dir = os.path.dirname(os.path.abspath(location))
+    numbered = numbered_folders(checkpoints_dir, "checkpoint_")
+    complete = {n for n, folder in numbered if os.path.isfile(os.path.join(folder, COMPLETE_MARKER))}
+    newest = int(os.path.basename(os.path.abspath(location)).rpartition("_")[2])
+    prune(numbered, complete, newest, max(int(limit), 1))
+
+
 class Checkpoints:
     """``save_state`` / ``load_state`` of a :class:`PhasedAccelerator` with the schedule position.
 
@@ -236,7 +286,7 @@ class Checkpoints:
 
     Args:
         acc: the accelerator.
-        run: its :class:`~._accelerate_run.PhasedRun` (switcher, driver, optimizers that drive).
+        run: its :class:`~.accelerate_run.PhasedRun` (switcher, driver, optimizers that drive).
     """
 
     def __init__(self, acc: Accelerator, run: PhasedRun) -> None:
@@ -254,11 +304,11 @@ class Checkpoints:
         leaves a folder without it, which ``load_state`` refuses and automatic
         resume skips. With automatic naming, ``ProjectConfiguration(total_limit=N)``
         keeps the N newest *complete* checkpoints, deleting older ones only after
-        the new one is complete (:mod:`._accelerate_save`).
+        the new one is complete (the module docstring).
         """
         acc, switcher = self.acc, self.run.switcher
         limit = before_save(acc, switcher, output_dir) if switcher is not None else None
-        with total_limit_counted_by_us(acc, limit), self._fsdp2_optimizer_view(None) as saved:
+        with without_total_limit(acc, limit), self._fsdp2_optimizer_view(None) as saved:
             self.fsdp2_saved_groups = saved
             location = Accelerator.save_state(acc, output_dir, safe_serialization=safe_serialization, **kwargs)
         acc.wait_for_everyone()
@@ -288,8 +338,7 @@ class Checkpoints:
         extra = {}
         if self.fsdp2_saved_groups:  # FSDP2: which groups' optimizer state DCP holds
             extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self.fsdp2_saved_groups.items()}
-        write_state(output_dir, schedule_step=driver.step, schedule_epoch=driver.epoch,
-                    switcher=switcher.state_dict(), groups=membership(switcher.groups), **extra)
+        write_state(output_dir, switcher=switcher.state_dict(), groups=membership(switcher.groups), **extra)
 
     def load(self, input_dir: Optional[str], **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
@@ -329,10 +378,10 @@ class Checkpoints:
         if switcher is None or driver is None:
             return
         state = read_state(input_dir)
-        switcher.load_state_dict(state["switcher"])
-        driver.load_position(int(state["schedule_step"]), int(state["schedule_epoch"]))  # the epoch counts as set
-        for _, param in switcher.groups.all_named_params():
-            param.grad = None  # loading replaces the run: in-flight gradients are void
+        switcher.load_state_dict(state["switcher"])  # the schedule checked; the position and trained groups taken
+        if "driver" not in state["switcher"]:  # written before the switcher's state held the position
+            driver.restore(DriverState(int(state["schedule_step"]), int(state["schedule_epoch"])))
+        switcher.drop_applied_gradients()  # loading replaces the run: in-flight gradients are void
         record = driver.move_to(driver.step, driver.epoch)  # before the optimizer state loads: idle groups keep their policy
         if record is not None:
             self.run.after_switch(record)
@@ -341,4 +390,4 @@ class Checkpoints:
         """With FSDP2, GroupedOptimizers reach DCP as their inner optimizers (``_fsdp2_prepare``)."""
         if self.run.switcher is None or not self.acc.is_fsdp2:
             return contextlib.nullcontext({})
-        return grouped_checkpoint_view(self.acc._optimizers, saved)
+        return grouped_checkpoint_view(prepared_optimizers(self.acc), saved)

@@ -8,16 +8,43 @@ the optimizer that drives the schedule, the loop guard, the comm counter and the
 frozen-prefix cache. The prepared optimizer talks to the run's two step hooks
 (:meth:`PhasedRun.before_step`, :meth:`PhasedRun.after_step`), never to the
 accelerator's internals.
+
+The loop guard (:class:`LoopGuard`) catches, at a gradient-sync boundary and
+before the optimizer applies the step, two loop mistakes that would train
+without any error while the ranks drift apart or a group never trains:
+
+* **the training forward bypassed the DDP wrapper** (e.g.
+  ``accelerator.unwrap_model(model)(x)``): the trainable parameters hold
+  gradients, but no forward of the wrapper that would all-reduce them
+  (gradients enabled, outside ``no_sync``) ran since the previous step, so the
+  reducer never saw them. A forward pre-hook on the wrapper counts those
+  forwards (in the driver). Raised on every rank (each rank runs the same loop).
+* **an epoch-unit schedule whose epoch is never set**: more optimizer steps
+  than one pass over the longest prepared dataloader went by since the last
+  ``accelerator.set_epoch(...)`` (or the start) and the schedule's phase for
+  the epoch the loop must be in differs from the current one. Raised when
+  ``set_epoch`` was never called; a warning (once) when it was called before
+  (an "epoch" longer than a pass is legitimate, if unusual).
+
+and warns (once) about a sync-boundary ``zero_grad()`` that drops gradients no
+``step()`` applied, the mark of ``zero_grad()`` called first inside
+``accumulate()`` (it wipes the window's earlier micro-batches there, with or
+without this library). The facts it checks are the
+:class:`~hf_altparams.engine.driver.PhaseDriver`'s; the guard keeps only its
+hooks and its warned-once flags.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
@@ -25,18 +52,16 @@ from ..engine.config import SwitchConfig
 from ..engine.ddp import is_ddp
 from ..engine.fsdp2 import is_fsdp2
 from ..engine.driver import PhaseDriver
-from ..engine.optim import GroupedOptimizer
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
-from ._fsdp2_prepare import rebind_groups, rebind_optimizer
-from ._loop_guard import LoopGuard
-from ._user_optimizers import GradientArrivals
+from .accelerate_prepare import GradientArrivals
+from .fsdp2 import rebind_groups, rebind_optimizer
 
-__all__ = ["PhasedRun", "RunSettings"]
+__all__ = ["LoopGuard", "PhasedRun", "RunSettings"]
 
 
 @dataclass(frozen=True)
@@ -74,20 +99,24 @@ class PhasedRun:
         self.driver: Optional[PhaseDriver] = None
         self.guard: Optional[LoopGuard] = None
         self.switcher: Optional[PhaseSwitcher] = None
-        self.grouped: Optional[GroupedOptimizer] = None  # the GroupedOptimizer that drives, if one does
         self.driving: Optional[Optimizer] = None  # the optimizer being prepared to drive (inside prepare)
-        self.arrivals: Optional[GradientArrivals] = None  # one optimizer per group (_user_optimizers)
+        self.arrivals: Optional[GradientArrivals] = None  # one optimizer per group (accelerate_prepare)
         self.comm_counter: Optional[CommCounter] = None
         self.frozen_prefix: Optional[FrozenPrefixCache] = None
         self.prepared_models: set[Optional[str]] = set()  # grouped models prepared (None: the groups' module)
         self.driving_bound = False  # the optimizer that drives the schedule was prepared
         self.reset()
 
+    def set_phases(self, schedule: Optional[Schedule], groups: Optional[ParamGroups]) -> None:
+        """A schedule (and groups) given after construction (``PhasedAccelerator.set_phases``); nothing prepared yet."""
+        self.schedule, self.groups_given = schedule, groups
+        self.reset()
+
     def reset(self) -> None:
         """Forget the model: a new driver at step 0, nothing prepared (``free_memory``, construction)."""
         self.close()
         self.groups = self.groups_given
-        self.switcher, self.grouped, self.driving, self.comm_counter = None, None, None, None
+        self.switcher, self.driving, self.comm_counter = None, None, None
         self.prepared_models, self.driving_bound = set(), False
         self.driver = (PhaseDriver(self.schedule, set_epoch_call="accelerator.set_epoch(epoch)")
                        if self.schedule is not None else None)
@@ -123,10 +152,9 @@ class PhasedRun:
     def _new_switcher(self) -> PhaseSwitcher:
         """The run's switcher over :attr:`groups`, driven by the run's driver and optimizer."""
         assert self.groups is not None and self.schedule is not None and self.driver is not None
-        switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving, config=self.settings.config,
-                                 driver=self.driver)
-        switcher.check_missing_grads = True  # a missing gradient is refused at the step, before the update
-        return switcher
+        # a missing gradient is refused at the step, before the update
+        return PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving, config=self.settings.config,
+                             driver=self.driver, refuse_missing_grads=True)
 
     def bind_optimizer(self, driving: Optimizer) -> None:
         """The optimizer that drives the schedule, prepared after the model (a separate ``prepare`` call)."""
@@ -135,7 +163,6 @@ class PhasedRun:
         self.switcher.set_optimizer(driving)
 
     def _take_driving(self, driving: Optional[Optimizer]) -> None:
-        self.grouped = driving if isinstance(driving, GroupedOptimizer) else None
         self.driving = driving
         self.driving_bound = driving is not None
 
@@ -172,7 +199,7 @@ class PhasedRun:
         assert switcher is not None and self.guard is not None
         self.prepared_models.add(part)
         if part is not None:
-            if not is_ddp(prepared):
+            if not isinstance(prepared, DistributedDataParallel):
                 return  # one process: the model trains unwrapped
             if self.settings.count_comm:
                 self.comm_counter = register_comm_counter(prepared, counter=self.comm_counter)
@@ -182,7 +209,7 @@ class PhasedRun:
             if record is not None:
                 self.after_switch(record)
             return
-        if is_ddp(prepared):
+        if isinstance(prepared, DistributedDataParallel):
             switcher.attach(prepared)
             if self.settings.count_comm:
                 self.comm_counter = register_comm_counter(prepared)
@@ -222,25 +249,19 @@ class PhasedRun:
             return None
         if self.comm_counter is not None:
             self.comm_counter.end_step()
-        if self.grouped is not None and self.driver.current is not None:
-            self.grouped.stepped = self.driver.current.trainable  # what a GroupedLRScheduler advances
         record = self.driver.stepped()
         if record is not None:
             self.after_switch(record)
-        return record  # type: ignore[no-any-return]
+        return record
 
     def set_epoch(self, epoch: int) -> Optional[SwitchRecord]:
         """The loop entered ``epoch``: move the driver there; switch if the schedule says so."""
         if self.driver is None:
             return None
-        if self.switcher is None:  # before prepare: the position only
-            self.driver.epoch = int(epoch)
-            self.driver.loop.epoch_set_at, self.driver.loop.epoch_calls = self.driver.step, 1
-            return None
-        record = self.driver.set_epoch(epoch)
+        record = self.driver.set_epoch(epoch)  # before prepare (nothing bound): the position only
         if record is not None:
             self.after_switch(record)
-        return record  # type: ignore[no-any-return]
+        return record
 
     def after_switch(self, record: SwitchRecord) -> None:
         if self.settings.log_switches:
@@ -258,3 +279,101 @@ def _all_trainable(models: list[nn.Module]) -> Iterator[None]:
     finally:
         for param, flag in flags.items():
             param.requires_grad_(flag)
+
+
+class LoopGuard:
+    """The loop checks of one run (the module docstring); :meth:`check` runs at every sync-boundary ``step()``.
+
+    Args:
+        driver: the run's driver (its loop facts are read and reset here).
+        steps_per_epoch: optimizer steps in one pass over the longest prepared
+            dataloader (0: unknown).
+    """
+
+    def __init__(self, driver: PhaseDriver, steps_per_epoch: Callable[[], int]) -> None:
+        self.driver = driver
+        self.steps_per_epoch = steps_per_epoch
+        self.warned_epoch = False
+        self.warned_zero_grad = False
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------ wiring
+    def watch(self, ddp: nn.Module) -> None:
+        """Count ``ddp``'s forwards that will all-reduce their gradients."""
+        self.watch_many([ddp])
+
+    def watch_many(self, wrappers: Sequence[nn.Module]) -> None:
+        """Count the forwards of every wrapper in ``wrappers`` (one per model) that will all-reduce."""
+        self.close()
+        self._handles = [w.register_forward_pre_hook(self._seen) for w in wrappers]
+
+    def _seen(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
+            self.driver.note_syncing_forward()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def zero_grad_at_boundary(self, accumulation_steps: int) -> None:
+        """A sync-boundary ``zero_grad()``: warn (once) if it drops gradients no step applied."""
+        if self.driver.backward_pending and not self.warned_zero_grad and accumulation_steps > 1:
+            self.warned_zero_grad = True
+            warnings.warn(
+                "hf_altparams: `optimizer.zero_grad()` ran at a gradient-sync boundary after a backward whose "
+                "gradients no `optimizer.step()` applied yet: they are dropped. Inside `accelerator.accumulate()` "
+                "this is `zero_grad()` called at the top of the iteration, which wipes the window's earlier "
+                "micro-batches (plain Accelerate does the same); call it after `optimizer.step()` there. If you "
+                "skipped the step on purpose (e.g. a non-finite loss), ignore this.", stacklevel=4)
+        self.driver.gradients_dropped()  # nothing is pending any more
+
+    # ------------------------------------------------------------ checks
+    def check(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
+        """Raise (or warn) before the optimizer applies a step the loop got wrong."""
+        try:
+            self._check_forward(trainable)
+            self._check_epoch()
+        finally:
+            self.driver.forwards_checked()
+
+    def _check_forward(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
+        if not self._handles:
+            return
+        with_grad = [name for name, p in trainable if p.grad is not None]
+        if with_grad and self.driver.syncing_forwards == 0:
+            raise AltParamsError(
+                f"{len(with_grad)} trainable parameter(s) (e.g. {with_grad[:3]}) hold gradients, but no "
+                "forward of the prepared DDP model ran since the last optimizer step, so DDP never "
+                "all-reduced them and each rank would apply its own gradients (the ranks would diverge). "
+                "Run the training forward through the object `accelerator.prepare` returned "
+                "(`model(x)`), not `accelerator.unwrap_model(model)(x)` or the original module; use the "
+                "unwrapped model only under `torch.no_grad()` (evaluation)."
+            )
+
+    def _check_epoch(self) -> None:
+        driver = self.driver
+        if driver.schedule.unit != "epoch" or driver.current is None:
+            return
+        per_epoch = self.steps_per_epoch()
+        if not per_epoch:
+            return
+        passed = (driver.step - driver.epoch_set_at) // per_epoch
+        if passed < 1:
+            return
+        implied = driver.epoch + passed
+        due = driver.phase_at(driver.step, implied)
+        if due == driver.current:
+            return
+        what = (f"{driver.step - driver.epoch_set_at} optimizer steps went by since "
+                f"{'the last `accelerator.set_epoch(...)`' if driver.epoch_calls else 'the start'}, more "
+                f"than one pass over the prepared dataloader ({per_epoch} steps), but the epoch-unit "
+                f"schedule is still at epoch {driver.epoch} (phase {driver.current.name!r}); at "
+                f"epoch {implied} it trains {due.name!r}.")
+        fix = "Call `accelerator.set_epoch(epoch)` at the top of every epoch, on every rank."
+        if driver.epoch_calls == 0:
+            raise AltParamsError(f"{what} {fix}")
+        if not self.warned_epoch:
+            self.warned_epoch = True
+            warnings.warn(f"hf_altparams: {what} If an epoch is meant to span several passes, ignore "
+                          f"this; otherwise: {fix}", stacklevel=5)

@@ -1,5 +1,16 @@
-"""Complete and torn Trainer checkpoints of :class:`~hf_altparams.integrations.trainer.AlternatingFreeze`.
+"""The Trainer's saves and resumes under :class:`~hf_altparams.integrations.trainer.AlternatingFreeze`.
 
+**The callback's record.** It lives in ``TrainerState.stateful_callbacks``
+(saved in every checkpoint's ``trainer_state.json``): the schedule's state, the
+groups' sizes and membership (group -> parameter names), the phase, the
+driver's position and the groups trained so far
+(:class:`~hf_altparams.engine.driver.DriverState`), written by
+:func:`save_callback_state` at every switch and before every save. A resumed
+run checks it (:func:`check_callback_state`: another schedule, other groups or
+another phase are refused) and restores the trained groups from it
+(:func:`saved_driver_state`).
+
+**Complete and torn checkpoints.**
 The Trainer's ``_save_checkpoint`` writes, in this order (transformers 5.17 to
 5.23): the model, the optimizer and scheduler, each rank's RNG state, then
 ``trainer_state.json`` (which holds the callback's record); ``on_save`` runs
@@ -34,19 +45,33 @@ import warnings
 from types import FrameType
 from typing import Any, Optional
 
+import torch.distributed as dist
 from transformers import TrainerState, TrainingArguments
 
-import torch.distributed as dist
-
+from ..engine.driver import DriverState
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError
-from ._accelerate_checkpoints import _write_atomically
-from ._checkpoint_files import COMPLETE_MARKER, manifest, manifest_problem
+from ..errors import AltParamsError, PlanError
+from ..plan.groups import ParamGroups
+from ..plan.phase import Phase
+from ..plan.schedules import Schedule
+from .checkpoint_files import (COMPLETE_MARKER, manifest, manifest_problem, membership, membership_difference,
+                               write_atomically)
+from .transformers_internals import resumed_checkpoint_from_stack
 
-__all__ = ["COMPLETE_MARKER", "check_resumed", "drop_stale_marker", "last_complete_checkpoint",
-           "mark_complete", "prepare_save", "resumed_checkpoint"]
+__all__ = ["COMPLETE_MARKER", "STATE_KEY", "check_callback_state", "check_resumed", "drop_stale_marker",
+           "last_complete_checkpoint", "mark_complete", "prepare_save", "resumed_checkpoint", "save_callback_state",
+           "saved_driver_state"]
 
 _FORMAT = "hf_altparams.AlternatingFreeze/1"
+
+#: Key of the callback's record in ``TrainerState.stateful_callbacks``. Deliberately
+#: not the class name: the Trainer's ``restore_callback_states_from_checkpoint``
+#: would try to rebuild the callback from JSON arguments, which a schedule cannot be.
+STATE_KEY = "hf_altparams.AlternatingFreeze"
+
+_HOW = "pass `check_resume=False` to AlternatingFreeze to continue with the new set-up anyway"
+
+
 
 
 def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
@@ -57,7 +82,7 @@ def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str
     """Write the marker into the checkpoint the Trainer just saved (the process that wrote its state)."""
     folder = _checkpoint_dir(args, state)
     if args.should_save and os.path.isdir(folder):
-        _write_atomically(os.path.join(folder, COMPLETE_MARKER),
+        write_atomically(os.path.join(folder, COMPLETE_MARKER),
                           {"format": _FORMAT, "step": state.global_step, **record,
                            "files": manifest(folder, skip=[COMPLETE_MARKER])})
 
@@ -127,19 +152,17 @@ def _marker_files(path: str) -> dict[str, int]:
 def resumed_checkpoint(frame: Optional[FrameType], args: TrainingArguments, state: TrainerState) -> Optional[str]:
     """The folder ``Trainer.train`` resumes from (or ``None`` for a fresh run).
 
-    Callbacks are not given it: it is read from the ``_inner_training_loop``
-    frame above ``frame`` (the callback event's). If transformers ever renames
-    that loop, a resumed run (``state.global_step > 0``) falls back to the
-    Trainer's own folder for that step, ``<output_dir>/checkpoint-<step>``; if
-    that does not exist either, a warning says the torn-checkpoint check is off.
+    Callbacks are not given it: it is read from the Trainer's training loop on
+    the stack above ``frame`` (the callback event's;
+    :func:`~.transformers_internals.resumed_checkpoint_from_stack`). If
+    transformers ever renames that loop, a resumed run (``state.global_step > 0``)
+    falls back to the Trainer's own folder for that step,
+    ``<output_dir>/checkpoint-<step>``; if that does not exist either, a warning
+    says the torn-checkpoint check is off.
     """
-    for _ in range(8):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
-            path = frame.f_locals["resume_from_checkpoint"]
-            return str(path) if isinstance(path, (str, os.PathLike)) else None
-        frame = frame.f_back
+    found, path = resumed_checkpoint_from_stack(frame)
+    if found:
+        return path
     if state.global_step <= 0:
         return None  # a fresh run
     candidate = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
@@ -181,3 +204,84 @@ def check_resumed(path: str, state: TrainerState, record: Optional[dict[str, Any
            if latest is not None else
            f"no complete checkpoint is left in {parent!r}: train without `resume_from_checkpoint`")
     raise AltParamsError(f"AlternatingFreeze refuses to resume from {path!r}: {why}; {way}")
+
+
+def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGroups,
+                        current: Optional[Phase], driver: DriverState) -> None:
+    """Write the record for the phase ``current`` and the driver's ``driver`` state into ``state``.
+
+    Example:
+        >>> import torch
+        >>> from hf_altparams.plan import ParamGroups, Alternating, Phase
+        >>> groups = ParamGroups(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"a": "0.*"})
+        >>> state = TrainerState()
+        >>> save_callback_state(state, Alternating(["a"]), groups, Phase({"a"}), DriverState(0, 0))
+        >>> state.stateful_callbacks[STATE_KEY]["phase"]
+        ['a']
+    """
+    if not isinstance(state.stateful_callbacks, dict):
+        return
+    state.stateful_callbacks[STATE_KEY] = {
+        "schedule": schedule.state_dict(),
+        "groups": {g: groups.numel(g) for g in groups.names},
+        "members": membership(groups),  # group -> parameter names, compared at resume
+        "phase": None if current is None else sorted(current.trainable),
+        "step": driver.step,
+        "epoch": driver.epoch,
+        "complete_marker": True,  # checkpoints of this record end with hf_altparams_complete.json
+        "trained": list(driver.trained_groups),
+    }
+
+
+def saved_driver_state(state: TrainerState, epoch: int) -> DriverState:
+    """The driver state a run resumed from ``state`` continues: its step and epoch, and the groups trained so far.
+
+    The record is written before every save, so it holds the groups trained up
+    to the checkpoint's step (a record written at a switch, older than the
+    checkpoint, adds the phase it names). A fresh run (no record) has trained none.
+
+    Example:
+        >>> state = TrainerState(global_step=5)
+        >>> state.stateful_callbacks = {STATE_KEY: {"phase": ["b"], "step": 5, "trained": ["a", "b"]}}
+        >>> saved_driver_state(state, epoch=0)
+        DriverState(step=5, epoch=0, trained_groups=('a', 'b'))
+    """
+    saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+    if not saved:
+        return DriverState(state.global_step, epoch)
+    trained = set(saved.get("trained", ()))
+    if saved.get("phase") is not None and state.global_step > int(saved.get("step", 0)):
+        trained |= set(saved["phase"])  # a record written at a switch, before that phase trained
+    return DriverState(state.global_step, epoch, tuple(sorted(trained)))
+
+
+def check_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGroups) -> None:
+    """Refuse to resume from a record written with another schedule, other groups or another phase.
+
+    Raises:
+        PlanError: naming what differs, and ``check_resume=False`` as the way to continue anyway.
+    """
+    saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+    if not saved:
+        return
+    try:
+        schedule.load_state_dict(saved["schedule"])
+    except PlanError as err:
+        raise PlanError(f"AlternatingFreeze: the checkpoint was saved with another schedule ({err}); {_HOW}") from err
+    members = saved.get("members")
+    difference = None if members is None else membership_difference(members, groups)  # None: an older record
+    if difference is not None:
+        raise PlanError(f"AlternatingFreeze: the checkpoint was saved with other groups ({difference}); {_HOW}")
+    mine = {g: groups.numel(g) for g in groups.names}
+    if saved.get("groups") != mine:
+        raise PlanError(
+            f"AlternatingFreeze: the checkpoint was saved with groups {saved.get('groups')} "
+            f"(name: parameter count), these are {mine}; {_HOW}"
+        )
+    step, epoch = int(saved.get("step", 0)), int(saved.get("epoch", 0))
+    expected = schedule.phase_at(step, epoch)
+    if saved.get("phase") is not None and sorted(expected.trainable) != saved["phase"]:
+        raise PlanError(
+            f"AlternatingFreeze: at step {step} the checkpoint trained {saved['phase']}, this "
+            f"schedule gives {sorted(expected.trainable)} (a function schedule that changed?); {_HOW}"
+        )

@@ -30,7 +30,7 @@ once, under the device it lives on.
 
 The *expected peak* of a phase is the device memory its optimizer step needs,
 activations excluded, computed by the memory model the planner uses
-(:mod:`.model`; ``plan_cost`` gives the same bytes for the same model and
+(:mod:`.memory.model`; ``plan_cost`` gives the same bytes for the same model and
 run): resident parameters and buffers, the trainable parameters' gradients
 (fp32 on the masters under ``PrecisionOptimizer``) and DDP's buckets beyond
 them, the optimizer state and fp32 masters on the device. Optimizer state is
@@ -47,24 +47,26 @@ parameter at once, all resident.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Protocol, Union
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ...plan.groups import ParamGroups
-from ...plan.phase import Phase
-from ..ddp import _surgery as _ddp
-from ..fsdp2._dtensor import local_tensor
-from ..optim._grouped import GroupedOptimizer
-from ..optim._precision import PrecisionOptimizer
-from .model import (UNGROUPED, Footprint, Sizes, StatePolicy, Storage, buffer_owners, everything_layout, footprint,
-                     layout, state_bytes_for, state_tensors, tensor_sizes)
-from ._transfer import nbytes, optimizer_of
+from ..plan.groups import ParamGroups
+from ..plan.phase import Phase
+from .backend import Backend
+from .ddp import reduced_parameters
+from .fsdp2 import local_tensor
+from .memory import ResidencyManager, StatePolicy, nbytes, optimizer_of
+from .memory.model import (UNGROUPED, Footprint, Sizes, Storage, buffer_owners, everything_layout, footprint, layout,
+                           state_bytes_for, state_tensors, tensor_sizes)
+from .optim import GroupedOptimizer, PrecisionOptimizer
+from .records import SwitchHistory
 
-
-__all__ = ["CATEGORIES", "MemoryReport", "expected_footprint", "expected_peak_bytes", "memory_report"]
+__all__ = ["CATEGORIES", "MemoryReport", "SwitchedRun", "expected_footprint", "expected_peak_bytes",
+           "memory_report"]
 
 CATEGORIES: tuple[str, ...] = (
     "params_trainable",
@@ -170,6 +172,22 @@ class MemoryReport:
         return "\n".join(rows)
 
 
+class SwitchedRun(Protocol):
+    """What the report reads of a run (a :class:`~hf_altparams.engine.PhaseSwitcher`)."""
+
+    groups: ParamGroups
+    optimizer: Optional[Optimizer]
+    residency: ResidencyManager
+    backend: Backend
+    history: SwitchHistory
+
+    @property
+    def current(self) -> Optional[Phase]: ...
+
+    @property
+    def ddp(self) -> Optional[DistributedDataParallel]: ...
+
+
 class _Census:
     def __init__(self) -> None:
         self._bytes: dict[tuple[torch.device, str], int] = {}
@@ -195,18 +213,18 @@ class _Census:
         return out
 
 
-def _optimizer(switcher: Any) -> Optional[Optimizer]:
+def _optimizer(switcher: SwitchedRun) -> Optional[Optimizer]:
     return optimizer_of(switcher.optimizer) if switcher.optimizer is not None else None
 
 
-def _group_optimizers(switcher: Any) -> dict[str, Optional[Optimizer]]:
+def _group_optimizers(switcher: SwitchedRun) -> dict[str, Optional[Optimizer]]:
     opt = _optimizer(switcher)
     if isinstance(opt, GroupedOptimizer):
         return dict(opt.inner)
     return {g: opt for g in switcher.groups.names}
 
 
-def _offloaded_state_groups(switcher: Any) -> set[str]:
+def _offloaded_state_groups(switcher: SwitchedRun) -> set[str]:
     out = set(switcher.residency.offloaded) if switcher.residency is not None else set()
     opt = _optimizer(switcher)
     if isinstance(opt, GroupedOptimizer):
@@ -241,7 +259,7 @@ def _live_sizes(groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer
             for key, (names, opt, storage) in members.items()}
 
 
-def _trained(switcher: Any, optimizers: Mapping[str, Optional[Optimizer]]) -> set[str]:
+def _trained(switcher: SwitchedRun, optimizers: Mapping[str, Optional[Optimizer]]) -> set[str]:
     """The groups that have trained: they have optimizer state or fp32 masters now."""
     groups, opt = switcher.groups, _optimizer(switcher)
     out = {g for g in groups.names if optimizers[g] is not None
@@ -251,7 +269,7 @@ def _trained(switcher: Any, optimizers: Mapping[str, Optional[Optimizer]]) -> se
     return out
 
 
-def expected_footprint(switcher: Any, phase: Optional[Phase] = None) -> tuple[Footprint, Footprint]:
+def expected_footprint(switcher: SwitchedRun, phase: Optional[Phase] = None) -> tuple[Footprint, Footprint]:
     """The memory model's ``(phase's footprint at its peak, training everything)`` for the live run.
 
     The same arithmetic as :func:`~hf_altparams.planner.plan_cost`'s rows, on the
@@ -281,7 +299,7 @@ def expected_footprint(switcher: Any, phase: Optional[Phase] = None) -> tuple[Fo
             footprint(sizes, everything_layout(sizes), owners, ddp=ddp is not None, bucket_view=view))
 
 
-def expected_peak_bytes(switcher: Any, phase: Optional[Phase] = None) -> tuple[int, int]:
+def expected_peak_bytes(switcher: SwitchedRun, phase: Optional[Phase] = None) -> tuple[int, int]:
     """``(phase's expected device peak, training everything)``, activations excluded.
 
     The phase's figure adds to the memory model's device bytes
@@ -299,7 +317,7 @@ def expected_peak_bytes(switcher: Any, phase: Optional[Phase] = None) -> tuple[i
     return peak.device + switcher.backend.kept_reducer_bytes(), everything.device
 
 
-def _census_optimizer(census: _Census, switcher: Any) -> None:
+def _census_optimizer(census: _Census, switcher: SwitchedRun) -> None:
     """Add the optimizer state, fp32 masters and their gradients to ``census``."""
     groups = switcher.groups
     off_state = _offloaded_state_groups(switcher)
@@ -326,7 +344,7 @@ def _census_optimizer(census: _Census, switcher: Any) -> None:
             census.add(grad, "master_grads")
 
 
-def memory_report(switcher: Any, phase: Optional[Phase] = None) -> MemoryReport:
+def memory_report(switcher: SwitchedRun, phase: Optional[Phase] = None) -> MemoryReport:
     """A census of the switcher's model and optimizer, per device and category.
 
     Cheap: one pass over parameters, buffers and optimizer state; no device
@@ -356,7 +374,7 @@ def memory_report(switcher: Any, phase: Optional[Phase] = None) -> MemoryReport:
         census.add(buf, "buffers")
 
     ddp = switcher.ddp
-    reduced = _ddp.reduced_parameters(ddp) if ddp is not None else []
+    reduced = reduced_parameters(ddp) if ddp is not None else []
     bucket_view = ddp is not None and ddp.gradient_as_bucket_view
     in_buckets = 0
     reduced_ids = {id(p) for p in reduced}

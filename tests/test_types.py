@@ -1,0 +1,20 @@
+"""The type checker passes on the engine and the integrations (mypy, with the settings in setup.cfg)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(900)
+def test_mypy_passes_on_the_engine_and_the_integrations(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "setup.cfg"), "--cache-dir", str(tmp_path),
+         "hf_altparams/engine", "hf_altparams/integrations"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
