@@ -1,5 +1,11 @@
 """The plan layer: parameter groups and schedules; pure Python + torch.nn, no process group.
 
+Modules: :mod:`~hf_altparams.plan.groups` (:class:`ParamGroups`),
+:mod:`~hf_altparams.plan.phase` (:class:`Phase`), :mod:`~hf_altparams.plan.schedules`
+(:class:`Schedule` and every kind), :mod:`~hf_altparams.plan.recipes` (:func:`lisa`,
+:func:`badam`), :mod:`~hf_altparams.plan.share` (what share of the model a schedule
+trains) and :mod:`~hf_altparams.plan.checks` (the argument checks they share).
+
 Example:
     >>> from torch import nn
     >>> from hf_altparams.plan import Alternating, ParamGroups
@@ -13,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-from ._share import ALWAYS_SHARE_LIMIT, PhaseShare, TrainShare, TrainShareWarning
 from .groups import ParamGroups
 from .phase import Phase
 from .recipes import badam, lisa
@@ -28,6 +33,7 @@ from .schedules import (
     RandomBlocks,
     Schedule,
 )
+from .share import ALWAYS_SHARE_LIMIT, PhaseShare, TrainShare, TrainShareWarning
 
 __all__ = [
     "ALWAYS_SHARE_LIMIT",

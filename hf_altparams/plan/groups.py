@@ -7,37 +7,55 @@ object seen under several names: its *canonical* name is the first one
 ``module.named_parameters()`` yields, the others are *aliases*, and it belongs
 to at most one group whatever name a group used to claim it.
 
-How a spec becomes parameter names (patterns, submodules, the overlap and
-tied-parameter errors) and the ``from_layers`` / ``from_modules`` spec checks
-live in :mod:`hf_altparams.plan._group_specs`.
+A :data:`Spec` (a glob or ``re:`` pattern over full dotted parameter names, a
+submodule, or a list mixing both) becomes the names it claims in the second
+half of this module, which also words the refusals (a pattern matching
+nothing, a parameter claimed twice, a tied parameter split across groups).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from typing import Iterable, Literal, Mapping, Optional, Sequence
+from typing import Iterable, Literal, Mapping, Optional, Sequence, Union, cast
 
+import torch
 from torch import nn
 
 from ..errors import PlanError
-from ._group_specs import (
-    Spec,
-    format_bytes,
-    _preview,
-    _show,
-    _unwrap,
-    check_module_specs,
-    layer_specs,
-    overlap_message,
-    resolve_spec,
-)
+from .checks import check_choice, check_int
 
 __all__ = ["ParamGroups", "Spec", "UngroupedPolicy", "format_bytes"]
+
+#: One group's specification: a pattern, a submodule, or a list mixing both.
+Spec = Union[str, nn.Module, Sequence[Union[str, nn.Module]]]
 
 #: What happens to parameters that no group claims.
 UngroupedPolicy = Literal["frozen", "trainable", "error"]
 
-_POLICIES: tuple[str, ...] = ("frozen", "trainable", "error")
+_POLICIES: tuple[UngroupedPolicy, ...] = ("frozen", "trainable", "error")
+_SPEC_HELP = (
+    "a glob pattern str (e.g. 'encoder.layer.0.*'), a regex str starting with 're:', "
+    "a submodule of the model, or a list/tuple mixing these"
+)
+_SHOW = 5  # how many example names an error message lists
+
+
+def format_bytes(n: int) -> str:
+    """``1536 -> '1.50 KiB'``: bytes in the largest binary unit below 1024.
+
+    Example:
+        >>> format_bytes(1536), format_bytes(512), format_bytes(3 * 1024**3)
+        ('1.50 KiB', '512 B', '3.00 GiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.2f} {unit}"
 
 
 class ParamGroups:
@@ -79,27 +97,23 @@ class ParamGroups:
         ungrouped: UngroupedPolicy = "frozen",
     ) -> None:
         self.module: nn.Module = _unwrap(module)
-        if ungrouped not in _POLICIES:
-            raise PlanError(f"`ungrouped` must be one of {list(_POLICIES)}, got {ungrouped!r}")
-        self.ungrouped: UngroupedPolicy = ungrouped
+        self.ungrouped: UngroupedPolicy = check_choice(ungrouped, "ungrouped", _POLICIES)
         if not isinstance(groups, Mapping) or len(groups) == 0:
             raise PlanError(
                 f"`groups` must be a non-empty mapping of group name -> spec, got {_show(groups)}"
             )
 
         # Every (name, parameter) pair, aliases included; canonical = first name.
-        self._all_pairs: list[tuple[str, nn.Parameter]] = list(
-            self.module.named_parameters(remove_duplicate=False)
-        )
-        self._canonical: dict[int, str] = {}
+        all_pairs = list(self.module.named_parameters(remove_duplicate=False))
+        canonical_of_id: dict[int, str] = {}
         self._param_by_name: dict[str, nn.Parameter] = {}
         self._alias_of: dict[str, str] = {}  # any name -> canonical name
-        for name, param in self._all_pairs:
-            canonical = self._canonical.setdefault(id(param), name)
+        for name, param in all_pairs:
+            canonical = canonical_of_id.setdefault(id(param), name)
             self._alias_of[name] = canonical
             if canonical == name:
                 self._param_by_name[name] = param
-        self._order: dict[str, int] = {n: i for i, n in enumerate(self._param_by_name)}
+        order = {n: i for i, n in enumerate(self._param_by_name)}
 
         # Resolve each group; claims maps canonical name -> (group, name it was matched by).
         claims: dict[str, tuple[str, str]] = {}
@@ -107,14 +121,14 @@ class ParamGroups:
         for group, spec in groups.items():
             if not isinstance(group, str) or not group:
                 raise PlanError(f"group names must be non-empty str, got {group!r}")
-            matched = resolve_spec(self.module, self._all_pairs, group, spec)
+            matched = _resolve_spec(self.module, all_pairs, group, spec)
             for via in matched:
                 canonical = self._alias_of[via]
                 owner = claims.setdefault(canonical, (group, via))
                 if owner[0] != group:
-                    raise PlanError(overlap_message(self._alias_of, canonical, owner, (group, via)))
+                    raise PlanError(_overlap_message(self._alias_of, canonical, owner, (group, via)))
             members = {self._alias_of[n] for n in matched}
-            self._members[group] = tuple(sorted(members, key=self._order.__getitem__))
+            self._members[group] = tuple(sorted(members, key=order.__getitem__))
 
         self._group_of: dict[str, str] = {c: g for c, (g, _) in claims.items()}
         self._ungrouped: tuple[str, ...] = tuple(
@@ -126,8 +140,6 @@ class ParamGroups:
                 f"{_preview(self._ungrouped)}; add them to a group, or pass "
                 "`ungrouped='frozen'` or `ungrouped='trainable'`"
             )
-
-    # -- resolution ---------------------------------------------------------------------------
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -381,7 +393,7 @@ class ParamGroups:
             ('blocks.2.weight', 'blocks.2.bias')
         """
         root = _unwrap(module)
-        return cls(root, layer_specs(root, layers, per, prefix, extra), ungrouped=ungrouped)
+        return cls(root, _layer_specs(root, layers, per, prefix, extra), ungrouped=ungrouped)
 
     @classmethod
     def from_modules(
@@ -399,5 +411,167 @@ class ParamGroups:
             >>> ParamGroups.from_modules(model, {"a": model[0], "b": [model[2]]}).names
             ('a', 'b')
         """
-        check_module_specs(modules)
+        _check_module_specs(modules)
         return cls(module, dict(modules), ungrouped=ungrouped)
+
+
+# -- how a spec becomes parameter names, and the messages that refuse one --------------------------
+
+
+def _preview(names: Sequence[str], limit: int = _SHOW) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    more = len(names) - limit
+    return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
+
+
+def _show(value: object, limit: int = 100) -> str:
+    """A short description of a user value for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"{type(value).__name__} of shape {tuple(value.shape)} (pass its name as a pattern)"
+    if isinstance(value, nn.Module):
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return cast(nn.Module, module.module)
+    if not isinstance(module, nn.Module):
+        raise PlanError(f"`module` must be a torch.nn.Module, got {type(module).__name__}: {_show(module)}")
+    return module
+
+
+def _resolve_spec(
+    root: nn.Module, all_pairs: Sequence[tuple[str, nn.Parameter]], group: str, spec: Spec
+) -> list[str]:
+    """All parameter names (aliases included) that `spec` claims for `group`."""
+    if isinstance(spec, (str, nn.Module)):
+        items: Sequence[object] = [spec]
+    elif isinstance(spec, (list, tuple)):
+        items = spec
+    else:
+        raise PlanError(
+            f"group {group!r}: invalid spec {_show(spec)} of type {type(spec).__name__}; "
+            f"expected {_SPEC_HELP}"
+        )
+    if not items:
+        raise PlanError(f"group {group!r} is empty: its spec {spec!r} lists nothing")
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            names.extend(_match_pattern(all_pairs, group, item))
+        elif isinstance(item, nn.Module):
+            names.extend(_match_module(root, group, item))
+        else:
+            raise PlanError(
+                f"group {group!r}: invalid spec item {_show(item)} of type "
+                f"{type(item).__name__}; expected {_SPEC_HELP}"
+            )
+    return names
+
+
+def _match_pattern(all_pairs: Sequence[tuple[str, nn.Parameter]], group: str, pattern: str) -> list[str]:
+    """The names among `all_pairs` that a glob (or ``re:`` regex) `pattern` matches; at least one."""
+    if pattern.startswith("re:"):
+        try:
+            regex = re.compile(pattern[3:])
+        except re.error as err:
+            raise PlanError(f"group {group!r}: invalid regex in pattern {pattern!r}: {err}") from err
+        hits = [n for n, _ in all_pairs if regex.fullmatch(n)]
+    else:
+        hits = [n for n, _ in all_pairs if fnmatch.fnmatchcase(n, pattern)]
+    if not hits:
+        raise PlanError(
+            f"group {group!r}: pattern {pattern!r} matches no parameter; patterns are "
+            "globs (or 're:' regexes) over full dotted names such as "
+            f"{_preview([n for n, _ in all_pairs])}"
+        )
+    return hits
+
+
+def _match_module(root: nn.Module, group: str, sub: nn.Module) -> list[str]:
+    """The parameter names (aliases included) under submodule `sub` of `root`; at least one."""
+    qualname = next((n for n, m in root.named_modules() if m is sub), None)
+    if qualname is None:
+        raise PlanError(
+            f"group {group!r}: module {type(sub).__name__} (id {id(sub):#x}) is not a "
+            "submodule of `module`; pass a submodule of the model (matched by identity), "
+            "e.g. `model.encoder.layer[0]`, or a pattern"
+        )
+    hits = [n for n, _ in sub.named_parameters(prefix=qualname, remove_duplicate=False)]
+    if not hits:
+        raise PlanError(
+            f"group {group!r}: submodule {qualname or '<root>'!r} "
+            f"({type(sub).__name__}) has no parameters"
+        )
+    return hits
+
+
+def _overlap_message(
+    alias_of: Mapping[str, str], canonical: str, first: tuple[str, str], second: tuple[str, str]
+) -> str:
+    """The error for a parameter claimed by two groups, ``(group, name it was matched by)`` each."""
+    (g1, via1), (g2, via2) = first, second
+    aliases = [n for n, c in alias_of.items() if c == canonical]
+    if via1 == via2:
+        return (
+            f"parameter {via1!r} is claimed by two groups, {g1!r} and {g2!r}; each "
+            "parameter belongs to at most one group: narrow one of the patterns"
+        )
+    return (
+        f"tied/shared parameter {canonical!r} (names {aliases}) is claimed by group "
+        f"{g1!r} as {via1!r} and by group {g2!r} as {via2!r}; a parameter object "
+        "belongs to exactly one group: put all its names in one group"
+    )
+
+
+def _layer_specs(
+    root: nn.Module,
+    layers: nn.ModuleList | str,
+    per: int,
+    prefix: str,
+    extra: Mapping[str, Spec] | None,
+) -> dict[str, Spec]:
+    """The group specs of :meth:`ParamGroups.from_layers`: one per `per` layers, then `extra`."""
+    if isinstance(layers, str):
+        try:
+            resolved = root.get_submodule(layers)
+        except AttributeError as err:
+            raise PlanError(f"`layers` path {layers!r} does not exist in `module`: {err}") from err
+    else:
+        resolved = layers
+    if not isinstance(resolved, nn.ModuleList):
+        raise PlanError(
+            f"`layers` must be an nn.ModuleList (or the dotted path of one), got "
+            f"{type(resolved).__name__} from {layers if isinstance(layers, str) else 'object'!r}"
+        )
+    if len(resolved) == 0:
+        raise PlanError(f"`layers` {layers if isinstance(layers, str) else 'ModuleList'!r} is empty")
+    check_int(per, "per", minimum=1)
+    if not isinstance(prefix, str):
+        raise PlanError(f"`prefix` must be a str, got {prefix!r}")
+    specs: dict[str, Spec] = {}
+    for i, start in enumerate(range(0, len(resolved), per)):
+        specs[f"{prefix}{i}"] = list(resolved[start : start + per])
+    for name, spec in (extra or {}).items():
+        if name in specs:
+            raise PlanError(
+                f"`extra` group {name!r} collides with a layer group; layer groups are "
+                f"{list(specs)}: rename it or change `prefix`"
+            )
+        specs[name] = spec
+    return specs
+
+
+def _check_module_specs(modules: object) -> None:
+    """Check the ``modules`` argument of :meth:`ParamGroups.from_modules`: name -> submodule(s)."""
+    if not isinstance(modules, Mapping):
+        raise PlanError(f"`modules` must be a mapping of group name -> submodule(s), got {_show(modules)}")
+    for name, value in modules.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        bad = [v for v in items if not isinstance(v, nn.Module)]
+        if bad:
+            raise PlanError(
+                f"`modules` group {name!r}: expected an nn.Module or a list of them, got {_show(bad[0])}"
+            )

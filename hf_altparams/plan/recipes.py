@@ -24,16 +24,15 @@ import random
 from typing import Iterable, Literal, Sequence
 
 from ..errors import PlanError
-from ._checks import _name_list
-from ._random_fn import FnSchedule, RandomBlocks
-from ._schedule_base import Schedule
+from .checks import check_int, name_list
 from .phase import Phase
-from .schedules import Alternating
+from .schedules import Alternating, FnSchedule, RandomBlocks, Schedule
 
 __all__ = ["badam", "lisa"]
 
+#: The order in which :func:`badam` visits the blocks.
 Order = Literal["ascending", "descending", "random"]
-ORDERS: tuple[str, ...] = ("ascending", "descending", "random")
+_ORDERS: tuple[Order, ...] = ("ascending", "descending", "random")
 
 
 def _names(value: Sequence[str], argument: str) -> list[str]:
@@ -118,11 +117,10 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
         ['l0+head', 'l1+head', 'l0+head']
     """
     names = _names(blocks, "blocks")
-    if order not in ORDERS:
-        raise PlanError(f"`order` is {order!r}; accepted: {list(ORDERS)}")
-    if isinstance(steps_per_block, bool) or not isinstance(steps_per_block, int) or steps_per_block < 1:
-        raise PlanError(f"`steps_per_block` must be an int >= 1, got {steps_per_block!r}")
-    extra = tuple(sorted(_name_list(always, "always", one_str=True)))
+    if order not in _ORDERS:
+        raise PlanError(f"`order` is {order!r}; accepted: {list(_ORDERS)}")
+    check_int(steps_per_block, "steps_per_block", minimum=1)
+    extra = tuple(sorted(name_list(always, "always", one_str=True)))
     overlap = sorted(set(extra) & set(names))
     if overlap:
         rest = [n for n in names if n not in overlap]
@@ -133,8 +131,7 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
     if order != "random":
         ordered = names if order == "ascending" else names[::-1]
         return Alternating(ordered, every=steps_per_block, always=extra)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise PlanError(f"`seed` must be an int, got {seed!r}")
+    check_int(seed, "seed")
 
     def sweep(step: int, epoch: int) -> Phase:
         block = step // steps_per_block

@@ -6,7 +6,9 @@
   :func:`write_rank_result` / :func:`rank_results` carry each rank's figures
   back to the test (see :mod:`hf_altparams.testing.launch` for the example).
 * :func:`launch_nodes` simulates several nodes on one machine (one ``torchrun``
-  per node, :mod:`hf_altparams.testing.nodes`).
+  per node); :func:`~hf_altparams.testing.launch.launch_env` and
+  :func:`~hf_altparams.testing.launch.run_launchers` start a launcher command of
+  one's own the same way (``torchrun --max-restarts``, say).
 * :func:`use_accelerate_fsdp2` makes an ``Accelerator`` (or a Trainer's)
   built on CPU ranks run Accelerate's FSDP2 code, which Accelerate skips on CPU
   (:mod:`hf_altparams.testing.fsdp2`); :func:`fresh_accelerator_state` lets the
@@ -22,8 +24,7 @@ function; use ``sys.modules["hf_altparams.testing.launch"]`` to reach the module
 from __future__ import annotations
 
 from .fsdp2 import fresh_accelerator_state, use_accelerate_fsdp2
-from .launch import LaunchError, free_port, launch, launch_command, rank_results, write_rank_result
-from .nodes import launch_nodes
+from .launch import LaunchError, free_port, launch, launch_command, launch_nodes, rank_results, write_rank_result
 
 __all__ = [
     "LaunchError",

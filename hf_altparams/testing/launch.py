@@ -4,10 +4,12 @@
 free local port, with an environment that keeps it on the CPU and offline, and
 raises :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a
 failure) with the command and the tail of the output when anything goes wrong.
-:func:`hf_altparams.testing.nodes.launch_nodes` builds on it to simulate
-several nodes (one ``torchrun`` per node on this machine). hf_altparams' own
-test suite runs its multi-process tests with it; ``docs/testing.md`` shows how
-to test a training set-up of your own with it.
+:func:`launch_nodes` does the same for several simulated nodes (one
+``torchrun`` per node on this machine, see below). Both start their launchers
+through :func:`run_launchers`, which stops every process they started on a
+timeout, a failure or an interrupt. hf_altparams' own test suite runs its
+multi-process tests with them; ``docs/testing.md`` shows how to test a training
+set-up of your own with them.
 
 Scripts report back through files, not through stdout: each rank writes
 ``{out_dir}/rank{r}.json`` (:func:`write_rank_result`) and the test reads them
@@ -48,6 +50,31 @@ Environment given to every launch (the caller's ``env`` overrides it):
   works too.
 * ``ACCELERATE_USE_CPU=1`` for ``launcher="accelerate"``.
 
+:func:`launch_env` returns it, to start a launcher of one's own (``torchrun
+--max-restarts``, say) with :func:`run_launchers`.
+
+Several nodes: a multi-node job differs from a single-node one in what the
+ranks see: ``RANK`` (global) and ``LOCAL_RANK`` (on its node) differ on every
+node but the first, each node has its own local main process
+(``LOCAL_RANK == 0``), and a node may have its own disk. :func:`launch_nodes`
+starts ``nnodes`` launchers together, exactly as one would on separate
+machines, with a static rendezvous on 127.0.0.1 (:func:`node_command`)::
+
+    python -m torch.distributed.run --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
+        --rdzv-backend static --master-addr 127.0.0.1 --master-port PORT script.py ARGS
+    python -m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
+        --rdzv-backend static --master-addr 127.0.0.1 --master-port PORT script.py ARGS
+
+Every rank sees the usual torchrun variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) and ``GROUP_RANK``, the node's index, which
+a script can use to give each simulated node its own folder ("disk")::
+
+    from hf_altparams.testing import launch_nodes, rank_results
+
+    def test_two_nodes(tmp_path):
+        launch_nodes("check_ranks.py", str(tmp_path), nnodes=2, nproc_per_node=2)
+        assert len(rank_results(tmp_path, nproc=4)) == 4
+
 Launcher facts (torch 2.13, accelerate 1.15):
 
 * ``launcher="accelerate"`` runs ``ACCELERATE_USE_CPU=1 accelerate launch
@@ -56,9 +83,10 @@ Launcher facts (torch 2.13, accelerate 1.15):
   --num_processes N`` silently runs ONE process (world size 1; its "simple"
   launcher ignores the count), so it is never used.
 * Both launchers start each rank in a session of its own, so on a timeout
-  killing the launcher's process group is not enough: :func:`launch` stops the
-  whole process tree, and reads output from a file so an orphaned rank can
-  never block it.
+  killing the launcher's process group is not enough: :func:`run_launchers`
+  stops the whole process tree, and reads output from a file so an orphaned
+  rank can never block it. When one node of :func:`launch_nodes` fails, the
+  others may wait for it forever: they get 20 s to end, then are stopped.
 * A port taken between :func:`free_port` and the launch makes torchrun fail
   with ``EADDRINUSE`` (retried here once on a new port); ``accelerate launch``
   notices a busy port itself and falls back to a free one.
@@ -68,6 +96,7 @@ Launcher facts (torch 2.13, accelerate 1.15):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,9 +105,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import psutil  # required by accelerate, so always installed with hf_altparams (which does not name it)
 
@@ -87,14 +117,20 @@ __all__ = [
     "free_port",
     "launch",
     "launch_command",
+    "launch_env",
+    "launch_nodes",
+    "node_command",
     "rank_results",
+    "run_launchers",
     "write_rank_result",
 ]
 
 Launcher = Literal["torchrun", "accelerate"]
 
-_TAIL_LINES = 200
+_TAIL_LINES = 200  # lines of output a LaunchError quotes (shared among the nodes of launch_nodes)
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
+#: Seconds the other launchers get to end by themselves once one has failed.
+_GRACE_AFTER_FAILURE = 20.0
 
 _BASE_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "1",
@@ -156,7 +192,14 @@ def _checkout_root() -> Path | None:
     return None
 
 
-def _launch_env(launcher: Launcher, env: Mapping[str, str] | None) -> dict[str, str]:
+def launch_env(launcher: Launcher = "torchrun", env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment :func:`launch` gives a run: this process's, plus the defaults listed above, plus `env`.
+
+    Example:
+        >>> full = launch_env("accelerate", {"OMP_NUM_THREADS": "2"})
+        >>> full["CUDA_VISIBLE_DEVICES"], full["ACCELERATE_USE_CPU"], full["OMP_NUM_THREADS"]
+        ('', '1', '2')
+    """
     full = dict(os.environ)
     full.update(_BASE_ENV)
     if launcher == "accelerate":
@@ -214,29 +257,85 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _run_once(
-    cmd: list[str], env: dict[str, str], timeout: float, cwd: str | os.PathLike[str] | None
-) -> tuple[subprocess.CompletedProcess[str], bool]:
-    """Run ``cmd`` in a new session; on timeout stop it and all its ranks.
+def run_launchers(
+    cmds: Sequence[list[str]],
+    env: Mapping[str, str],
+    *,
+    timeout: float,
+    cwd: str | os.PathLike[str] | None = None,
+) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+    """Start every command at once, each in a session of its own, and wait for all of them.
 
-    Output goes to a temporary file, not a pipe, so a rank that outlives the
-    launcher can never block the read. Returns the finished process and whether
-    it timed out.
+    Output goes to a temporary file per command, not a pipe, so a rank that
+    outlives its launcher can never block the read. Once one command has
+    failed, the others get 20 s to end by themselves (they may be waiting for
+    it). On `timeout`, after that grace, or on an interrupt (``KeyboardInterrupt``,
+    pytest-timeout) every command still running is stopped with all the
+    processes it started. Nothing is raised for a failed command: the caller
+    reads the exit codes.
+
+    Args:
+        cmds: one argv per launcher (e.g. :func:`launch_command`, :func:`node_command`).
+        env: their environment (e.g. :func:`launch_env`).
+        timeout: seconds before every command still running is stopped.
+        cwd: working directory of the commands.
+
+    Returns:
+        One finished process per command, in order (``stdout`` holds its stdout
+        and stderr, interleaved; ``stderr`` is None), and whether the run timed
+        out (False when a command failed before the timeout).
+
+    Example:
+        >>> (done,), timed_out = run_launchers([[sys.executable, "-c", "print('hi')"]], launch_env(), timeout=60)
+        >>> done.returncode, done.stdout, timed_out
+        (0, 'hi\\n', False)
     """
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
-        timed_out = False
+    procs: list[subprocess.Popen[bytes]] = []
+    timed_out = False
+    with contextlib.ExitStack() as files:
+        logs: list[IO[bytes]] = [files.enter_context(tempfile.TemporaryFile()) for _ in cmds]
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_tree(proc)
-        except BaseException:  # KeyboardInterrupt, pytest-timeout: leave no ranks behind
-            _kill_tree(proc)
-            raise
-        log.seek(0)
-        out = log.read().decode("utf-8", errors="replace")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None), timed_out
+            for cmd, log in zip(cmds, logs):
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
+                                              start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.poll() for p in procs]  # poll every one (any() would stop at the first running)
+                if all(code is not None for code in codes):
+                    break
+                if any(code not in (None, 0) for code in codes):  # one failed: the others may wait forever
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+                if time.monotonic() > deadline:
+                    timed_out = all(code in (None, 0) for code in codes)
+                    break
+                time.sleep(0.1)
+        finally:  # a timeout, one failed command, KeyboardInterrupt: leave no rank behind
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill_tree(proc)
+        results = []
+        for cmd, proc, log in zip(cmds, procs, logs):
+            log.seek(0)
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, log.read().decode("utf-8", "replace"),
+                                                       None))
+    return results, timed_out
+
+
+def _run_with_port_retry(
+    cmds_for_port: Callable[[int], list[list[str]]],
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None,
+) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+    """:func:`run_launchers` on a free port; once more on a new port if the first was taken in the meantime."""
+    for attempt in (1, 2):
+        results, timed_out = run_launchers(cmds_for_port(free_port()), env, timeout=timeout, cwd=cwd)
+        if timed_out or all(r.returncode == 0 for r in results):
+            break
+        if attempt == 1 and any(_ADDRESS_IN_USE.search(r.stdout or "") for r in results):
+            continue  # port race with another process: one more try on a new port
+        break
+    return results, timed_out
 
 
 def launch(
@@ -273,21 +372,76 @@ def launch(
     """
     if nproc < 1:
         raise ValueError(f"`nproc` must be >= 1, got {nproc}")
-    full_env = _launch_env(launcher, env)
-    for attempt in (1, 2):
-        cmd = launch_command(script, *script_args, nproc=nproc, launcher=launcher, port=free_port())
-        result, timed_out = _run_once(cmd, full_env, timeout, cwd)
-        if result.returncode == 0 and not timed_out:
-            return result
-        if attempt == 1 and not timed_out and _ADDRESS_IN_USE.search(result.stdout or ""):
-            continue  # port race with another process: one more try on a new port
-        break
+
+    def cmds_for_port(port: int) -> list[list[str]]:
+        return [launch_command(script, *script_args, nproc=nproc, launcher=launcher, port=port)]
+
+    (result,), timed_out = _run_with_port_retry(cmds_for_port, launch_env(launcher, env), timeout, cwd)
+    if result.returncode == 0 and not timed_out:
+        return result
     what = f"timed out after {timeout:g} s" if timed_out else f"exited with code {result.returncode}"
     raise LaunchError(
         f"{launcher} run of {os.fspath(script)} with {nproc} processes {what}.\n"
-        f"command: {subprocess.list2cmdline(cmd)}\n"
+        f"command: {subprocess.list2cmdline(result.args)}\n"
         f"--- last {_TAIL_LINES} lines of output ---\n{_tail(result.stdout or '')}"
     )
+
+
+def node_command(script: str | os.PathLike[str], *script_args: str, node_rank: int, nnodes: int = 2,
+                 nproc_per_node: int = 2, port: int) -> list[str]:
+    """The argv of node ``node_rank``'s launcher in :func:`launch_nodes` (static rendezvous on 127.0.0.1:``port``).
+
+    Example:
+        >>> node_command("check.py", "out", node_rank=1, port=29500)[3:9]
+        ['--nnodes', '2', '--node-rank', '1', '--nproc-per-node', '2']
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        os.fspath(script), *script_args,
+    ]  # fmt: skip
+
+
+def launch_nodes(script: str | os.PathLike[str], *script_args: str, nnodes: int = 2, nproc_per_node: int = 2,
+                 env: Mapping[str, str] | None = None, timeout: float = 300,
+                 cwd: str | os.PathLike[str] | None = None) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script`` on ``nnodes`` simulated nodes of ``nproc_per_node`` ranks each (gloo on CPU).
+
+    Args:
+        script: path of the Python script every rank runs.
+        *script_args: arguments passed to the script (strings).
+        nnodes: number of launchers ("nodes"), started together.
+        nproc_per_node: ranks per node; the world size is ``nnodes * nproc_per_node``.
+        env: extra environment variables (override the defaults of :func:`launch`).
+        timeout: seconds before every launcher and its ranks are killed.
+        cwd: working directory of the run.
+
+    Returns:
+        One finished process per node, in node order (stdout and stderr of that
+        node's launcher and ranks, interleaved).
+
+    Raises:
+        LaunchError: when any node exits non-zero or the run times out, with
+            each node's command and the tail of its output. A port taken in the
+            meantime (``address already in use``) is retried once on a new port.
+    """
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"`nnodes` and `nproc_per_node` must be >= 1, got {nnodes} and {nproc_per_node}")
+
+    def cmds_for_port(port: int) -> list[list[str]]:
+        return [node_command(script, *script_args, node_rank=n, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                             port=port) for n in range(nnodes)]
+
+    results, timed_out = _run_with_port_retry(cmds_for_port, launch_env("torchrun", env), timeout, cwd)
+    if not timed_out and all(r.returncode == 0 for r in results):
+        return results
+    what = f"timed out after {timeout:g} s" if timed_out else "failed"
+    parts = [f"{nnodes}-node run of {os.fspath(script)} ({nproc_per_node} ranks per node) {what}."]
+    for node, result in enumerate(results):
+        parts.append(f"--- node {node}: exit code {result.returncode}; command: {subprocess.list2cmdline(result.args)}\n"
+                     f"--- last {_TAIL_LINES // nnodes} lines ---\n{_tail(result.stdout or '', _TAIL_LINES // nnodes)}")
+    raise LaunchError("\n".join(parts))
 
 
 def write_rank_result(out_dir: str | os.PathLike[str], payload: Mapping[str, Any], rank: int | None = None) -> Path:

@@ -41,7 +41,7 @@ import pytest
 from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups
-from hf_altparams.testing.launch import _launch_env, free_port
+from hf_altparams.testing.launch import free_port, launch_env
 from tests.scripts import script_path
 
 # name: (mode, process-group timeout s, collective_timeout)
@@ -56,7 +56,7 @@ START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 
 
 
 def _start(sync: Path, mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
-    env = dict(_launch_env("accelerate", None), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    env = dict(launch_env("accelerate", None), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", FAULT_SYNC_DIR=str(sync))
     return [subprocess.Popen(
         [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],

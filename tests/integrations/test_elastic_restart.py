@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_altparams.testing.launch import LaunchError, _launch_env, _run_once, free_port, launch
+from hf_altparams.testing.launch import LaunchError, free_port, launch, launch_env, run_launchers
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE = EXAMPLES / "elastic_restart.py"
@@ -29,8 +29,8 @@ def _elastic_run(script: Path, *args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            str(script), *args]
-    env = _launch_env("torchrun", {"ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    result, timed_out = _run_once(cmd, env, 180, None)
+    env = launch_env("torchrun", {"ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    (result,), timed_out = run_launchers([cmd], env, timeout=180)
     if timed_out or result.returncode != 0:
         raise LaunchError(f"{cmd} exited {result.returncode} (timed out: {timed_out}):\n{result.stdout[-8000:]}")
     return result.stdout

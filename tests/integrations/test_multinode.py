@@ -24,7 +24,7 @@ from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations.accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
 from hf_altparams.testing import LaunchError, rank_results
 from tests.scripts import script_path
-from hf_altparams.testing.nodes import launch_nodes
+from hf_altparams.testing.launch import launch_nodes
 from tests.scripts import engine_check
 
 NNODES, PER_NODE = 2, 2
@@ -177,7 +177,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.distributed
 def test_one_failed_node_stops_the_others_soon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys.modules["hf_altparams.testing.nodes"], "_GRACE_AFTER_FAILURE", 2.0)
+    monkeypatch.setattr(sys.modules["hf_altparams.testing.launch"], "_GRACE_AFTER_FAILURE", 2.0)
     script = tmp_path / "one_node_fails.py"
     script.write_text(_ONE_NODE_FAILS)
     started = time.monotonic()

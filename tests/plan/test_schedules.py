@@ -23,6 +23,7 @@ from hf_altparams.plan import (
     RandomBlocks,
     Schedule,
 )
+from hf_altparams.plan.schedules import Pattern
 
 
 def _trainable(schedule: Schedule, positions: range | list[int]) -> list[str]:
@@ -243,10 +244,8 @@ class EmptyAfterTwo(Schedule):
     def group_names(self) -> frozenset[str]:
         return frozenset({"a"})
 
-    def _tail(self):  # type: ignore[no-untyped-def]
-        from hf_altparams.plan.schedules import _Tail
-
-        return _Tail(2, None)
+    def pattern(self) -> Pattern:
+        return Pattern(2, None)
 
 
 def test_validate_rejects_an_empty_phase_of_a_user_schedule() -> None:

@@ -1,6 +1,6 @@
 """Two simulated nodes of two ranks each: :class:`PhasedAccelerator` across nodes.
 
-Usage (see :func:`hf_altparams.testing.nodes.launch_nodes`)::
+Usage (see :func:`hf_altparams.testing.launch.launch_nodes`)::
 
     python -m torch.distributed.run --nnodes 2 --node-rank {0,1} --nproc-per-node 2 \\
         --rdzv-backend static --master-addr 127.0.0.1 --master-port PORT multinode_checks.py OUT_DIR

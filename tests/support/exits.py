@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hf_altparams.testing.launch import _launch_env, free_port
+from hf_altparams.testing.launch import free_port, launch_env
 from tests.scripts import script_path
 
 __all__ = ["MODES", "ExitTally", "repeat_exits"]
@@ -88,7 +88,7 @@ def repeat_exits(mode: str, runs: int, *, load: int = 0, timeout: float = 120.0)
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-    env = _launch_env("accelerate", None)  # ACCELERATE_USE_CPU=1: two gloo ranks; PYTHONPATH to this checkout
+    env = launch_env("accelerate", None)  # ACCELERATE_USE_CPU=1: two gloo ranks; PYTHONPATH to this checkout
     tally = ExitTally(mode)
     stop = multiprocessing.Event()
     burners = [multiprocessing.Process(target=_burn, args=(stop,), daemon=True) for _ in range(load)]

@@ -203,7 +203,3 @@ def warn_if_always_dominates(kind: str, always: Iterable[str], groups: ParamGrou
     if text is not None:
         warnings.warn(text, TrainShareWarning, stacklevel=3)
 
-
-def numel_by_group(groups: ParamGroups) -> Mapping[str, int]:
-    """Parameters per group (for a schedule's largest-phase hook)."""
-    return {g: groups.numel(g) for g in groups.names}
