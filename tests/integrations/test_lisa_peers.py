@@ -48,6 +48,11 @@ def row(result: dict[str, Any], variant: str) -> dict[str, Any]:
     return rows[variant]
 
 
+def digests(result: dict[str, Any], variant: str) -> list[list[str]]:
+    """Each rank's SHA-256 of its parameters after every step of the first round (as the rank computed it)."""
+    return [[s["digest"] for s in rank["runs"][variant][0]["steps"]] for rank in result["ranks"]]
+
+
 def completed(r: dict[str, Any]) -> None:
     assert r["error"] is None, r["error"]
     assert r["completed_steps"] == STEPS, r["outcome"]
@@ -60,6 +65,8 @@ def test_the_naive_callback_lets_the_ranks_differ_or_fails(result: dict[str, Any
     assert naive["error"] is not None or not naive["ranks_identical"], naive["outcome"]
     if not naive["ranks_identical"]:  # the difference was measured, not assumed
         assert naive["max_abs_diff"] > 0, naive
+        rank0, rank1 = digests(result, "naive")
+        assert any(a != b for a, b in zip(rank0, rank1)), (rank0, rank1)
     if naive["error"] is not None:
         assert naive["error"]["step"] >= 1 and naive["error"]["message"], naive["error"]
         assert naive["outcome"].startswith(f"stopped in step {naive['error']['step']}"), naive["outcome"]
@@ -83,6 +90,8 @@ def test_hf_altparams_keeps_ranks_bit_identical_and_all_reduces_the_trainable_by
     r = row(result, variant)
     completed(r)
     assert r["ranks_identical"] and all(r["ranks_identical_steps"]), r["max_abs_diff_per_step"]
+    rank0, rank1 = digests(result, variant)
+    assert rank0 == rank1 and len(rank0) == STEPS and len(set(rank0)) == STEPS  # equal, and every step changed them
     assert r["allreduce_equal_on_ranks"]
     assert r["allreduce_bytes_per_step"] == r["trainable_bytes_per_step"], (
         r["allreduce_bytes_per_step"], r["trainable_bytes_per_step"])
