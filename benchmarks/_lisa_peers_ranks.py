@@ -27,8 +27,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import accelerate
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -317,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     write_rank_result(args.worker, {
         "runs": runs, "final_vs_reference": vs_reference, "draws": draws, "threads": torch.get_num_threads(),
         "model_bytes": sum(tensor_bytes(p) for p in build_model(job).parameters()),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "accelerate": accelerate.__version__},
     }, rank=dist.get_rank())
     dist.barrier(group=group)
     shutdown()

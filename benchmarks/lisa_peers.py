@@ -62,6 +62,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -280,6 +281,18 @@ def plot(rows: list[dict[str, Any]], job: Job, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def library_revision() -> str:
+    """The commit of this checkout, marked when ``hf_altparams/`` has uncommitted changes (the figures depend on it)."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "hf_altparams"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" with uncommitted changes to hf_altparams/" if dirty else "")
+
+
 def loadavg() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -296,43 +309,51 @@ def driver(args: argparse.Namespace, job: Job) -> int:
     variants = [v for v in VARIANTS if v in args.variants]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = loadavg()
-    started = time.perf_counter()
+    load_before, started = loadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as ranks_dir:
-        worker_args = ["--worker", ranks_dir, "--variants", *variants, "--repeats", str(args.repeats),
-                       *job_args(job)]
-        launch(RANKS_SCRIPT, *worker_args, nproc=args.nproc, timeout=args.timeout,
-               env={"OMP_NUM_THREADS": str(args.threads)})
+        launch(RANKS_SCRIPT, "--worker", ranks_dir, "--variants", *variants, "--repeats", str(args.repeats),
+               *job_args(job), nproc=args.nproc, timeout=args.timeout, env={"OMP_NUM_THREADS": str(args.threads)})
         ranks = rank_results(ranks_dir, nproc=args.nproc)
-    wall = time.perf_counter() - started
-    load_after = loadavg()
+    wall, load_after = time.perf_counter() - started, loadavg()
     rows = [summarize(v, ranks, ranks[0]["final_vs_reference"].get(v)) for v in variants]
-    where = machine("cpu", args.nproc)
+    where, revision, versions = machine("cpu", args.nproc), library_revision(), ranks[0]["versions"]
     payload = {
-        "machine": where, "threads_per_rank": args.threads, "loadavg_before": load_before,
-        "loadavg_after": load_after, "cpu_count": os.cpu_count(), "wall_seconds": wall,
-        "job": asdict(job), "variants": variants, "repeats": args.repeats, "reference": REFERENCE,
-        "layer_draws": ranks[0]["draws"], "model_bytes": ranks[0]["model_bytes"], "rows": rows, "ranks": ranks,
+        "machine": where, "library_revision": revision, "versions": versions, "threads_per_rank": args.threads,
+        "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
+        "wall_seconds": wall, "job": asdict(job), "variants": variants, "repeats": args.repeats,
+        "reference": REFERENCE, "layer_draws": ranks[0]["draws"], "model_bytes": ranks[0]["model_bytes"],
+        "rows": rows, "ranks": slim(ranks),
     }
-    (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
-    text = table(rows)
-    loaded = ""
-    if load_before and load_after:
-        loaded = (f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
-                  f"{os.cpu_count()} cores.")
-    header = (f"{where}; {args.threads} thread(s) per rank; {job.steps} steps, LISA k={job.k} every {job.every}, "
-              f"{job.layers} layers, hidden {job.hidden}, batch {job.batch} x {job.seq} tokens per rank; "
-              f"{args.repeats} round(s); MB = 10^6 bytes.{loaded}\n\n")
+    (out / f"{args.name}.json").write_text(json.dumps(payload, default=str))
+    load = (f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores."
+            if load_before and load_after else "")
+    header = (f"{where}, transformers {versions['transformers']}, accelerate {versions['accelerate']}, "
+              f"hf_altparams at {revision}; {args.threads} thread(s) per rank; {job.steps} steps, LISA k={job.k} "
+              f"every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x {job.seq} tokens "
+              f"per rank; {args.repeats} round(s); MB = 10^6 bytes.{load}\n\n")
     notes = "".join(f"- `{r['variant']}` final weights vs `{REFERENCE}`: max abs diff "
                     f"{r['final_weights_max_abs_diff_vs_reference']:.3g}\n"
                     for r in rows if r["final_weights_max_abs_diff_vs_reference"] is not None
                     and r["variant"] != REFERENCE)
-    (out / f"{args.name}.md").write_text(header + text + ("\n" + notes if notes else ""))
-    plot(rows, job, out / f"{args.name}.png", f"LISA, {job.layers}-layer Llama, Trainer, {args.nproc} gloo ranks: "
-         "optimizer state held")
-    print(header + text + ("\n" + notes if notes else ""))
-    print(f"wrote {out / args.name}.{{json,md,png}} ({wall:.0f} s)")
+    report = header + table(rows) + ("\n" + notes if notes else "")
+    (out / f"{args.name}.md").write_text(report)
+    plot(rows, job, out / f"{args.name}.png",
+         f"LISA, {job.layers}-layer Llama, Trainer, {args.nproc} gloo ranks: optimizer state held")
+    print(report + f"wrote {out / args.name}.{{json,md,png}} ({wall:.0f} s)")
     return 0
+
+
+def slim(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' records for the JSON: every figure of the first round; of the later ones, times and digests."""
+    kept = ("step", "digest", "seconds", "cpu_seconds")
+    out = []
+    for rank in ranks:
+        runs = {v: [runs[0]] + [{**run, "steps": [{k: s[k] for k in kept} for s in run["steps"]],
+                                 "error": run["error"] and {k: run["error"][k] for k in ("type", "step")}}
+                                for run in runs[1:]]
+                for v, runs in rank["runs"].items()}
+        out.append({**rank, "runs": runs})
+    return out
 
 
 def job_args(job: Job) -> list[str]:
