@@ -128,6 +128,12 @@ def round_median(ranks: list[dict[str, Any]], variant: str, round_: int, key: st
     return statistics.median(values) if values else None
 
 
+def library_figures(run: dict[str, Any], steps: int) -> list[Optional[int]]:
+    """``altparams/allreduce_bytes_per_step`` the callback logged for each step (its reducer's figure; None: no log)."""
+    logged = {log["step"]: log.get("altparams/allreduce_bytes_per_step") for log in run["altparams_logs"]}
+    return [logged.get(step) for step in range(1, steps + 1)]
+
+
 def summarize(variant: str, ranks: list[dict[str, Any]], final_vs_reference: Optional[float]) -> dict[str, Any]:
     """One row: what every rank measured over the variant's runs."""
     runs = [r["runs"][variant] for r in ranks]  # [rank][repeat]
@@ -166,6 +172,7 @@ def summarize(variant: str, ranks: list[dict[str, Any]], final_vs_reference: Opt
         "max_abs_diff": max((s["max_abs_diff"] for run in first for s in run["steps"]), default=0.0),
         "max_abs_diff_per_step": [s["max_abs_diff"] for s in steps0],
         "allreduce_bytes_per_step": reduced,
+        "library_allreduce_bytes_per_step": library_figures(first[0], len(steps0)),
         "allreduce_equal_on_ranks": all([s["allreduce_bytes"] for s in run["steps"]] == reduced for run in first),
         "trainable_bytes_per_step": trainable,
         "allreduce_over_trainable": (min(wire), max(wire)) if wire else None,

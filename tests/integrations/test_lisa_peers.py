@@ -73,6 +73,14 @@ def test_the_naive_callback_lets_the_ranks_differ_or_fails(result: dict[str, Any
 
 
 @pytest.mark.distributed
+def test_the_digest_comparison_sees_ranks_that_differ(result: dict[str, Any]) -> None:
+    """The check the hf_altparams rows pass can fail: the naive run's first step synchronised no bucket."""
+    naive = row(result, "naive")
+    assert naive["allreduce_bytes_per_step"][0] < naive["trainable_bytes_per_step"][0]  # gradients left local
+    assert naive["ranks_identical_steps"][0] is False and naive["max_abs_diff_per_step"][0] > 0, naive["outcome"]
+
+
+@pytest.mark.distributed
 def test_find_unused_keeps_ranks_identical_but_all_reduces_more_than_it_trains(result: dict[str, Any]) -> None:
     r = row(result, "naive_find_unused")
     completed(r)
@@ -95,6 +103,8 @@ def test_hf_altparams_keeps_ranks_bit_identical_and_all_reduces_the_trainable_by
     assert r["allreduce_equal_on_ranks"]
     assert r["allreduce_bytes_per_step"] == r["trainable_bytes_per_step"], (
         r["allreduce_bytes_per_step"], r["trainable_bytes_per_step"])
+    # What the callback logs (`altparams/allreduce_bytes_per_step`, from its reducer) is what the hook counted.
+    assert r["library_allreduce_bytes_per_step"] == r["allreduce_bytes_per_step"]
     assert min(r["trainable_bytes_per_step"]) > 0
 
 
