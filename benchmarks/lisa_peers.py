@@ -113,7 +113,7 @@ class Job:
 # --------------------------------------------------------------------------- summary, table, plot
 
 
-def _fmt_mb(n: Optional[float]) -> str:
+def fmt_mb(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{n / MB:.2f} MB"
 
 
@@ -224,14 +224,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         if reduced and row["allreduce_over_trainable"]:
             low, high = row["allreduce_over_trainable"]
             ratio = f"{low:.2f}x" if abs(high - low) < 5e-3 else f"{low:.2f}-{high:.2f}x"
-            span = (_fmt_mb(reduced[0]) if len(set(reduced)) == 1
+            span = (fmt_mb(reduced[0]) if len(set(reduced)) == 1
                     else f"{min(reduced) / MB:.2f}-{max(reduced) / MB:.2f} MB")
-            tspan = (_fmt_mb(trainable[0]) if len(set(trainable)) == 1
+            tspan = (fmt_mb(trainable[0]) if len(set(trainable)) == 1
                      else f"{min(trainable) / MB:.2f}-{max(trainable) / MB:.2f} MB")
             comm = f"{span} / {tspan} ({ratio})"
         else:
             comm = "n/a"
-        state = (f"{_fmt_mb(row['optimizer_state_end'])} ({_fmt_mb(row['optimizer_state_frozen_end'])})"
+        state = (f"{fmt_mb(row['optimizer_state_end'])} ({fmt_mb(row['optimizer_state_frozen_end'])})"
                  if row["optimizer_state_end"] is not None else "n/a")
         step = step_cell(row)
         loss = f"{row['final_loss']:.3f}" if row["final_loss"] is not None else "n/a"
