@@ -30,7 +30,7 @@ from ..errors import PlanError, SwitchError
 from ..plan.phase import Phase
 
 __all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors", "gather_rows",
-           "is_distributed", "settle"]
+           "is_collective_failure", "is_distributed", "settle"]
 
 
 def is_distributed(group: Optional[dist.ProcessGroup]) -> bool:
@@ -114,6 +114,22 @@ def collective_errors(phase: Optional[Phase], step: Optional[int], group: Option
         else:
             message = f"{head}: the switch's {what} collective failed ({_short(exc)}); {tail}"
         raise SwitchError(message) from exc
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed or timed-out collective (a dead peer, a timeout, mismatched collectives).
+
+    Example:
+        >>> is_collective_failure(RuntimeError("[Gloo] Timed out waiting 5000ms for recv operation to complete"))
+        True
+        >>> is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+        False
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(mark in text for mark in ("gloo", "nccl", "timed out", "connection closed", "connection reset",
+                                         "processgroup", "broken pipe"))
 
 
 def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[Any, Any]:

@@ -32,7 +32,8 @@ from .collective import check_timeout
 from .buffers import BufferSyncPolicy, FrozenNormPolicy, check_buffer_sync
 from .ddp import check_keep_reducers
 from .drift import DriftSetting, check_drift_setting
-from .memory import DeviceLike, PrefetchSetting, ReleaseSetting, as_device, check_prefetch, check_release
+from .memory import (DeviceLike, PrefetchSetting, ReleaseSetting, StatePolicy, StatePolicyLike, as_device,
+                     check_prefetch, check_release)
 from .records import check_history_window
 
 __all__ = ["SwitchConfig"]
@@ -95,6 +96,15 @@ class SwitchConfig:
             Each kept reducer holds one copy of its phase's trainable gradients;
             in return a switch back re-installs it (faster, with the bucket layout
             it learned). ``1`` suits two sets alternating every step.
+        idle_state: what an idle group's optimizer state and fp32 master do
+            where the optimizer leaves it open (a plain torch optimizer such as
+            the Trainer's default AdamW; a ``GroupedOptimizer`` or
+            ``PrecisionOptimizer`` built without ``state_policy`` /
+            ``master_policy``): ``"keep"``, ``"offload"`` or ``"drop"``.
+            ``None`` (default): the schedule's assumption
+            (``schedule.idle_state``): ``"drop"`` for ``lisa`` and ``badam``
+            (state and masters freed while a block is idle, as their published
+            memory figures assume); otherwise state kept and masters offloaded.
         drift_check: when every rank's weights are compared (:mod:`.drift`; a
             ``DriftError`` names the groups and ranks that differ): ``"save"``
             (default) before every checkpoint of the integrations; ``"switch"``
@@ -115,6 +125,7 @@ class SwitchConfig:
     history_window: int = 256
     collective_timeout: Optional[float] = None
     keep_reducers: int = 0
+    idle_state: Optional[StatePolicyLike] = None
     drift_check: DriftSetting = "save"
 
     def __post_init__(self) -> None:
@@ -130,6 +141,8 @@ class SwitchConfig:
         check_history_window(self.history_window)
         object.__setattr__(self, "collective_timeout", check_timeout(self.collective_timeout))
         check_keep_reducers(self.keep_reducers)
+        if self.idle_state is not None:
+            object.__setattr__(self, "idle_state", StatePolicy.parse(self.idle_state, "`idle_state`"))
         check_drift_setting(self.drift_check)
 
     @classmethod

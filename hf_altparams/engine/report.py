@@ -187,6 +187,9 @@ class SwitchedRun(Protocol):
     @property
     def ddp(self) -> Optional[DistributedDataParallel]: ...
 
+    @property
+    def idle_state_policies(self) -> Mapping[str, StatePolicy]: ...
+
 
 class _Census:
     def __init__(self) -> None:
@@ -225,10 +228,9 @@ def _group_optimizers(switcher: SwitchedRun) -> dict[str, Optional[Optimizer]]:
 
 
 def _offloaded_state_groups(switcher: SwitchedRun) -> set[str]:
-    out = set(switcher.residency.offloaded) if switcher.residency is not None else set()
-    opt = _optimizer(switcher)
-    if isinstance(opt, GroupedOptimizer):
-        out |= {g for g, p in opt.policies.items() if p is StatePolicy.OFFLOAD and g not in opt.active}
+    out = set(switcher.residency.offloaded)
+    trainable = switcher.current.trainable if switcher.current is not None else frozenset(switcher.groups.names)
+    out |= {g for g, p in switcher.idle_state_policies.items() if p is StatePolicy.OFFLOAD and g not in trainable}
     return out
 
 
@@ -289,7 +291,7 @@ def expected_footprint(switcher: SwitchedRun, phase: Optional[Phase] = None) -> 
     off = residency.non_resident(phase) if residency is not None and residency.offload_device is not None \
         else frozenset()
     active = set(phase.trainable) | ({UNGROUPED} if groups.ungrouped == "trainable" else set())
-    state_policy = opt.policies if isinstance(opt, GroupedOptimizer) else {}
+    state_policy = dict(switcher.idle_state_policies)
     master_policy = opt.master_policies if isinstance(opt, PrecisionOptimizer) else {}
     where = layout(active, off, _trained(switcher, optimizers), state_policy, master_policy)
     owners = buffer_owners(groups.module, groups.group_of)

@@ -35,9 +35,10 @@ switch sits on an optimizer step's path.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
-from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -59,12 +60,15 @@ from .driver import DriverState, PhaseDriver
 from .fsdp2 import FSDP2Backend, is_fsdp2
 from .layouts import PhaseLayouts, remember
 from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
-from .optim import GroupedOptimizer, grouped_in
+from .memory import StatePolicy, optimizer_of
+from .optim import GroupedOptimizer, PlainOptimizerState, grouped_in
 from .records import SwitchHistory, SwitchRecord
 from .report import expected_peak_bytes
 from .shutdown import install_exit_hook
 
 __all__ = ["PhaseHook", "PhaseSwitcher", "SwitchRecord", "backend_for"]
+
+logger = logging.getLogger("hf_altparams")
 
 STATE_FORMAT = "hf_altparams.PhaseSwitcher/2"
 
@@ -101,8 +105,10 @@ class PhaseSwitcher:
         schedule: maps a step (and epoch) to a :class:`~hf_altparams.plan.Phase`;
             validated against ``groups`` here, before any training step.
         optimizer: optional; a :class:`GroupedOptimizer` follows the phases
-            (its active groups and idle-state policy). A plain optimizer over
-            all parameters needs nothing (torch skips parameters whose grad is None).
+            (its active groups and idle-state policy); a plain optimizer over
+            all parameters steps what has a gradient (torch skips the rest) and
+            its idle groups' state follows the run's ``idle_state``
+            (:mod:`.optim.idle`).
         model: the DDP wrapper around ``groups.module``, if already built (else
             call :meth:`attach` once it is).
         config: the switch's settings (:class:`~hf_altparams.engine.config.SwitchConfig`:
@@ -157,6 +163,8 @@ class PhaseSwitcher:
         self.backend: Backend = LocalBackend()
         self.optimizer: Optional[Optimizer] = None
         self._grouped: Optional[GroupedOptimizer] = None
+        self._state: Union[None, GroupedOptimizer, PlainOptimizerState] = None  # what follows the phase
+        self._idle_logged = False
         self._release = ReleasePolicy(self.config.release)
         self._prefetch = PhasePrefetch(self.config.prefetch)
         self._refuse_missing = bool(refuse_missing_grads)
@@ -216,6 +224,13 @@ class PhaseSwitcher:
     def grouped_optimizer(self) -> Optional[GroupedOptimizer]:
         """The :class:`GroupedOptimizer` that follows the phases (inside a prepared wrapper too), if any."""
         return self._grouped
+
+    @property
+    def idle_state_policies(self) -> dict[str, StatePolicy]:
+        """Each group's idle optimizer-state policy in this run (``keep`` for every group without an optimizer)."""
+        if self._state is None:
+            return {name: StatePolicy.KEEP for name in self.groups.names}
+        return dict(self._state.policies)
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -285,13 +300,32 @@ class PhaseSwitcher:
             raise AltParamsError("the switcher has an optimizer already; a second would step outside the schedule")
         self.optimizer = optimizer
         self._grouped = grouped_in(optimizer)
+        inner = optimizer_of(optimizer)
+        self._state = self._grouped if self._grouped is not None else (
+            PlainOptimizerState(inner, self.groups) if isinstance(inner, Optimizer) else None)
         self.residency.set_optimizer(optimizer)
         self._step_hook = invariants.check_each_step(optimizer, self)
-        if self._grouped is not None:
-            self._grouped.follow(self.driver)
+        if self._state is not None:
+            idle_state, idle_master, _ = self.idle_policies()
+            self._state.follow(self.driver, idle_state, idle_master)
             if self.current is not None:
-                self._grouped.enter_phase(self.current.trainable)
+                self._state.enter_phase(self.current.trainable)
         self.reapply_placement()
+
+    def idle_policies(self) -> tuple[StatePolicy, StatePolicy, str]:
+        """``(optimizer state, fp32 masters, why)``: the run's idle-state policies where the optimizer leaves them open.
+
+        The switcher's ``idle_state`` when set; else the schedule's assumption
+        (``schedule.idle_state``: ``"drop"`` for lisa and badam); else state kept
+        and masters offloaded.
+        """
+        given = self.config.idle_state
+        if given is not None:
+            policy = StatePolicy.parse(given, "`idle_state`")
+            return policy, policy, f"idle_state={policy.value!r}"
+        if self.schedule.idle_state == "drop":
+            return StatePolicy.DROP, StatePolicy.DROP, f"the {self.schedule.kind} recipe's assumption"
+        return StatePolicy.KEEP, StatePolicy.OFFLOAD, "the default"
 
     def close(self) -> None:
         """The run that owns this switcher is over: stop checking the optimizer's steps, remove the forward guards."""
@@ -397,9 +431,8 @@ class PhaseSwitcher:
         if why_not:
             warnings.warn(f"hf_altparams: keep_reducers={keep} is not used with this DDP wrapper "
                           f"({why_not}); every switch builds a new reducer", stacklevel=3)
-        grouped = self._grouped
-        if grouped is not None:
-            grouped.attach_ddp(model)  # PrecisionOptimizer(allreduce_dtype=...): its comm hook
+        if self._state is not None:
+            self._state.attach_ddp(model)  # PrecisionOptimizer(allreduce_dtype=...): its comm hook
         self._forget_sizes()
         current = self.current
         if current is not None and not rebuild:
@@ -565,8 +598,11 @@ class PhaseSwitcher:
         with collective_errors(phase, step, group, None, "broadcast of returning groups"):
             synced = self.residency.sync_returning(self.process_group) if self._distributed() else 0
         self.residency.install_guards(phase)
-        if self._grouped is not None:
-            self._grouped.enter_phase(phase.trainable)
+        if self._state is not None:
+            self._state.enter_phase(phase.trainable)
+            if not self._idle_logged and set(self.groups.names) - phase.trainable:
+                self._idle_logged = True  # the first switch that leaves a group idle says what its state does
+                logger.info("hf_altparams: %s", self._state.summary(self.idle_policies()[2]))
         plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
                                       ignore=self.residency.ignore_names())
         previous = self.current
@@ -656,12 +692,12 @@ class PhaseSwitcher:
             param.grad = grad
 
     # ------------------------------------------------------------ memory
-    def _state_stays_off(self, phase: Phase) -> Any:
+    def _state_stays_off(self, phase: Phase) -> Callable[[str], bool]:
         """Whether a group's optimizer state stays off the device in ``phase`` (its idle policy)."""
-        grouped = self._grouped
-        if grouped is None:
+        state = self._state
+        if state is None:
             return _never
-        return lambda group: group not in phase.trainable and grouped.idle_state_leaves(group)
+        return lambda group: group not in phase.trainable and state.idle_state_leaves(group)
 
     def _start_prefetch(self) -> int:
         """If the driver's step is the current phase's last, start copying the next phase's offloaded tensors."""
@@ -674,11 +710,11 @@ class PhaseSwitcher:
                                        if self._prefetch.setting == "auto" else 0)
         residency = self.residency
         started = residency.prefetch(residency.offloaded - residency.non_resident(upcoming), budget)
-        grouped = self._grouped
-        if grouped is not None:
-            for name in sorted(upcoming.trainable - grouped.active):
+        state = self._state
+        if state is not None:
+            for name in sorted(upcoming.trainable - state.active):
                 if budget is None or started < budget:
-                    started += grouped.prefetch(name, None if budget is None else budget - started)
+                    started += state.prefetch(name, None if budget is None else budget - started)
         return started
 
     def reapply_placement(self) -> int:
@@ -694,8 +730,8 @@ class PhaseSwitcher:
         if self.current is not None:
             moved += self.residency.enforce(keep_state_off=self._state_stays_off(self.current))
             self.residency.install_guards()
-        if self._grouped is not None:
-            moved += self._grouped.reapply_policy()
+        if self._state is not None:
+            moved += self._state.reapply_policy()
         return moved
 
     # ------------------------------------------------------------ checkpoints

@@ -66,7 +66,8 @@ from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, PlanError
+from ..engine.collective import is_collective_failure
+from ..errors import AltParamsError, PlanError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
@@ -269,6 +270,12 @@ class PhasedAccelerator(Accelerator):
         if self.run.prepared_models or self.run.switcher is not None:
             raise PlanError("`set_phases` came after `prepare` of the grouped model; call it before, so the first "
                             "phase is applied before DDP wraps the model")
+        if self.run.unphased_models:
+            raise PlanError(
+                f"`set_phases` came after `prepare` of {self.run.unphased_models}, prepared while the accelerator "
+                "had no schedule: that model is wrapped already (DDP over every parameter, the optimizer a plain "
+                "one) and would train whole at every step, the schedule ignored. Call `set_phases(schedule, "
+                "groups=...)` before `accelerator.prepare(model, optimizer, ...)`")
         self.run.set_phases(*checked_phases(schedule, groups))
 
     # ---------------------------------------------------------------- prepare
@@ -287,7 +294,9 @@ class PhasedAccelerator(Accelerator):
                             "give one bool (or None) per object")
         run = self.run
         found = find_grouped(args, run.groups, run.schedule, prepared_models=run.prepared_models,
-                             driving_bound=run.driving_bound)
+                             driving_bound=run.driving_bound, multi_process=self.num_processes > 1)
+        if run.schedule is None:  # a plain Accelerator so far: a later set_phases must know what it missed
+            run.note_unphased(args)
         check_supported(self, self._fsdp_plugin_given)
         root_index = next((i for i, part in found.models.items() if part is None), None)
         sharded = root_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
@@ -363,7 +372,19 @@ class PhasedAccelerator(Accelerator):
         if self.switcher is not None:
             check_loss(loss, self.switcher.current, self.switcher.groups, "accelerator.backward(loss)",
                        "`accelerator.task` / `accelerator.phase`")
-        super().backward(loss, **kwargs)
+        try:
+            super().backward(loss, **kwargs)
+        except RuntimeError as exc:
+            if self.switcher is None or self.num_processes <= 1 or not is_collective_failure(exc):
+                raise
+            step = self.run.driver.step if self.run.driver is not None else 0
+            raise SwitchError(
+                f"accelerator.backward at schedule step {step} (rank {self.process_index} of {self.num_processes}): "
+                f"DDP's gradient all-reduce failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}). "
+                "The ranks are out of step: another rank is in another collective, most likely a phase switch, "
+                "because the ranks did not all call `optimizer.step()` at the same iterations (a step skipped or "
+                "doubled on some rank) or one rank died. Every rank must run the same steps; the process group is "
+                "unusable now: restart from the latest complete checkpoint") from exc
         if self.run.driver is not None:
             self.run.driver.note_backward()
 
@@ -479,19 +500,24 @@ UNSUPPORTED = {
 
 def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
     """Refuse, with the reason, a configuration whose reducer or trainable set the phases cannot drive."""
-    reason = accelerator_refusal(acc, fsdp_plugin_given) or UNSUPPORTED.get(acc.distributed_type)
+    what, reason = "", accelerator_refusal(acc, fsdp_plugin_given)
+    if reason is not None:
+        plugin = fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
+        version = getattr(plugin, "fsdp_version", None)
+        what = "DeepSpeed" if acc.distributed_type == DistributedType.DEEPSPEED else f"FSDP version {version}"
+    elif acc.distributed_type in UNSUPPORTED:
+        what, reason = f"distributed_type={acc.distributed_type.value!r}", UNSUPPORTED[acc.distributed_type]
     parallelism = getattr(acc, "parallelism_config", None)
     if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
-        reason = "tensor/context parallelism shards parameters outside DDP"
+        what, reason = "tensor/context parallelism", "it shards parameters outside DDP"
     dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
     if reason is None and dynamo != DynamoBackend.NO:
-        reason = "torch.compile bakes DDP's bucket layout into the compiled graph"
+        what = f"dynamo_backend={getattr(dynamo, 'value', dynamo)!r} (torch.compile)"
+        reason = ("a compiled graph guards on `requires_grad` and (under DDP) on DDP's bucket layout, which every "
+                  "phase switch changes; drop `dynamo_backend` (compile outside the phased run, if at all)")
     if reason is not None:
         raise AltParamsError(
-            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs, not "
-            f"distributed_type={acc.distributed_type.value!r} / this configuration: {reason} "
-            "(and no dynamo backend)."
-        )
+            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs; it cannot drive {what}: {reason}")
 
 
 class PhasedOptimizer(AcceleratedOptimizer):

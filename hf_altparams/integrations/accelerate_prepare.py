@@ -23,7 +23,7 @@ optimizer that leaves out a parameter the schedule trains.
 
 The user's own optimizers, one per group: each is matched to a group by the
 parameters it holds (exactly that group's). One GroupedOptimizer is built from
-them (its state policy ``"keep"``) and prepared as the one optimizer Accelerate
+them (its state policy the run's: ``"drop"`` under lisa and badam, ``"keep"`` otherwise) and prepared as the one optimizer Accelerate
 knows (one loss-scaler unscale and step per iteration under fp16, one optimizer
 in ``save_state``); the user gets back one :class:`OptimizerHandle` per
 optimizer. :class:`GradientArrivals` tells the handles whether a backward put
@@ -34,15 +34,17 @@ keeps Accelerate from unscaling the grouped optimizer twice.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Mapping, Optional, Union
 
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import extract_model_from_parallel, is_compiled_module
 from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.backend import model_name_in
 from ..engine.ddp import is_ddp
-from ..engine.optim import GroupedOptimizer, grouped_in, match_to_groups, uncovered_message
+from ..engine.optim import GroupedOptimizer, frozen_ungrouped, grouped_in, match_to_groups, uncovered_message
 from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
@@ -118,6 +120,10 @@ def _model_part(root: nn.Module, arg: Any) -> tuple[bool, Optional[str]]:
     """Whether ``arg`` is a grouped model, and its name among several (``None``: the root itself)."""
     if arg is root:
         return True, None
+    if isinstance(arg, nn.Module) and is_compiled_module(arg):  # torch.compile(model): one process only
+        arg = extract_model_from_parallel(arg, keep_torch_compile=False)
+        if arg is root:
+            return True, None
     name = model_name_in(root, arg) if isinstance(arg, nn.Module) else None
     return name is not None, name
 
@@ -142,13 +148,19 @@ def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Opt
 
 
 def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule: Optional[Schedule], *,
-                 prepared_models: set[Optional[str]], driving_bound: bool) -> Found:
+                 prepared_models: set[Optional[str]], driving_bound: bool, multi_process: bool = False) -> Found:
     """Find the grouped model(s) and the optimizer(s) that drive the schedule in ``prepare``'s ``args``.
 
     ``groups`` are the accelerator's (``None`` when only a GroupedOptimizer can
     tell); ``prepared_models``: the grouped models prepared by earlier calls;
-    ``driving_bound``: an earlier call brought the driving optimizer. Refuses,
+    ``driving_bound``: an earlier call brought the driving optimizer;
+    ``multi_process``: the run has several processes (DDP or FSDP2). Refuses,
     before anything is prepared, every form the schedule could not drive.
+
+    ``groups={"a": net.layer1, "b": net.layer2}`` with ``prepare(net, ...)``
+    means groups of ``net``: they are rebuilt on it (``ParamGroups(net, {...})``).
+    A model compiled with ``torch.compile`` before ``prepare`` trains in one
+    process (its groups named either way); with several processes it is refused.
     """
     if schedule is None:
         return Found()
@@ -160,7 +172,9 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
         if optimizers:
             _refuse_without_groups([o for _, o in optimizers])
         return Found()
+    groups = _groups_of_one_model(groups, args, schedule)
     root = groups.module
+    _check_compiled(args, root, multi_process)
     models: dict[int, Optional[str]] = {}
     for i, arg in enumerate(args):
         is_model, name = _model_part(root, arg)
@@ -187,6 +201,13 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
             f"prepared with the optimizer that drives the schedule: a second one would step outside it. {FORMS}")
     if not models and not prepared_models:
         i, opt = mine[0]
+        others = [f"{_label(j)} ({type(a).__name__})" for j, a in enumerate(args) if isinstance(a, nn.Module)]
+        if others:
+            raise AltParamsError(
+                f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, but no argument of this "
+                f"`prepare` is that model: the groups were built on a {type(root).__name__}, and {others} is not it "
+                "(nor one of the models of `ParamGroups.of_models`). Build the groups on the model you pass to "
+                f"`prepare` (`ParamGroups(model, ...)`). {FORMS}")
         raise AltParamsError(
             f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, passed without the model "
             "(before it); prepare the model first, in the same call or an earlier one: the first phase must be "
@@ -199,6 +220,7 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
     if len(mine) == 1:
         index, found.driving = mine[0]
         _check_coverage(groups, schedule, f"{_label(index)} ({type(found.driving).__name__})", found.driving)
+        _warn_frozen_ungrouped(groups, found.driving)
         return found
     matched = match_to_groups(groups, [(_label(i), o) for i, o in mine], forms=FORMS)
     group_of = {id(opt): name for name, opt in matched.items()}
@@ -209,6 +231,57 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
     call_args, _ = found.arguments(args, None)
     found.models = {j: models[i] for i in models for j, a in enumerate(call_args) if a is args[i]}
     return found
+
+
+def _groups_of_one_model(groups: ParamGroups, args: tuple[Any, ...], schedule: Schedule) -> ParamGroups:
+    """``groups`` of several models (``{"a": net.layer1, ...}``) rebuilt on ``net`` when ``net`` is passed.
+
+    A mapping of names to modules means several models trained by one schedule,
+    each prepared (and wrapped) on its own (a GAN); when the modules are all
+    parts of one model passed to ``prepare`` instead, the user meant groups of
+    that model, and gets them.
+    """
+    root = groups.module
+    if not isinstance(root, nn.ModuleDict) or any(arg is root or model_name_in(root, arg) for arg in args):
+        return groups
+    parts = dict(root.items())
+    if set(groups.names) != set(parts):
+        return groups
+    for arg in args:
+        if isinstance(arg, nn.Module) and not is_ddp(arg):
+            inside = {id(m) for m in arg.modules() if m is not arg}
+            if all(id(part) in inside for part in parts.values()):
+                rebuilt = ParamGroups(arg, {name: part for name, part in parts.items()}, ungrouped=groups.ungrouped)
+                schedule.validate(rebuilt)
+                return rebuilt
+    return groups
+
+
+def _check_compiled(args: tuple[Any, ...], root: nn.Module, multi_process: bool) -> None:
+    """Refuse a model compiled before ``prepare`` in a run of several processes (the way out named)."""
+    if not multi_process:
+        return
+    for i, arg in enumerate(args):
+        if isinstance(arg, nn.Module) and is_compiled_module(arg):
+            inner = extract_model_from_parallel(arg, keep_torch_compile=False)
+            if arg is root or inner is root or model_name_in(root, arg) or model_name_in(root, inner):
+                raise AltParamsError(
+                    f"{_label(i)} is the grouped model compiled with `torch.compile` before `prepare`; with several "
+                    "processes that is not supported: a compiled graph guards on `requires_grad`, which every "
+                    "phase switch changes (a recompile per switch until dynamo gives up), and under DDP on the "
+                    "bucket layout the switch rebuilds. Pass the uncompiled model to `prepare` (in one process, "
+                    "a compiled model trains, its groups named either way)")
+
+
+def _warn_frozen_ungrouped(groups: ParamGroups, optimizer: Optimizer) -> None:
+    """Warn, naming them, about parameters ``optimizer`` holds that no group names (``ungrouped="frozen"``)."""
+    frozen = frozen_ungrouped(groups, [optimizer])
+    if frozen:
+        warnings.warn(
+            f"hf_altparams: the optimizer holds {len(frozen)} parameter(s) that no group names (e.g. "
+            f"{frozen[:4]}); with ungrouped='frozen' (the default) they stay frozen for the whole run and are "
+            "never updated. Put them in a group of the schedule, or pass `ungrouped='trainable'` to ParamGroups "
+            "to train them in every phase.", stacklevel=4)
 
 
 def checked_phases(schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]

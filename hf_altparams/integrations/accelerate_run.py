@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from accelerate.utils import extract_model_from_parallel, is_compiled_module
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -55,6 +56,7 @@ from ..engine.driver import PhaseDriver
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
+from ..engine.torch_internals import version_counter
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
@@ -104,8 +106,13 @@ class PhasedRun:
         self.comm_counter: Optional[CommCounter] = None
         self.frozen_prefix: Optional[FrozenPrefixCache] = None
         self.prepared_models: set[Optional[str]] = set()  # grouped models prepared (None: the groups' module)
+        self.unphased_models: list[str] = []  # models prepared while no schedule was set (set_phases refuses them)
         self.driving_bound = False  # the optimizer that drives the schedule was prepared
         self.reset()
+
+    def note_unphased(self, args: tuple[Any, ...]) -> None:
+        """``prepare`` ran without a schedule: remember the models it prepared (a later ``set_phases`` is too late)."""
+        self.unphased_models += [type(a).__name__ for a in args if isinstance(a, nn.Module)]
 
     def set_phases(self, schedule: Optional[Schedule], groups: Optional[ParamGroups]) -> None:
         """A schedule (and groups) given after construction (``PhasedAccelerator.set_phases``); nothing prepared yet."""
@@ -117,7 +124,7 @@ class PhasedRun:
         self.close()
         self.groups = self.groups_given
         self.switcher, self.driving, self.comm_counter = None, None, None
-        self.prepared_models, self.driving_bound = set(), False
+        self.prepared_models, self.driving_bound, self.unphased_models = set(), False, []
         self.driver = (PhaseDriver(self.schedule, set_epoch_call="accelerator.set_epoch(epoch)")
                        if self.schedule is not None else None)
         self.guard = LoopGuard(self.driver, self._steps_per_epoch) if self.driver is not None else None
@@ -215,7 +222,9 @@ class PhasedRun:
                 self.comm_counter = register_comm_counter(prepared)
         if is_ddp(prepared) or switcher.backend.kind == "fsdp2":  # FSDP2: attached at start_sharded
             self.guard.watch(prepared)
-        elif prepared is not switcher.module:
+        elif prepared is not switcher.module and not (
+                is_compiled_module(prepared)
+                and extract_model_from_parallel(prepared, keep_torch_compile=False) is switcher.module):
             raise AltParamsError(
                 f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
                 "supports a DistributedDataParallel wrapper or the module itself"
@@ -296,6 +305,7 @@ class LoopGuard:
         self.warned_epoch = False
         self.warned_zero_grad = False
         self._handles: list[Any] = []
+        self._seen_grads: tuple[tuple[int, int], ...] = ()
 
     # ------------------------------------------------------------ wiring
     def watch(self, ddp: nn.Module) -> None:
@@ -340,7 +350,19 @@ class LoopGuard:
     def _check_forward(self, trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
         if not self._handles:
             return
-        with_grad = [name for name, p in trainable if p.grad is not None]
+        grads = [(name, p.grad) for name, p in trainable if p.grad is not None]
+        with_grad = [name for name, _ in grads]
+        # The gradients as the last sync-boundary step saw them: the same tensors, unchanged since, mean that
+        # no backward ran in between (a second `step()` of one iteration), whatever the forwards did.
+        seen, self._seen_grads = self._seen_grads, tuple((id(g), version_counter(g)) for _, g in grads[:8])
+        if with_grad and self.driver.syncing_forwards == 0 and seen == self._seen_grads:
+            raise AltParamsError(
+                f"`optimizer.step()` ran a second time on the same gradients ({len(with_grad)} trainable "
+                f"parameter(s), e.g. {with_grad[:3]}, hold the gradients the previous step already applied: no "
+                "backward ran since), which would apply them twice. Call `optimizer.step()` once per "
+                "`accelerator.backward(loss)` at a sync boundary (with one optimizer per group, stepping every "
+                "handle is fine: they share one step), and `optimizer.zero_grad()` after it."
+            )
         if with_grad and self.driver.syncing_forwards == 0:
             raise AltParamsError(
                 f"{len(with_grad)} trainable parameter(s) (e.g. {with_grad[:3]}) hold gradients, but no "

@@ -40,7 +40,7 @@ def grouped_optimizer(
     optimizer_cls: type[Optimizer] = torch.optim.AdamW,
     *,
     weight_decay: float = 0.0,
-    state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
+    state_policy: Union[None, StatePolicyLike, Mapping[str, StatePolicyLike]] = None,
     master_policy: Optional[Union[StatePolicyLike, Mapping[str, StatePolicyLike]]] = None,
     allreduce_dtype: Optional[torch.dtype] = None,
     **optimizer_kwargs: Any,
@@ -57,13 +57,17 @@ def grouped_optimizer(
         groups: ParamGroups built on the model passed to the Trainer.
         optimizer_cls: a ``torch.optim.Optimizer`` class.
         weight_decay: weight decay of the decayed parameters.
-        state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group.
+        state_policy: ``"keep"``, ``"offload"`` or ``"drop"``, or one per group;
+            ``None`` (default): the run's (``"drop"`` under ``lisa`` and
+            ``badam``, ``"keep"`` otherwise; :class:`AlternatingFreeze`'s
+            ``switcher_options={"idle_state": ...}`` sets it for the run).
         master_policy: for a model stored in bf16/fp16 (e.g. loaded with
             ``dtype=torch.bfloat16``) the result is a
             :class:`~hf_altparams.engine.PrecisionOptimizer`: fp32 masters and
             optimizer state for the training groups only; this is what an idle
-            group's master does (``"offload"``, the default for such a model,
-            ``"drop"`` or ``"keep"``). Giving it for an fp32 model also returns a
+            group's master does (``"offload"``, ``"drop"`` or ``"keep"``;
+            ``None``: the run's, ``"drop"`` under ``lisa`` and ``badam``,
+            ``"offload"`` otherwise). Giving it for an fp32 model also returns a
             PrecisionOptimizer (with no masters: nothing to do).
         allreduce_dtype: with a PrecisionOptimizer, the dtype DDP all-reduces the
             gradients in: ``None`` (the storage dtype) or ``torch.float32``
@@ -104,5 +108,5 @@ def grouped_optimizer(
     low = {p.dtype for n in groups.names for p in groups.params(n)} & {torch.bfloat16, torch.float16}
     if master_policy is not None or allreduce_dtype is not None or low:
         return PrecisionOptimizer(groups, factories, storage_dtype=None, state_policy=state_policy,
-                                  master_policy=master_policy or "offload", allreduce_dtype=allreduce_dtype)
+                                  master_policy=master_policy, allreduce_dtype=allreduce_dtype)
     return GroupedOptimizer(groups, factories, state_policy=state_policy)

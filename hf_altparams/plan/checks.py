@@ -68,7 +68,7 @@ def check_choice(value: Any, argument: str, choices: Sequence[_Choice]) -> _Choi
     """
     if value not in choices:
         raise PlanError(f"`{argument}` must be one of {list(choices)}, got {value!r}")
-    return value  # type: ignore[no-any-return]  # one of `choices`, so of their type
+    return value  # one of `choices`, so of their type
 
 
 def name_list(value: Any, argument: str, *, one_str: bool) -> tuple[str, ...]:

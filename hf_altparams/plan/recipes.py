@@ -26,7 +26,7 @@ from typing import Iterable, Literal, Sequence
 from ..errors import PlanError
 from .checks import check_int, name_list
 from .phase import Phase
-from .schedules import Alternating, FnSchedule, RandomBlocks, Schedule
+from .schedules import Alternating, FnSchedule, RandomBlocks, Schedule, with_idle_state
 
 __all__ = ["badam", "lisa"]
 
@@ -80,7 +80,7 @@ def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable
         >>> print(lisa(["l0", "l1"], k=1, always=["head"]).trained_share(groups))
         RandomBlocks trains at most 1.8% of 16,578 params in a phase (head+l0); 0.2% in every phase (head 0.2%); per phase: head+l0 1.8%, head+l1 1.8%
     """
-    return RandomBlocks(_names(layers, "layers"), k=k, every=every, seed=seed, always=always)
+    return with_idle_state(RandomBlocks(_names(layers, "layers"), k=k, every=every, seed=seed, always=always), "drop")
 
 
 def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "ascending",
@@ -130,7 +130,7 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
                         f"other (an `always` group trains with every block): {fix}")
     if order != "random":
         ordered = names if order == "ascending" else names[::-1]
-        return Alternating(ordered, every=steps_per_block, always=extra)
+        return with_idle_state(Alternating(ordered, every=steps_per_block, always=extra), "drop")
     check_int(seed, "seed")
 
     def sweep(step: int, epoch: int) -> Phase:
@@ -139,5 +139,5 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
         chosen = permutation[block % len(names)]
         return Phase([chosen, *extra], label="+".join([chosen, *extra]))
 
-    return FnSchedule(sweep, groups=names, always=extra,
-                      name=f"badam-random-{seed}-{steps_per_block}-{len(names)}")
+    return with_idle_state(FnSchedule(sweep, groups=names, always=extra,
+                                      name=f"badam-random-{seed}-{steps_per_block}-{len(names)}"), "drop")

@@ -27,7 +27,7 @@ import json
 import math
 import random
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
 from ..errors import PlanError
 from .checks import as_phase, check_bool, check_choice, check_disjoint, check_int, name_list, ordered_groups
@@ -48,6 +48,8 @@ __all__ = [
     "RandomBlocks",
     "Schedule",
     "Unit",
+    "IdleState",
+    "with_idle_state",
 ]
 
 #: The position a schedule counts in.
@@ -59,6 +61,23 @@ _UNITS: tuple[Unit, ...] = ("step", "epoch")
 _ORDERS: tuple[FreezeOrder, ...] = ("last_to_first", "first_to_last")
 _DESCRIBE_SEGMENTS = 8  # segments listed by describe() for schedules with no known pattern
 _SHARE_POSITIONS = 1000  # positions trained_share() scans for schedules with no known pattern
+
+
+ScheduleT = TypeVar("ScheduleT", bound="Schedule")
+#: What a recipe assumes of an idle group's optimizer state (:attr:`Schedule.idle_state`).
+IdleState = Literal["keep", "drop"]
+
+
+def with_idle_state(schedule: ScheduleT, idle_state: IdleState) -> ScheduleT:
+    """``schedule`` marked with the idle-state assumption of the recipe that built it (returned for chaining).
+
+    Example:
+        >>> with_idle_state(Alternating(["a", "b"]), "drop").idle_state
+        'drop'
+    """
+    check_choice(idle_state, "idle_state", ("keep", "drop"))
+    schedule.idle_state = idle_state
+    return schedule
 
 
 class Pattern(NamedTuple):
@@ -115,6 +134,11 @@ class Schedule(ABC):
     unit: Unit = "step"
     allow_empty: bool = False
     seed: Any = None
+    #: What the recipe assumes of an idle group's optimizer state and fp32 master: ``"keep"`` (the
+    #: default: a GAN's Adam moments must persist) or ``"drop"`` (:func:`~hf_altparams.plan.lisa`,
+    #: :func:`~hf_altparams.plan.badam`: their published memory figures hold state for the active
+    #: blocks only). The run uses it wherever the optimizer leaves the choice open.
+    idle_state: IdleState = "keep"
 
     @abstractmethod
     def phase_at(self, step: int, epoch: int = 0) -> Phase:

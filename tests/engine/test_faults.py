@@ -50,6 +50,7 @@ SCENARIOS = {
     "stuck_collective_timeout": ("stuck", 6.0, "1"),
     "stuck_group_timeout": ("stuck", 3.0, "none"),
     "late_first_switch": ("late", 60.0, "1"),
+    "skip_step": ("skip_step", 6.0, "none"),
 }
 EXIT_WITHIN = 60.0  # s from the fault to the survivor's exit
 START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 2-core box
@@ -75,6 +76,7 @@ def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time(tmp_path: Pa
     started = time.monotonic()
     jobs = {name: _start(tmp_path / name, *spec) for name, spec in SCENARIOS.items()}
     outcome: dict[str, tuple[int, float, str]] = {}
+    skipped_rank1 = ""
     try:
         for name, (rank0, _) in jobs.items():
             left = max(1.0, START_WITHIN + EXIT_WITHIN - (time.monotonic() - started))
@@ -89,6 +91,8 @@ def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time(tmp_path: Pa
                 rank1 = jobs[name][1]
                 rank1_out, _ = rank1.communicate(timeout=left)
                 assert rank1.returncode == 0, f"late_first_switch: rank 1 failed:\n{rank1_out[-3000:]}"
+            if name == "skip_step":  # rank 1 fails too, in its own next collective
+                skipped_rank1 = jobs[name][1].communicate(timeout=EXIT_WITHIN)[0]
     finally:
         for procs in jobs.values():
             for proc in procs:
@@ -114,6 +118,11 @@ def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time(tmp_path: Pa
     fast = _result(outcome["stuck_collective_timeout"][2])
     assert "waited 1 s (collective_timeout)" in fast["message"], fast
     assert 0.9 <= fast["waited"] < 5.0, fast  # well before the group's 6 s
+    # a rank that skipped its step gets the library's error too, in its next backward, naming the way out
+    other = _result(skipped_rank1)
+    assert other["type"] == "SwitchError", other
+    assert "accelerator.backward at schedule step 1" in other["message"], other
+    assert "out of step" in other["message"] and "optimizer.step()" in other["message"], other
     slow = _result(outcome["stuck_group_timeout"][2])
     assert "within the process group's timeout" in slow["message"], slow
     assert 2.5 <= slow["waited"] < 20.0, slow

@@ -52,6 +52,18 @@ def test_training_forward_through_the_unwrapped_model_is_refused_at_step(ranks: 
 
 
 @pytest.mark.distributed
+def test_a_second_step_on_the_same_gradients_is_refused_as_such_not_blamed_on_the_forward(
+    ranks: list[dict[str, Any]],
+) -> None:
+    cases = [r["doubled_step"] for r in ranks]
+    for case in cases:
+        assert "ran a second time on the same gradients" in case["error"], case["error"]
+        assert "unwrap_model" not in case["error"]  # not the advice for a forward that bypassed DDP
+        assert case["unchanged"] and case["steps"] == 1  # the second step was not applied, nor counted
+    assert cases[0]["sha"] == cases[1]["sha"]
+
+
+@pytest.mark.distributed
 def test_epoch_schedule_without_set_epoch_fails_at_the_first_step_of_the_next_epoch(
     ranks: list[dict[str, Any]],
 ) -> None:

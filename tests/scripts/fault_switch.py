@@ -23,6 +23,11 @@ Rank 0 goes on into the switch; it prints ``FAULT-RESULT {json}`` (the error
 type and message, the seconds it waited in the switch, the wall-clock time) and lets the error end
 the process, as a user's script would (status 1); 0 if the switch (wrongly) completed.
 
+* ``skip_step``: rank 1 skips that ``optimizer.step()`` (a loop whose ranks
+  disagree on when to step) and goes on to the next backward. Both ranks must
+  end with the library's error: rank 0 in the switch, rank 1 in
+  ``accelerator.backward``, whose gradient all-reduce meets no partner. Both
+  print ``FAULT-RESULT`` (rank 1 too).
 * ``late``: nothing fails; rank 1 reaches ``prepare`` (the first switch)
   :data:`LATE_BY` seconds after rank 0, as a rank still loading its model
   would. The first switch waits under the process group's timeout, not
@@ -87,16 +92,18 @@ def main() -> int:
     started = time.perf_counter()
     ddp, opt = acc.prepare(model, opt)  # the first switch: rank 0 waits here for a late rank 1
     prepared_in = time.perf_counter() - started
-    for step in range(SWITCH_AT + 1):
-        acc.backward(ddp(torch.randn(2, 4)).square().mean())
-        if step == SWITCH_AT - 1 and acc.process_index == 1 and mode != "late":
-            if mode == "dead":
-                os._exit(9)
-            time.sleep(60)
-            os._exit(0)
+    for step in range(SWITCH_AT + 2):
         started = time.perf_counter()
         try:
-            opt.step()  # at step SWITCH_AT - 1 this runs the switch to phase "b"
+            acc.backward(ddp(torch.randn(2, 4)).square().mean())
+            if step == SWITCH_AT - 1 and acc.process_index == 1 and mode in ("dead", "stuck"):
+                if mode == "dead":
+                    os._exit(9)
+                time.sleep(60)
+                os._exit(0)
+            started = time.perf_counter()
+            if not (mode == "skip_step" and step == SWITCH_AT - 1 and acc.process_index == 1):
+                opt.step()  # at step SWITCH_AT - 1 this runs the switch to phase "b"
             opt.zero_grad()
         except Exception as exc:  # what the test checks; the process group is unusable now
             waited = time.perf_counter() - started

@@ -132,6 +132,22 @@ def unwrapped_forward() -> dict[str, Any]:
     return _accelerate_run(Alternating(["a", "b"]), loop)
 
 
+def doubled_step() -> dict[str, Any]:
+    """``optimizer.step()`` twice after one backward (no switch in between): refused as a second step."""
+    def loop(acc: PhasedAccelerator, model: nn.Module, opt: Any, loader: Any) -> dict[str, Any]:
+        acc.backward(model(batch(0)).square().mean())
+        opt.step()
+        after_first = param_sha(acc.unwrap_model(model))
+        error = ""
+        try:
+            opt.step()  # the same gradients again
+        except AltParamsError as exc:
+            error = str(exc)
+        return {"error": error, "unchanged": param_sha(acc.unwrap_model(model)) == after_first,
+                "steps": acc.schedule_step, "sha": after_first}
+    return _accelerate_run(Alternating(["a", "b"], every=4), loop)
+
+
 def epochs(set_epoch: bool, only_first: bool = False) -> dict[str, Any]:
     def loop(acc: PhasedAccelerator, model: nn.Module, opt: Any, loader: Any) -> dict[str, Any]:
         phases, error = [], ""
@@ -173,6 +189,7 @@ def main() -> None:
         "ddp_before_phase": ddp_before_phase(),
         "forgot_attach": forgot_attach(),
         "unwrapped_forward": unwrapped_forward(),
+        "doubled_step": doubled_step(),
         "epoch_never_set": epochs(set_epoch=False),
         "epoch_set": epochs(set_epoch=True),
         "epoch_set_once": epochs(set_epoch=True, only_first=True),

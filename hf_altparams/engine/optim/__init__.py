@@ -9,6 +9,10 @@
   state) only for the groups that train; idle masters follow a
   :class:`StatePolicy` as well (``MasterPolicy`` is the same type).
 * :class:`GroupedLRScheduler` (:mod:`.scheduler`): one LR schedule per group.
+* :mod:`.idle`: where an idle group's optimizer state lives (:class:`IdleState`),
+  for a GroupedOptimizer and for a plain torch optimizer following a run's
+  phases (:class:`PlainOptimizerState`); the run's default comes from the
+  schedule (``drop`` for lisa and badam).
 
 Both optimizers move state and masters through
 :class:`~hf_altparams.engine.memory.TensorMover`; this package builds on
@@ -20,12 +24,14 @@ from .grouped import (
     GroupedOptimizer,
     OptimizerFactory,
     StatePolicy,
+    frozen_ungrouped,
     grouped_in,
     match_to_groups,
     reapply_state_policy,
     uncovered,
     uncovered_message,
 )
+from .idle import IdleState, PlainOptimizerState
 from .precision import DynamicLossScale, MasterPolicy, PrecisionOptimizer, store_model
 from .scheduler import GroupedLRScheduler, SchedulerFactory
 
@@ -33,12 +39,15 @@ __all__ = [
     "DynamicLossScale",
     "GroupedLRScheduler",
     "GroupedOptimizer",
+    "IdleState",
     "MasterPolicy",
     "OptimizerFactory",
+    "PlainOptimizerState",
     "PrecisionOptimizer",
     "SchedulerFactory",
     "StatePolicy",
     "StatePolicyLike",
+    "frozen_ungrouped",
     "grouped_in",
     "match_to_groups",
     "reapply_state_policy",

@@ -38,7 +38,8 @@ from torch.optim import Optimizer
 from ...errors import PlanError
 from ...plan.groups import ParamGroups
 from ..driver import PhaseSource
-from ..memory import StatePolicy, StatePolicyLike, TensorMover, nbytes, optimizer_of
+from ..memory import StatePolicy, StatePolicyLike, TensorMover, optimizer_of
+from .idle import IdleState, optional_policies
 
 __all__ = [
     "GroupedOptimizer",
@@ -46,9 +47,9 @@ __all__ = [
     "StatePolicy",
     "as_factories",
     "check_groups_argument",
+    "frozen_ungrouped",
     "grouped_in",
     "match_to_groups",
-    "policies_per_group",
     "reapply_state_policy",
     "uncovered",
     "uncovered_message",
@@ -197,6 +198,24 @@ def uncovered(
     return [(n, groups.group_of(n)) for n, p in groups.all_named_params() if n in wanted and id(p) not in held]
 
 
+def frozen_ungrouped(groups: ParamGroups, optimizers: Iterable[Optimizer]) -> list[str]:
+    """The parameters ``optimizers`` hold that no group names, when ``groups.ungrouped`` freezes them.
+
+    They are never updated: a likely mistake (a layer left out of the groups).
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> frozen_ungrouped(ParamGroups(net, {"a": "0.*"}), [torch.optim.SGD(net.parameters(), lr=0.1)])
+        ['1.weight', '1.bias']
+    """
+    if groups.ungrouped != "frozen":
+        return []
+    held = {id(p) for opt in optimizers for p in _held(opt)}
+    by_name = dict(groups.all_named_params())
+    return [n for n in groups.ungrouped_names() if id(by_name[n]) in held]
+
+
 def uncovered_message(
     groups: ParamGroups, trained_groups: Iterable[str], optimizers: Iterable[Optimizer]
 ) -> Optional[str]:
@@ -276,28 +295,6 @@ def as_factories(groups: ParamGroups, optimizers: Any) -> dict[str, Callable[[li
 
 
 
-def _per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, Any]:
-    """``value`` per group name: a mapping checked to name each group once, or one value for all."""
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise PlanError(f"`{argument}` names unknown groups {unknown}; known groups: {list(names)}")
-        missing = [n for n in names if n not in value]
-        if missing:
-            raise PlanError(
-                f"`{argument}` has no entry for groups {missing}; give one per group, "
-                f"or a single value for all of {list(names)}"
-            )
-        return dict(value)
-    return {name: value for name in names}
-
-
-def policies_per_group(value: Any, names: tuple[str, ...], argument: str) -> dict[str, StatePolicy]:
-    """A :class:`StatePolicy` per group from one value or a mapping (``argument`` names it in errors)."""
-    return {name: StatePolicy.parse(policy, f"`{argument}` for group {name!r}")
-            for name, policy in _per_group(value, names, argument).items()}
-
-
 class GroupedOptimizer(Optimizer):
     """A composite optimizer: one inner optimizer per parameter group.
 
@@ -310,7 +307,10 @@ class GroupedOptimizer(Optimizer):
             parameters (checked: missing or extra parameters are named).
         state_policy: what happens to an idle group's optimizer state: a
             :class:`StatePolicy` or its string, ``"keep"``, ``"offload"`` or
-            ``"drop"``; one value or one per group.
+            ``"drop"``; one value or one per group. ``None`` (default): the
+            run's (a switcher's ``idle_state``, else its schedule's: ``"drop"``
+            for :func:`~hf_altparams.plan.lisa` and :func:`~hf_altparams.plan.badam`,
+            ``"keep"`` otherwise; ``"keep"`` for an optimizer used on its own).
         active: the groups that step at first when the optimizer is used on its
             own (default: all); inside a run the driver's phase decides
             (:meth:`follow`).
@@ -334,12 +334,13 @@ class GroupedOptimizer(Optimizer):
         groups: ParamGroups,
         optimizers: Union[OptimizerFactory, Mapping[str, Union[OptimizerFactory, Optimizer]]],
         *,
-        state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
+        state_policy: Union[None, StatePolicyLike, Mapping[str, StatePolicyLike]] = None,
         active: Optional[Iterable[str]] = None,
     ) -> None:
         self.groups = check_groups_argument(groups)
         factories = as_factories(groups, optimizers)
-        self.policies: dict[str, StatePolicy] = policies_per_group(state_policy, groups.names, "state_policy")
+        self._given: dict[str, Optional[StatePolicy]] = optional_policies(state_policy, groups.names, "state_policy")
+        self._run_policy = StatePolicy.KEEP  # for the groups whose policy was left open (follow() sets the run's)
         self.inner: dict[str, Optimizer] = {}
         for name in groups.names:
             opt = factories[name](groups.params(name))
@@ -350,6 +351,7 @@ class GroupedOptimizer(Optimizer):
                 )
             self.inner[name] = opt
         self._mover = TensorMover()  # state to the host and back, and prefetched copies
+        self._idle = IdleState(self.groups, lambda name: self.inner[name], self.policy_of, self._mover)
         all_params = [p for name in groups.names for p in groups.params(name)]
         super().__init__(all_params, defaults={})
         # The composite's param_groups ARE the inner optimizers' dicts.
@@ -390,14 +392,28 @@ class GroupedOptimizer(Optimizer):
         phase = self._source.current
         return frozenset(self.inner) if phase is None else frozenset(n for n in phase.trainable if n in self.inner)
 
-    def follow(self, source: PhaseSource) -> None:
+    @property
+    def policies(self) -> dict[str, StatePolicy]:
+        """Each group's idle-state policy now (given, or the run's where it was left open)."""
+        return {name: self.policy_of(name) for name in self.groups.names}
+
+    def policy_of(self, name: str) -> StatePolicy:
+        """Group ``name``'s idle-state policy now."""
+        return self._given.get(name) or self._run_policy
+
+    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
+               idle_master: Optional[StatePolicy] = None) -> None:
         """Take the groups that step from ``source`` (a run's :class:`~hf_altparams.engine.PhaseDriver`).
 
         The :class:`~hf_altparams.engine.PhaseSwitcher` that takes this optimizer
         calls it; from then on :meth:`set_active` is refused (the phase is the
         driver's) and the switcher tells each new phase through :meth:`enter_phase`.
+        ``idle_state``: the run's policy for the groups whose policy was left
+        open (``None``: ``keep``); ``idle_master``: the same for fp32 masters
+        (:class:`PrecisionOptimizer`).
         """
         self._source = source
+        self._run_policy = idle_state or StatePolicy.KEEP
 
     def set_active(self, names: Iterable[str]) -> None:
         """Make ``names`` the groups that step (used on its own); the state policy applies to the others.
@@ -423,13 +439,7 @@ class GroupedOptimizer(Optimizer):
         offloaded state back on their parameters' device (a prefetched copy when
         one was started).
         """
-        coming = frozenset(n for n in trainable if n in self.inner)
-        for name in self.groups.names:
-            if name not in coming:
-                self._apply_idle_policy(name)
-        for name in self.groups.names:
-            if name in coming:
-                self._restore(name)
+        self._idle.enter_phase(self.groups.names, frozenset(n for n in trainable if n in self.inner))
 
     def rebind(self, groups: ParamGroups) -> None:
         """Take ``groups`` (the same groups, by name, on new parameter objects: FSDP2's ``fully_shard``
@@ -453,7 +463,7 @@ class GroupedOptimizer(Optimizer):
 
     def idle_state_leaves(self, group: str) -> bool:
         """Whether group ``group``'s state leaves the device while it is idle (its policy is not ``keep``)."""
-        return self.policies.get(group, StatePolicy.KEEP) is not StatePolicy.KEEP
+        return group in self.inner and self.policy_of(group) is not StatePolicy.KEEP
 
     def reapply_policy(self) -> int:
         """Put every group's state back where its policy says; return the bytes re-offloaded (or dropped).
@@ -465,37 +475,15 @@ class GroupedOptimizer(Optimizer):
         device) and the Trainer's resume. :meth:`load_state_dict` re-applies the
         policy itself; the switcher calls this after the others.
         """
-        moved = 0
-        active = self.active
-        for name in self.groups.names:
-            if name in active:
-                self._restore(name)
-            elif self.policies[name] is StatePolicy.OFFLOAD:
-                moved += self.offload(name)
-            elif self.policies[name] is StatePolicy.DROP:
-                moved += sum(self.state_bytes(name).values())
-                self._apply_idle_policy(name)
-        return moved
+        return self._idle.reapply(self.groups.names, self.active)
 
     def attach_ddp(self, ddp: DistributedDataParallel) -> Any:
         """Called when the switcher attaches a DDP wrapper; nothing to do here (see PrecisionOptimizer)."""
         return None
 
-    def _state_tensors(self, name: str) -> Iterable[tuple[nn.Parameter, str, torch.Tensor]]:
-        opt = self.inner[name]
-        for param in self.groups.params(name):
-            for key, value in opt.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield param, key, value
-
-    def _apply_idle_policy(self, name: str) -> None:
-        policy = self.policies[name]
-        if policy is StatePolicy.DROP:
-            opt = self.inner[name]
-            for param in self.groups.params(name):
-                opt.state.pop(param, None)
-        elif policy is StatePolicy.OFFLOAD:
-            self.offload(name)
+    def summary(self, source: str) -> str:
+        """What the idle groups' state is now, under which policy and where (``source``: who chose the policy)."""
+        return self._idle.summary(set(self.groups.names) - self.active, source)
 
     def offload(self, name: str) -> int:
         """Move group ``name``'s optimizer state to CPU; return the bytes moved.
@@ -505,17 +493,7 @@ class GroupedOptimizer(Optimizer):
         raises the peak. The host copies are waited for only before the CPU
         reads them (:meth:`state_dict`, :meth:`synchronize`).
         """
-        return self._mover.state_to_host(self.inner[name], self.groups.params(name), torch.device("cpu"))
-
-    def _restore(self, name: str) -> int:
-        """Bring group ``name``'s state to where torch keeps it for the parameters' device.
-
-        The rule is ``Optimizer.load_state_dict``'s (``step`` stays on the CPU
-        unless the group is capturable or fused), so state that came back from
-        a checkpoint, or whose parameters moved, lands right too. A copy started
-        by :meth:`prefetch` is used when it is still current.
-        """
-        return self._mover.state_to_device(self.inner[name], self.groups.params(name))
+        return self._idle.offload(name)
 
     def prefetch(self, name: str, max_bytes: Optional[int] = None) -> int:
         """Start copying idle group ``name``'s offloaded state back, on a CUDA side stream.
@@ -525,9 +503,7 @@ class GroupedOptimizer(Optimizer):
         (that is the trade-off; ``PhaseSwitcher(prefetch=...)`` decides when).
         Returns the bytes started: 0 off CUDA or when nothing is offloaded.
         """
-        if name not in self.inner:
-            return 0
-        return self._mover.prefetch_state(self.inner[name], self.groups.params(name), max_bytes)
+        return self._idle.prefetch(name, max_bytes) if name in self.inner else 0
 
     @property
     def prefetched_bytes(self) -> int:
@@ -540,11 +516,7 @@ class GroupedOptimizer(Optimizer):
 
     def state_bytes(self, name: str) -> dict[str, int]:
         """Bytes of group ``name``'s optimizer state, by device type."""
-        out: dict[str, int] = {}
-        for _, _, tensor in self._state_tensors(name):
-            key = tensor.device.type
-            out[key] = out.get(key, 0) + nbytes(tensor)
-        return out
+        return self._idle.bytes(name)
 
     # -------------------------------------------------------------- optimizer
     @torch.no_grad()

@@ -75,7 +75,9 @@ from ...plan.groups import ParamGroups
 from ..comm import CommCounter, register_comm_counter
 from ..ddp import comm_hook_states
 from ..memory import StatePolicy, StatePolicyLike, TensorMover
-from .grouped import GroupedOptimizer, OptimizerFactory, policies_per_group
+from ..driver import PhaseSource
+from .grouped import GroupedOptimizer, OptimizerFactory
+from .idle import optional_policies
 
 __all__ = ["DynamicLossScale", "Fp32Grads", "MasterPolicy", "PrecisionOptimizer", "masters_in_place", "store_model"]
 
@@ -332,8 +334,11 @@ class PrecisionOptimizer(GroupedOptimizer):
             modules that own them are cast in place (do this before wrapping the
             model in DDP). ``None``: keep the dtypes the model has.
         master_policy: what an idle group's fp32 master does: ``"offload"``
-            (default, exact), ``"drop"`` (re-created from the stored weights) or
-            ``"keep"``; one value or one per group.
+            (exact), ``"drop"`` (re-created from the stored weights) or
+            ``"keep"``; one value or one per group. ``None`` (default): the
+            run's (a switcher's ``idle_state``, else ``"drop"`` under
+            :func:`~hf_altparams.plan.lisa` and :func:`~hf_altparams.plan.badam`,
+            ``"offload"`` otherwise and for an optimizer used on its own).
         state_policy: idle groups' optimizer state, as for :class:`GroupedOptimizer`.
         loss_scale: ``None`` (default; right for bf16), ``"dynamic"`` (for fp16)
             or a fixed number. With a loss scale the loop must back-propagate
@@ -367,8 +372,8 @@ class PrecisionOptimizer(GroupedOptimizer):
         optimizers: Union[OptimizerFactory, Mapping[str, OptimizerFactory]],
         *,
         storage_dtype: Optional[torch.dtype] = torch.bfloat16,
-        master_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "offload",
-        state_policy: Union[StatePolicyLike, Mapping[str, StatePolicyLike]] = "keep",
+        master_policy: Union[None, StatePolicyLike, Mapping[str, StatePolicyLike]] = None,
+        state_policy: Union[None, StatePolicyLike, Mapping[str, StatePolicyLike]] = None,
         loss_scale: Union[None, str, float] = None,
         active: Optional[Iterable[str]] = None,
         allreduce_dtype: Optional[torch.dtype] = None,
@@ -378,7 +383,7 @@ class PrecisionOptimizer(GroupedOptimizer):
         if allreduce_dtype is not None and allreduce_dtype not in STORAGE_DTYPES:
             raise PlanError(f"`allreduce_dtype` is {allreduce_dtype!r}; accepted: None (the storage dtype) "
                             f"or one of {list(STORAGE_DTYPES)}")
-        policies = policies_per_group(master_policy, groups.names, "master_policy")
+        given = optional_policies(master_policy, groups.names, "master_policy")
         if storage_dtype is not None:
             store_model(groups.module, storage_dtype)
         self.loss_scale: Optional[DynamicLossScale] = None
@@ -388,7 +393,8 @@ class PrecisionOptimizer(GroupedOptimizer):
             self.loss_scale = DynamicLossScale(float(loss_scale), dynamic=False)
         elif loss_scale is not None:
             raise PlanError(f"`loss_scale` is {loss_scale!r}; accepted: None, 'dynamic' or a positive number")
-        self.master_policies: dict[str, StatePolicy] = policies
+        self._given_master: dict[str, Optional[StatePolicy]] = given
+        self._run_master = StatePolicy.OFFLOAD  # for the masters whose policy was left open (follow() sets the run's)
         self.masters: dict[str, dict[str, torch.Tensor]] = {n: {} for n in groups.names}
         self.skipped_steps = 0
         self._loss_scaled = False
@@ -467,6 +473,29 @@ class PrecisionOptimizer(GroupedOptimizer):
         if master is None:
             master = self.masters[name][pname] = param.detach().to(dtype=torch.float32, copy=True)
         return master
+
+    @property
+    def master_policies(self) -> dict[str, StatePolicy]:
+        """Each group's idle-master policy now (given, or the run's where it was left open)."""
+        return {name: self._given_master.get(name) or self._run_master for name in self.groups.names}
+
+    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
+               idle_master: Optional[StatePolicy] = None) -> None:
+        """As :meth:`GroupedOptimizer.follow`; ``idle_master`` is the run's policy for masters left open
+        (``None``: ``offload``)."""
+        super().follow(source, idle_state, idle_master)
+        self._run_master = idle_master or StatePolicy.OFFLOAD
+
+    def summary(self, source: str) -> str:
+        """What the idle groups' optimizer state and fp32 masters are now, under which policies and where."""
+        idle = sorted(set(self.groups.names) - self.active)
+        held: dict[str, int] = {}
+        for name in idle:
+            for master in self.masters[name].values():
+                held[master.device.type] = held.get(master.device.type, 0) + master.nbytes
+        where = ", ".join(f"{n / 2**20:.1f} MiB on {device}" for device, n in sorted(held.items())) or "none"
+        policies = "/".join(sorted({str(self.master_policies[n]) for n in idle}))
+        return f"{super().summary(source)}; idle fp32 masters: {policies or 'none'}, holding {where}"
 
     def _idle_master(self, name: str) -> None:
         policy = self.master_policies[name]
