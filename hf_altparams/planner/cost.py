@@ -54,7 +54,8 @@ from .report import CostPlan, PhaseCost, SwitchCost
 __all__ = ["BACKENDS", "DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "plan_cost",
            "shard_rows"]
 
-#: The state policies (``--state-policy``, ``--master-policy``): :class:`~hf_altparams.engine.optim.StatePolicy`'s values.
+#: The state policies (``--state-policy``, ``--master-policy``): the values of
+#: :class:`~hf_altparams.engine.optim.StatePolicy`.
 POLICIES: tuple[str, ...] = tuple(p.value for p in StatePolicy)
 #: Host<->device bandwidth assumed for offload time estimates (GB/s; PCIe 4.0 x16, pinned memory).
 DEFAULT_PCIE_GBPS = 25.0
