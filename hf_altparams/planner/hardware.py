@@ -41,8 +41,8 @@ import torch
 
 from ..errors import PlanError
 
-__all__ = ["BF16_ENV", "PROBE_SHAPE", "SLOW_RATIO", "Bf16Speed", "bf16_speed", "cpu_verdict", "cuda_verdict",
-           "time_matmul"]
+__all__ = ["BF16_ENV", "PROBE_SHAPE", "SLOW_RATIO", "Bf16Speed", "Probe", "bf16_speed", "cpu_verdict",
+           "cuda_verdict", "time_matmul"]
 
 #: The environment variable that forces the verdict: ``fast`` or ``slow`` (any case).
 BF16_ENV = "HF_ALTPARAMS_BF16"
@@ -200,7 +200,7 @@ def bf16_speed(device: Union[str, torch.device] = "cpu", *, probe: Optional[Prob
 
     Raises:
         PlanError: for a device type other than ``cpu`` and ``cuda``, a CUDA
-            device that is not visible, or a value of :data:`BF16_ENV` other than
+            device that is not visible (or an index beyond them), or a value of :data:`BF16_ENV` other than
             ``fast`` and ``slow``.
 
     Example:
@@ -216,6 +216,8 @@ def bf16_speed(device: Union[str, torch.device] = "cpu", *, probe: Optional[Prob
         if not torch.cuda.is_available():
             raise PlanError(f"`device` {device!r}: no CUDA device is visible")
         where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise PlanError(f"`device` {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif where.type != "cpu":
         raise PlanError(f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {device!r} (bf16 speed is judged "
                         f"on CPUs and CUDA GPUs; set {BF16_ENV}=fast or slow for other devices)")
