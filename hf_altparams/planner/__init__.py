@@ -34,24 +34,31 @@ optimizer is fused or capturable), and allocator rounding.
 builds the model on ``meta`` from a transformers config JSON, a checkpoint folder,
 or ``pkg.module:factory``.
 
+A plan that computes in bf16 (``storage_dtype=torch.bfloat16``) also says whether
+the device the run computes on does bf16 arithmetic fast
+(:func:`~hf_altparams.planner.hardware.bf16_speed`): most CPUs without AVX-512
+bf16 or AMX run a bf16 matmul about 100x slower than an fp32 one, and the table
+warns there, naming the figures and the way out (fp32 weights).
+
 The arithmetic is the engine's memory model (:mod:`hf_altparams.engine.memory.model`),
 which :func:`~hf_altparams.engine.memory_report` runs on the live model: on the
 same model and run its expected peak equals the planner's figure to the byte.
-The package's modules: ``_sizes`` (the planner's arguments, the sizes of a
-``ParamGroups`` and what a switch moves), ``_cost`` (:func:`plan_cost`, the walk
-over phases and switches), ``_fsdp2`` (the sharded sizes), ``_results``
-(:class:`CostPlan` and its table), ``_build`` (:func:`build_model`) and ``_cli``
-(the command line).
+The package's modules, one concept each: :mod:`~hf_altparams.planner.cost`
+(:func:`plan_cost`: the planner's arguments, the groups' sizes, the walk over
+phases and switches, the FSDP2 mode), :mod:`~hf_altparams.planner.report`
+(:class:`CostPlan`, its rows and its table), :mod:`~hf_altparams.planner.model`
+(:func:`build_model` and the dtype names), :mod:`~hf_altparams.planner.hardware`
+(is bf16 fast here?) and :mod:`~hf_altparams.planner.cli` (the command line).
 """
 
 from __future__ import annotations
 
-from ._build import build_model
-from ._cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
-from ._cost import plan_cost
-from ._results import CostPlan, PhaseCost, SwitchCost
-from ._sizes import DEFAULT_PCIE_GBPS, DTYPE_NAMES, OPTIMIZER_STATES, POLICIES, OptimizerSpec
+from .cli import SCHEDULES, build_from_argv, build_parser, main, plan_from_argv
+from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, plan_cost
+from .hardware import Bf16Speed, bf16_speed
+from .model import DTYPE_NAMES, build_model
+from .report import CostPlan, PhaseCost, SwitchCost
 
-__all__ = ["DEFAULT_PCIE_GBPS", "DTYPE_NAMES", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "CostPlan", "OptimizerSpec",
-           "PhaseCost", "SwitchCost", "build_from_argv", "build_model", "build_parser", "main", "plan_cost",
-           "plan_from_argv"]
+__all__ = ["DEFAULT_PCIE_GBPS", "DTYPE_NAMES", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "Bf16Speed",
+           "CostPlan", "OptimizerSpec", "PhaseCost", "SwitchCost", "bf16_speed", "build_from_argv", "build_model",
+           "build_parser", "main", "plan_cost", "plan_from_argv"]

@@ -1,4 +1,9 @@
-"""Building a model on ``meta`` (no memory) from a config, a checkpoint folder or a factory."""
+"""The model the planner costs: built on ``meta`` (no memory) from a config, a checkpoint folder or a factory.
+
+:func:`build_model` builds it; :func:`dtype_from_name` reads the dtype names the
+planner accepts (:data:`DTYPE_NAMES`: ``build_model(dtype=)`` and every ``--*dtype``
+flag of ``python -m hf_altparams plan``).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,45 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ._sizes import dtype_from_name
 
-__all__ = ["build_model"]
+__all__ = ["DTYPE_NAMES", "build_model", "dtype_from_name"]
+
+#: The dtype names the planner accepts (its ``--*dtype`` flags, ``build_model(dtype=)``): torch's, and the
+#: short ones of Accelerate's ``mixed_precision`` and the Trainer's ``bf16``/``fp16`` flags; any case, and
+#: ``torch.`` in front allowed.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+
+
+def dtype_from_name(value: Union[str, torch.dtype], argument: str) -> torch.dtype:
+    """The torch dtype a planner flag names: ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``, ... (:data:`DTYPE_NAMES`).
+
+    `argument` is how the error names the flag or argument (e.g. ``"`--storage-dtype`"``).
+
+    Example:
+        >>> dtype_from_name("bf16", "`--storage-dtype`"), dtype_from_name("torch.Float16", "`dtype`")
+        (torch.bfloat16, torch.float16)
+        >>> dtype_from_name("int8", "`--storage-dtype`")
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: `--storage-dtype` must name a float dtype: bf16/bfloat16, fp16/float16/half, fp32/float32/float (any case, 'torch.' in front allowed), got 'int8'
+    """
+    if isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
+        return value
+    key = value.strip().lower() if isinstance(value, str) else None
+    if key is not None and key.startswith("torch."):
+        key = key[len("torch."):]
+    if key in DTYPE_NAMES:
+        return DTYPE_NAMES[key]
+    spellings: dict[torch.dtype, list[str]] = {}
+    for name, dtype in DTYPE_NAMES.items():
+        spellings.setdefault(dtype, []).append(name)
+    accepted = ", ".join("/".join(names) for names in spellings.values())
+    raise PlanError(f"{argument} must name a float dtype: {accepted} (any case, 'torch.' in front allowed), "
+                    f"got {value!r}")
 
 
 def build_model(model: str, *, model_class: str = "AutoModel", dtype: Union[str, torch.dtype, None] = None,
@@ -62,7 +103,11 @@ def _from_config(path: Path, model_class: str, device: str) -> nn.Module:
     except (OSError, ValueError, KeyError) as err:
         raise PlanError(f"cannot read a transformers config from `model` (--model) {str(path)!r}: {err}") from err
     with torch.device(device):
-        return cls.from_config(config)
+        built = cls.from_config(config)
+    if not isinstance(built, nn.Module):
+        raise PlanError(f"`model_class` (--model-class) {model_class!r} built a {type(built).__name__}, "
+                        "not an nn.Module")
+    return built
 
 
 def _from_factory(spec: str, device: str) -> nn.Module:

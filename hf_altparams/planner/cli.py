@@ -20,10 +20,10 @@ from torch import nn
 from ..errors import PlanError
 from ..plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
                    RandomBlocks, Schedule, TrainShareWarning)
-from ._build import build_model
-from ._cost import plan_cost
-from ._results import CostPlan
-from ._sizes import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, dtype_from_name
+from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, plan_cost
+from .hardware import BF16_ENV
+from .model import build_model, dtype_from_name
+from .report import CostPlan
 
 __all__ = ["SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv"]
 
@@ -40,6 +40,16 @@ def _dtype_flag(flag: str) -> Callable[[str], torch.dtype]:
             raise argparse.ArgumentTypeError(str(err)) from None
     parse.__name__ = flag  # argparse names the type in some messages
     return parse
+
+
+def _device_flag(text: str) -> Optional[str]:
+    """An argparse ``type=`` for ``--device``: ``plan_cost``'s ``bf16_check`` (``none``: ``None``)."""
+    value = text.strip().lower()
+    if value == "none":
+        return None
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"`--device` must be auto, cpu, cuda, cuda:N or none, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nonresident-on-device", action="store_true",
                    help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
     p.add_argument("--pcie-gbps", type=float, default=DEFAULT_PCIE_GBPS, help="host<->device GB/s assumed")
+    p.add_argument("--device", type=_device_flag, default="auto", metavar="{auto,cpu,cuda,cuda:N,none}",
+                   help="where the run computes, checked for bf16 speed when the plan computes in bf16 "
+                        "(--storage-dtype bf16 or --dtype bf16): auto (a visible GPU, else this CPU), cpu, cuda, "
+                        f"cuda:N, or none (planning for another machine: no check); {BF16_ENV}=fast|slow "
+                        "forces the verdict")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -134,7 +149,7 @@ def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedu
     def every() -> int:
         if args.every is None:
             raise PlanError(f"`--every` is required for `--schedule {kind}`")
-        return args.every
+        return int(args.every)
 
     if kind == "alternating":
         items = _names(args.ratios) or [g for g in groups.names if g not in always]
@@ -213,7 +228,7 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
                      offload_nonresident=not args.nonresident_on_device,
                      storage_dtype=args.storage_dtype,
                      master_policy=args.master_policy, backend="fsdp2" if args.fsdp2 else "ddp",
-                     allreduce_dtype=args.allreduce_dtype)
+                     allreduce_dtype=args.allreduce_dtype, bf16_check=args.device)
     return args, plan
 
 

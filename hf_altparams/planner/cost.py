@@ -1,0 +1,392 @@
+"""The cost model: :func:`plan_cost` walks a schedule's phases and switches under each state policy.
+
+The arithmetic (bytes per parameter as stored, gradients, DDP buckets,
+optimizer state per optimizer kind, fp32 masters; where state and masters are
+under each :class:`~hf_altparams.engine.optim.StatePolicy`) is the engine's
+memory model, :mod:`hf_altparams.engine.memory.model`, which
+:func:`~hf_altparams.engine.memory_report` runs on the live model. Here: the
+planner's arguments (the optimizer spec, the state policies), the sizes of the
+groups of a :class:`~hf_altparams.plan.ParamGroups` (built on ``meta``), the
+walk over the schedule's phases, the bytes a switch moves between two layouts,
+and the FSDP2 mode.
+
+**FSDP2** (``plan_cost(..., backend="fsdp2")``, ``--fsdp2``) costs the same
+phases with every parameter sharded the way ``fully_shard`` shards it: dim 0
+split over ``world_size`` ranks and padded to a multiple of it, so a rank holds
+``ceil(rows / world_size)`` rows of each parameter (:func:`shard_rows`; the
+figures are rank 0's, the largest). Per phase and rank: the resident
+parameters' shards (non-resident groups' on the host); the trainable
+parameters' sharded gradients only (FSDP2 reduce-scatters only parameters that
+have a gradient); the shards of the state the policy keeps on the device; no
+DDP buckets. Its "reduce-scatter/step" is what each rank feeds to
+reduce-scatter per step (the trainable gradients, padded, unsharded: the
+engine's ``SwitchRecord.allreduce_bytes_per_step`` for FSDP2) and sent/rank is
+``(N-1)/N`` of it (all-gathers not counted); next to it, the device bytes of
+the same phase under DDP. Not in the device total (transients, like
+activations): one unit's unsharded parameters during its forward and backward
+(with one unit per group, the largest group: ``CostPlan.unit_bytes``) and its
+reduce-scatter input.
+
+**bf16 speed.** A plan whose run computes in bf16 (``storage_dtype=torch.bfloat16``,
+or a model stored in bf16) carries the verdict of
+:func:`~hf_altparams.planner.hardware.bf16_speed` on the device the run computes
+on (``bf16_check``): where bf16 arithmetic is slow (most CPUs without AVX-512
+bf16 or AMX), its table warns, naming the figures and the way out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layout, Sizes, StatePolicy, Storage,
+                                    buffer_owners, everything_layout, footprint, layout, state_bytes_for,
+                                    tensor_sizes)
+from ..errors import PlanError
+from ..plan import ParamGroups, Phase, Schedule
+from .hardware import Bf16Speed, bf16_speed
+from .report import CostPlan, PhaseCost, SwitchCost
+
+__all__ = ["BACKENDS", "DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "plan_cost",
+           "shard_rows"]
+
+#: The state policies (``--state-policy``, ``--master-policy``): the values of
+#: :class:`~hf_altparams.engine.optim.StatePolicy`.
+POLICIES: tuple[str, ...] = tuple(p.value for p in StatePolicy)
+#: Host<->device bandwidth assumed for offload time estimates (GB/s; PCIe 4.0 x16, pinned memory).
+DEFAULT_PCIE_GBPS = 25.0
+#: ``plan_cost(backend=)``: replicated under DDP, sharded by ``fully_shard``, or one process without DDP.
+BACKENDS = ("ddp", "fsdp2", "local")
+_DEFAULT_POSITIONS = 1000  # positions listed for schedules with no repeating pattern
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: What ``plan_cost(optimizer=)`` takes: a name from :data:`OPTIMIZER_STATES`, state bytes per
+#: parameter, or a callable ``(name, param) -> bytes``.
+OptimizerSpec = Union[str, float, Callable[[str, nn.Parameter], int]]
+StateBytes = Callable[[str, nn.Parameter], int]
+Owners = list[tuple[frozenset[Optional[str]], int]]
+
+
+def plan_cost(
+    model: nn.Module,
+    groups: ParamGroups,
+    schedule: Schedule,
+    *,
+    optimizer: OptimizerSpec = "adamw",
+    state_policy: Union[StatePolicy, str] = "keep",
+    steps: Optional[int] = None,
+    world_size: int = 2,
+    grad_dtype: Optional[torch.dtype] = None,
+    bucket_as_view: bool = False,
+    offload_nonresident: bool = True,
+    pcie_gbps: float = DEFAULT_PCIE_GBPS,
+    storage_dtype: Optional[torch.dtype] = None,
+    master_policy: Union[StatePolicy, str] = "offload",
+    allreduce_dtype: Optional[torch.dtype] = None,
+    backend: str = "ddp",
+    bf16_check: Union[str, torch.device, Bf16Speed, None] = "auto",
+) -> CostPlan:
+    """Cost every phase of ``schedule`` over the first ``steps`` positions (see :mod:`hf_altparams.planner`).
+
+    Args:
+        model: the model ``groups`` was built on (plain, DDP-wrapped, or on ``meta``).
+        groups: its parameter groups. Ungrouped parameters under ``ungrouped="trainable"``
+            train in every phase and get optimizer state (as with a plain torch optimizer).
+        schedule: the schedule; validated against ``groups`` (which warns, as before a
+            run, when its ``always`` groups hold most of the parameters); the plan's
+            ``trained`` is its :meth:`~hf_altparams.plan.Schedule.trained_share`.
+        optimizer: ``"adam"``/``"adamw"`` (2 states per parameter), ``"sgd"`` (0),
+            ``"sgd-momentum"`` (1), states in the parameter's dtype; or a number of
+            state bytes per parameter (e.g. ``2`` for 8-bit Adam); or a callable
+            ``(name, param) -> bytes``.
+        state_policy: ``"keep"``, ``"offload"`` or ``"drop"`` (a
+            :class:`~hf_altparams.engine.optim.StatePolicy`, as in ``GroupedOptimizer``).
+        steps: positions (steps, or epochs for an epoch schedule) to list; default: one
+            period of a cycling schedule, into the final phase of a settling one (as long
+            as its shortest phase), or 1000 for a random or user-defined one.
+        world_size: ranks, for the ring all-reduce traffic per rank, ``2 (N-1)/N`` x bytes.
+        grad_dtype: gradient dtype if not the parameters' dtype.
+        bucket_as_view: DDP's ``gradient_as_bucket_view``.
+        offload_nonresident: groups a phase does not keep resident (``Phase.resident``,
+            e.g. the other tasks of ``PerTaskCycle``) live on the host, parameters,
+            buffers and optimizer state, as ``PhaseSwitcher(offload_device="cpu")`` (its
+            default) does; ``False`` for ``offload_device=None``.
+        pcie_gbps: host<->device bandwidth assumed for offload times, in GB/s.
+        storage_dtype: ``torch.bfloat16`` / ``torch.float16``: the model is stored in
+            that dtype with a :class:`~hf_altparams.engine.PrecisionOptimizer`:
+            parameters and gradients in it, fp32 optimizer state, and an fp32
+            master (4 B per parameter) for each group that has trained, placed by
+            ``master_policy`` when idle (``"keep"``: device, ``"offload"``: host,
+            ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
+            the storage-dtype gradients are freed as they are cast) plus DDP's bucket
+            in the storage dtype. The train-everything row keeps masters for all.
+        allreduce_dtype: the dtype the gradients are all-reduced in, if not theirs
+            (``PrecisionOptimizer(allreduce_dtype=torch.float32)``): the all-reduce
+            figures count it; the memory figures do not change.
+        backend: ``"ddp"`` (replicated parameters, DDP buckets) or ``"fsdp2"``: every
+            figure per rank for a ``fully_shard`` model over ``world_size`` ranks
+            (parameters, gradients and optimizer state sharded; reduce-scatter
+            bytes per step), next to DDP's device bytes (see the module docstring);
+            or ``"local"``: one process without DDP (no buckets, nothing all-reduced).
+        bf16_check: where the run computes, for a plan that computes in bf16
+            (``storage_dtype=torch.bfloat16``, or bf16 parameters): ``"auto"`` (a
+            visible GPU, else this CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a
+            :class:`~hf_altparams.planner.hardware.Bf16Speed` measured on the
+            training machine, or ``None`` (no check). The plan's ``bf16_speed`` holds
+            the verdict, and its table warns where bf16 arithmetic is slow.
+
+    Raises:
+        PlanError: on an invalid argument (the message names it and what it accepts).
+
+    Example:
+        >>> from torch import nn
+        >>> from hf_altparams.plan import Alternating, ParamGroups
+        >>> with torch.device("meta"):
+        ...     net = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))
+        >>> groups = ParamGroups(net, {"body": "0.*", "head": "1.*"})
+        >>> plan = plan_cost(net, groups, Alternating({"body": 3, "head": 1}))
+        >>> plan.row("head").allreduce_bytes, plan.everything.allreduce_bytes
+        (40040, 4044040)
+    """
+    if groups.module is not (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model):
+        raise PlanError("`groups` was built on another module than `model`; build ParamGroups on `model`")
+    _check_args(steps, world_size, pcie_gbps, grad_dtype, storage_dtype, allreduce_dtype, backend)
+    policy = StatePolicy.parse(state_policy, "`state_policy`")
+    masters_policy = StatePolicy.parse(master_policy, "`master_policy` (--master-policy)")
+    if steps is None:
+        pattern = schedule.pattern_length()
+        steps = _DEFAULT_POSITIONS if pattern is None else pattern
+    trained = schedule.trained_share(groups, positions=steps)  # validates; warns if `always` groups dominate
+    speed = _bf16_verdict(bf16_check, groups, storage_dtype)
+    label, state_fn = _state_bytes_fn(optimizer)
+    storage = Storage(storage_dtype, masters=storage_dtype is not None, grad_dtype=grad_dtype,
+                      allreduce_dtype=allreduce_dtype)
+    params = dict(groups.all_named_params())
+    full = _group_sizes(params, groups, state_fn, storage)
+    size = full if backend != "fsdp2" else _shard_sizes(full, params, groups, world_size, state_fn, storage)
+    walk = _Walk(groups, schedule, steps, size, storage, backend=backend, world_size=world_size,
+                 bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                 masters_policy=masters_policy)
+    results = {p.value: walk.run(p) for p in StatePolicy}
+    rows, switches = results[policy.value]
+    everything = walk.cost("train everything", set(size), everything_layout(size))
+    everything.trainable_groups = tuple(groups.names)
+    ddp_device_bytes: dict[str, int] = {}
+    if backend == "fsdp2":  # the same phases under DDP, side by side
+        ddp = plan_cost(model, groups, schedule, optimizer=optimizer, state_policy=policy, steps=steps,
+                        world_size=world_size, grad_dtype=grad_dtype, bucket_as_view=bucket_as_view,
+                        offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                        storage_dtype=storage_dtype, master_policy=masters_policy,
+                        allreduce_dtype=allreduce_dtype, bf16_check=None)
+        ddp_device_bytes = {row.phase: row.device_bytes for row in [*ddp.phases, ddp.everything]}
+    return CostPlan(
+        model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
+        positions=steps, optimizer=label, state_policy=policy.value, world_size=world_size,
+        grad_dtype=_dtype_text(grad_dtype), bucket_as_view=bucket_as_view,
+        offload_nonresident=offload_nonresident, pcie_gbps=float(pcie_gbps),
+        phases=rows, everything=everything, switches=switches,
+        policies={p: {"peak_device_bytes": max((r.device_bytes for r in res[0]), default=0),
+                      "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1])}
+                  for p, res in results.items()},
+        storage_dtype=_dtype_text(storage_dtype),
+        master_policy=None if storage_dtype is None else masters_policy.value,
+        allreduce_dtype=_dtype_text(allreduce_dtype), backend=backend,
+        ddp_device_bytes=ddp_device_bytes,
+        # a transient of FSDP2's forward/backward: the largest group (or the ungrouped) unsharded
+        unit_bytes=max((entry.param for entry in full.values()), default=0) if backend == "fsdp2" else 0,
+        trained=trained, bf16_speed=speed,
+    )
+
+
+def shard_rows(shape: Union[torch.Size, tuple[int, ...]], world_size: int) -> tuple[int, ...]:
+    """The padded shape of one rank's shard of a parameter of ``shape`` (dim 0 over ``world_size``).
+
+    Example:
+        >>> shard_rows((10, 4), 4), shard_rows((3,), 4), shard_rows((), 4)
+        ((3, 4), (1,), ())
+    """
+    if not shape:
+        return tuple(shape)
+    return (math.ceil(shape[0] / world_size), *shape[1:])
+
+
+class _Walk:
+    """The walk over a schedule's segments under one idle-state policy: a row per phase, a cost per switch."""
+
+    def __init__(self, groups: ParamGroups, schedule: Schedule, steps: int, size: dict[str, Sizes],
+                 storage: Storage, *, backend: str, world_size: int, bucket_as_view: bool,
+                 offload_nonresident: bool, pcie_gbps: float, masters_policy: StatePolicy) -> None:
+        self.groups, self.size, self.backend, self.world_size = groups, size, backend, world_size
+        self.bucket_as_view, self.offload_nonresident, self.pcie_gbps = bucket_as_view, offload_nonresident, pcie_gbps
+        self.segments = schedule.segments(steps)
+        self.owners: Owners = buffer_owners(groups.module, groups.group_of, storage)
+        self.always = {UNGROUPED} if groups.ungrouped == "trainable" and size[UNGROUPED].numel else set()
+        self.masters = dict.fromkeys(size, masters_policy)
+
+    def place(self, phase: Phase, active: set[str], stepped: set[str], idle: StatePolicy) -> Layout:
+        """Where everything is in ``phase`` (the groups it keeps resident; state and masters by policy)."""
+        off = frozenset(self.groups.names) - phase.resident \
+            if phase.resident is not None and self.offload_nonresident else frozenset()
+        return layout(active, off, stepped, dict.fromkeys(self.size, idle), self.masters)
+
+    def cost(self, name: str, active: set[str], where: Layout) -> PhaseCost:
+        """The row of a phase training ``active`` with everything placed as ``where`` says."""
+        used = footprint(self.size, where, self.owners, ddp=self.backend == "ddp", bucket_view=self.bucket_as_view)
+        return _phase_cost(name, active, used, self.size, self.world_size, self.backend)
+
+    def run(self, idle: StatePolicy) -> tuple[list[PhaseCost], list[SwitchCost]]:
+        """Rows (each phase's largest occurrence, with every range it is active in) and switches, under ``idle``."""
+        rows: dict[Phase, PhaseCost] = {}
+        switches: dict[tuple[str, str, int, int, int], SwitchCost] = {}
+        stepped: set[str] = set()
+        previous: Optional[tuple[Phase, set[str], Layout]] = None
+        for start, end, phase in self.segments:
+            active = set(phase.trainable) | self.always
+            if previous is not None:  # the switch: from the last layout of `previous` to this one
+                out, back = _moves(previous[2], self.place(phase, active, stepped, idle), self.size, self.owners)
+                reinit = sum(self.size[g].state for g in (active - previous[1]) & stepped) \
+                    if idle is StatePolicy.DROP else 0
+                key = (previous[0].name, phase.name, out, back, reinit)
+                if key not in switches:
+                    switches[key] = SwitchCost(previous[0].name, phase.name, 0, out, back, reinit,
+                                               (out + back) / (self.pcie_gbps * 1e9))
+                switches[key].count += 1
+            stepped |= active
+            where = self.place(phase, active, stepped, idle)
+            row = self.cost(phase.name, active, where)
+            best = rows.setdefault(phase, row)
+            if (row.device_bytes, row.host_bytes) > (best.device_bytes, best.host_bytes):
+                row.ranges, rows[phase] = best.ranges, row
+            rows[phase].ranges.append((start, end))
+            previous = (phase, active, where)
+        return list(rows.values()), list(switches.values())
+
+
+def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype],
+                storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype], backend: str) -> None:
+    for value, name in ((steps, "steps"), (world_size, "world_size")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanError(f"`{name}` must be an int >= 1, got {value!r}")
+    if isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, (int, float)) or not pcie_gbps > 0:
+        raise PlanError(f"`pcie_gbps` must be a number > 0 (GB/s), got {pcie_gbps!r}")
+    if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
+        raise PlanError(f"`grad_dtype` must be a torch.dtype or None, got {grad_dtype!r}")
+    for dtype, name in ((storage_dtype, "`storage_dtype` (--storage-dtype)"),
+                        (allreduce_dtype, "`allreduce_dtype` (--allreduce-dtype)")):
+        if dtype is not None and dtype not in _FLOAT_DTYPES:
+            raise PlanError(f"{name} must be bfloat16, float16, float32 or None, got {dtype!r}")
+    if backend not in BACKENDS:
+        raise PlanError(f"`backend` (--fsdp2) must be 'ddp', 'fsdp2' or 'local', got {backend!r}")
+
+
+def _bf16_verdict(check: Union[str, torch.device, Bf16Speed, None], groups: ParamGroups,
+                  storage_dtype: Optional[torch.dtype]) -> Optional[Bf16Speed]:
+    """The bf16 speed verdict for a run that computes in bf16 (``None`` for one that does not, or no check)."""
+    if isinstance(check, Bf16Speed) or check is None:
+        return check if _computes_in_bf16(groups, storage_dtype) else None
+    if not isinstance(check, (str, torch.device)):
+        raise PlanError(f"`bf16_check` must be 'auto', a device ('cpu', 'cuda', 'cuda:N'), a Bf16Speed or None, "
+                        f"got {check!r}")
+    if not _computes_in_bf16(groups, storage_dtype):
+        return None
+    if check == "auto":
+        check = "cuda" if torch.cuda.is_available() else "cpu"
+    return bf16_speed(check)
+
+
+def _computes_in_bf16(groups: ParamGroups, storage_dtype: Optional[torch.dtype]) -> bool:
+    if storage_dtype is not None:
+        return storage_dtype == torch.bfloat16
+    return any(p.dtype == torch.bfloat16 for _, p in groups.all_named_params())
+
+
+def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, StateBytes]:
+    """A label and ``(name, param) -> optimizer state bytes`` for the optimizer spec."""
+    if isinstance(optimizer, str):
+        states = OPTIMIZER_STATES.get(optimizer.lower())
+        if states is None:
+            raise PlanError(f"`optimizer` must be one of {list(OPTIMIZER_STATES)}, a number of state bytes "
+                            f"per parameter, or a callable (name, param) -> bytes; got {optimizer!r}")
+        return (f"{optimizer.lower()} ({states:g} state(s) per parameter, in its dtype)",
+                lambda name, p: state_bytes_for(states, p))
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        per_param = float(optimizer)
+        if not math.isfinite(per_param) or per_param < 0:
+            raise PlanError(f"`optimizer` as bytes per parameter must be a finite number >= 0, got {optimizer!r}")
+        return f"{per_param:g} B state per parameter", lambda name, p: math.ceil(per_param * p.numel())
+    if callable(optimizer):
+        user_fn = optimizer
+
+        def checked(name: str, p: nn.Parameter) -> int:
+            value = user_fn(name, p)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"`optimizer` callable returned {value!r} for {name!r}; expected an int >= 0")
+            return value
+        return f"custom ({getattr(optimizer, '__name__', type(optimizer).__name__)})", checked
+    raise PlanError(f"`optimizer` must be a name from {list(OPTIMIZER_STATES)}, a number or a callable, "
+                    f"got {optimizer!r}")
+
+
+def _group_sizes(params: Mapping[str, nn.Parameter], groups: ParamGroups, state_fn: StateBytes,
+                 storage: Storage) -> dict[str, Sizes]:
+    """:class:`Sizes` per group (and ``<ungrouped>``) of ``groups``, with ``params`` standing for its parameters."""
+    members = {g: groups.param_names(g) for g in groups.names}
+    members[UNGROUPED] = groups.ungrouped_names()
+    return {key: tensor_sizes([(n, params[n]) for n in names], state_fn, storage)  # type: ignore[arg-type]
+            for key, names in members.items()}
+
+
+def _shard_sizes(full: dict[str, Sizes], params: Mapping[str, nn.Parameter], groups: ParamGroups, world_size: int,
+                 state_fn: StateBytes, storage: Storage) -> dict[str, Sizes]:
+    """Per group: the :class:`Sizes` of one rank's FSDP2 shards of its parameters (see the module docstring).
+
+    Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
+    the bytes a rank feeds to reduce-scatter (its padded shard times ``world_size``;
+    ``reduced`` in the all-reduce dtype if one is set).
+    """
+    shards = {name: nn.Parameter(torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"),
+                                 requires_grad=False)
+              for name, p in params.items()}
+    size = _group_sizes(shards, groups, state_fn, storage)
+    return {key: replace(entry, numel=full[key].numel, bucket=entry.bucket * world_size,
+                         bucket_kept=entry.bucket_kept * world_size, reduced=entry.reduced * world_size)
+            for key, entry in size.items()}
+
+
+def _moves(before: Layout, after: Layout, size: dict[str, Sizes], owners: Owners) -> tuple[int, int]:
+    """(bytes to host, bytes to device) from one layout to the next: parameters, buffers, optimizer state, masters."""
+    to_host = sum(size[g].param for g in after.off - before.off)
+    to_device = sum(size[g].param for g in before.off - after.off)
+    for owned, n in owners:
+        was, now = (None not in owned and owned <= layout.off for layout in (before, after))
+        to_host += n if now and not was else 0
+        to_device += n if was and not now else 0
+    for placed, now_placed, kind in ((before.state, after.state, "state"), (before.masters, after.masters, "master")):
+        for g, at in placed.items():
+            moved = getattr(size[g], kind)
+            to_host += moved if (at, now_placed.get(g)) == ("device", "host") else 0
+            to_device += moved if (at, now_placed.get(g)) == ("host", "device") else 0
+    return to_host, to_device
+
+
+def _phase_cost(name: str, active: set[str], where: Footprint, size: dict[str, Sizes], world_size: int,
+                backend: str) -> PhaseCost:
+    """A :class:`PhaseCost` row from the model's :class:`Footprint` of the phase."""
+    reduced = 0 if backend == "local" else where.allreduced
+    # sent per rank: a ring all-reduce sends 2 (N-1)/N of the bytes; FSDP2's reduce-scatter (N-1)/N
+    share = world_size - 1 if backend == "fsdp2" else 2 * (world_size - 1)
+    sent = share * reduced // world_size
+    return PhaseCost(
+        phase=name, trainable_groups=tuple(sorted(active - {UNGROUPED})), ranges=[],
+        trainable_params=sum(size[k].numel for k in active), allreduce_bytes=reduced, wire_bytes=sent,
+        param_bytes=where.params, buffer_bytes=where.buffers, grad_bytes=where.grads,
+        optimizer_bytes=where.optimizer, bucket_bytes=where.buckets, host_bytes=where.host,
+        master_bytes=where.masters)
+
+
+def _dtype_text(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).replace("torch.", "")
