@@ -2,6 +2,7 @@
 
 Commands:
     plan    what a schedule will cost per phase (see :mod:`hf_altparams.planner`).
+    check   a short phased run on this machine's ranks, judged (see :mod:`hf_altparams.check`).
 
 Example::
 
@@ -14,7 +15,10 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-_COMMANDS = {"plan": "what a schedule will cost per phase (python -m hf_altparams plan --help)"}
+_COMMANDS = {
+    "plan": "what a schedule will cost per phase (python -m hf_altparams plan --help)",
+    "check": "a short phased run on this machine's ranks, judged (python -m hf_altparams check --help)",
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -28,6 +32,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args[0] not in _COMMANDS:
         print(f"{usage}\nerror: unknown command {args[0]!r}; accepted: {list(_COMMANDS)}", file=sys.stderr)
         return 2
+    if args[0] == "check":
+        from .check import main as check_main
+
+        return check_main(args[1:])
     from .planner import main as plan_main
 
     return plan_main(args[1:])

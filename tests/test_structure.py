@@ -179,7 +179,7 @@ def test_no_circles_between_packages() -> None:
 
 
 def test_layers_depend_downwards_only() -> None:
-    """plan (pure) <- engine (torch.distributed) <- integrations (Accelerate, Trainer)."""
+    """plan (pure) <- engine (torch.distributed) <- integrations (Accelerate, Trainer) <- check; planner beside."""
     def within(name: str, package: str) -> bool:
         return name == package or name.startswith(package + ".")
 
@@ -190,6 +190,11 @@ def test_layers_depend_downwards_only() -> None:
                            for t in targets), name
         if within(name, "hf_altparams.engine"):
             assert not any(within(t, "hf_altparams.integrations") for t in targets), name
+        if within(name, "hf_altparams.planner"):  # arithmetic over the plan: no run, no integration
+            assert not any(within(t, "hf_altparams.integrations") or within(t, "hf_altparams.check")
+                           for t in targets), name
+        if not within(name, "hf_altparams.check") and name != "hf_altparams.__main__":
+            assert not any(within(t, "hf_altparams.check") for t in targets), name  # the top: only the CLI uses it
 
 
 def _engine_part(name: str) -> Optional[str]:

@@ -600,9 +600,10 @@ class PhaseSwitcher:
         self.residency.install_guards(phase)
         if self._state is not None:
             self._state.enter_phase(phase.trainable)
-            if not self._idle_logged and set(self.groups.names) - phase.trainable:
-                self._idle_logged = True  # the first switch that leaves a group idle says what its state does
-                logger.info("hf_altparams: %s", self._state.summary(self.idle_policies()[2]))
+            idle = set(self.groups.names) - phase.trainable
+            if not self._idle_logged and idle & set(self.driver.trained_groups):
+                self._idle_logged = True  # the first switch that idles a trained group says what its state does
+                logger.info("hf_altparams: %s", self._state.summary(idle, self.idle_policies()[2]))
         plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
                                       ignore=self.residency.ignore_names())
         previous = self.current

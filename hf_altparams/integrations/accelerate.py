@@ -49,6 +49,7 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
@@ -518,6 +519,14 @@ def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
     if reason is not None:
         raise AltParamsError(
             f"PhasedAccelerator supports DDP, FSDP2 and single-process runs; it cannot drive {what}: {reason}")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if acc.num_processes == 1 and world > 1:
+        raise AltParamsError(
+            f"Accelerate chose distributed_type={acc.distributed_type.value!r} (one process) although this is one "
+            f"of {world} ranks of torch.distributed: each rank would train alone, no gradient all-reduced. On CPU "
+            "ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use `accelerate "
+            "launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate launch --cpu` runs "
+            "one process)")
 
 
 class PhasedOptimizer(AcceleratedOptimizer):

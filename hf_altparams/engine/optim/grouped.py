@@ -481,9 +481,9 @@ class GroupedOptimizer(Optimizer):
         """Called when the switcher attaches a DDP wrapper; nothing to do here (see PrecisionOptimizer)."""
         return None
 
-    def summary(self, source: str) -> str:
-        """What the idle groups' state is now, under which policy and where (``source``: who chose the policy)."""
-        return self._idle.summary(set(self.groups.names) - self.active, source)
+    def summary(self, idle: Iterable[str], source: str) -> str:
+        """What the ``idle`` groups' state is now, under which policy and where (``source``: who chose the policy)."""
+        return self._idle.summary(idle, source)
 
     def offload(self, name: str) -> int:
         """Move group ``name``'s optimizer state to CPU; return the bytes moved.

@@ -159,7 +159,7 @@ class IdleState:
     def summary(self, idle: Iterable[str], source: str) -> str:
         """One line: what the idle groups' state is, under which policy and where (``source``: who chose it)."""
         idle = sorted(idle)
-        policies = sorted({str(self._policy_of(n)) for n in idle})
+        policies = sorted({StatePolicy(self._policy_of(n)).value for n in idle})
         held: dict[str, int] = {}
         for name in idle:
             for device, n in self.bytes(name).items():
@@ -240,9 +240,9 @@ class PlainOptimizerState:
         """Nothing to register on a DDP wrapper."""
         return None
 
-    def summary(self, source: str) -> str:
-        """What the idle groups' state is now, under which policy and where."""
-        return self._idle.summary(set(self.groups.names) - self.active, source)
+    def summary(self, idle: Iterable[str], source: str) -> str:
+        """What the ``idle`` groups' state is now, under which policy and where."""
+        return self._idle.summary(idle, source)
 
     def state_bytes(self, name: str) -> dict[str, int]:
         """Bytes of group ``name``'s optimizer state, by device type."""

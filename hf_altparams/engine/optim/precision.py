@@ -486,16 +486,16 @@ class PrecisionOptimizer(GroupedOptimizer):
         super().follow(source, idle_state, idle_master)
         self._run_master = idle_master or StatePolicy.OFFLOAD
 
-    def summary(self, source: str) -> str:
-        """What the idle groups' optimizer state and fp32 masters are now, under which policies and where."""
-        idle = sorted(set(self.groups.names) - self.active)
+    def summary(self, idle: Iterable[str], source: str) -> str:
+        """What the ``idle`` groups' optimizer state and fp32 masters are now, under which policies and where."""
+        idle = sorted(idle)
         held: dict[str, int] = {}
         for name in idle:
             for master in self.masters[name].values():
                 held[master.device.type] = held.get(master.device.type, 0) + master.nbytes
         where = ", ".join(f"{n / 2**20:.1f} MiB on {device}" for device, n in sorted(held.items())) or "none"
-        policies = "/".join(sorted({str(self.master_policies[n]) for n in idle}))
-        return f"{super().summary(source)}; idle fp32 masters: {policies or 'none'}, holding {where}"
+        policies = "/".join(sorted({StatePolicy(self.master_policies[n]).value for n in idle}))
+        return f"{super().summary(idle, source)}; idle fp32 masters: {policies or 'none'}, holding {where}"
 
     def _idle_master(self, name: str) -> None:
         policy = self.master_policies[name]

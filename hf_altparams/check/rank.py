@@ -1,0 +1,318 @@
+"""One rank of ``check``: train a set-up under ``PhasedAccelerator`` and record what it measured.
+
+The loop is the stock Accelerate loop (``prepare``, forward, ``backward``,
+``optimizer.step()``, ``zero_grad``) on the user's devices and process group,
+DDP or FSDP2 as Accelerate is configured (``--fsdp2``: FSDP2 also on CPU ranks,
+where Accelerate would run DDP). Around it, each rank records:
+
+* per optimizer step: the phase, the bytes its gradients hold (what DDP must
+  all-reduce), the bytes the counting comm hook saw all-reduced (or
+  reduce-scattered), the memory held at the end of the step (weights, gradients
+  and optimizer state, activations gone; read from a step post-hook) and the
+  step's seconds;
+* per switch: the switch's seconds, the memory held after it, and the memory
+  model's prediction for the new phase (``expected_peak``);
+* per phase visit: the peak memory, activations included;
+* the weights compared across ranks after every switch and at the end (the
+  switch's drift check, ``drift_check="switch"``);
+* what went wrong, if anything: the stage, the exception, the library's
+  warnings, and the idle-state summary the first idle switch logs.
+
+Nothing here judges: :mod:`.verdict` does, from every rank's :class:`RankResult`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from ..plan import ParamGroups, Schedule
+from .readings import MemoryGauge
+from .workload import CheckSetup
+
+__all__ = ["CheckOptions", "Failure", "RankResult", "StepRow", "SwitchRow", "run_rank"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """How long and how ``check`` trains.
+
+    Attributes:
+        steps: optimizer steps (each one micro-batch).
+        fsdp2: shard with FSDP2 (Accelerate's plugin, ``fsdp_version=2``); on CPU
+            ranks too, where Accelerate would otherwise run plain DDP.
+        timeout: seconds a rank waits for the others in a collective before it
+            reports them lost.
+    """
+
+    steps: int = 60
+    fsdp2: bool = False
+    timeout: float = 120.0
+
+
+@dataclass
+class StepRow:
+    """One optimizer step on one rank (bytes in bytes, memory in bytes above the baseline)."""
+
+    step: int
+    phase: str
+    grad_bytes: int
+    reduced_bytes: Optional[int]
+    expected_reduced: Optional[int]
+    held: Optional[int]
+    seconds: float
+
+
+@dataclass
+class SwitchRow:
+    """One switch (the first phase, applied at ``prepare``, is not one)."""
+
+    step: int
+    phase: str
+    seconds: float
+    level: int
+    predicted: int
+
+
+@dataclass
+class Failure:
+    """What stopped a rank: where (``setup``, ``prepare``, ``step``, ``final``), what, and the warnings before it."""
+
+    stage: str
+    step: Optional[int]
+    kind: str
+    message: str
+    where: str = ""
+
+
+@dataclass
+class RankResult:
+    """Everything one rank measured (JSON-ready through :meth:`as_dict`)."""
+
+    rank: int
+    world: int
+    device: str
+    parallel: str
+    memory_source: str
+    description: str = ""
+    steps: list[StepRow] = field(default_factory=list)
+    switches: list[SwitchRow] = field(default_factory=list)
+    peaks: list[tuple[str, Optional[int]]] = field(default_factory=list)
+    first_prediction: Optional[int] = None
+    trainable_everything: Optional[int] = None
+    weights_compared: int = 0
+    warnings: list[str] = field(default_factory=list)
+    idle_state: list[str] = field(default_factory=list)
+    bf16: Optional[dict[str, Any]] = None
+    failure: Optional[Failure] = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RankResult":
+        """The inverse of :meth:`as_dict` (results read back from a rank's JSON file)."""
+        values = dict(data)
+        values["steps"] = [StepRow(**row) for row in data.get("steps", [])]
+        values["switches"] = [SwitchRow(**row) for row in data.get("switches", [])]
+        values["peaks"] = [tuple(p) for p in data.get("peaks", [])]
+        values["failure"] = Failure(**data["failure"]) if data.get("failure") else None
+        return cls(**values)
+
+
+class _LogCapture(logging.Handler):
+    """Collects the library's INFO lines (the idle-state summary of the first idle switch)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _accelerator(options: CheckOptions) -> Any:
+    """A ``PhasedAccelerator`` that counts bytes, compares weights after every switch, and times out."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    from ..integrations.accelerate import PhasedAccelerator
+    from ..integrations.accelerate_internals import run_fsdp_state
+
+    kwargs: dict[str, Any] = {"kwargs_handlers": [InitProcessGroupKwargs(
+        timeout=datetime.timedelta(seconds=options.timeout))]}
+    plugin = None
+    if options.fsdp2:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        kwargs["fsdp_plugin"] = plugin
+    acc = PhasedAccelerator(count_comm=True, log_switches=False,
+                            switcher_options={"drift_check": "switch", "collective_timeout": options.timeout},
+                            **kwargs)
+    if plugin is not None and acc.num_processes > 1 and acc.distributed_type != DistributedType.FSDP:
+        run_fsdp_state(acc, plugin)  # CPU ranks: Accelerate chose plain DDP; run its FSDP2 code instead
+    return acc
+
+
+def _parallel(acc: Any) -> str:
+    if acc.num_processes == 1:
+        return "none (one process: Accelerate wraps no DDP)"
+    return "FSDP2" if acc.is_fsdp2 else "DDP"
+
+
+def _grad_bytes(params: list[nn.Parameter]) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.requires_grad and p.grad is not None)
+
+
+def _bf16(model: nn.Module, device: torch.device) -> Optional[dict[str, Any]]:
+    if not any(p.dtype == torch.bfloat16 for p in model.parameters()):
+        return None
+    from ..planner.hardware import bf16_speed
+
+    speed = bf16_speed(device)
+    return {**speed.as_dict(), "warning": speed.warning()}
+
+
+def _failure(stage: str, step: Optional[int], err: BaseException) -> Failure:
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return Failure(stage=stage, step=step, kind=type(err).__name__, message=str(err)[:4000], where=where)
+
+
+def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish: Callable[[RankResult], T]) -> T:
+    """Train ``make_setup()`` for ``options.steps`` steps on this rank, record it, return ``finish(result)``.
+
+    Every rank of the job calls it; a failure is recorded, not raised, so that
+    every rank can report. ``finish`` runs while the process group is still up
+    (to gather the results); then the accelerator ends (and the process group).
+
+    Example::
+
+        result = run_rank(lambda: builtin_setup("lisa"), CheckOptions(steps=30), finish=lambda r: r)
+        result.failure, len(result.switches)
+    """
+    started = time.perf_counter()
+    capture = _LogCapture()
+    logger = logging.getLogger("hf_altparams")
+    logger.addHandler(capture)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    acc = _accelerator(options)
+    gauge = MemoryGauge(acc.device)
+    result = RankResult(rank=acc.process_index, world=acc.num_processes, device=str(acc.device),
+                        parallel=_parallel(acc), memory_source=gauge.source)
+    stage, step = "setup", None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                setup = make_setup()
+                result.description = setup.description
+                stage = "prepare"
+                _train(acc, setup, options, gauge, result)
+                stage, step = "final", None
+                acc.switcher.check_weights("at the end of the check")
+                result.weights_compared += 1
+            except Exception as err:  # recorded for the report: every rank reports what stopped it
+                stage, step = _stage_of(result, stage)
+                result.failure = _failure(stage, step, err)
+        result.warnings = _unique(f"{w.category.__name__}: {w.message}" for w in caught)
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(level)
+        result.idle_state = capture.lines
+        result.seconds = time.perf_counter() - started
+    try:
+        return finish(result)
+    finally:
+        try:
+            acc.end_training()
+        except Exception:  # the process group may be broken by a lost rank; the result stands
+            pass
+
+
+def _stage_of(result: RankResult, stage: str) -> tuple[str, Optional[int]]:
+    if stage == "prepare" and result.steps:
+        return "step", result.steps[-1].step + 1
+    if stage == "prepare" and result.first_prediction is not None:
+        return "step", 0
+    return stage, None
+
+
+def _unique(lines: Any) -> list[str]:
+    seen: dict[str, None] = {}
+    for line in lines:
+        seen.setdefault(str(line)[:2000])
+    return list(seen)
+
+
+def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGauge, result: RankResult) -> None:
+    """The stock loop, with the readings of the module docstring."""
+    groups: ParamGroups = setup.groups
+    schedule: Schedule = setup.schedule
+    acc.set_phases(schedule, groups=groups)
+    model = setup.model
+    gauge.start(model)
+    raw = setup.make_optimizer(model)
+    result.bf16 = _bf16(model, acc.device)
+    held: list[Optional[int]] = [None]
+    hook_seconds = [0.0]
+
+    def read_held(*_: Any) -> None:
+        began = time.perf_counter()
+        held[0] = gauge.level()
+        hook_seconds[0] += time.perf_counter() - began
+
+    handle = raw.register_step_post_hook(read_held)
+    prepared, optimizer = acc.prepare(model, raw)
+    switcher = acc.switcher
+    params = [p for p in model.parameters()]
+    result.first_prediction = switcher.expected_peak(switcher.current)
+    result.trainable_everything = sum(p.numel() * p.element_size() for p in params)
+    last = switcher.history.last
+    phase_started = acc.phase.name
+    gauge.reset_peak()
+    try:
+        for step in range(options.steps):
+            current = acc.phase
+            phase = current.name
+            if setup.on_step is not None:
+                setup.on_step(acc.unwrap_model(prepared), step)
+            batch = setup.make_batch(step, acc.process_index, acc.device)
+            hook_seconds[0], held[0] = 0.0, None
+            began = time.perf_counter()
+            loss = setup.compute_loss(prepared(**batch))
+            acc.backward(loss)
+            grad_bytes = _grad_bytes(params)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - began - hook_seconds[0]
+            counter = acc.comm_counter
+            reduced = counter.history[-1] if counter is not None and counter.history else None
+            expected = None if counter is None else (
+                switcher.reduced_bytes(current) if result.parallel == "FSDP2" else grad_bytes)
+            result.steps.append(StepRow(step=step, phase=phase, grad_bytes=grad_bytes, reduced_bytes=reduced,
+                                        expected_reduced=expected, held=held[0], seconds=seconds))
+            record = switcher.history.last
+            if record is not last:
+                last = record
+                result.peaks.append((phase_started, gauge.peak_since_reset()))
+                result.switches.append(SwitchRow(step=step + 1, phase=record.phase, seconds=record.seconds,
+                                                 level=gauge.level(),
+                                                 predicted=switcher.expected_peak(switcher.current)))
+                result.weights_compared += 1  # the switch compared every rank's weights (drift_check="switch")
+                phase_started = record.phase
+                gauge.reset_peak()
+        result.peaks.append((phase_started, gauge.peak_since_reset()))
+    finally:
+        handle.remove()
+

@@ -1,0 +1,424 @@
+"""The judge of ``check``: every rank's readings in, a pass or a named failure out, as a table or JSON.
+
+What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
+
+* **ranks identical**: the switch's drift check compared every parameter's
+  digest across the ranks after every switch and at the end; a difference is a
+  :class:`~hf_altparams.errors.DriftError` on every rank.
+* **bytes all-reduced = trainable bytes**: per step, what the counting comm hook
+  saw all-reduced against the bytes the trainable parameters' gradients hold
+  (FSDP2: reduce-scattered against the switch's own figure for the phase). Any
+  other figure means gradients of frozen parameters cross the network, or
+  trainable ones do not.
+* **memory flat after warm-up**: after each switch the rank's memory minus what
+  the memory model predicts for the new phase (the residual, what the plan does
+  not explain). Its trend over the switches after warm-up: the median of the
+  last third against the median of the first third. Growth beyond the tolerance
+  is a leak; the rank and the figure are named.
+* **memory against the plan**: the memory held at the end of each step
+  (weights, gradients, optimizer state; activations gone) against the plan's
+  figure for the phase (``expected_peak``), after warm-up.
+* **switch share**: switch seconds over step seconds (information).
+
+Failures are named by cause (:data:`CAUSES`), from the error or warning a rank
+recorded; each cause carries what usually produces it and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from ..plan.groups import format_bytes
+from .rank import Failure, RankResult
+
+__all__ = ["CAUSES", "Finding", "Tolerances", "Verdict", "classify", "judge"]
+
+#: Failure causes: id -> (title, what to do).
+CAUSES: dict[str, tuple[str, str]] = {
+    "requires_grad_behind_schedule": (
+        "requires_grad changed behind the schedule",
+        "code outside the schedule turns requires_grad on or off (a callback, `model.requires_grad_()`, peft's "
+        "`set_adapter`); let the schedule own it: remove that code or put those parameters in the groups"),
+    "optimizer_misses_parameters": (
+        "the optimizer does not hold what the schedule trains",
+        "build the optimizer over every parameter the schedule trains, frozen now or not "
+        "(`AdamW(model.parameters())`), on the model that is prepared"),
+    "schedule_differs_per_rank": (
+        "the schedule differs between ranks",
+        "build the same schedule on every rank: the same arguments and seed (not one derived from the rank)"),
+    "ranks_drift": (
+        "the ranks hold different weights",
+        "something updates one rank's weights alone (a gradient DDP never reduced, user code writing weights on "
+        "one rank); the message names the groups and ranks"),
+    "memory_grows": (
+        "memory grows from switch to switch",
+        "something keeps memory at every switch (user code holding tensors, a leaking reducer); the figure is "
+        "the growth after warm-up beyond what the plan predicts"),
+    "memory_over_plan": (
+        "memory held beyond the plan",
+        "the rank holds more at the end of a step than the memory model predicts for the phase (state of idle "
+        "groups still on the device, buffers held elsewhere)"),
+    "bytes_mismatch": (
+        "bytes all-reduced differ from the trainable bytes",
+        "DDP reduces other gradients than the phase's: a wrapper built outside the library, or a comm hook"),
+    "rank_lost": (
+        "a rank stopped or stopped answering",
+        "another rank failed or hangs; read that rank's failure"),
+    "setup_refused": (
+        "the set-up was refused before training",
+        "the message names the argument and what is accepted"),
+    "error": ("the run raised an error", "see the message"),
+}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """What counts as flat and as within the plan, per memory source.
+
+    Attributes:
+        warmup: switches whose readings are left out (first-touch pages, caches).
+        growth: bytes the residual may grow after warm-up.
+        growth_share: plus this share of the largest prediction.
+        over_plan_share: the memory held may exceed the plan by this share ...
+        over_plan: ... plus these bytes (allocator blocks, library workspaces;
+            on a CPU the pages of the libraries first touched by training).
+    """
+
+    warmup: int
+    growth: int
+    growth_share: float
+    over_plan_share: float
+    over_plan: int
+
+    @classmethod
+    def for_source(cls, source: str, warmup: int = 2) -> "Tolerances":
+        """The defaults for ``"torch.cuda.memory_allocated"`` (exact) or ``"RSS"`` (coarse)."""
+        if source == "RSS":
+            return cls(warmup=warmup, growth=16 << 20, growth_share=0.02, over_plan_share=0.25, over_plan=64 << 20)
+        return cls(warmup=warmup, growth=2 << 20, growth_share=0.005, over_plan_share=0.10, over_plan=64 << 20)
+
+
+@dataclass
+class Finding:
+    """One judged property: ``status`` is ``"pass"``, ``"fail"`` or ``"info"``; ``cause`` names a failure."""
+
+    check: str
+    status: str
+    detail: str
+    cause: Optional[str] = None
+
+
+@dataclass
+class Verdict:
+    """All findings, the failures named by cause, and the per-phase memory table."""
+
+    passed: bool
+    header: str
+    findings: list[Finding] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ranks: list[Optional[RankResult]] = field(default_factory=list)
+
+    @property
+    def causes(self) -> list[str]:
+        """The failure causes, in order found (empty when passed)."""
+        return list(dict.fromkeys(f["cause"] for f in self.failures))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "header": self.header, "causes": self.causes,
+                "findings": [asdict(f) for f in self.findings], "failures": self.failures,
+                "phases": self.phases, "notes": self.notes,
+                "ranks": [None if r is None else r.as_dict() for r in self.ranks]}
+
+    def json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
+
+    def table(self) -> str:
+        """The human report: findings, per-phase memory, failures with their fixes."""
+        lines = [self.header, ""]
+        width = max([len(f.check) for f in self.findings] + [5])
+        lines.append(f"  {'check':<{width}}  result  detail")
+        for f in self.findings:
+            lines.append(f"  {f.check:<{width}}  {f.status:<6}  {f.detail}")
+        if self.phases:
+            lines += ["", "  memory per phase (rank 0; after warm-up where marked *):",
+                      f"  {'phase':<28} {'visits':>6} {'plan':>10} {'held':>10} {'peak':>10}"]
+            shown = self.phases[:12]
+            for row in shown:
+                lines.append(f"  {row['phase'][:28]:<28} {row['visits']:>6} {_size(row['plan']):>10} "
+                             f"{_size(row['held']):>10}{'*' if row['judged'] else ' '}{_size(row['peak']):>10}")
+            if len(self.phases) > len(shown):
+                lines.append(f"  ... {len(self.phases) - len(shown)} more phases (--json lists all)")
+        for note in self.notes:
+            lines += ["", f"  note: {note}"]
+        lines.append("")
+        if self.passed:
+            lines.append("PASSED")
+        else:
+            for failure in self.failures:
+                title, fix = CAUSES[failure["cause"]]
+                lines.append(f"FAILED: {title} ({failure['cause']}): {failure['detail']}")
+                lines.append(f"  fix: {fix}")
+        return "\n".join(lines)
+
+
+def _size(n: Optional[int]) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def classify(failure: Failure) -> str:
+    """The cause id (:data:`CAUSES`) of a rank's recorded failure.
+
+    Example:
+        >>> classify(Failure("step", 3, "SwitchError", "ranks disagree on the phase at step 3 (...)"))
+        'schedule_differs_per_rank'
+    """
+    text = failure.message
+    if failure.kind == "DriftError":
+        return "ranks_drift"
+    if "ranks disagree on the phase" in text:
+        return "schedule_differs_per_rank"
+    if "behind the schedule" in text and "requires_grad" in text:
+        return "requires_grad_behind_schedule"
+    if any(s in text for s in ("leaves out", "is an optimizer of", "no optimizer over its parameters")):
+        return "optimizer_misses_parameters"
+    if any(s in text for s in ("got no answer", "Connection closed", "Connection reset", "timed out",
+                               "stopped answering", "Broken pipe")):
+        return "rank_lost"
+    if failure.stage in ("setup", "prepare") and failure.kind in ("PlanError", "AltParamsError"):
+        return "setup_refused"
+    return "error"
+
+
+def _warning_causes(result: RankResult) -> list[tuple[str, str]]:
+    out = []
+    for line in result.warnings:
+        if "no longer matched phase" in line:
+            out.append(("requires_grad_behind_schedule",
+                        f"rank {result.rank}: {line[:600]} (the library put the flags back this time, but this "
+                        "code changes them at every step)"))
+    return out
+
+
+def _trend(values: Sequence[int]) -> Optional[int]:
+    """Median of the last third minus median of the first third (``None`` under 3 values)."""
+    if len(values) < 3:
+        return None
+    third = max(1, len(values) // 3)
+    return int(statistics.median(values[-third:]) - statistics.median(values[:third]))
+
+
+def _failures(results: Sequence[Optional[RankResult]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    stopped = [i for i, r in enumerate(results) if r is None]
+    for rank in stopped:
+        out.append({"cause": "rank_lost", "rank": rank,
+                    "detail": f"rank {rank} wrote no result (it crashed, or was stopped when another rank failed)"})
+    for result in results:
+        if result is None:
+            continue
+        for cause, detail in _warning_causes(result):
+            out.append({"cause": cause, "rank": result.rank, "detail": detail})
+        if result.failure is not None:
+            f = result.failure
+            where = f"step {f.step}" if f.stage == "step" else {"final": "final weight check"}.get(f.stage, f.stage)
+            out.append({"cause": classify(f), "rank": result.rank, "stage": f.stage,
+                        "detail": f"rank {result.rank}, {where}: {f.kind}: {f.message}"})
+    # A rank that lost its peers reports rank_lost; when another rank names the cause, that is the failure.
+    named = [f for f in out if f["cause"] != "rank_lost"]
+    return _dedupe(named or out)
+
+
+def _dedupe(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One failure per cause and message (the same error raised on every rank is one failure)."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for f in failures:
+        key = (f["cause"], f["detail"].split(": ", 1)[-1])
+        if key in seen:
+            ranks = seen[key].setdefault("ranks", [seen[key]["rank"]])
+            ranks.append(f["rank"])
+        else:
+            seen[key] = dict(f)
+    return list(seen.values())
+
+
+def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Tolerances] = None,
+          header: str = "") -> Verdict:
+    """Judge the ranks' results (``None``: a rank that wrote none) into a :class:`Verdict`.
+
+    Example::
+
+        verdict = judge([rank0, rank1])
+        print(verdict.table()); sys.exit(0 if verdict.passed else 1)
+    """
+    present = [r for r in results if r is not None]
+    failures = _failures(results)
+    verdict = Verdict(passed=False, header=header, ranks=list(results))
+    if not present:
+        verdict.failures = failures
+        return verdict
+    tol = tolerances or Tolerances.for_source(present[0].memory_source)
+    verdict.findings.append(_identical(present))
+    verdict.findings.append(_bytes(present, failures))
+    growth, rows = _memory(present, tol, failures)
+    verdict.findings += [growth, rows]
+    verdict.findings.append(_switch_share(present))
+    verdict.phases = _phase_table(present[0], tol)
+    idle = next((r.idle_state for r in present if r.idle_state), [])
+    if idle:
+        verdict.notes.append(idle[0])
+    bf16 = next((r.bf16 for r in present if r.bf16 and r.bf16.get("warning")), None)
+    if bf16:
+        verdict.notes.append(str(bf16["warning"]))
+    verdict.failures = failures
+    verdict.passed = not failures and all(f.status != "fail" for f in verdict.findings)
+    return verdict
+
+
+def _identical(results: Sequence[RankResult]) -> Finding:
+    name = "ranks bit-identical after each switch"
+    world = results[0].world
+    if world == 1:
+        return Finding(name, "info", "one rank: nothing to compare")
+    drift = [r for r in results if r.failure is not None and r.failure.kind == "DriftError"]
+    if drift:
+        return Finding(name, "fail", drift[0].failure.message[:300] if drift[0].failure else "", "ranks_drift")
+    compared = min(r.weights_compared for r in results)
+    ended = all(r.failure is None for r in results)
+    detail = (f"every parameter's digest compared across {world} ranks {compared} times "
+              f"({'after each switch and at the end' if ended else 'until the run stopped'}): all equal")
+    return Finding(name, "pass" if compared else "info", detail if compared else "no comparison was reached")
+
+
+def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Finding:
+    name = "bytes all-reduced = trainable bytes"
+    if results[0].parallel.startswith("none"):
+        return Finding(name, "info", "one process: nothing is all-reduced")
+    verb = "reduce-scattered" if results[0].parallel == "FSDP2" else "all-reduced"
+    checked, wrong = 0, []
+    for r in results:
+        for row in r.steps:
+            if row.reduced_bytes is None or row.expected_reduced is None:
+                continue
+            checked += 1
+            if row.reduced_bytes != row.expected_reduced:
+                wrong.append((r.rank, row))
+    if not checked:
+        return Finding(name, "info", "no step was counted")
+    if wrong:
+        rank, row = wrong[0]
+        detail = (f"{len(wrong)} of {checked} rank-steps differ; e.g. rank {rank} step {row.step} (phase "
+                  f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} for "
+                  f"{format_bytes(row.expected_reduced or 0)} of trainable gradients")
+        failures.append({"cause": "bytes_mismatch", "rank": rank, "detail": detail})
+        return Finding(name, "fail", detail, "bytes_mismatch")
+    sizes = sorted({row.reduced_bytes or 0 for r in results for row in r.steps if row.reduced_bytes is not None})
+    span = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
+    everything = results[0].trainable_everything
+    share = f" (the whole model: {format_bytes(everything)})" if everything else ""
+    return Finding(name, "pass", f"{checked} rank-steps: {span} {verb} per step, equal to the trainable "
+                                 f"gradients{share}")
+
+
+def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[str, Any]]
+            ) -> tuple[Finding, Finding]:
+    flat, plan = "memory flat after warm-up", "memory held vs plan"
+    source = results[0].memory_source
+    worst_growth: Optional[tuple[int, int, int]] = None  # growth, rank, readings
+    worst_over: Optional[tuple[float, int, str, int, int]] = None  # ratio, rank, phase, held, planned
+    limit_growth = 0
+    for r in results:
+        after = r.switches[tol.warmup:]
+        limit = tol.growth + int(tol.growth_share * max([s.predicted for s in r.switches] + [0]))
+        limit_growth = max(limit_growth, limit)
+        growth = _trend([s.level - s.predicted for s in after])
+        if growth is not None and (worst_growth is None or growth > worst_growth[0]):
+            worst_growth = (growth, r.rank, len(after))
+        for row, planned in _held_vs_plan(r, tol):
+            if row.held is None:
+                continue
+            ratio = row.held / planned if planned else float("inf")
+            if worst_over is None or ratio > worst_over[0]:
+                worst_over = (ratio, r.rank, row.phase, row.held, planned)
+    if worst_growth is None:
+        first = Finding(flat, "info", f"fewer than {tol.warmup + 3} switches: too few to judge a trend "
+                                      "(--steps more, or --every fewer)")
+    else:
+        growth, rank, count = worst_growth
+        detail = (f"{'+' if growth >= 0 else '-'}{format_bytes(abs(growth))} over {count} switches after "
+                  f"{tol.warmup} of warm-up (worst rank {rank}; {source} minus the plan; tolerance "
+                  f"{format_bytes(limit_growth)})")
+        if growth > limit_growth:
+            failures.append({"cause": "memory_grows", "rank": rank, "detail": detail})
+            first = Finding(flat, "fail", detail, "memory_grows")
+        else:
+            first = Finding(flat, "pass", detail)
+    if worst_over is None:
+        second = Finding(plan, "info", "no step after warm-up was read")
+    else:
+        ratio, rank, phase, held, planned = worst_over
+        allowed = planned * (1 + tol.over_plan_share) + tol.over_plan
+        detail = (f"worst {ratio:.2f}x: rank {rank}, phase {phase!r}, {format_bytes(held)} held at the end of a "
+                  f"step against {format_bytes(planned)} planned ({source}; allowed "
+                  f"{1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})")
+        if held > allowed:
+            failures.append({"cause": "memory_over_plan", "rank": rank, "detail": detail})
+            second = Finding(plan, "fail", detail, "memory_over_plan")
+        else:
+            second = Finding(plan, "pass", detail)
+    return first, second
+
+
+def _held_vs_plan(result: RankResult, tol: Tolerances) -> list[tuple[Any, int]]:
+    """The steps after warm-up, each with the plan of its phase (the prediction made when it was entered)."""
+    if len(result.switches) <= tol.warmup:
+        return []
+    start = result.switches[tol.warmup - 1].step if tol.warmup else 0
+    plans = {s.step: s.predicted for s in result.switches}
+    out, planned = [], result.first_prediction or 0
+    for row in result.steps:
+        planned = plans.get(row.step, planned)
+        if row.step >= start:
+            out.append((row, planned))
+    return out
+
+
+def _switch_share(results: Sequence[RankResult]) -> Finding:
+    name = "switch time share"
+    worst: Optional[tuple[float, int, int, float]] = None
+    for r in results:
+        steps = sum(row.seconds for row in r.steps)
+        switches = sum(s.seconds for s in r.switches)
+        if steps > 0 and (worst is None or switches / steps > worst[0]):
+            worst = (switches / steps, r.rank, len(r.switches), switches)
+    if worst is None or not worst[2]:
+        return Finding(name, "info", "no switch")
+    share, rank, count, seconds = worst
+    return Finding(name, "info", f"{share:.1%} of step time (rank {rank}: {count} switches, "
+                                 f"{1000 * seconds / count:.1f} ms each)")
+
+
+def _phase_table(result: RankResult, tol: Tolerances) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    judged = {id(row) for row, _ in _held_vs_plan(result, tol)}
+    plans = {s.step: s.predicted for s in result.switches}
+    planned = result.first_prediction
+    for row in result.steps:
+        planned = plans.get(row.step, planned)
+        entry = rows.setdefault(row.phase, {"phase": row.phase, "visits": 0, "plan": planned, "held": None,
+                                            "peak": None, "judged": False})
+        if row.held is not None and id(row) in judged:
+            entry["judged"] = True
+            entry["held"] = max(entry["held"] or 0, row.held)
+        elif row.held is not None and not entry["judged"]:
+            entry["held"] = max(entry["held"] or 0, row.held)
+    for phase, peak in result.peaks:
+        if phase in rows:
+            rows[phase]["visits"] += 1
+            if peak is not None:
+                rows[phase]["peak"] = max(rows[phase]["peak"] or 0, peak)
+    return list(rows.values())
