@@ -240,7 +240,7 @@ class NewStorages(TorchDispatchMode):
     Example:
         >>> held = []
         >>> with NewStorages() as watch:
-        ...     held.append(torch.ones(1000)); _ = torch.ones(10) + 1
+        ...     held.append(torch.ones(1000)); temporary = torch.ones(10) + 1; del temporary
         >>> watch.alive()
         (1, 4000)
     """
