@@ -35,7 +35,7 @@ each iteration; CPU: RSS only). After ``--warmup`` switches: the growth of
 peak above the post-warm-up level against one half alone (target <= 1.10x),
 the mean iteration (step + switch; synchronised every 100 iterations) against
 the mean single-half step (target <= 1.05x), the memory left once the GPU
-idled 1.5 s (what NCCL's watchdog frees late), the Python-visible tensors
+idled ``--idle-s`` (1.5 s: what NCCL's watchdog frees late), the Python-visible tensors
 (gc census) at both ends, and a digest of the weights (ranks must be equal).
 Then, on CUDA, a diagnostic tail of ``--tail`` switches records the Python
 stack of every allocation (a private torch API, fenced) and diffs the live
@@ -266,6 +266,7 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
 
     from tests.support.digests import param_sha
     from tests.support.models import TwoHalves
+    from tests.support.switch_leaks import settled as settled_reading
     from tests.support.switch_leaks import tensor_census
 
     meter = Meter(device)
@@ -305,7 +306,7 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         done = step + 1
         if done == warmup:
             meter.sync()
-            census["warm"] = list(tensor_census())
+            census["warm"] = list(settled_reading(tensor_census))  # a comm thread may still hold a bucket
             if loop.switcher is not None:
                 switch_totals.append((loop.switcher.history.count, loop.switcher.history.seconds))
             meter.take_peak()
@@ -321,16 +322,16 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         loop.before_switch.remove(freed.before)
     if loop.switcher is not None:
         switch_totals.append((loop.switcher.history.count, loop.switcher.history.seconds))
-    census["end"] = list(tensor_census())
+    census["end"] = list(settled_reading(tensor_census))
     phases = [loop.phase_after(i) for i in range(switches)]
     level = allocated[warmup - 1]
-    settled = {"end": meter.allocated()}
+    settled: dict[str, Any] = {"idle_s": args.idle_s, "end": meter.allocated()}
     meter.sync()
     settled["synchronized"] = meter.allocated()
-    time.sleep(0.3)
-    settled["after_0.3s"] = meter.allocated()
-    time.sleep(1.2)
-    settled["after_1.5s"] = meter.allocated()
+    time.sleep(args.idle_s / 5)
+    settled["after_short_idle"] = meter.allocated()
+    time.sleep(args.idle_s * 4 / 5)
+    settled["after_idle"] = meter.allocated()
     transient = {phase: max((p - allocated[i - 1] for i, p in enumerate(peaks)
                              if i >= warmup and p is not None and loop.trained_at(i) == phase), default=None)
                  for phase in HALVES}
@@ -354,8 +355,8 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         "settled": settled, "census": census,
         "old_buckets_alive": alive_buckets or None,
     }
-    if device.type == "cuda" and variant in HF and args.tail > 0:
-        result["tail"] = diagnostic_tail(loop, switches, args.tail, meter)
+    if variant in HF and args.tail > 0:
+        result["tail"] = diagnostic_tail(loop, switches, args.tail, meter, args.idle_s)
     result["digest"] = param_sha(model)
     loop.close()
     del loop, model, batches
@@ -367,13 +368,14 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
     return result
 
 
-def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter) -> dict[str, Any]:
-    """``count`` more switches with allocation stacks recorded: where the memory goes (CUDA only).
+def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s: float) -> dict[str, Any]:
+    """``count`` more switches with allocation stacks recorded: where the memory goes.
 
-    Snapshots: A after ``count // 5`` switches (so the blocks of recent switches
-    have their stacks), B after ``count`` (same phase), C once the GPU idled
-    1.5 s. B - A: what accumulates while switching; B - C: what is held only for
-    a while after it was used (NCCL's watchdog). After each switch, the old
+    Snapshots of the CUDA caching allocator (on CPU there are none: a note says
+    so): A after ``count // 5`` switches (so the blocks of recent switches have
+    their stacks), B after ``count`` (same phase), C once the device idled
+    ``idle_s``. B - A: what accumulates while switching; B - C: what is held only
+    for a while after it was used (NCCL's watchdog). After each switch, the old
     reducers still alive (weak references; ``probe``: the old bucket storages too).
     """
     from tests.support import memory_snapshots as snaps
@@ -398,7 +400,7 @@ def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter) -> dic
                 if snap is not None:
                     groups["A" if i + 1 == first else "B"] = snaps.block_groups(snap)
         meter.sync()
-        time.sleep(1.5)
+        time.sleep(idle_s)
         if note is None:
             snap, note = snaps.snapshot()
             if snap is not None:
@@ -499,6 +501,7 @@ def run_driver(args: argparse.Namespace) -> None:
                       "--size-mib", str(args.size_mib), "--layers", str(args.layers), "--batch", str(args.batch),
                       "--switches", str(args.switches), "--short-switches", str(args.short_switches),
                       "--warmup", str(args.warmup), "--tail", str(args.tail), "--chunk", str(args.chunk),
+                      "--idle-s", str(args.idle_s),
                       "--deadline", str(deadline), "--variants", *remaining]
             try:
                 launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
@@ -571,7 +574,7 @@ def summary_rows(runs: dict[str, Any]) -> list[dict[str, Any]]:
             "distinct_values": {p: v["distinct"] for p, v in by_phase.items()},
             "reserved_growth_bytes": max((v["growth"] for v in (r0["reserved_by_phase"] or {}).values()),
                                          default=None),
-            "held_until_idle_bytes": r0["settled"]["end"] - r0["settled"]["after_1.5s"],
+            "held_until_idle_bytes": r0["settled"]["end"] - r0["settled"]["after_idle"],
             "peak_over_level_bytes": r0["peak_over_level"],
             "peak_ratio": _ratio(r0["peak_over_level"], single_peak),
             "transient_ratio": transient_ratio,
@@ -596,7 +599,7 @@ def markdown(rows: list[dict[str, Any]], runs: dict[str, Any], title: str, cuda:
     memory = "`memory_allocated`" if cuda else "RSS"
     lines = [f"### {title}", "",
              f"| variant | switches | {memory} growth after warm-up (worst phase) | max above first | "
-             "values per phase | held until idle 1.5 s | `memory_reserved` growth | peak over warm-up level | "
+             "values per phase | held until idle | `memory_reserved` growth | peak over warm-up level | "
              "/ single | transient / single (per phase) | step + switch | / mean single | switch | "
              "old reducers alive | old buckets alive | gc census equal | ranks identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -621,7 +624,7 @@ def markdown(rows: list[dict[str, Any]], runs: dict[str, Any], title: str, cuda:
         lines.append(f"**Where the memory goes, `{name}`** ({tail['switches']} more switches, allocation stacks "
                      f"recorded){': ' + tail['note'] if tail.get('note') else ''}")
         for key, label in (("B_minus_A", "grew while switching (B - A)"),
-                           ("B_minus_C", "held only until the GPU idled 1.5 s (B - C)")):
+                           ("B_minus_C", "held only until the device idled (B - C)")):
             for entry in tail.get(key, [])[:6]:
                 lines.append(f"* {label}: {entry['bytes'] / MIB:+.2f} MiB in {entry['blocks']:+d} block(s) "
                              f"from `{entry['site']}`")
@@ -734,7 +737,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=500, help="switches before the post-warm-up level is taken")
     parser.add_argument("--variants", nargs="+", default=None,
                         help=f"from {list(VARIANTS)}; name:N sets its switches (default: all that apply)")
-    parser.add_argument("--tail", type=int, default=200, help="CUDA diagnostic tail switches (0: none)")
+    parser.add_argument("--tail", type=int, default=None,
+                        help="diagnostic tail switches after the measured ones (default 200 on CUDA, 0 on CPU)")
+    parser.add_argument("--idle-s", type=float, default=1.5,
+                        help="seconds the device idles before the last readings (NCCL's watchdog lets go)")
     parser.add_argument("--chunk", type=int, default=100, help="iterations between synchronised time readings")
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip variants that would end after this")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
@@ -744,6 +750,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tail is None:
+        args.tail = 200 if args.device == "cuda" else 0
     if args.backend == "auto":
         args.backend = "nccl" if args.device == "cuda" and args.ranks == 1 else "gloo"
     if args.backend == "nccl" and (args.device != "cuda" or args.ranks != 1):
