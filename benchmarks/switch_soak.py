@@ -95,6 +95,8 @@ VARIANTS: dict[str, str] = {
 LONG = ("default", "keep_reducers")
 ALTERNATING = tuple(v for v in VARIANTS if not v.startswith("single"))
 HF = tuple(v for v in ALTERNATING if v != "find_unused")
+#: Variants that only diagnose (dashed in the plot).
+DIAGNOSTIC = ("probe", "waited", "record_streams")
 #: The environment a variant needs in its own launch.
 VARIANT_ENV = {"record_streams": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}}
 
@@ -458,6 +460,11 @@ def run_worker(args: argparse.Namespace) -> None:
             print(f"switch_soak: {variant} ({switches} switches)", flush=True)
         result = run_variant(variant, switches, args, device)
         per_iteration = result["iteration_s"]
+        if rank == 0:
+            growth = {p: v["growth"] for p, v in result["allocated_by_phase"].items()}
+            print(f"switch_soak: {variant} done: {1e3 * per_iteration:.3f} ms an iteration, growth by phase "
+                  f"{growth} B, held until idle {result['settled']['end'] - result['settled']['after_idle']} B",
+                  flush=True)
         _write(out / f"{variant}.rank{rank}.json", result)
         dist.barrier()
     shutdown()
@@ -504,7 +511,8 @@ def run_driver(args: argparse.Namespace) -> None:
                       "--idle-s", str(args.idle_s),
                       "--deadline", str(deadline), "--variants", *remaining]
             try:
-                launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
+                proc = launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
+                print("\n".join(line for line in (proc.stdout or "").splitlines() if "switch_soak:" in line), flush=True)
                 remaining = []
             except LaunchError as exc:  # a crash: record it, go on with the variants after it
                 done = [s for s in remaining if _finished(raw, s.partition(":")[0], args.ranks)]
@@ -668,7 +676,8 @@ def plot(runs: dict[str, Any], path: Path, title: str) -> Optional[str]:
         for name, data in runs.items():
             if isinstance(data, list):
                 values = [v / MIB for v in data[0][key] if v is not None]
-                axis.plot(range(1, len(values) + 1), values, label=name, linewidth=0.7)
+                axis.plot(range(1, len(values) + 1), values, label=name, linewidth=0.8,
+                          color=f"C{list(VARIANTS).index(name)}", linestyle="--" if name in DIAGNOSTIC else "-")
         warm = next((d[0]["warmup"] for d in runs.values() if isinstance(d, list)), None)
         if warm:
             axis.axvline(warm, color="grey", linestyle=":", linewidth=0.8)
