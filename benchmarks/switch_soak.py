@@ -32,11 +32,13 @@ Per variant, after every iteration (step + switch): ``memory_allocated``,
 ``memory_reserved`` and the iteration's peak (``max_memory_allocated``, reset
 each iteration; CPU: RSS only). After ``--warmup`` switches: the growth of
 ``memory_allocated`` per phase (target <= 1 MiB over 10,000 switches), the
-peak above the post-warm-up level against one half alone (target <= 1.10x),
+peak above the post-warm-up level (read once the readings settled, so no
+collective's leftovers are in it) against one half alone (target <= 1.10x),
 the mean iteration (step + switch; synchronised every 100 iterations) against
 the mean single-half step (target <= 1.05x), the memory left once the GPU
-idled ``--idle-s`` (1.5 s: what NCCL's watchdog frees late), the Python-visible tensors
-(gc census) at both ends, and a digest of the weights (ranks must be equal).
+idled ``--idle-s`` (1.5 s: what NCCL's watchdog frees late), the
+Python-visible tensors (gc census) at both ends, and a digest of the weights
+(ranks must be equal).
 Then, on CUDA, a diagnostic tail of ``--tail`` switches records the Python
 stack of every allocation (a private torch API, fenced) and diffs the live
 blocks by allocation site between readings, and counts the old reducers
@@ -65,9 +67,7 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -290,6 +290,7 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
     switch_totals: list[tuple[int, float]] = []
     freed = None
     alive_buckets: list[int] = []
+    level = 0
     if variant == "probe":  # the diagnostic: old buckets still alive after every switch, the whole run
         from tests.support.switch_leaks import FreedBySwitch
 
@@ -309,6 +310,7 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         if done == warmup:
             meter.sync()
             census["warm"] = list(settled_reading(tensor_census))  # a comm thread may still hold a bucket
+            level = meter.allocated()  # the post-warm-up level, once what collectives held was let go
             if loop.switcher is not None:
                 switch_totals.append((loop.switcher.history.count, loop.switcher.history.seconds))
             meter.take_peak()
@@ -318,29 +320,28 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
             now = time.perf_counter()
             chunks.append((now - chunk_start) / (done - chunk_from))
             chunk_start, chunk_from = now, done
+    settled: dict[str, Any] = {"idle_s": args.idle_s, "end": meter.allocated()}
     meter.sync()
     elapsed = time.perf_counter() - started
+    settled["synchronized"] = meter.allocated()
+    time.sleep(args.idle_s / 5)
+    settled["after_short_idle"] = meter.allocated()
+    time.sleep(args.idle_s * 4 / 5)
+    settled["after_idle"] = meter.allocated()
     if freed is not None:
         loop.before_switch.remove(freed.before)
     if loop.switcher is not None:
         switch_totals.append((loop.switcher.history.count, loop.switcher.history.seconds))
     census["end"] = list(settled_reading(tensor_census))
     phases = [loop.phase_after(i) for i in range(switches)]
-    level = allocated[warmup - 1]
-    settled: dict[str, Any] = {"idle_s": args.idle_s, "end": meter.allocated()}
-    meter.sync()
-    settled["synchronized"] = meter.allocated()
-    time.sleep(args.idle_s / 5)
-    settled["after_short_idle"] = meter.allocated()
-    time.sleep(args.idle_s * 4 / 5)
-    settled["after_idle"] = meter.allocated()
     transient = {phase: max((p - allocated[i - 1] for i, p in enumerate(peaks)
                              if i >= warmup and p is not None and loop.trained_at(i) == phase), default=None)
                  for phase in HALVES}
     result: dict[str, Any] = {
         "variant": variant, "rank": rank, "world_size": dist.get_world_size(), "device": device.type,
         "backend": dist.get_backend(), "switches": switches, "warmup": warmup, "baseline": baseline,
-        "level_after_warmup": level, "allocated": allocated, "reserved": reserved, "peaks": peaks,
+        "level_after_warmup": level, "level_at_warmup_switch": allocated[warmup - 1],
+        "allocated": allocated, "reserved": reserved, "peaks": peaks,
         "phase_after": "".join(phases),
         # From the first reading after the warm-up census (on CPU the census itself moves RSS).
         "allocated_by_phase": _phase_summary(allocated, phases, warmup),
@@ -503,6 +504,12 @@ def run_driver(args: argparse.Namespace) -> None:
             launches.append((extra, [spec]))
     for extra, specs in launches:
         remaining = list(specs)
+        if deadline and deadline - time.time() < 45:  # a fresh launch (imports, process group) and a variant
+            for spec in remaining:
+                name = spec.partition(":")[0]
+                _write(raw / f"{name}.skipped.json", {"variant": name, "skipped": "the time budget (no time left "
+                       f"for a launch of its own: {max(0.0, deadline - time.time()):.0f} s)"})
+            remaining = []
         while remaining:
             common = ["--worker", "--result", str(raw), "--device", args.device, "--backend", args.backend,
                       "--size-mib", str(args.size_mib), "--layers", str(args.layers), "--batch", str(args.batch),
@@ -571,10 +578,9 @@ def summary_rows(runs: dict[str, Any]) -> list[dict[str, Any]]:
         by_phase = r0["allocated_by_phase"]
         growth = max((v["growth"] for v in by_phase.values()), default=None)
         excess = max((v["max_excess"] for v in by_phase.values()), default=None)
-        transient_ratio = None
-        if single_transient and all(r0["transient_by_phase"].get(p) is not None for p in single_transient):
-            transient_ratio = max(r0["transient_by_phase"][p] / single_transient[p] for p in single_transient
-                                  if single_transient[p])
+        ratios = [r0["transient_by_phase"][p] / single_transient[p] for p in single_transient
+                  if single_transient[p] and r0["transient_by_phase"].get(p) is not None]
+        transient_ratio = max(ratios) if ratios else None
         tail = r0.get("tail") or {}
         rows.append({
             "variant": name, "switches": r0["switches"], "warmup": r0["warmup"],

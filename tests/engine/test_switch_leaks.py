@@ -13,7 +13,6 @@ by reference count, with the garbage collector off. What only a GPU run can see
 
 from __future__ import annotations
 
-import gc
 import weakref
 from pathlib import Path
 
@@ -148,6 +147,7 @@ def test_the_memory_checks_catch_what_the_weak_references_do_not_watch(gloo_worl
         rig.close()
 
 
+@pytest.mark.distributed
 def test_two_ranks_free_every_old_reducer_and_bucket(tmp_out: Path) -> None:
     launch(SCRIPT, str(tmp_out), nproc=2, timeout=240)
     ranks = rank_results(tmp_out, nproc=2)
@@ -170,4 +170,3 @@ def test_the_probe_hook_reduces_like_ddps_default(gloo_world_1: dist.ProcessGrou
         ddp(torch.ones(4, 3)).pow(2).sum().backward()
     assert torch.equal(nets[0].weight.grad, nets[1].weight.grad)
     assert len(probe.drain()) == 1
-    gc.collect()
