@@ -69,22 +69,26 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
 
 
 @pytest.mark.distributed
-def test_two_ranks_stay_identical(tmp_path: Path) -> None:
-    proc = _run(*TINY, "--ranks", "2", "--switches", "12", "--variants", "default", "--out", str(tmp_path))
+def test_two_ranks_stay_identical_and_skip_alike_what_the_budget_cannot_hold(tmp_path: Path) -> None:
+    # single_a's million switches cannot fit the 120 s budget once default showed the time an
+    # iteration takes: both ranks skip it together (rank 0 decides, the others follow).
+    proc = _run(*TINY, "--ranks", "2", "--switches", "12", "--budget-s", "120", "--variants", "default",
+                "single_a:1000000", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = json.loads((tmp_path / "switch_soak_cpu_2r.json").read_text())["rows"]
-    assert [(row["variant"], row["ranks"], row["ranks_identical"]) for row in rows] == [("default", 2, True)]
+    assert [(row["variant"], row.get("ranks"), row.get("ranks_identical")) for row in rows] == [
+        ("default", 2, True), ("single_a", None, None)]
+    assert rows[1]["note"].startswith("skipped: the time budget (about ")
 
 
 @pytest.mark.distributed
 def test_a_spent_time_budget_skips_variants_and_says_so(tmp_path: Path) -> None:
-    # Starting the worker takes more than the 0.01 s budget: every variant is skipped, each named.
     proc = _run(*TINY, "--switches", "12", "--budget-s", "0.01", "--variants", "default", "single_a",
                 "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())["rows"]
     assert [row["variant"] for row in rows] == ["default", "single_a"]
-    assert all(row["note"].startswith("skipped: the time budget") for row in rows)
+    assert all(row["note"].startswith("skipped: the time budget (no time left for a launch") for row in rows)
 
 
 def test_bad_arguments_are_refused_before_anything_runs() -> None:
