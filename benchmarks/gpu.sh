@@ -118,15 +118,16 @@ step cuda-tests 150 "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --timeout
 # Raw readings land in results/switch_soak_cuda_1r_raw/ as each variant ends (a cut-off keeps them;
 # `python benchmarks/switch_soak.py --summarize --device cuda --out DIR` rebuilds table and plot).
 if [ "$QUICK" = 1 ]; then
-    step soak-nccl 120 "$PY" benchmarks/switch_soak.py --device cuda --switches 2000 --short-switches 600 \
+    step soak-nccl 120 "$PY" benchmarks/switch_soak.py --device cuda --switches 2000 --short-switches 600 --timed 300 \
         --warmup 200 --budget-s "$(budget_for 120)" --out "$RESULTS"
 else
     step soak-nccl 240 "$PY" benchmarks/switch_soak.py --device cuda --budget-s "$(budget_for 240)" --out "$RESULTS"
 fi
 # 3. The same on two ranks sharing the one GPU over gloo (NCCL refuses two ranks on one device):
 # ranks bit-identical, no growth (smaller halves: gloo copies each bucket through the host).
-step soak-2ranks 90 "$PY" benchmarks/switch_soak.py --device cuda --ranks 2 --size-mib 32 --switches 1000 \
-    --warmup 100 --variants default keep_reducers:500 --budget-s "$(budget_for 90)" --out "$RESULTS"
+step soak-2ranks 90 "$PY" benchmarks/switch_soak.py --device cuda --ranks 2 --size-mib 16 --switches 1000 \
+    --warmup 100 --timed 100 --tail 100 --variants default keep_reducers:500 --budget-s "$(budget_for 90)" \
+    --out "$RESULTS"
 # 4. The bf16_offload accounting (Llama-2-7B shape, 24 GB emulated): the model state on the GPU next to
 # the peak allocation and the planner's device bytes; the idle fp32 masters kept on the host apart.
 step large-model-offload 60 "$PY" benchmarks/large_model.py --device cuda --scenarios bf16_offload --out "$RESULTS"

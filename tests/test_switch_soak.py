@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_soak.py"
-TINY = ["--device", "cpu", "--size-mib", "0.05", "--layers", "1", "--batch", "8", "--warmup", "6", "--idle-s", "0.1"]
+TINY = ["--device", "cpu", "--size-mib", "0.05", "--layers", "1", "--batch", "8", "--warmup", "6", "--idle-s", "0.1",
+        "--timed", "8"]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
