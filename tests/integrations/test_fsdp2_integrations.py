@@ -46,9 +46,13 @@ def _check(results: list[dict[str, Any]]) -> None:
         # forward train once unfrozen; fp32 master parameters; bf16 reduce-scatter, counted == expected
         bf16 = r["bf16"]
         assert bf16["changed"] == ["a", "b", "c"] and bf16["param_dtypes"] == ["torch.float32"]
-        a, b, c = r["counted"][0], r["counted"][2], r["counted"][3]  # the fp32 run's phases a, a, b, c, ...
-        assert bf16["counted"] == [a // 2, b // 2, c // 2, a // 2]  # phases a, b, c, a at half the bytes
-        assert bf16["counted"] == bf16["expected"]  # the engine's figure counts the bf16 reduce dtype
+        a, b, c = r["expected"][0], r["expected"][2], r["expected"][3]  # the fp32 run's phases a, a, b, c, ...
+        # the engine's figure counts the bf16 reduce dtype: phases a, b, c, a at half the bytes
+        assert bf16["expected"] == [a // 2, b // 2, c // 2, a // 2]
+        if len(results) > 1:
+            assert bf16["counted"] == bf16["expected"]
+        else:  # one GPU: no reduce-scatter in bf16 either (the GPU run counted [0, 0, 0, 0])
+            assert set(bf16["counted"]) == {0}
     assert len({r["bf16"]["digest"] for r in results}) == 1
 
 

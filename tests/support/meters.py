@@ -104,6 +104,13 @@ class ModelStateMeter:
     which the planner leaves out. :meth:`sample` (e.g. from an optimizer step
     post-hook) keeps the largest total seen.
 
+    ``device_type`` counts only the tensors on that kind of device (``None``:
+    all). On a GPU the model state compared with the device's allocation (and
+    with the planner's device bytes) is ``device_type="cuda"``: idle fp32
+    masters offloaded to the host (``master_policy="offload"``) are not on the
+    device, and a second meter with ``device_type="cpu"`` says what the run
+    keeps there. On CPU both are the same RAM and ``None`` counts them together.
+
     Example:
         >>> net = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.AdamW(net.parameters())
@@ -111,10 +118,14 @@ class ModelStateMeter:
         >>> meter = ModelStateMeter(net, opt)
         >>> kinds = meter.measure(); kinds["params"], kinds["grads"], kinds["optimizer"], kinds["step_counters"]
         (40, 40, 80, 8)
+        >>> total_state(ModelStateMeter(net, opt, device_type="cuda").measure())  # nothing of it on a GPU
+        0
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 device_type: Optional[str] = None) -> None:
         self.model, self.optimizer = model, optimizer
+        self.device_type = device_type
         self.buckets: dict[int, torch.Tensor] = {}
         self.peak: dict[str, int] = dict.fromkeys(_STATE_KINDS, 0)
 
@@ -132,6 +143,8 @@ class ModelStateMeter:
 
         def add(kind: str, tensor: Optional[torch.Tensor]) -> None:
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                return
+            if self.device_type is not None and tensor.device.type != self.device_type:
                 return
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), str(tensor.device))
