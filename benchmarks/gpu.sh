@@ -132,6 +132,9 @@ step soak-2ranks 90 "$PY" benchmarks/switch_soak.py --device cuda --ranks 2 --si
 # the peak allocation and the planner's device bytes; the idle fp32 masters kept on the host apart.
 step large-model-offload 60 "$PY" benchmarks/large_model.py --device cuda --scenarios bf16_offload --out "$RESULTS"
 
+# 4b. Issue 33: `python -m hf_altparams check` on the one GPU (built-in Llama, LISA, 60 steps): memory from
+# torch.cuda's allocator, flat after warm-up and within the plan (one process: Accelerate wraps no DDP).
+step check-gpu 75 "$PY" -m hf_altparams check --ranks 1 --json-out "$RESULTS/check_cuda_1r.json"
 # 5. The README's main job in its GPU form: a Llama-shaped decoder sized from the GPU's memory so that
 # plain DDP with fp32 AdamW would not fit (one process first tries plain fp32 AdamW at that size: a
 # clean CUDA out-of-memory error), trained with LISA in bf16 + fp32 masters; planned vs measured

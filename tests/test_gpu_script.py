@@ -28,9 +28,10 @@ def test_budget_skips_later_steps_and_packs_what_ran(tmp_path: Path) -> None:
     # Importing torch takes over a second, so at most the CUDA tests (all skipped here) start too.
     assert {"soak-nccl", "soak-2ranks", "large-model-offload", "alternating", "large-model", "switch-kept"} <= set(
         skipped)
-    # In order of importance: issue 31's soak and the bf16_offload accounting right after the CUDA tests.
+    # In order of importance: issue 31's soak and the bf16_offload accounting right after the CUDA tests,
+    # then issue 33's check on the GPU.
     order = [name for name in skipped if name != "cuda-tests"]
-    assert order[:4] == ["soak-nccl", "soak-2ranks", "large-model-offload", "main-job"], order
+    assert order[:5] == ["soak-nccl", "soak-2ranks", "large-model-offload", "check-gpu", "main-job"], order
     assert f"0 step(s) failed, {len(skipped)} skipped for time" in log
     with tarfile.open(tmp_path / "results.tgz") as archive:
         assert archive.getnames() == ["results"]  # packed, empty: no benchmark ran

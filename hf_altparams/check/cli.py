@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline", type=_positive("--deadline", float), default=900.0,
                      help="seconds the whole check may take (self-launched)")
     run.add_argument("--json", action="store_true", help="print the verdict as JSON (for CI)")
+    run.add_argument("--json-out", metavar="FILE", help="also write the verdict as JSON to FILE")
     return p
 
 
@@ -111,6 +112,8 @@ def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Na
 
 def _report(verdict: Verdict, args: argparse.Namespace, tail: str = "") -> int:
     print(verdict.json() if args.json else verdict.table())
+    if args.json_out:
+        Path(args.json_out).write_text(verdict.json())
     if not verdict.passed and tail and not args.json and any(r is None for r in verdict.ranks):
         print("\nlast lines of the launch:\n" + tail)
     return 0 if verdict.passed else 1
