@@ -312,7 +312,7 @@ def test_cli_bad_model_or_groups(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_module_entry_point_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main([]) == 2 and "plan" in capsys.readouterr().out
     assert cli_main(["budget"]) == 2
-    assert "unknown command 'budget'; accepted: ['plan']" in capsys.readouterr().err
+    assert "unknown command 'budget'; accepted: ['plan', 'check']" in capsys.readouterr().err
 
 
 # -- against a real 2-rank DDP run ----------------------------------------------------------------
@@ -420,3 +420,34 @@ def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str])
         plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), allreduce_dtype=torch.int8)
     with pytest.raises(PlanError, match="`master_policy` .* got 'swap'"):
         plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), master_policy="swap")
+
+
+LLAMA = ["--model", "hf_altparams.check.workload:builtin_model", "--layers", "model.layers",
+         "--group", "emb=model.embed_tokens.*", "--group", "head=lm_head.*"]
+
+
+def test_lisa_and_badam_plans_default_to_the_run_s_lean_state_and_say_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner prices what the run does by default: lisa and badam drop idle optimizer state."""
+    assert main([*LLAMA, "--schedule", "lisa", "--k", "2", "--every", "5", "--always", "emb,head", "--steps", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "state policy: drop (the RandomBlocks recipe's assumption)" in out
+    args, lean = plan_from_argv([*LLAMA, "--schedule", "badam", "--every", "3", "--order", "random"])
+    assert lean.state_policy == "drop" and lean.state_policy_source == "the FnSchedule recipe's assumption"
+    args, kept = plan_from_argv([*LLAMA, "--schedule", "badam", "--every", "3", "--state-policy", "keep"])
+    assert kept.state_policy == "keep" and kept.state_policy_source == "given"
+    # the last phase of a sweep: every block trained once; kept state grows with them, dropped state does not
+    assert max(r.optimizer_bytes for r in kept.phases) > max(r.optimizer_bytes for r in lean.phases)
+    args, plain = plan_from_argv([*LLAMA, "--schedule", "alternating"])
+    assert plain.state_policy == "keep" and plain.state_policy_source == "the default"
+
+
+def test_badam_orders_are_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra, message in [
+        (["--schedule", "gradual", "--every", "2", "--order", "random"],
+         "`order` must be one of ['last_to_first', 'first_to_last'], got 'random'"),
+        (["--schedule", "badam", "--every", "2", "--order", "first_to_last"], "accepted: ascending, descending, random"),
+        (["--schedule", "lisa", "--every", "2"], "`--k` (groups drawn per block) is required for `--schedule lisa`"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*LLAMA, *extra])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

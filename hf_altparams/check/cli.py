@@ -104,6 +104,8 @@ def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Na
     first = next((r for r in results if r is not None), None)
     if first is None:
         return f"hf_altparams check ({how}): no rank reported"
+    if first.device == "?":
+        return f"hf_altparams check: {first.world} rank(s) ({how}): stopped before training"
     switches = len(first.switches)
     return (f"hf_altparams check: {first.world} rank{'s' if first.world > 1 else ''} ({how}), {first.parallel} on "
             f"{first.device}; {first.description}; {len(first.steps)} of {args.steps} steps, {switches} "

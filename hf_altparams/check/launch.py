@@ -86,6 +86,8 @@ def decide_on_rank0(result: RankResult, decide: Callable[[list[Optional[RankResu
 
     gathered: Optional[list[Any]] = [None] * result.world if result.rank == 0 else None
     try:
+        if not dist.is_initialized():
+            raise RuntimeError("no process group (the accelerator was never built)")
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         dist.gather_object(result.as_dict(), gathered, dst=0, group=group)
         code = torch.tensor([0])

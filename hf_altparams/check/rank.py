@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 import traceback
 import warnings
@@ -206,15 +207,18 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
     logger.addHandler(capture)
     level = logger.level
     logger.setLevel(logging.INFO)
-    acc = _accelerator(options)
-    gauge = MemoryGauge(acc.device)
-    result = RankResult(rank=acc.process_index, world=acc.num_processes, device=str(acc.device),
-                        parallel=_parallel(acc), memory_source=gauge.source)
-    stage, step = "setup", None
+    acc: Any = None
+    result = RankResult(rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD_SIZE", 1)),
+                        device="?", parallel="?", memory_source="?")
+    stage, step = "accelerator", None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                acc = _accelerator(options)
+                gauge = MemoryGauge(acc.device)
+                result.device, result.parallel, result.memory_source = str(acc.device), _parallel(acc), gauge.source
+                stage = "setup"
                 setup = make_setup()
                 result.description = setup.description
                 stage = "prepare"
@@ -235,7 +239,8 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
         return finish(result)
     finally:
         try:
-            acc.end_training()
+            if acc is not None:
+                acc.end_training()
         except Exception:  # the process group may be broken by a lost rank; the result stands
             pass
 

@@ -189,7 +189,7 @@ def classify(failure: Failure) -> str:
     if any(s in text for s in ("got no answer", "Connection closed", "Connection reset", "timed out",
                                "stopped answering", "Broken pipe")):
         return "rank_lost"
-    if failure.stage in ("setup", "prepare") and failure.kind in ("PlanError", "AltParamsError"):
+    if failure.stage in ("accelerator", "setup", "prepare") and failure.kind in ("PlanError", "AltParamsError"):
         return "setup_refused"
     return "error"
 

@@ -60,7 +60,7 @@ from .driver import DriverState, PhaseDriver
 from .fsdp2 import FSDP2Backend, is_fsdp2
 from .layouts import PhaseLayouts, remember
 from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
-from .memory import StatePolicy, optimizer_of
+from .memory import StatePolicy, optimizer_of, run_idle_policies
 from .optim import GroupedOptimizer, PlainOptimizerState, grouped_in
 from .records import SwitchHistory, SwitchRecord
 from .report import expected_peak_bytes
@@ -319,13 +319,7 @@ class PhaseSwitcher:
         (``schedule.idle_state``: ``"drop"`` for lisa and badam); else state kept
         and masters offloaded.
         """
-        given = self.config.idle_state
-        if given is not None:
-            policy = StatePolicy.parse(given, "`idle_state`")
-            return policy, policy, f"idle_state={policy.value!r}"
-        if self.schedule.idle_state == "drop":
-            return StatePolicy.DROP, StatePolicy.DROP, f"the {self.schedule.kind} recipe's assumption"
-        return StatePolicy.KEEP, StatePolicy.OFFLOAD, "the default"
+        return run_idle_policies(self.schedule.idle_state, self.schedule.kind, self.config.idle_state)
 
     def close(self) -> None:
         """The run that owns this switcher is over: stop checking the optimizer's steps, remove the forward guards."""

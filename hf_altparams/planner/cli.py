@@ -12,14 +12,14 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..errors import PlanError
 from ..plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
-                   RandomBlocks, Schedule, TrainShareWarning)
+                   RandomBlocks, Schedule, TrainShareWarning, badam, lisa)
 from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, plan_cost
 from .hardware import BF16_ENV
 from .model import build_model, dtype_from_name
@@ -27,7 +27,7 @@ from .report import CostPlan
 
 __all__ = ["SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv"]
 
-SCHEDULES = ("alternating", "gradual", "progressive", "per-task", "random-blocks", "sequence")
+SCHEDULES = ("alternating", "gradual", "progressive", "per-task", "random-blocks", "sequence", "lisa", "badam")
 _DTYPE_METAVAR = "{bf16,fp16,fp32,bfloat16,float16,float32}"
 
 
@@ -72,12 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", required=True, choices=SCHEDULES)
     p.add_argument("--every", type=int, help="positions per phase (alternating: default 1)")
     p.add_argument("--ratios", help="alternating: a=3,b+c=1 (durations) or a,b+c (each --every long)")
-    p.add_argument("--blocks", help="gradual/progressive/random-blocks: ordered groups (default: all but --always)")
-    p.add_argument("--order", choices=["last_to_first", "first_to_last"], help="gradual/progressive direction")
+    p.add_argument("--blocks", help="gradual/progressive/random-blocks/lisa/badam: ordered groups (default: all but "
+                   "--always)")
+    p.add_argument("--order", choices=["last_to_first", "first_to_last", "ascending", "descending", "random"],
+                   help="gradual/progressive: last_to_first or first_to_last; badam: ascending (default), "
+                        "descending or random")
     p.add_argument("--always", default="",
                    help="alternating/gradual/progressive/random-blocks: groups that train in every phase (comma list)")
-    p.add_argument("--k", type=int, help="random-blocks: groups drawn per block")
-    p.add_argument("--seed", type=int, default=0, help="random-blocks seed")
+    p.add_argument("--k", type=int, help="random-blocks/lisa: groups drawn per block")
+    p.add_argument("--seed", type=int, default=0, help="random-blocks/lisa/badam seed")
     p.add_argument("--trunk", help="per-task: shared groups (comma list)")
     p.add_argument("--tasks", help="per-task: tasks, comma list, a+b for a task of several groups "
                                    "(default: every group not in --trunk)")
@@ -88,15 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="positions to list (default: one period or up to the last phase)")
     p.add_argument("--optimizer", default="adamw",
                    help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)")
-    p.add_argument("--state-policy", choices=list(POLICIES), default="keep")
+    p.add_argument("--state-policy", choices=list(POLICIES),
+                   help="idle groups' optimizer state (default: the run's: drop for lisa and badam, else keep)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--grad-dtype", type=_dtype_flag("--grad-dtype"), metavar=_DTYPE_METAVAR,
                    help="gradient dtype (default: the parameters')")
     p.add_argument("--storage-dtype", type=_dtype_flag("--storage-dtype"), metavar=_DTYPE_METAVAR,
                    help="low-precision storage (PrecisionOptimizer): params and grads in this dtype, fp32 "
                         "masters and optimizer state for the groups that train")
-    p.add_argument("--master-policy", choices=list(POLICIES), default="offload",
-                   help="with --storage-dtype: where an idle group's fp32 master goes (default offload)")
+    p.add_argument("--master-policy", choices=list(POLICIES),
+                   help="with --storage-dtype: where an idle group's fp32 master goes (default: the run's: drop "
+                        "for lisa and badam, else offload)")
     p.add_argument("--allreduce-dtype", type=_dtype_flag("--allreduce-dtype"), metavar=_DTYPE_METAVAR,
                    help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
                         "default: the gradients' dtype)")
@@ -169,10 +174,20 @@ def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedu
     if kind == "progressive":
         return ProgressiveFreeze(blocks, every=every(), unit=unit, order=args.order or "first_to_last",
                                  always=always)
-    if kind == "random-blocks":
+    if kind in ("random-blocks", "lisa"):
         if args.k is None:
-            raise PlanError("`--k` (groups drawn per block) is required for `--schedule random-blocks`")
+            raise PlanError(f"`--k` (groups drawn per block) is required for `--schedule {kind}`")
+        if kind == "lisa":
+            return lisa(blocks, k=args.k, every=every(), always=always, seed=args.seed)
         return RandomBlocks(blocks, k=args.k, every=every(), seed=args.seed, always=always, unit=unit)
+    if kind == "badam":
+        orders: dict[str, Literal["ascending", "descending", "random"]] = {
+            "ascending": "ascending", "descending": "descending", "random": "random"}
+        order = args.order or "ascending"
+        if order not in orders:
+            raise PlanError(f"`--order` {order!r} does not apply to `--schedule badam`; accepted: ascending, "
+                            "descending, random")
+        return badam(blocks, steps_per_block=every(), order=orders[order], always=always, seed=args.seed)
     if kind == "per-task":
         trunk = _names(args.trunk)
         if not trunk:

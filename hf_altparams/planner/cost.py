@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layout, Sizes, StatePolicy, Storage,
-                                    buffer_owners, everything_layout, footprint, layout, state_bytes_for,
+                                    buffer_owners, everything_layout, footprint, layout, run_idle_policies,
+                                    state_bytes_for,
                                     tensor_sizes)
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
@@ -77,7 +78,7 @@ def plan_cost(
     schedule: Schedule,
     *,
     optimizer: OptimizerSpec = "adamw",
-    state_policy: Union[StatePolicy, str] = "keep",
+    state_policy: Union[StatePolicy, str, None] = None,
     steps: Optional[int] = None,
     world_size: int = 2,
     grad_dtype: Optional[torch.dtype] = None,
@@ -85,7 +86,7 @@ def plan_cost(
     offload_nonresident: bool = True,
     pcie_gbps: float = DEFAULT_PCIE_GBPS,
     storage_dtype: Optional[torch.dtype] = None,
-    master_policy: Union[StatePolicy, str] = "offload",
+    master_policy: Union[StatePolicy, str, None] = None,
     allreduce_dtype: Optional[torch.dtype] = None,
     backend: str = "ddp",
     bf16_check: Union[str, torch.device, Bf16Speed, None] = "auto",
@@ -104,7 +105,10 @@ def plan_cost(
             state bytes per parameter (e.g. ``2`` for 8-bit Adam); or a callable
             ``(name, param) -> bytes``.
         state_policy: ``"keep"``, ``"offload"`` or ``"drop"`` (a
-            :class:`~hf_altparams.engine.optim.StatePolicy`, as in ``GroupedOptimizer``).
+            :class:`~hf_altparams.engine.optim.StatePolicy`, as in ``GroupedOptimizer``);
+            ``None`` (default): what the run does by default, the schedule's recipe
+            (``"drop"`` for :func:`~hf_altparams.plan.lisa` and :func:`~hf_altparams.plan.badam`),
+            else ``"keep"``. The plan's ``state_policy_source`` says which.
         steps: positions (steps, or epochs for an epoch schedule) to list; default: one
             period of a cycling schedule, into the final phase of a settling one (as long
             as its shortest phase), or 1000 for a random or user-defined one.
@@ -121,7 +125,8 @@ def plan_cost(
             parameters and gradients in it, fp32 optimizer state, and an fp32
             master (4 B per parameter) for each group that has trained, placed by
             ``master_policy`` when idle (``"keep"``: device, ``"offload"``: host,
-            ``"drop"``: nowhere). Gradients at the step: fp32 on the masters (4 B;
+            ``"drop"``: nowhere; ``None``: the run's default, ``"drop"`` for lisa
+            and badam, else ``"offload"``). Gradients at the step: fp32 on the masters (4 B;
             the storage-dtype gradients are freed as they are cast) plus DDP's bucket
             in the storage dtype. The train-everything row keeps masters for all.
         allreduce_dtype: the dtype the gradients are all-reduced in, if not theirs
@@ -155,8 +160,11 @@ def plan_cost(
     if groups.module is not (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model):
         raise PlanError("`groups` was built on another module than `model`; build ParamGroups on `model`")
     _check_args(steps, world_size, pcie_gbps, grad_dtype, storage_dtype, allreduce_dtype, backend)
-    policy = StatePolicy.parse(state_policy, "`state_policy`")
-    masters_policy = StatePolicy.parse(master_policy, "`master_policy` (--master-policy)")
+    run_state, run_master, why = run_idle_policies(schedule.idle_state, schedule.kind)
+    policy = run_state if state_policy is None else StatePolicy.parse(state_policy, "`state_policy`")
+    masters_policy = run_master if master_policy is None else StatePolicy.parse(
+        master_policy, "`master_policy` (--master-policy)")
+    source = why if state_policy is None else "given"
     if steps is None:
         pattern = schedule.pattern_length()
         steps = _DEFAULT_POSITIONS if pattern is None else pattern
@@ -185,7 +193,8 @@ def plan_cost(
         ddp_device_bytes = {row.phase: row.device_bytes for row in [*ddp.phases, ddp.everything]}
     return CostPlan(
         model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
-        positions=steps, optimizer=label, state_policy=policy.value, world_size=world_size,
+        positions=steps, optimizer=label, state_policy=policy.value, state_policy_source=source,
+        world_size=world_size,
         grad_dtype=_dtype_text(grad_dtype), bucket_as_view=bucket_as_view,
         offload_nonresident=offload_nonresident, pcie_gbps=float(pcie_gbps),
         phases=rows, everything=everything, switches=switches,

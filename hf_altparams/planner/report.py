@@ -102,6 +102,7 @@ class CostPlan:
     unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
     trained: Optional[TrainShare] = None  # the share of the parameters each phase trains (Schedule.trained_share)
     bf16_speed: Optional[Bf16Speed] = None  # a plan that computes in bf16: is bf16 fast where the run computes?
+    state_policy_source: str = "given"  # why that policy: "given", "the default", "the <kind> recipe's assumption"
 
     def share_lines(self) -> list[str]:
         """The table's lines on the share trained: the largest phase, what trains in every phase, the warning."""
@@ -164,7 +165,8 @@ class CostPlan:
 
         buckets = ("none (no DDP)" if self.backend == "local" else
                    "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate")
-        settings = (f"optimizer: {self.optimizer} | state policy: {self.state_policy} | world size: "
+        why = "" if self.state_policy_source == "given" else f" ({self.state_policy_source})"
+        settings = (f"optimizer: {self.optimizer} | state policy: {self.state_policy}{why} | world size: "
                     f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
                     + ("" if self.allreduce_dtype is None else f" | all-reduced in {self.allreduce_dtype}")
                     + ("" if self.offload_nonresident else " | non-resident groups stay on the device")

@@ -20,15 +20,31 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
-def check(*args: str, ranks: int = 2, steps: int = 12) -> tuple[int, dict[str, Any]]:
-    """Run the check as a user would (CPU only, this checkout first on the path); ``(exit code, verdict)``."""
+def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("ACCELERATE_USE_CPU", None)  # the self-launch sets it; a user's own torchrun must
+    env.update(extra)
+    return env
+
+
+def check(*args: str, ranks: int = 2, steps: int = 12) -> tuple[int, dict[str, Any]]:
+    """Run the check as a user would (CPU only, this checkout first on the path); ``(exit code, verdict)``."""
     proc = subprocess.run([sys.executable, "-m", "hf_altparams", "check", "--ranks", str(ranks), "--steps",
-                           str(steps), "--json", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           str(steps), "--json", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=500)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
+
+
+def under_torchrun(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
+    """The check as one of the ranks of the user's own ``torchrun`` (rank 0 prints the verdict)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "hf_altparams", "check", "--json", *args], cwd=ROOT, env=_env(**env),
+                          capture_output=True, text=True, timeout=500)
+    start = proc.stdout.find("{")
+    assert start >= 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.returncode, json.JSONDecoder().raw_decode(proc.stdout[start:])[0]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -75,3 +91,17 @@ def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str) -> None:
     code, verdict = check("--setup", f"tests.check.setups:{setup}")
     assert code == 1 and not verdict["passed"]
     assert verdict["causes"][0] == cause, verdict["failures"]
+
+
+def test_under_the_user_s_own_torchrun_rank_0_reports_and_the_job_exits_with_the_verdict() -> None:
+    code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "8",
+                                   ACCELERATE_USE_CPU="1")
+    assert code == 0 and verdict["passed"], verdict["failures"]
+    assert [r["rank"] for r in verdict["ranks"]] == [0, 1] and "launched" in verdict["header"]
+
+
+def test_torchrun_on_cpu_without_accelerate_use_cpu_is_refused_naming_the_variable() -> None:
+    """Accelerate would run each CPU rank alone (distributed_type NO): refused before training."""
+    code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "4")
+    assert code != 0 and verdict["causes"] == ["setup_refused"]
+    assert "set ACCELERATE_USE_CPU=1 for `torchrun`" in verdict["failures"][0]["detail"]

@@ -154,3 +154,28 @@ def test_the_grouped_optimizer_follows_lisa_and_frees_idle_state_by_default() ->
         trainable = acc.phase.trainable  # type: ignore[union-attr]
         held = {g for g in groups.names if any(opt.optimizer.inner[g].state.get(p) for p in groups.params(g))}
         assert held <= trainable, (step, held, trainable)  # no Adam state outside the phase
+
+
+def test_the_first_switch_that_idles_a_trained_group_logs_what_its_state_does(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With the Trainer-style plain optimizer: lisa drops idle state, and the log says so, once, with the why."""
+    from hf_altparams import lisa
+
+    net = nn.ModuleDict({f"l{i}": nn.Linear(4, 4) for i in range(4)} | {"head": nn.Linear(4, 1)})
+    groups = ParamGroups(net, {name: f"{name}.*" for name in net})
+    acc = PhasedAccelerator(lisa(["l0", "l1", "l2", "l3"], k=1, every=1, always=["head"]), groups=groups, cpu=True)
+    plain = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with caplog.at_level("INFO", logger="hf_altparams"):
+        model, opt = acc.prepare(net, plain)
+        assert not [r for r in caplog.records if "idle optimizer state" in r.getMessage()]  # nothing trained yet
+        for step in range(6):
+            x = torch.full((2, 4), 0.1 * (step + 1))
+            acc.backward(net["head"](sum(net[f"l{i}"](x) for i in range(4))).square().mean())
+            opt.step()
+            opt.zero_grad()
+            held = {g for g in groups.names if any(plain.state.get(p) for p in groups.params(g))}
+            assert held <= acc.phase.trainable, (step, held)  # type: ignore[union-attr]
+    lines = [r.getMessage() for r in caplog.records if "idle optimizer state" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0] == ("hf_altparams: idle optimizer state: drop (the RandomBlocks recipe's assumption); "
+                        "3 idle group(s) hold none")

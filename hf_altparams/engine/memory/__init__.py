@@ -16,7 +16,7 @@ This package imports nothing from :mod:`hf_altparams.engine.optim` (the
 optimizers build on it, not the other way round).
 """
 
-from .model import StatePolicy, StatePolicyLike
+from .model import StatePolicy, StatePolicyLike, run_idle_policies
 from .prefetch import PhasePrefetch, PrefetchSetting, check_prefetch
 from .release import (
     MAX_MMAP_THRESHOLD,
@@ -57,6 +57,7 @@ __all__ = [
     "param_group_map",
     "release_memory",
     "rss_bytes",
+    "run_idle_policies",
     "state_target_device",
     "to_device",
     "to_host",

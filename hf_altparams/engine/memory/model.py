@@ -59,6 +59,7 @@ __all__ = [
     "everything_layout",
     "footprint",
     "layout",
+    "run_idle_policies",
     "state_bytes_for",
     "state_tensors",
     "tensor_sizes",
@@ -102,6 +103,29 @@ class StatePolicy(str, Enum):
 
 #: What users pass for a policy: a :class:`StatePolicy` or its string.
 StatePolicyLike = Union[StatePolicy, Literal["keep", "offload", "drop"]]
+
+
+def run_idle_policies(recipe_idle_state: str, recipe: str, given: Optional[object] = None
+                      ) -> tuple[StatePolicy, StatePolicy, str]:
+    """``(optimizer state, fp32 masters, why)`` of idle groups where the optimizer leaves them open.
+
+    ``given`` (the run's ``idle_state``) when set; else the recipe's assumption
+    (``schedule.idle_state == "drop"``: lisa and badam, whose published memory
+    figures hold no state for idle layers); else state kept and masters offloaded.
+    The switch and the planner both decide by it.
+
+    Example:
+        >>> run_idle_policies("drop", "RandomBlocks")
+        (<StatePolicy.DROP: 'drop'>, <StatePolicy.DROP: 'drop'>, "the RandomBlocks recipe's assumption")
+        >>> run_idle_policies("drop", "RandomBlocks", given="keep")[2], run_idle_policies("keep", "Alternating")[2]
+        ("idle_state='keep'", 'the default')
+    """
+    if given is not None:
+        policy = StatePolicy.parse(given, "`idle_state`")
+        return policy, policy, f"idle_state={policy.value!r}"
+    if recipe_idle_state == "drop":
+        return StatePolicy.DROP, StatePolicy.DROP, f"the {recipe} recipe's assumption"
+    return StatePolicy.KEEP, StatePolicy.OFFLOAD, "the default"
 
 #: Tensors of a parameter's shape that a torch optimizer keeps per parameter, by class name, with the
 #: options that add one (``SGD``'s momentum, ``Adam``'s amsgrad, ...) read by :func:`state_tensors`.

@@ -1,4 +1,4 @@
-"""The README's converted seed loop: the "after" side runs as printed, and the stated line counts are the diff's."""
+"""The converted seed loop of docs/accelerate.md: the "after" side runs as printed, the stated line counts are the diff's."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "accelerate.md"
 
 
 def _seed_diff() -> list[str]:
-    text = README.read_text()
-    start = text.index("```diff\n", text.index("### Your loop, your optimizers")) + len("```diff\n")
+    text = DOC.read_text()
+    start = text.index("```diff\n", text.index("Here is the loop this replaces")) + len("```diff\n")
     return text[start:text.index("\n```", start)].splitlines()
 
 
@@ -31,7 +31,7 @@ def fresh_accelerate_state() -> Iterator[None]:
 def test_the_stated_numbers_of_changed_lines_are_the_diffs() -> None:
     lines = _seed_diff()
     removed, added = sum(line.startswith("-") for line in lines), sum(line.startswith("+") for line in lines)
-    stated = re.search(r"(\d+) lines removed, (\d+) added", README.read_text())
+    stated = re.search(r"(\d+) lines removed, (\d+) added", DOC.read_text())
     assert stated is not None and (int(stated.group(1)), int(stated.group(2))) == (removed, added)
 
 
@@ -51,7 +51,7 @@ def test_the_converted_loop_runs_as_printed_and_alternates_the_two_adams() -> No
     data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=gen), torch.randn(48, 1, generator=gen))
     scope = {"Net": Net, "loss_fn": nn.functional.mse_loss,
              "loader": torch.utils.data.DataLoader(data, batch_size=8)}
-    exec(compile(after, str(README), "exec"), scope)  # noqa: S102 - the README's own code
+    exec(compile(after, str(DOC), "exec"), scope)  # noqa: S102 - the documentation's own code
     accelerator, opt1, opt2 = scope["accelerator"], scope["opt1"], scope["opt2"]
     assert accelerator.schedule_step == 6
     # Alternating(["layer1", "layer2"]): each Adam stepped on every other iteration, and only then.
