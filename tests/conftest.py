@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -35,3 +36,14 @@ def tmp_out(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     out.mkdir()
     return out
+
+
+@pytest.fixture(autouse=True)
+def restore_environment() -> Iterator[None]:
+    """Put ``os.environ`` back after each test: Accelerate writes settings there as a side effect (an FSDP
+    plugin sets ``ACCELERATE_USE_FSDP=true``), and the next test's Trainer or Accelerator would read them."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
