@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
+from typing import Sequence
 
 from .errors import AltParamsError
 
@@ -89,3 +91,39 @@ def check_torch_at_import() -> None:
             f"(at {getattr(torch, '__file__', '?')}). "
             f"Upgrade it with: pip install --upgrade 'torch>={minimum}'"
         )
+
+
+def library_version(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of another library's version string; ``(0, 0)`` if it has none.
+
+    Example:
+        >>> library_version("1.15.0.dev0"), library_version("unknown")
+        ((1, 15), (0, 0))
+    """
+    match = _VERSION_RE.match(version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def check_library_at_import(library: str, version: str, tested: tuple[tuple[int, int], tuple[int, int]],
+                            missing: Sequence[str], what: str) -> None:
+    """A fence's check at import: refuse ``library`` lacking ``missing`` names; warn outside the ``tested`` range.
+
+    Args:
+        library: the package name (``"accelerate"``).
+        version: its ``__version__``.
+        tested: the lowest and highest ``(major, minor)`` tested.
+        missing: the names the fence relies on that the installed version lacks.
+        what: what those names are, for the messages (``"Accelerate internals"``).
+
+    Raises:
+        AltParamsError: a name is missing (naming them and the tested releases).
+    """
+    low, high = tested
+    if missing:
+        raise AltParamsError(
+            f"hf_altparams relies on {what} {list(missing)} that {library} {version} lacks; install a tested "
+            f"release ({library} {_fmt(low)} to {_fmt(high)})")
+    if not low <= library_version(version) <= high:
+        warnings.warn(
+            f"hf_altparams: {library} {version} is outside the tested range {_fmt(low)} to {_fmt(high)}; the "
+            f"{what} it uses are present, but run tests/integrations/test_fences.py to be sure", stacklevel=3)

@@ -52,3 +52,20 @@ def test_min_torch_itself_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tested_range_is_well_formed() -> None:
     low, high = _compat.TESTED_TORCH
     assert _compat.MIN_TORCH <= low <= high
+
+
+def test_a_fence_refuses_a_library_lacking_its_names_and_warns_outside_the_tested_range() -> None:
+    """The check both fences (accelerate_internals, transformers_internals) run at import."""
+    import warnings
+
+    tested = ((1, 0), (1, 15))
+    with pytest.raises(AltParamsError, match=r"relies on Accelerate internals \['Accelerator._optimizers'\] that "
+                                             r"accelerate 1.16.0 lacks; install a tested release \(accelerate 1.0 "
+                                             r"to 1.15\)"):
+        _compat.check_library_at_import("accelerate", "1.16.0", tested, ["Accelerator._optimizers"],
+                                        "Accelerate internals")
+    with pytest.warns(UserWarning, match=r"accelerate 1.16.0 is outside the tested range 1.0 to 1.15"):
+        _compat.check_library_at_import("accelerate", "1.16.0", tested, [], "Accelerate internals")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.check_library_at_import("accelerate", "1.15.0.dev0", tested, [], "Accelerate internals")

@@ -314,8 +314,7 @@ def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Fin
         detail = (f"{len(wrong)} of {checked} rank-steps differ; e.g. rank {rank} step {row.step} (phase "
                   f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} for "
                   f"{format_bytes(row.expected_reduced or 0)} of trainable gradients")
-        failures.append({"cause": "bytes_mismatch", "rank": rank, "detail": detail})
-        return Finding(name, "fail", detail, "bytes_mismatch")
+        return _judged(name, detail, True, "bytes_mismatch", rank, failures)
     sizes = sorted({row.reduced_bytes or 0 for r in results for row in r.steps if row.reduced_bytes is not None})
     span = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
     everything = results[0].trainable_everything
@@ -352,11 +351,7 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
         detail = (f"{'+' if growth >= 0 else '-'}{format_bytes(abs(growth))} over {count} switches after "
                   f"{tol.warmup} of warm-up (worst rank {rank}; {source} minus the plan; tolerance "
                   f"{format_bytes(limit_growth)})")
-        if growth > limit_growth:
-            failures.append({"cause": "memory_grows", "rank": rank, "detail": detail})
-            first = Finding(flat, "fail", detail, "memory_grows")
-        else:
-            first = Finding(flat, "pass", detail)
+        first = _judged(flat, detail, growth > limit_growth, "memory_grows", rank, failures)
     if worst_over is None:
         second = Finding(plan, "info", "no step after warm-up was read")
     else:
@@ -365,12 +360,17 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
         detail = (f"worst {ratio:.2f}x: rank {rank}, phase {phase!r}, {format_bytes(held)} held at the end of a "
                   f"step against {format_bytes(planned)} planned ({source}; allowed "
                   f"{1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})")
-        if held > allowed:
-            failures.append({"cause": "memory_over_plan", "rank": rank, "detail": detail})
-            second = Finding(plan, "fail", detail, "memory_over_plan")
-        else:
-            second = Finding(plan, "pass", detail)
+        second = _judged(plan, detail, held > allowed, "memory_over_plan", rank, failures)
     return first, second
+
+
+def _judged(check: str, detail: str, failed: bool, cause: str, rank: int, failures: list[dict[str, Any]]
+            ) -> Finding:
+    """A pass, or a fail also listed among the failures with its cause and rank."""
+    if not failed:
+        return Finding(check, "pass", detail)
+    failures.append({"cause": cause, "rank": rank, "detail": detail})
+    return Finding(check, "fail", detail, cause)
 
 
 def _held_vs_plan(result: RankResult, tol: Tolerances) -> list[tuple[Any, int]]:

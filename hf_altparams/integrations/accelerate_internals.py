@@ -34,8 +34,6 @@ The uses:
 from __future__ import annotations
 
 import contextlib
-import re
-import warnings
 from typing import Any, Iterator, Optional
 
 import accelerate
@@ -43,6 +41,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
+from .._compat import check_library_at_import
 from ..errors import AltParamsError
 
 __all__ = [
@@ -81,11 +80,6 @@ USES: dict[str, tuple[str, ...]] = {
 _PREPARED_MARK = "_is_accelerate_prepared"
 
 
-def _version() -> tuple[int, int]:
-    found = re.match(r"(\d+)\.(\d+)", accelerate.__version__)
-    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
-
-
 def missing_names() -> list[str]:
     """The names of :data:`USES` the installed Accelerate lacks (empty on a tested version).
 
@@ -118,22 +112,7 @@ def missing_names() -> list[str]:
 
 def check_accelerate() -> None:
     """At import: refuse an Accelerate that lacks a name the library relies on; warn outside the tested range."""
-    missing = missing_names()
-    if missing:
-        raise AltParamsError(
-            f"hf_altparams relies on Accelerate internals {missing} that accelerate {accelerate.__version__} "
-            f"lacks; install a tested release (accelerate {_fmt(TESTED_ACCELERATE[0])} to "
-            f"{_fmt(TESTED_ACCELERATE[1])})")
-    low, high = TESTED_ACCELERATE
-    if not low <= _version() <= high:
-        warnings.warn(
-            f"hf_altparams: accelerate {accelerate.__version__} is outside the tested range {_fmt(low)} to "
-            f"{_fmt(high)}; the internals it uses are present, but run tests/integrations/test_fences.py to be "
-            "sure", stacklevel=3)
-
-
-def _fmt(version: tuple[int, int]) -> str:
-    return f"{version[0]}.{version[1]}"
+    check_library_at_import("accelerate", accelerate.__version__, TESTED_ACCELERATE, missing_names(), "Accelerate internals")
 
 
 # ------------------------------------------------------------------ what an accelerator prepared

@@ -24,9 +24,7 @@ a real Trainer.
 from __future__ import annotations
 
 import inspect
-import re
 import sys
-import warnings
 from types import FrameType
 from typing import Any, Optional
 
@@ -34,7 +32,7 @@ import transformers
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from ..errors import AltParamsError
+from .._compat import check_library_at_import
 
 __all__ = ["TESTED_TRANSFORMERS", "USES", "caller_frame", "check_transformers", "missing_names",
            "move_before_reporters", "resumed_checkpoint_from_stack"]
@@ -50,11 +48,6 @@ USES: dict[str, tuple[str, ...]] = {
     "resumed_checkpoint_from_stack": (f"Trainer.{TRAINING_LOOP}", f"Trainer.{TRAINING_LOOP}({RESUME_LOCAL}=...)"),
     "move_before_reporters": ("CallbackHandler.callbacks", "DefaultFlowCallback", "sys._getframe"),
 }
-
-
-def _version() -> tuple[int, int]:
-    found = re.match(r"(\d+)\.(\d+)", transformers.__version__)
-    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def missing_names() -> list[str]:
@@ -74,22 +67,7 @@ def missing_names() -> list[str]:
 
 def check_transformers() -> None:
     """At import: refuse a transformers that lacks a name the library relies on; warn outside the tested range."""
-    missing = missing_names()
-    if missing:
-        raise AltParamsError(
-            f"hf_altparams relies on Trainer internals {missing} that transformers {transformers.__version__} "
-            f"lacks; install a tested release (transformers {_fmt(TESTED_TRANSFORMERS[0])} to "
-            f"{_fmt(TESTED_TRANSFORMERS[1])})")
-    low, high = TESTED_TRANSFORMERS
-    if not low <= _version() <= high:
-        warnings.warn(
-            f"hf_altparams: transformers {transformers.__version__} is outside the tested range {_fmt(low)} to "
-            f"{_fmt(high)}; the Trainer internals it uses are present, but run tests/integrations/test_fences.py "
-            "to be sure", stacklevel=3)
-
-
-def _fmt(version: tuple[int, int]) -> str:
-    return f"{version[0]}.{version[1]}"
+    check_library_at_import("transformers", transformers.__version__, TESTED_TRANSFORMERS, missing_names(), "Trainer internals")
 
 
 def caller_frame() -> Optional[FrameType]:
