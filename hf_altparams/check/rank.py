@@ -10,8 +10,10 @@ where Accelerate would run DDP). Around it, each rank records:
   reduce-scattered), the memory held at the end of the step (weights, gradients
   and optimizer state, activations gone; read from a step post-hook) and the
   step's seconds;
-* per switch: the switch's seconds, the memory held after it, and the memory
-  model's prediction for the new phase (``expected_peak``);
+* per switch: the switch's seconds, the memory held after it, the memory
+  model's prediction for the new phase (``expected_peak``), and the optimizer
+  state that idle groups whose policy is ``drop`` (or, on a GPU, ``offload``)
+  still hold on the training device, read from the optimizer itself;
 * per phase visit: the peak memory, activations included;
 * the weights compared across ranks after every switch and at the end (the
   switch's drift check, ``drift_check="switch"``);
@@ -34,7 +36,9 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from ..engine.memory import StatePolicy
 from ..plan import ParamGroups, Schedule
 from .readings import MemoryGauge
 from .workload import CheckSetup
@@ -76,13 +80,20 @@ class StepRow:
 
 @dataclass
 class SwitchRow:
-    """One switch (the first phase, applied at ``prepare``, is not one)."""
+    """One switch (the first phase, applied at ``prepare``, is not one).
+
+    ``idle_held``: bytes of optimizer state that idle groups whose policy sends it
+    away still hold on the training device (``idle_held_groups`` names them).
+    """
 
     step: int
     phase: str
     seconds: float
     level: int
     predicted: int
+    idle_held: int = 0
+    idle_held_groups: list[str] = field(default_factory=list)
+    idle_checked: int = 0
 
 
 @dataclass
@@ -311,9 +322,12 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             if record is not last:
                 last = record
                 result.peaks.append((phase_started, gauge.peak_since_reset()))
+                held_bytes, held_groups, checked = _idle_state_on_device(switcher, raw, acc.device)
                 result.switches.append(SwitchRow(step=step + 1, phase=record.phase, seconds=record.seconds,
                                                  level=gauge.level(),
-                                                 predicted=switcher.expected_peak(switcher.current)))
+                                                 predicted=switcher.expected_peak(switcher.current),
+                                                 idle_held=held_bytes, idle_held_groups=held_groups,
+                                                 idle_checked=checked))
                 result.weights_compared += 1  # the switch compared every rank's weights (drift_check="switch")
                 phase_started = record.phase
                 gauge.reset_peak()
@@ -321,3 +335,33 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
     finally:
         handle.remove()
 
+
+
+def _idle_state_on_device(switcher: Any, optimizer: Optimizer, device: torch.device) -> tuple[int, list[str], int]:
+    """``(bytes, groups, groups checked)``: optimizer state idle groups hold on ``device`` against their policy.
+
+    Read from the optimizer itself (its ``state``, or each inner optimizer's of a
+    ``GroupedOptimizer``), for the idle groups whose policy sends their state
+    away: ``drop`` everywhere, ``offload`` where the host is another device.
+    """
+    current = switcher.current
+    if current is None:
+        return 0, [], 0
+    leaving = {StatePolicy.DROP} | ({StatePolicy.OFFLOAD} if device.type != "cpu" else set())
+    policies = switcher.idle_state_policies
+    inner = getattr(optimizer, "inner", None)
+    held, names, checked = 0, [], 0
+    for group in switcher.groups.names:
+        if group in current.trainable or policies.get(group) not in leaving:
+            continue
+        checked += 1
+        owner = inner.get(group) if isinstance(inner, dict) else optimizer
+        if owner is None:
+            continue
+        found = sum(t.numel() * t.element_size() for p in switcher.groups.params(group)
+                    for t in (owner.state.get(p) or {}).values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device.type == device.type)
+        if found:
+            held += found
+            names.append(group)
+    return held, names, checked

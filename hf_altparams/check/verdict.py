@@ -18,6 +18,9 @@ What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
 * **memory against the plan**: the memory held at the end of each step
   (weights, gradients, optimizer state; activations gone) against the plan's
   figure for the phase (``expected_peak``), after warm-up.
+* **idle optimizer state as its policy says**: after each switch, the state the
+  optimizer itself holds on the training device for idle groups whose policy
+  sends it away (``drop``; ``offload`` too on a GPU) must be none.
 * **switch share**: switch seconds over step seconds (information).
 
 Failures are named by cause (:data:`CAUSES`), from the error or warning a rank
@@ -61,6 +64,10 @@ CAUSES: dict[str, tuple[str, str]] = {
         "memory held beyond the plan",
         "the rank holds more at the end of a step than the memory model predicts for the phase (state of idle "
         "groups still on the device, buffers held elsewhere)"),
+    "idle_state_held": (
+        "idle groups' optimizer state stays on the device",
+        "the policy says drop (lisa, badam) or offload, but the optimizer still holds that state on the device: "
+        "an optimizer whose state the library cannot see (a wrapper keeping its own), or a library fault"),
     "bytes_mismatch": (
         "bytes all-reduced differ from the trainable bytes",
         "DDP reduces other gradients than the phase's: a wrapper built outside the library, or a comm hook"),
@@ -266,6 +273,7 @@ def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Toleranc
     verdict.findings.append(_bytes(present, failures))
     growth, rows = _memory(present, tol, failures)
     verdict.findings += [growth, rows]
+    verdict.findings.append(_idle_state(present, failures))
     verdict.findings.append(_switch_share(present))
     verdict.phases = _phase_table(present[0], tol)
     idle = next((r.idle_state for r in present if r.idle_state), [])
@@ -385,6 +393,23 @@ def _held_vs_plan(result: RankResult, tol: Tolerances) -> list[tuple[Any, int]]:
         if row.step >= start:
             out.append((row, planned))
     return out
+
+
+def _idle_state(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Finding:
+    name = "idle optimizer state as its policy says"
+    checked = sum(s.idle_checked for r in results for s in r.switches)
+    if not checked:
+        return Finding(name, "info", "no idle group's policy sends its state away here (keep; offload on a CPU "
+                                     "stays on the host, which is the device)")
+    for r in results:
+        for s in r.switches:
+            if s.idle_held:
+                detail = (f"rank {r.rank}, after the switch to {s.phase!r} at step {s.step}: idle group(s) "
+                          f"{s.idle_held_groups} still hold {format_bytes(s.idle_held)} of optimizer state on "
+                          f"{r.device}, against their policy")
+                return _judged(name, detail, True, "idle_state_held", r.rank, failures)
+    return Finding(name, "pass", f"{checked} idle group-switches checked on every rank: none held state on the "
+                                 "device that its policy sends away")
 
 
 def _switch_share(results: Sequence[RankResult]) -> Finding:

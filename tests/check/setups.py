@@ -102,3 +102,11 @@ def drifting(rank: int) -> CheckSetup:
 
     setup.on_step = nudge
     return setup
+
+
+def drop_that_does_nothing() -> CheckSetup:
+    """A library fault made on purpose: dropping idle optimizer state does nothing (lisa's default is drop)."""
+    from hf_altparams.engine.optim.idle import IdleState
+
+    IdleState.leave = lambda self, name: 0  # type: ignore[method-assign]
+    return _small()

@@ -125,3 +125,14 @@ def test_results_survive_the_json_round_trip() -> None:
     original = rank(1, failure=Failure("step", 2, "DriftError", "x", "f.py:3"))
     assert RankResult.from_dict(original.as_dict()) == original
     assert judge([original]).as_dict()["causes"] == ["ranks_drift"]
+
+
+def test_idle_state_left_on_the_device_against_its_policy_is_named() -> None:
+    result = rank()
+    for switch in result.switches:
+        switch.idle_checked = 2
+    assert {f.check: f.status for f in judge([result]).findings}["idle optimizer state as its policy says"] == "pass"
+    result.switches[5].idle_held, result.switches[5].idle_held_groups = 3 * MIB, ["layer2"]
+    verdict = judge([result])
+    assert verdict.causes == ["idle_state_held"]
+    assert "idle group(s) ['layer2'] still hold 3.00 MiB" in verdict.failures[0]["detail"]

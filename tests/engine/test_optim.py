@@ -337,3 +337,28 @@ def test_wrong_optimizer_forms_raise_plan_error_naming_them(make: Any, pattern: 
     model, groups = model_and_groups()
     with pytest.raises(PlanError, match=pattern):
         GroupedOptimizer(*make(model, groups))
+
+
+@pytest.mark.parametrize("policy", ["drop", "offload"])
+def test_idle_policies_act_on_the_parameters_of_rebound_groups(policy: str) -> None:
+    """After ``rebind`` (FSDP2's ``fully_shard`` gives the model new parameter objects), the idle policy acts on
+    the new parameters' state, not on the parameters the optimizer was built with."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = GroupedOptimizer(ParamGroups(net, {"a": "0.*", "b": "1.*"}), ADAM, state_policy=policy)
+    for i, layer in enumerate(net):  # new Parameter objects, swapped into the inner optimizers (as Accelerate does)
+        for name in ("weight", "bias"):
+            old = getattr(layer, name)
+            new = nn.Parameter(old.detach().clone())
+            setattr(layer, name, new)
+            inner = opt.inner["ab"[i]]
+            inner.param_groups[0]["params"] = [new if p is old else p for p in inner.param_groups[0]["params"]]
+    opt.rebind(ParamGroups(net, {"a": "0.*", "b": "1.*"}))
+    opt.set_active({"a", "b"})
+    net(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.set_active({"a"})
+    held = {p.device.type for p in net[1].parameters() for t in opt.inner["b"].state.get(p, {}).values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0}
+    assert held == (set() if policy == "drop" else {"cpu"})
+    assert all(opt.inner["b"].state.get(p) for p in net[1].parameters()) == (policy == "offload")

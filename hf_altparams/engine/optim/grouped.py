@@ -351,7 +351,7 @@ class GroupedOptimizer(Optimizer):
                 )
             self.inner[name] = opt
         self._mover = TensorMover()  # state to the host and back, and prefetched copies
-        self._idle = IdleState(self.groups, lambda name: self.inner[name], self.policy_of, self._mover)
+        self._idle = IdleState(lambda: self.groups, lambda name: self.inner[name], self.policy_of, self._mover)
         all_params = [p for name in groups.names for p in groups.params(name)]
         super().__init__(all_params, defaults={})
         # The composite's param_groups ARE the inner optimizers' dicts.

@@ -75,7 +75,8 @@ class IdleState:
     """Each group's idle-state policy, applied to the optimizer state of its parameters.
 
     Args:
-        groups: the run's groups.
+        groups_of: the owner's groups now (read at every use: FSDP2's ``fully_shard``
+            replaces the parameters, and the owner takes the rebound groups).
         optimizer_of: the torch optimizer holding group ``name``'s state.
         policy_of: group ``name``'s policy now.
         mover: moves the state (its copies in flight and prefetched copies).
@@ -86,15 +87,15 @@ class IdleState:
         >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
         >>> opt = torch.optim.Adam(net.parameters())
         >>> net(torch.ones(1, 2)).sum().backward(); opt.step()
-        >>> idle = IdleState(groups, lambda name: opt, lambda name: StatePolicy.DROP, TensorMover())
+        >>> idle = IdleState(lambda: groups, lambda name: opt, lambda name: StatePolicy.DROP, TensorMover())
         >>> idle.enter_phase(groups.names, {"a"})  # "b" goes idle: its Adam state is freed
         >>> sorted(idle.bytes("b").items()), sorted(idle.bytes("a").items())
         ([], [('cpu', 56)])
     """
 
-    def __init__(self, groups: ParamGroups, optimizer_of: Callable[[str], Optimizer],
+    def __init__(self, groups_of: Callable[[], ParamGroups], optimizer_of: Callable[[str], Optimizer],
                  policy_of: Callable[[str], StatePolicy], mover: TensorMover) -> None:
-        self.groups = groups
+        self._groups_of = groups_of
         self._optimizer_of = optimizer_of
         self._policy_of = policy_of
         self._mover = mover
@@ -117,7 +118,7 @@ class IdleState:
         if policy is StatePolicy.DROP:
             freed = sum(self.bytes(name).values())
             optimizer = self._optimizer_of(name)
-            for param in self.groups.params(name):
+            for param in self._groups_of().params(name):
                 optimizer.state.pop(param, None)
             return freed
         if policy is StatePolicy.OFFLOAD:
@@ -126,15 +127,15 @@ class IdleState:
 
     def offload(self, name: str) -> int:
         """Move group ``name``'s state to the host; the bytes moved."""
-        return self._mover.state_to_host(self._optimizer_of(name), self.groups.params(name), _HOST)
+        return self._mover.state_to_host(self._optimizer_of(name), self._groups_of().params(name), _HOST)
 
     def restore(self, name: str) -> int:
         """Bring group ``name``'s state back where torch keeps it (a prefetched copy when still current)."""
-        return self._mover.state_to_device(self._optimizer_of(name), self.groups.params(name))
+        return self._mover.state_to_device(self._optimizer_of(name), self._groups_of().params(name))
 
     def prefetch(self, name: str, max_bytes: Optional[int] = None) -> int:
         """Start copying idle group ``name``'s offloaded state back on a CUDA side stream; the bytes started."""
-        return self._mover.prefetch_state(self._optimizer_of(name), self.groups.params(name), max_bytes)
+        return self._mover.prefetch_state(self._optimizer_of(name), self._groups_of().params(name), max_bytes)
 
     def reapply(self, names: Iterable[str], active: frozenset[str]) -> int:
         """Put each group's state where its policy says now (after something moved it); bytes re-offloaded or freed."""
@@ -150,7 +151,7 @@ class IdleState:
         """Bytes of group ``name``'s optimizer state, by device type."""
         out: dict[str, int] = {}
         optimizer = self._optimizer_of(name)
-        for param in self.groups.params(name):
+        for param in self._groups_of().params(name):
             for value in optimizer.state.get(param, {}).values():
                 if isinstance(value, torch.Tensor):
                     out[value.device.type] = out.get(value.device.type, 0) + nbytes(value)
@@ -197,7 +198,7 @@ class PlainOptimizerState:
         self.policy = StatePolicy.KEEP
         self._source: Optional[PhaseSource] = None
         self._mover = TensorMover()
-        self._idle = IdleState(groups, lambda name: optimizer, lambda name: self.policy, self._mover)
+        self._idle = IdleState(lambda: self.groups, lambda name: optimizer, lambda name: self.policy, self._mover)
 
     @property
     def active(self) -> frozenset[str]:
