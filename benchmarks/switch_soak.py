@@ -311,8 +311,8 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         allocated.append(reading[0])
         reserved.append(reading[1])
         peaks.append(reading[2])
-        if freed is not None:
-            alive_buckets.append(len(freed.after(step + 1).storages))
+        if freed is not None:  # after --probe-grace-s at most (0: at once), while only buckets survive
+            alive_buckets.append(len(freed.wait_freed(step + 1, args.probe_grace_s).storages))
         done = step + 1
         if done == warmup:
             meter.sync()
@@ -371,7 +371,7 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
     else:
         result["iteration_s"] = result["instrumented_iteration_s"]
     if variant in HF and args.tail > 0:
-        result["tail"] = diagnostic_tail(loop, step, args.tail, meter, args.idle_s)
+        result["tail"] = diagnostic_tail(loop, step, args.tail, meter, args.idle_s, args.probe_grace_s)
     result["digest"] = param_sha(model)
     loop.close()
     del loop, model, batches
@@ -402,7 +402,8 @@ def timed_block(loop: SoakLoop, start: int, count: int, meter: Meter) -> tuple[i
     return step, (time.perf_counter() - started) / count, count
 
 
-def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s: float) -> dict[str, Any]:
+def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s: float,
+                    grace_s: float = 0.0) -> dict[str, Any]:
     """``count`` more switches with allocation stacks recorded: where the memory goes.
 
     Snapshots of the CUDA caching allocator (on CPU there are none: a note says
@@ -410,7 +411,8 @@ def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s
     their stacks), B after ``count`` (same phase), C once the device idled
     ``idle_s``. B - A: what accumulates while switching; B - C: what is held only
     for a while after it was used (NCCL's watchdog). After each switch, the old
-    reducers still alive (weak references; ``probe``: the old bucket storages too).
+    reducers still alive (weak references; ``probe``: the old bucket storages too,
+    counted after up to ``grace_s`` seconds while only buckets survive).
     """
     from tests.support import memory_snapshots as snaps
     from tests.support.switch_leaks import FreedBySwitch
@@ -426,7 +428,7 @@ def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s
     try:
         for i in range(count):
             loop.iterate(start + i)
-            survivors = freed.after(start + i + 1)
+            survivors = freed.wait_freed(start + i + 1, grace_s)
             alive_reducers.append(survivors.reducers)
             alive_buckets.append(len(survivors.storages))
             if note is None and i + 1 in (first, count):
@@ -547,7 +549,8 @@ def run_driver(args: argparse.Namespace) -> None:
                       "--size-mib", str(args.size_mib), "--layers", str(args.layers), "--batch", str(args.batch),
                       "--switches", str(args.switches), "--short-switches", str(args.short_switches),
                       "--warmup", str(args.warmup), "--tail", str(args.tail), "--chunk", str(args.chunk),
-                      "--idle-s", str(args.idle_s), "--timed", str(args.timed),
+                      "--idle-s", str(args.idle_s), "--probe-grace-s", str(args.probe_grace_s),
+                      "--timed", str(args.timed),
                       "--deadline", str(deadline), "--variants", *remaining]
             try:
                 proc = launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
@@ -786,6 +789,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help=f"from {list(VARIANTS)}; name:N sets its switches (default: all that apply)")
     parser.add_argument("--tail", type=int, default=None,
                         help="diagnostic tail switches after the measured ones (default 200 on CUDA, 0 on CPU)")
+    parser.add_argument("--probe-grace-s", type=float, default=0.0,
+                        help="probe: count the old buckets alive after waiting up to this long while only buckets "
+                             "survive (0: at once; a gloo worker thread lets go of a bucket a moment late)")
     parser.add_argument("--idle-s", type=float, default=1.5,
                         help="seconds the device idles before the last readings (NCCL's watchdog lets go)")
     parser.add_argument("--chunk", type=int, default=100, help="iterations between synchronised time readings")

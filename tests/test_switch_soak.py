@@ -32,7 +32,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path: Path) -> None:
     variants = ["default", "single_a", "single_b", "keep_reducers", "find_unused", "release", "probe", "waited"]
     proc = _run(*TINY, "--switches", "24", "--short-switches", "16", "--tail", "8", "--variants", *variants,
-                "--out", str(tmp_path))
+                "--probe-grace-s", "5", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())
     rows = {row["variant"]: row for row in summary["rows"]}
@@ -45,7 +45,8 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
         assert raw["device"] == "cpu" and raw["backend"] == "gloo" and len(raw["digest"]) == 64
         assert rows[name]["census_equal"], (name, raw["census"])  # the Python-visible tensors, after the warm-up
     assert set(rows["default"]["distinct_values"]) == {"a", "b"} and set(rows["single_b"]["distinct_values"]) == {"b"}
-    assert rows["probe"]["old_buckets_alive_max"] == 0  # gloo holds no old bucket past its switch
+    # gloo holds no old bucket past its switch (its worker thread may let go a moment late: up to 5 s allowed)
+    assert rows["probe"]["old_buckets_alive_max"] == 0
     # The diagnostic tail ran for every hf_altparams variant: old reducers counted (keep_reducers
     # keeps one by design); on CPU there is no CUDA snapshot, and the note says why.
     tails = summary["tails"]
