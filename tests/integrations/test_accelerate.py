@@ -687,7 +687,8 @@ def test_the_model_and_its_optimizer_may_come_in_separate_prepare_calls() -> Non
     x, y = _seed_batches(1)[0]
     with pytest.raises(PlanError, match=r"no optimizer over its parameters was passed to `prepare` yet"):
         acc.backward(nn.functional.mse_loss(model(x), y))  # the phases could never advance
-    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"2 parameter\(s\) that no group names .*'extra.weight', 'extra.bias'"):
+        opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))  # `extra` is in no group: said, then frozen
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step, (x, y) in enumerate(_seed_batches(4)):
         active = reference.layer1 if step % 2 == 0 else reference.layer2
