@@ -237,10 +237,6 @@ class PhaseSwitcher:
         """The process group of the attached wrapper (``None``: no wrapper)."""
         return self.backend.process_group
 
-    @property
-    def refuses_missing_grads(self) -> bool:
-        return self._refuse_missing
-
     def phase_at(self, step: int, epoch: int = 0) -> Phase:
         """The schedule's phase at ``step`` / ``epoch`` (pure; switches nothing)."""
         return self.driver.phase_at(step, epoch)
