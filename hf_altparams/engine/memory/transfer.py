@@ -145,14 +145,13 @@ class TensorMover:
     """Copies tensors to the host and back, tracks the copies in flight and the prefetched ones.
 
     Off CUDA every copy is synchronous: nothing is in flight and nothing is
-    prefetched. Only the latest event per CUDA stream is kept for the copies in
-    flight (work on one stream completes in order), so nothing accumulates over
-    many switches.
+    prefetched. For the copies in flight only the devices that queued one are
+    kept (:meth:`settle` waits for their current stream: work on one stream
+    completes in order), so nothing accumulates over many switches.
     """
 
     def __init__(self) -> None:
-        self._devices: set[torch.device] = set()  # devices that queued a copy to the host since the last event
-        self._events: dict[tuple[torch.device, int], Any] = {}
+        self._devices: set[torch.device] = set()  # devices that queued a copy to the host since the last settle
         self._prefetched: dict[Hashable, _Prefetched] = {}
 
     # ------------------------------------------------------------ single tensors
@@ -212,19 +211,8 @@ class TensorMover:
     def settle(self) -> None:
         """Wait until every device -> host copy queued so far has landed (before the CPU reads one)."""
         for device in self._devices:
-            stream = torch.cuda.current_stream(device)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._events[(device, stream.stream_id)] = event
+            torch.cuda.current_stream(device).synchronize()
         self._devices.clear()
-        for event in self._events.values():
-            event.synchronize()
-        self._events.clear()
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether device -> host copies may still be in flight (CUDA only)."""
-        return bool(self._events or self._devices)
 
     # ------------------------------------------------------------ optimizer state
     def state_to_host(self, optimizer: Optimizer, params: Iterable[nn.Parameter], host: torch.device) -> int:
