@@ -64,7 +64,6 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -72,6 +71,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ...errors import AltParamsError, PlanError, SwitchError
 from ...plan.groups import ParamGroups
+from ..collective import is_distributed
 from ..comm import CommCounter, register_comm_counter
 from ..ddp import comm_hook_states
 from ..memory import StatePolicy, StatePolicyLike, TensorMover
@@ -183,10 +183,6 @@ class DynamicLossScale:
         self._clean = int(state["clean"])
 
 
-def _multi_process() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class Fp32Grads:
     """The fp32 gradients of a :class:`PrecisionOptimizer`'s stored parameters.
 
@@ -293,7 +289,7 @@ class Fp32Grads:
         grad, param.grad = param.grad, None
         reduced = self.reduced.pop(id(param), None)
         total = self.accumulated.pop(id(param), None)
-        if total is not None and _multi_process():
+        if total is not None and is_distributed(None):
             total = None  # a local sum: param.grad was all-reduced, the fp32 sum was not
         exact = reduced if reduced is not None else total
         if grad is None:
