@@ -61,7 +61,7 @@ from .fsdp2 import FSDP2Backend, is_fsdp2
 from .layouts import PhaseLayouts, remember
 from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
 from .memory import StatePolicy, optimizer_of, run_idle_policies
-from .optim import GroupedOptimizer, PlainOptimizerState, grouped_in
+from .optim import GroupedOptimizer, PlainOptimizerState, check_groups_argument, grouped_in
 from .records import SwitchHistory, SwitchRecord
 from .report import expected_peak_bytes
 from .shutdown import install_exit_hook
@@ -147,8 +147,7 @@ class PhaseSwitcher:
         self.config = SwitchConfig.build(config, argument="PhaseSwitcher's settings", **options)
         if driver is not None and driver.schedule is not schedule:
             raise AltParamsError("`driver` drives another schedule than `schedule`; pass the driver's own schedule")
-        if not isinstance(groups, ParamGroups):
-            raise PlanError(f"`groups` must be a ParamGroups, got {type(groups).__name__}")
+        check_groups_argument(groups)
         schedule.validate(groups)
         self.groups = groups
         self.schedule = schedule
