@@ -339,7 +339,7 @@ def _census_optimizer(census: _Census, switcher: SwitchedRun) -> None:
     precision = _optimizer(switcher)
     if isinstance(precision, PrecisionOptimizer):
         for group, masters in precision.masters.items():
-            idle_off = group not in precision.active and precision.master_policies[group] is StatePolicy.OFFLOAD
+            idle_off = group not in precision.active and precision.master_policy_of(group) is StatePolicy.OFFLOAD
             for master in masters.values():
                 census.add(master, "masters_offloaded" if idle_off else "masters")
         for grad in precision.fp32_grads():

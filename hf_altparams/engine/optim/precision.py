@@ -473,7 +473,11 @@ class PrecisionOptimizer(GroupedOptimizer):
     @property
     def master_policies(self) -> dict[str, StatePolicy]:
         """Each group's idle-master policy now (given, or the run's where it was left open)."""
-        return {name: self._given_master.get(name) or self._run_master for name in self.groups.names}
+        return {name: self.master_policy_of(name) for name in self.groups.names}
+
+    def master_policy_of(self, name: str) -> StatePolicy:
+        """Group ``name``'s idle-master policy now."""
+        return self._given_master.get(name) or self._run_master
 
     def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
                idle_master: Optional[StatePolicy] = None) -> None:
@@ -490,11 +494,11 @@ class PrecisionOptimizer(GroupedOptimizer):
             for master in self.masters[name].values():
                 held[master.device.type] = held.get(master.device.type, 0) + master.nbytes
         where = ", ".join(f"{n / 2**20:.1f} MiB on {device}" for device, n in sorted(held.items())) or "none"
-        policies = "/".join(sorted({StatePolicy(self.master_policies[n]).value for n in idle}))
+        policies = "/".join(sorted({StatePolicy(self.master_policy_of(n)).value for n in idle}))
         return f"{super().summary(idle, source)}; idle fp32 masters: {policies or 'none'}, holding {where}"
 
     def _idle_master(self, name: str) -> None:
-        policy = self.master_policies[name]
+        policy = self.master_policy_of(name)
         if policy is StatePolicy.DROP:
             self.masters[name].clear()
         elif policy is StatePolicy.OFFLOAD:
