@@ -49,6 +49,7 @@ from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layou
                                     tensor_sizes)
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
+from ..plan.checks import check_int
 from .hardware import Bf16Speed, bf16_speed
 from .report import CostPlan, PhaseCost, SwitchCost
 
@@ -278,8 +279,8 @@ class _Walk:
 def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype],
                 storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype], backend: str) -> None:
     for value, name in ((steps, "steps"), (world_size, "world_size")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanError(f"`{name}` must be an int >= 1, got {value!r}")
+        if value is not None:
+            check_int(value, name, minimum=1)
     if isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, (int, float)) or not pcie_gbps > 0:
         raise PlanError(f"`pcie_gbps` must be a number > 0 (GB/s), got {pcie_gbps!r}")
     if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
