@@ -185,13 +185,12 @@ def plan_cost(
     everything = walk.cost("train everything", set(size), everything_layout(size))
     everything.trainable_groups = tuple(groups.names)
     ddp_device_bytes: dict[str, int] = {}
-    if backend == "fsdp2":  # the same phases under DDP, side by side
-        ddp = plan_cost(model, groups, schedule, optimizer=optimizer, state_policy=policy, steps=steps,
-                        world_size=world_size, grad_dtype=grad_dtype, bucket_as_view=bucket_as_view,
-                        offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
-                        storage_dtype=storage_dtype, master_policy=masters_policy,
-                        allreduce_dtype=allreduce_dtype, bf16_check=None)
-        ddp_device_bytes = {row.phase: row.device_bytes for row in [*ddp.phases, ddp.everything]}
+    if backend == "fsdp2":  # the same phases under DDP (unsharded sizes, the same policy), side by side
+        ddp = _Walk(groups, schedule, steps, full, storage, backend="ddp", world_size=world_size,
+                    bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                    masters_policy=masters_policy)
+        ddp_rows = [*ddp.run(policy)[0], ddp.cost("train everything", set(full), everything_layout(full))]
+        ddp_device_bytes = {row.phase: row.device_bytes for row in ddp_rows}
     return CostPlan(
         model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
         positions=steps, optimizer=label, state_policy=policy.value, state_policy_source=source,
