@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..plan.groups import format_bytes
-from .rank import Failure, RankResult
+from .rank import Failure, RankResult, StepRow
 
 __all__ = ["CAUSES", "Finding", "Tolerances", "Verdict", "classify", "judge"]
 
@@ -381,18 +381,22 @@ def _judged(check: str, detail: str, failed: bool, cause: str, rank: int, failur
     return Finding(check, "fail", detail, cause)
 
 
-def _held_vs_plan(result: RankResult, tol: Tolerances) -> list[tuple[Any, int]]:
-    """The steps after warm-up, each with the plan of its phase (the prediction made when it was entered)."""
+def _planned_steps(result: RankResult) -> list[tuple[StepRow, Optional[int]]]:
+    """Every step with the plan of its phase (the prediction made when the phase was entered)."""
+    plans = {s.step: s.predicted for s in result.switches}
+    out, planned = [], result.first_prediction
+    for row in result.steps:
+        planned = plans.get(row.step, planned)
+        out.append((row, planned))
+    return out
+
+
+def _held_vs_plan(result: RankResult, tol: Tolerances) -> list[tuple[StepRow, int]]:
+    """The steps after warm-up, each with the plan of its phase."""
     if len(result.switches) <= tol.warmup:
         return []
     start = result.switches[tol.warmup - 1].step if tol.warmup else 0
-    plans = {s.step: s.predicted for s in result.switches}
-    out, planned = [], result.first_prediction or 0
-    for row in result.steps:
-        planned = plans.get(row.step, planned)
-        if row.step >= start:
-            out.append((row, planned))
-    return out
+    return [(row, planned or 0) for row, planned in _planned_steps(result) if row.step >= start]
 
 
 def _idle_state(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Finding:
@@ -430,10 +434,7 @@ def _switch_share(results: Sequence[RankResult]) -> Finding:
 def _phase_table(result: RankResult, tol: Tolerances) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     judged = {id(row) for row, _ in _held_vs_plan(result, tol)}
-    plans = {s.step: s.predicted for s in result.switches}
-    planned = result.first_prediction
-    for row in result.steps:
-        planned = plans.get(row.step, planned)
+    for row, planned in _planned_steps(result):
         entry = rows.setdefault(row.phase, {"phase": row.phase, "visits": 0, "plan": planned, "held": None,
                                             "peak": None, "judged": False})
         if row.held is not None and id(row) in judged:

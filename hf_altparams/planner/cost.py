@@ -49,6 +49,7 @@ from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layou
                                     tensor_sizes)
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
+from ..plan.checks import check_int
 from .hardware import Bf16Speed, bf16_speed
 from .report import CostPlan, PhaseCost, SwitchCost
 
@@ -184,13 +185,12 @@ def plan_cost(
     everything = walk.cost("train everything", set(size), everything_layout(size))
     everything.trainable_groups = tuple(groups.names)
     ddp_device_bytes: dict[str, int] = {}
-    if backend == "fsdp2":  # the same phases under DDP, side by side
-        ddp = plan_cost(model, groups, schedule, optimizer=optimizer, state_policy=policy, steps=steps,
-                        world_size=world_size, grad_dtype=grad_dtype, bucket_as_view=bucket_as_view,
-                        offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
-                        storage_dtype=storage_dtype, master_policy=masters_policy,
-                        allreduce_dtype=allreduce_dtype, bf16_check=None)
-        ddp_device_bytes = {row.phase: row.device_bytes for row in [*ddp.phases, ddp.everything]}
+    if backend == "fsdp2":  # the same phases under DDP (unsharded sizes, the same policy), side by side
+        ddp = _Walk(groups, schedule, steps, full, storage, backend="ddp", world_size=world_size,
+                    bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                    masters_policy=masters_policy)
+        ddp_rows = [*ddp.run(policy)[0], ddp.cost("train everything", set(full), everything_layout(full))]
+        ddp_device_bytes = {row.phase: row.device_bytes for row in ddp_rows}
     return CostPlan(
         model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
         positions=steps, optimizer=label, state_policy=policy.value, state_policy_source=source,
@@ -278,8 +278,8 @@ class _Walk:
 def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype],
                 storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype], backend: str) -> None:
     for value, name in ((steps, "steps"), (world_size, "world_size")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanError(f"`{name}` must be an int >= 1, got {value!r}")
+        if value is not None:
+            check_int(value, name, minimum=1)
     if isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, (int, float)) or not pcie_gbps > 0:
         raise PlanError(f"`pcie_gbps` must be a number > 0 (GB/s), got {pcie_gbps!r}")
     if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
