@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from types import FrameType
 from typing import Any, Optional
@@ -55,7 +54,7 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .checkpoint_files import (COMPLETE_MARKER, manifest, manifest_problem, membership, membership_difference,
-                               write_atomically)
+                               numbered_folders, remove_file, write_atomically)
 from .transformers_internals import resumed_checkpoint_from_stack
 
 __all__ = ["COMPLETE_MARKER", "STATE_KEY", "check_callback_state", "check_resumed", "drop_stale_marker",
@@ -105,9 +104,7 @@ def prepare_save(args: TrainingArguments, state: TrainerState, switcher: PhaseSw
 def drop_stale_marker(args: TrainingArguments, state: TrainerState) -> None:
     """Remove the marker a previous run left in the folder the Trainer is about to overwrite."""
     if args.should_save:
-        path = os.path.join(_checkpoint_dir(args, state), COMPLETE_MARKER)
-        if os.path.isfile(path):
-            os.remove(path)
+        remove_file(os.path.join(_checkpoint_dir(args, state), COMPLETE_MARKER))
 
 
 def last_complete_checkpoint(output_dir: str) -> Optional[str]:
@@ -123,12 +120,8 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
         True
         >>> # trainer.train(resume_from_checkpoint=last_complete_checkpoint(args.output_dir))
     """
-    found = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        match = re.fullmatch(r"checkpoint-([0-9]+)", name)
-        marker = os.path.join(output_dir, name, COMPLETE_MARKER)
-        if match and os.path.isfile(marker) and _marker_step(marker) == int(match.group(1)):
-            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    found = [(n, path) for n, path in numbered_folders(output_dir, "checkpoint-")
+             if _marker_step(os.path.join(path, COMPLETE_MARKER)) == n]  # no marker (or another's): None
     return max(found)[1] if found else None
 
 

@@ -633,6 +633,27 @@ def test_own_optimizers_keep_their_lr_schedulers_and_checkpoint_as_one(tmp_path:
     assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_handle_loads_its_optimizers_state_and_the_grouped_step_uses_it() -> None:
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    model = _Seed()
+    opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
+    acc = PhasedAccelerator(Alternating(SEED_SCHEDULE), groups=ParamGroups(model, SEED_SPECS), cpu=True)
+    model, h1, h2 = acc.prepare(model, opt1, opt2)
+    state = h1.state_dict()
+    state["param_groups"][0]["lr"] = 0.0
+    h1.load_state_dict(state)
+    assert h1.param_groups[0]["lr"] == 0.0 and acc.phase is not None and acc.phase.name == "layer1"
+    assert [g["lr"] for g in h1.driving.param_groups] == [0.0, 1e-2], "the grouped optimizer sees the new group"
+    before = [p.detach().clone() for p in model.layer1.parameters()]
+    x, y = next(iter(_seed_batches(1)))
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    h1.step(); h2.step()  # noqa: E702
+    assert acc.schedule_step == 1, "the grouped step ran"
+    assert all(torch.equal(b, p) for b, p in zip(before, model.layer1.parameters())), "the loaded lr (0) applied"
+
+
 def _refused(acc: Any, model: nn.Module, *optimizers: Any) -> str:
     flags = [p.requires_grad for p in model.parameters()]
     with pytest.raises(AltParamsError) as info:
