@@ -42,8 +42,6 @@ from hf_altparams.engine import collective as _collective, switch as switch_modu
 from hf_altparams.engine.collective import collective_device, is_distributed
 from hf_altparams.engine.ddp import _surgery as _ddp
 
-transaction_module = switch_module  # the transaction is the switcher's own (module-level names it calls)
-
 #: The parts of a switch, in transaction order, and what each times.
 PARTS: dict[str, str] = {
     "plan": "phase_at, precondition checks (no_sync, pending gradients, comm hooks), backend snapshot",
@@ -180,9 +178,9 @@ def activate() -> None:
         return
     rec.active = True
     for name in ("settle", "agree", "any_rank_failed"):
-        setattr(transaction_module, name, rec.with_barrier(getattr(transaction_module, name)))
-    transaction_module.release_memory = rec.timed("release", transaction_module.release_memory)
-    transaction_module.SwitchRecord = rec.timed("record", transaction_module.SwitchRecord)
+        setattr(switch_module, name, rec.with_barrier(getattr(switch_module, name)))
+    switch_module.release_memory = rec.timed("release", switch_module.release_memory)
+    switch_module.SwitchRecord = rec.timed("record", switch_module.SwitchRecord)
     _collective.gather_rows = rec.timed("collective", _collective.gather_rows)
     _ddp.check_ddp_supported = rec.timed("rebuild_checks", _ddp.check_ddp_supported)
     _ddp.reducer_inputs = rec.timed("rebuild_params", _ddp.reducer_inputs)  # _surgery's own name for it

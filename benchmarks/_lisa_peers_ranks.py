@@ -17,7 +17,6 @@ trains and measures:
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from hf_altparams.testing import write_rank_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lisa_peers import EXTRA_GROUPS, REFERENCE, RUN_ORDER, Job, parse  # noqa: E402  (the driver: stdlib only)
+from tests.support.digests import param_sha  # noqa: E402  (lisa_peers put the repository root on sys.path)
 
 # --------------------------------------------------------------------------- the job
 
@@ -161,17 +161,14 @@ def tensor_bytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def compare_ranks(params: list[nn.Parameter], group: dist.ProcessGroup) -> tuple[str, bool, float]:
+def compare_ranks(model: nn.Module, group: dist.ProcessGroup) -> tuple[str, bool, float]:
     """This rank's parameter digest; whether every rank has it; the largest difference between ranks."""
-    h = hashlib.sha256()
-    for p in params:
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    digest = h.hexdigest()
+    digest = param_sha(model)
     everyone: list[Optional[str]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, digest, group=group)
     if len(set(everyone)) == 1:
         return digest, True, 0.0
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     high, low = flat.clone(), flat.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
@@ -226,7 +223,7 @@ class Meter(TrainerCallback):
         for param, values in (optimizer.state if optimizer is not None else {}).items():
             name = self.group_of[id(param)]
             by_group[name] = by_group.get(name, 0) + sum(tensor_bytes(v) for v in values.values())
-        digest, identical, diff = compare_ranks(self.params, self.group)
+        digest, identical, diff = compare_ranks(self.model, self.group)
         self.run.steps.append(StepRecord(
             step=self.step, trainable_bytes=self.trainable_bytes, trained_groups=sorted(self.trained),
             allreduce_bytes=reduced, state_bytes=sum(by_group.values()),

@@ -234,9 +234,6 @@ class Meter:
     def allocated(self) -> int:
         return self._torch.cuda.memory_allocated(self.device) if self.cuda else self._rss()
 
-    def reserved(self) -> Optional[int]:
-        return self._torch.cuda.memory_reserved(self.device) if self.cuda else None
-
     def take_peak(self) -> Optional[int]:
         """The peak allocation since the last call (CUDA; ``None`` on CPU), and restart it."""
         return self.read()[2]
@@ -632,9 +629,8 @@ def summary_rows(runs: dict[str, Any]) -> list[dict[str, Any]]:
             "switch_ms": None if r0["switch_s"] is None else 1e3 * r0["switch_s"],
             "census_equal": r0["census"]["warm"] == r0["census"]["end"],
             "old_reducers_alive_max": (tail.get("old_reducers_alive") or {}).get("max"),
-            "old_buckets_alive_max": (tail.get("old_buckets_alive") or {}).get("max",
-                                                                             max(r0["old_buckets_alive"] or [0]) if
-                                                                             r0["old_buckets_alive"] else None),
+            "old_buckets_alive_max": (tail.get("old_buckets_alive") or {}).get(
+                "max", max(r0["old_buckets_alive"]) if r0["old_buckets_alive"] else None),
             "ranks_identical": len({rank["digest"] for rank in data}) == 1,
             "ranks": len(data),
         })

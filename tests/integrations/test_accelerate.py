@@ -13,7 +13,7 @@ import functools
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -226,15 +226,6 @@ def test_resume_restores_every_group_state_under_its_policy(resumed: list[dict[s
 
 
 # --------------------------------------------------------------------------- one process
-@pytest.fixture
-def fresh_accelerate_state() -> Iterator[None]:
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def _grouped_sgd(model: nn.Module) -> GroupedOptimizer:
     groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
     return GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,13 +25,6 @@ from hf_altparams.integrations import accelerate_internals as acc_fence
 from hf_altparams.integrations import transformers_internals as tf_fence
 
 
-@pytest.fixture
-def fresh_state() -> Iterator[None]:
-    acc_fence.fresh_accelerator_state(partial=True)
-    yield
-    acc_fence.fresh_accelerator_state(partial=True)
-
-
 # ------------------------------------------------------------------ Accelerate
 def test_accelerate_has_every_name_the_fence_lists() -> None:
     assert acc_fence.missing_names() == []
@@ -39,7 +32,7 @@ def test_accelerate_has_every_name_the_fence_lists() -> None:
                                    "without_total_limit"}
 
 
-def test_prepared_optimizers_are_the_list_prepare_appends_to(fresh_state: None) -> None:
+def test_prepared_optimizers_are_the_list_prepare_appends_to(fresh_accelerate_state: None) -> None:
     acc = Accelerator(cpu=True)
     model = nn.Linear(2, 2)
     raw = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -52,7 +45,8 @@ def test_prepared_optimizers_are_the_list_prepare_appends_to(fresh_state: None) 
     assert acc_fence.prepared_optimizers(acc) == [prepared, extra]
 
 
-def test_a_registered_scheduler_is_marked_and_saved_like_accelerates_own(fresh_state: None, tmp_path: Path) -> None:
+def test_a_registered_scheduler_is_marked_and_saved_like_accelerates_own(fresh_accelerate_state: None,
+                                                                         tmp_path: Path) -> None:
     acc = Accelerator(cpu=True)
     model = nn.Linear(2, 2)
     _, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -66,14 +60,14 @@ def test_a_registered_scheduler_is_marked_and_saved_like_accelerates_own(fresh_s
     assert (tmp_path / "ckpt" / "scheduler.bin").is_file()  # save_state saved the registered scheduler
 
 
-def test_prepared_dataloaders_are_the_loaders_prepare_returned(fresh_state: None) -> None:
+def test_prepared_dataloaders_are_the_loaders_prepare_returned(fresh_accelerate_state: None) -> None:
     acc = Accelerator(cpu=True)
     assert acc_fence.prepared_dataloaders(acc) == []
     loader = acc.prepare(torch.utils.data.DataLoader(list(range(6)), batch_size=2))
     assert acc_fence.prepared_dataloaders(acc) == [loader] and len(loader) == 3
 
 
-def test_shared_state_holds_the_distributed_type_and_resets(fresh_state: None) -> None:
+def test_shared_state_holds_the_distributed_type_and_resets(fresh_accelerate_state: None) -> None:
     Accelerator(cpu=True)
     shared = acc_fence.shared_accelerator_state()
     assert "distributed_type" in shared
@@ -81,14 +75,14 @@ def test_shared_state_holds_the_distributed_type_and_resets(fresh_state: None) -
     assert "distributed_type" not in acc_fence.shared_accelerator_state()
 
 
-def test_run_fsdp_state_makes_an_accelerator_run_fsdp2(fresh_state: None) -> None:
+def test_run_fsdp_state_makes_an_accelerator_run_fsdp2(fresh_accelerate_state: None) -> None:
     acc = Accelerator(cpu=True)
     assert not acc.is_fsdp2
     acc_fence.run_fsdp_state(acc, FullyShardedDataParallelPlugin(fsdp_version=2))
     assert acc.is_fsdp2
 
 
-def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(fresh_state: None,
+def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(fresh_accelerate_state: None,
                                                                             tmp_path: Path) -> None:
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
     acc = Accelerator(cpu=True, project_config=config)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Iterator
 
 import pytest
 import torch
@@ -33,11 +32,7 @@ class Net(nn.Module):
         return self.layer2(torch.tanh(self.layer1(x)))
 
 
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    accelerate_internals.fresh_accelerator_state(partial=True)
-    yield
-    accelerate_internals.fresh_accelerator_state(partial=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _train(acc: PhasedAccelerator, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> list[str]:

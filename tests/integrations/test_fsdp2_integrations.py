@@ -11,7 +11,7 @@ script runs Accelerate's FSDP2 for real (the ``cuda`` test, ``benchmarks/gpu.sh`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -83,21 +83,6 @@ def test_accelerate_and_trainer_fsdp2_on_a_gpu_for_real(tmp_out: Path) -> None:
     assert accelerate[0]["device"].startswith("cuda")
     _check(accelerate)
     _check_trainer([r["trainer"] for r in results])
-
-
-@pytest.fixture
-def fresh_accelerate_state() -> Iterator[None]:
-    """A new Accelerate state, and the environment back as it was (an FSDP plugin sets ACCELERATE_USE_FSDP)."""
-    import os
-
-    from accelerate.state import AcceleratorState
-
-    environ = dict(os.environ)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")

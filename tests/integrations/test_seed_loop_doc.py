@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -17,15 +16,6 @@ def _seed_diff() -> list[str]:
     text = DOC.read_text()
     start = text.index("```diff\n", text.index("Here is the loop this replaces")) + len("```diff\n")
     return text[start:text.index("\n```", start)].splitlines()
-
-
-@pytest.fixture
-def fresh_accelerate_state() -> Iterator[None]:
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_the_stated_numbers_of_changed_lines_are_the_diffs() -> None:
