@@ -399,7 +399,7 @@ class OptimizerHandle(AcceleratedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the user's optimizer's state; the grouped optimizer sees the new param groups."""
         self.optimizer.load_state_dict(state_dict)
-        grouped = grouped_in(self.driving.optimizer)  # grouped_in does not look inside an AcceleratedOptimizer
+        grouped = grouped_in(self.driving)
         assert grouped is not None
         grouped.refresh_param_groups()  # torch's load replaced the inner optimizer's param_group dicts
         grouped.reapply_policy()

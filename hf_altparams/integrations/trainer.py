@@ -52,6 +52,7 @@ from ..engine.comm import CommCounter, register_comm_counter, register_reduce_sc
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
 from ..engine.fsdp2 import is_fsdp2
+from ..engine.memory import optimizer_of
 from ..engine.optim import GroupedOptimizer, uncovered_message
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
@@ -126,17 +127,6 @@ def unsupported_backend(args: TrainingArguments) -> Optional[str]:
     if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
         return _COMPILE_MESSAGE
     return None
-
-
-def unwrap_optimizer(optimizer: Optional[Any]) -> Optional[Any]:
-    """The user's optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and seen < 4:
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, Optimizer):
-            break
-        optimizer, seen = inner, seen + 1
-    return optimizer
 
 
 class FirstCallCatcher:
@@ -571,7 +561,7 @@ class AlternatingFreeze(TrainerCallback):
         self._is_main = state.is_world_process_zero
         if self.switcher is not None:
             self.switcher.close()  # the last train()'s: its optimizer step check goes
-        self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=unwrap_optimizer(optimizer),
+        self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=optimizer_of(optimizer),
                                       config=self.config)
         self.switcher.driver.restore(resumed_from)
         if self._on_start is not None:

@@ -62,12 +62,17 @@ def test_load_state_dict_reapplies_drop() -> None:
     assert len(state_tensors(opt, "a")) == 3 * 2  # a's state came back (step, exp_avg, exp_avg_sq)
 
 
-def test_reapply_state_policy_unwraps_and_drops_again() -> None:
+class WrappedAsOptimizer(WrappedOptimizer, torch.optim.Optimizer):
+    """The same, itself a torch Optimizer (as AcceleratedOptimizer is)."""
+
+
+@pytest.mark.parametrize("wrap", [WrappedOptimizer, WrappedAsOptimizer])
+def test_reapply_state_policy_unwraps_and_drops_again(wrap: type[WrappedOptimizer]) -> None:
     model, opt = build()
     step_all(model, opt)
     inner_b = copy.deepcopy(opt.inner["b"].state_dict())
     opt.set_active({"a"})
-    wrapper = WrappedOptimizer(opt)
+    wrapper = wrap(opt)
     wrapper.load_inner_state("b", inner_b)
     came_back = sum(t.numel() * t.element_size() for t in state_tensors(opt, "b"))
     assert came_back > 0

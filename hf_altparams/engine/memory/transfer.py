@@ -93,13 +93,27 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def optimizer_of(optimizer: Any) -> Any:
-    """Unwrap ``.optimizer`` chains (Accelerate's ``AcceleratedOptimizer``, LOMO wrappers)."""
+    """Unwrap ``.optimizer`` chains (Accelerate's ``AcceleratedOptimizer``, LOMO wrappers).
+
+    Accelerate's wrapper is itself a torch ``Optimizer``: an optimizer is
+    unwrapped when its ``.optimizer`` is an optimizer too; any other object
+    whenever it has an ``.optimizer``.
+
+    Example:
+        >>> class Wrapper(torch.optim.Optimizer):  # the shape of Accelerate's AcceleratedOptimizer
+        ...     def __init__(self, optimizer: Optimizer) -> None:
+        ...         self.optimizer = optimizer
+        >>> inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> optimizer_of(Wrapper(Wrapper(inner))) is inner, optimizer_of(inner) is inner
+        (True, True)
+    """
     seen: set[int] = set()
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        if id(optimizer) in seen:
-            break
+    while hasattr(optimizer, "optimizer") and id(optimizer) not in seen:
+        inner = optimizer.optimizer
+        if isinstance(optimizer, Optimizer) and not isinstance(inner, Optimizer):
+            break  # an optimizer with an attribute of that name, not a wrapper
         seen.add(id(optimizer))
-        optimizer = optimizer.optimizer
+        optimizer = inner
     return optimizer
 
 
