@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     options = CheckOptions(steps=args.steps, fsdp2=args.fsdp2, timeout=args.timeout)
     if not launched():
-        results, how, tail, _ = self_launch(argv, args.ranks, args.deadline)
+        results, how, tail = self_launch(argv, args.ranks, args.deadline)
         verdict = judge(results, _tolerances(results, args), header=_header(results, how, args))
         return _report(verdict, args, tail)
     folder = os.environ.get(RESULTS_ENV)

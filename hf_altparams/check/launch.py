@@ -6,8 +6,9 @@
   is not given, so the user's config (processes, FSDP) applies. Each rank writes
   its result to a folder (:data:`RESULTS_ENV` names it); this process reads them
   all, judges and prints. A rank that wrote nothing is reported lost; a job
-  that runs past ``--deadline`` is stopped (SIGTERM to the launcher, which
-  stops its ranks, then SIGKILL).
+  that runs past ``--deadline`` is stopped with every process it started
+  (:func:`hf_altparams.testing.launch.run_launchers`: SIGTERM to the
+  launcher, then SIGKILL to the ranks, whatever session they are in).
 * Started by a launcher (``torchrun ... -m hf_altparams check``,
   ``accelerate launch -m hf_altparams check``): every rank runs, rank 0 gathers
   the results and prints (:func:`decide_on_rank0`), and every rank exits with
@@ -18,16 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..testing.launch import run_launchers, write_rank_result
 from .rank import RankResult
 
 __all__ = ["RESULTS_ENV", "accelerate_config", "decide_on_rank0", "launched", "read_results", "self_launch",
@@ -54,10 +53,7 @@ def accelerate_config() -> Optional[Path]:
 
 def write_result(folder: str, result: RankResult) -> None:
     """Write ``rank{r}.json`` atomically (a reader never sees half a file)."""
-    target = Path(folder) / f"rank{result.rank}.json"
-    part = target.with_suffix(".part")
-    part.write_text(json.dumps(result.as_dict()))
-    os.replace(part, target)
+    write_rank_result(folder, result.as_dict(), rank=result.rank)
 
 
 def read_results(folder: Path, world: int) -> list[Optional[RankResult]]:
@@ -115,42 +111,18 @@ def _command(argv: Sequence[str], ranks: Optional[int]) -> tuple[list[str], str]
              "-m", "hf_altparams", "check", *argv], f"torchrun, {count} rank{'s' if count > 1 else ''}")
 
 
-def _stop(proc: "subprocess.Popen[bytes]") -> None:
-    """SIGTERM to the launcher (it stops its ranks), SIGKILL to what is left of its session."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-
-
 def self_launch(argv: Sequence[str], ranks: Optional[int], deadline: float
-                ) -> tuple[list[Optional[RankResult]], str, str, int]:
-    """Start the ranks, wait for them (at most ``deadline`` seconds); ``(results, how, log tail, world)``."""
+                ) -> tuple[list[Optional[RankResult]], str, str]:
+    """Start the ranks, wait for them (at most ``deadline`` seconds); ``(results, how, log tail)``."""
     command, how = _command(argv, ranks)
     with tempfile.TemporaryDirectory(prefix="hf_altparams_check_") as folder:
         env = dict(os.environ, **{RESULTS_ENV: folder})
         if not torch.cuda.is_available():
             env.setdefault("ACCELERATE_USE_CPU", "1")  # else Accelerate runs each CPU rank alone
-        log = Path(folder) / "launch.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            began = time.monotonic()
-            try:
-                while proc.poll() is None and time.monotonic() - began < deadline:
-                    time.sleep(0.2)
-            finally:
-                if proc.poll() is None:
-                    _stop(proc)
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        (done,), timed_out = run_launchers([command], env, timeout=deadline)
+        tail = "\n".join((done.stdout or "").splitlines()[-40:])
         world_file = Path(folder) / "world"
         world = int(world_file.read_text()) if world_file.is_file() else (ranks or _default_ranks())
-        if time.monotonic() - began >= deadline:
+        if timed_out:
             tail = f"(stopped after --deadline {deadline:.0f} s)\n{tail}"
-        return read_results(Path(folder), world), how, tail, world
+        return read_results(Path(folder), world), how, tail

@@ -7,6 +7,10 @@ asserts that it fails naming that cause. A small Llama (4 layers) keeps each run
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,3 +114,15 @@ def drop_that_does_nothing() -> CheckSetup:
 
     IdleState.leave = lambda self, name: 0  # type: ignore[method-assign]
     return _small()
+
+
+def hangs_ignoring_sigterm(rank: int) -> CheckSetup:
+    """Not a mistake of the user's: a rank that never gets to train and ignores SIGTERM.
+
+    The check's ``--deadline`` must still stop it. It notes in ``$HANG_MARK`` that
+    it is past the point where SIGTERM alone would have stopped it.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(os.environ["HANG_MARK"], f"rank{rank}").touch()
+    time.sleep(600)
+    raise AssertionError("the check's deadline should have stopped this rank")
