@@ -41,6 +41,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
+from ..engine.collective import is_distributed
 from ..engine.driver import DriverState
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
@@ -126,13 +127,9 @@ _SHARED_STORAGE_HINT = (
 )
 
 
-def _several_ranks() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _gathered(value: Any) -> list[Any]:
     """``value`` from every rank, in rank order (one ``all_gather_object``); ``[value]`` in one process."""
-    if not _several_ranks():
+    if not is_distributed(None):
         return [value]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
@@ -166,7 +163,7 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
     else:
         assert checkpoints_dir is not None
         found = complete_iterations(checkpoints_dir)
-    if not _several_ranks():
+    if not is_distributed(None):
         if input_dir is not None:
             check_complete(input_dir)
             return input_dir

@@ -48,6 +48,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from ..engine.collective import is_distributed
 from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
@@ -621,7 +622,7 @@ class AlternatingFreeze(TrainerCallback):
             # A save no step-end foresaw (save_strategy="best"): checked before the marker, which a drift withholds.
             self.switcher.check_weights(f"after the Trainer's save at step {state.global_step}",
                                         "The checkpoint is left without its completion marker")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed(None):
             dist.barrier()  # every rank has written its part (its RNG state) of the checkpoint
         current = self.switcher.current
         mark_complete(args, state, {"epoch": self._epoch(state),

@@ -47,6 +47,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from transformers import TrainerState, TrainingArguments
 
+from ..engine.collective import is_distributed
 from ..engine.driver import DriverState
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, PlanError
@@ -97,7 +98,7 @@ def prepare_save(args: TrainingArguments, state: TrainerState, switcher: PhaseSw
         switcher.check_weights(f"before the Trainer's save at step {state.global_step}",
                                "The Trainer's checkpoint was not written")
     drop_stale_marker(args, state)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed(None):
         dist.barrier()  # no rank writes into the folder (its RNG state, its shard) while an old marker stands
 
 
