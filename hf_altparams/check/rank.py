@@ -17,8 +17,11 @@ where Accelerate would run DDP). Around it, each rank records:
 * per phase visit: the peak memory, activations included;
 * the weights compared across ranks after every switch and at the end (the
   switch's drift check, ``drift_check="switch"``);
-* what went wrong, if anything: the stage, the exception, the library's
-  warnings, and the idle-state summary the first idle switch logs.
+* what went wrong, if anything: the stage, the exception and its cause (the
+  :class:`~hf_altparams.errors.Cause` a library error carries; out of memory and
+  a lost rank told by the exception's type), the library's warnings with the
+  causes the :class:`~hf_altparams.errors.AltParamsWarning` among them carry,
+  and the idle-state summary the first idle switch logs.
 
 Nothing here judges: :mod:`.verdict` does, from every rank's :class:`RankResult`.
 """
@@ -38,7 +41,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..engine.collective import is_collective_failure
 from ..engine.memory import StatePolicy
+from ..errors import AltParamsError, AltParamsWarning, Cause
 from ..plan import ParamGroups, Schedule
 from .readings import MemoryGauge
 from .workload import CheckSetup
@@ -98,13 +103,36 @@ class SwitchRow:
 
 @dataclass
 class Failure:
-    """What stopped a rank: where (``setup``, ``prepare``, ``step``, ``final``), what, and the warnings before it."""
+    """What stopped a rank: where (``setup``, ``prepare``, ``step``, ``final``), what, and why.
+
+    ``cause`` is a :class:`~hf_altparams.errors.Cause` id (``None`` in results
+    written before causes were recorded).
+    """
 
     stage: str
     step: Optional[int]
     kind: str
     message: str
     where: str = ""
+    cause: Optional[str] = None
+
+    @classmethod
+    def from_error(cls, stage: str, step: Optional[int], err: BaseException) -> "Failure":
+        """The failure ``err`` is, raised at ``stage`` (and ``step``), with its cause.
+
+        The cause: the one a library error carries (one of no particular cause,
+        raised before training, refused the set-up); for other exceptions, their
+        type's (:func:`_cause`).
+
+        Example:
+            >>> from hf_altparams.errors import DriftError
+            >>> Failure.from_error("step", 4, DriftError("the ranks hold different weights")).cause
+            'ranks_drift'
+        """
+        frames = traceback.extract_tb(err.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        return cls(stage=stage, step=step, kind=type(err).__name__, message=str(err)[:4000], where=where,
+                   cause=_cause(stage, err).value)
 
 
 @dataclass
@@ -124,6 +152,7 @@ class RankResult:
     trainable_everything: Optional[int] = None
     weights_compared: int = 0
     warnings: list[str] = field(default_factory=list)
+    warning_causes: list[tuple[str, str]] = field(default_factory=list)
     idle_state: list[str] = field(default_factory=list)
     bf16: Optional[dict[str, Any]] = None
     failure: Optional[Failure] = None
@@ -139,6 +168,7 @@ class RankResult:
         values["steps"] = [StepRow(**row) for row in data.get("steps", [])]
         values["switches"] = [SwitchRow(**row) for row in data.get("switches", [])]
         values["peaks"] = [tuple(p) for p in data.get("peaks", [])]
+        values["warning_causes"] = [tuple(w) for w in data.get("warning_causes", [])]
         values["failure"] = Failure(**data["failure"]) if data.get("failure") else None
         return cls(**values)
 
@@ -194,10 +224,26 @@ def _bf16(model: nn.Module, device: torch.device) -> Optional[dict[str, Any]]:
     return {**speed.as_dict(), "warning": speed.warning()}
 
 
-def _failure(stage: str, step: Optional[int], err: BaseException) -> Failure:
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    return Failure(stage=stage, step=step, kind=type(err).__name__, message=str(err)[:4000], where=where)
+#: The stages before the first training step: a library error there is a refused set-up.
+_BEFORE_TRAINING = ("accelerator", "setup", "prepare")
+
+
+def _cause(stage: str, err: BaseException) -> Cause:
+    """Why ``err`` stopped the rank: the cause a library error carries, else told by the exception's type.
+
+    A library error of no particular cause raised before training refused the
+    set-up. torch's CPU allocator raises a plain ``RuntimeError`` (torch 2.13), so
+    only ``torch.OutOfMemoryError`` (a GPU's) and ``MemoryError`` are out of memory.
+    """
+    if isinstance(err, AltParamsError):
+        if err.cause is Cause.ERROR and stage in _BEFORE_TRAINING:
+            return Cause.SETUP_REFUSED
+        return err.cause
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return Cause.OUT_OF_MEMORY
+    if is_collective_failure(err):  # torch.distributed's errors: DistError, gloo's timeouts and closed pairs
+        return Cause.RANK_LOST
+    return Cause.ERROR
 
 
 def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish: Callable[[RankResult], T]) -> T:
@@ -239,8 +285,10 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
                 result.weights_compared += 1
             except Exception as err:  # recorded for the report: every rank reports what stopped it
                 stage, step = _stage_of(result, stage)
-                result.failure = _failure(stage, step, err)
+                result.failure = Failure.from_error(stage, step, err)
         result.warnings = _unique(f"{w.category.__name__}: {w.message}" for w in caught)
+        result.warning_causes = list(dict.fromkeys(
+            (w.message.cause.value, str(w.message)[:2000]) for w in caught if isinstance(w.message, AltParamsWarning)))
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)

@@ -23,8 +23,10 @@ What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
   sends it away (``drop``; ``offload`` too on a GPU) must be none.
 * **switch share**: switch seconds over step seconds (information).
 
-Failures are named by cause (:data:`CAUSES`), from the error or warning a rank
-recorded; each cause carries what usually produces it and the fix.
+Failures are named by cause (:data:`CAUSES`, one entry per
+:class:`~hf_altparams.errors.Cause`): the cause the error or warning a rank
+recorded carries (never read from its message); each cause carries what usually
+produces it and the fix.
 """
 
 from __future__ import annotations
@@ -34,50 +36,99 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..errors import Cause
 from ..plan.groups import format_bytes
 from .rank import Failure, RankResult, StepRow
 
 __all__ = ["CAUSES", "Finding", "Tolerances", "Verdict", "classify", "judge"]
 
-#: Failure causes: id -> (title, what to do).
-CAUSES: dict[str, tuple[str, str]] = {
-    "requires_grad_behind_schedule": (
+#: Failure causes: id -> (title, what to do); every :class:`~hf_altparams.errors.Cause` has one.
+CAUSES: dict[Cause, tuple[str, str]] = {
+    Cause.REQUIRES_GRAD_BEHIND_SCHEDULE: (
         "requires_grad changed behind the schedule",
         "code outside the schedule turns requires_grad on or off (a callback, `model.requires_grad_()`, peft's "
         "`set_adapter`); let the schedule own it: remove that code or put those parameters in the groups"),
-    "optimizer_misses_parameters": (
+    Cause.OPTIMIZER_MISSES_PARAMETERS: (
         "the optimizer does not hold what the schedule trains",
         "build the optimizer over every parameter the schedule trains, frozen now or not "
         "(`AdamW(model.parameters())`), on the model that is prepared"),
-    "schedule_differs_per_rank": (
+    Cause.SCHEDULE_DIFFERS_PER_RANK: (
         "the schedule differs between ranks",
         "build the same schedule on every rank: the same arguments and seed (not one derived from the rank)"),
-    "ranks_drift": (
+    Cause.RANKS_DRIFT: (
         "the ranks hold different weights",
         "something updates one rank's weights alone (a gradient DDP never reduced, user code writing weights on "
         "one rank); the message names the groups and ranks"),
-    "memory_grows": (
+    Cause.TRAINABLE_PARAM_UNUSED: (
+        "a trainable parameter got no gradient under DDP",
+        "the forward skipped some of the phase's trainable parameters while DDP runs with "
+        "`find_unused_parameters=False`, so their gradients were never all-reduced; if the forward skips them on "
+        "purpose (a branch, a task head unused by the batch), pass `find_unused_parameters=True` "
+        "(`PhasedAccelerator(find_unused_parameters=True)`, `TrainingArguments(ddp_find_unused_parameters=True)`); "
+        "if the loop ran the wrong branch or task for the phase, fix the loop; if they should not train in that "
+        "phase, move them out of its groups"),
+    Cause.LOSS_REACHES_NO_TRAINABLE: (
+        "the loss depends on no parameter the phase trains",
+        "the step's forward skipped the phase's groups (another task or adapter active, the loss computed "
+        "without grad, reentrant gradient checkpointing behind frozen layers); the message lists each cause "
+        "with its fix"),
+    Cause.MEMORY_GROWS: (
         "memory grows from switch to switch",
         "something keeps memory at every switch (user code holding tensors, a leaking reducer); the figure is "
         "the growth after warm-up beyond what the plan predicts"),
-    "memory_over_plan": (
+    Cause.MEMORY_GROWS_PER_STEP: (
+        "memory grows from step to step",
+        "something keeps memory at every optimizer step (user code holding tensors or losses, a growing cache)"),
+    Cause.MEMORY_OVER_PLAN: (
         "memory held beyond the plan",
         "the rank holds more at the end of a step than the memory model predicts for the phase (state of idle "
         "groups still on the device, buffers held elsewhere)"),
-    "idle_state_held": (
+    Cause.IDLE_STATE_HELD: (
         "idle groups' optimizer state stays on the device",
         "the policy says drop (lisa, badam) or offload, but the optimizer still holds that state on the device: "
         "an optimizer whose state the library cannot see (a wrapper keeping its own), or a library fault"),
-    "bytes_mismatch": (
+    Cause.IDLE_GROUP_CHANGED: (
+        "a group changed while it was idle",
+        "code outside the schedule writes the weights of groups that do not train in the phase (weight decay "
+        "or momentum applied to frozen parameters, an EMA, a load); let only the phase's groups change"),
+    Cause.BYTES_MISMATCH: (
         "bytes all-reduced differ from the trainable bytes",
         "DDP reduces other gradients than the phase's: a wrapper built outside the library, or a comm hook"),
-    "rank_lost": (
+    Cause.UNSEEDED_SETUP: (
+        "the set-up builds something different on each rank",
+        "seed what the set-up builds (`torch.manual_seed(0)` before the model, the same schedule seed on every "
+        "rank), so that every rank starts from the same weights and phases"),
+    Cause.RANK_LOST: (
         "a rank stopped or stopped answering",
         "another rank failed or hangs; read that rank's failure"),
-    "setup_refused": (
+    Cause.SETUP_REFUSED: (
         "the set-up was refused before training",
         "the message names the argument and what is accepted"),
-    "error": ("the run raised an error", "see the message"),
+    Cause.STRATEGY_REFUSED: (
+        "the parallel strategy cannot run phases",
+        "DeepSpeed, FSDP1, compiled DDP and the like fix the trainable set when they are built; shard with FSDP2 "
+        "(`FullyShardedDataParallelPlugin(fsdp_version=2)`) or run plain DDP, as the message says"),
+    Cause.OUT_OF_MEMORY: (
+        "a rank ran out of memory",
+        "the run needs more memory than the device (or host) has: `python -m hf_altparams plan` shows the peak "
+        "per phase; train fewer groups at once, offload idle state, or use a smaller batch"),
+    Cause.WONT_FIT: (
+        "the run would not fit in memory",
+        "the plan's peak for some phase exceeds the memory there is; train fewer groups at once, offload idle "
+        "state, or use a smaller batch (`python -m hf_altparams plan`)"),
+    Cause.DEADLINE: (
+        "the check ran past its deadline",
+        "a rank hangs (a collective some rank never reached) or the run is slower than `--deadline` allows; "
+        "read each rank's last step, or give more time"),
+    Cause.INTERRUPTED: (
+        "the check was interrupted",
+        "it was stopped from outside (Ctrl-C, a signal) before the ranks reported; run it again"),
+    Cause.LAUNCH_STARTS_ONE_PROCESS: (
+        "the launch started one process",
+        "`accelerate launch --cpu --num_processes N` starts one process; on CPU use "
+        "`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu` with "
+        "ACCELERATE_USE_CPU=1)"),
+    Cause.ERROR: ("the run raised an error", "see the message"),
 }
 
 
@@ -177,37 +228,34 @@ def _size(n: Optional[int]) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def classify(failure: Failure) -> str:
-    """The cause id (:data:`CAUSES`) of a rank's recorded failure.
+def classify(failure: Failure) -> Cause:
+    """The cause (:data:`CAUSES`) of a rank's recorded failure: the one it carries.
+
+    A result written before causes were recorded (or by a newer version, with a
+    cause unknown here) is told by its exception's class alone: a drift check's
+    error, else a plain error.
 
     Example:
-        >>> classify(Failure("step", 3, "SwitchError", "ranks disagree on the phase at step 3 (...)"))
-        'schedule_differs_per_rank'
+        >>> classify(Failure("step", 3, "SwitchError", "ranks disagree on the phase at step 3 (...)",
+        ...                  cause="schedule_differs_per_rank"))
+        <Cause.SCHEDULE_DIFFERS_PER_RANK: 'schedule_differs_per_rank'>
     """
-    text = failure.message
-    if failure.kind == "DriftError":
-        return "ranks_drift"
-    if "ranks disagree on the phase" in text:
-        return "schedule_differs_per_rank"
-    if "behind the schedule" in text and "requires_grad" in text:
-        return "requires_grad_behind_schedule"
-    if any(s in text for s in ("leaves out", "is an optimizer of", "no optimizer over its parameters")):
-        return "optimizer_misses_parameters"
-    if any(s in text for s in ("got no answer", "Connection closed", "Connection reset", "timed out",
-                               "stopped answering", "Broken pipe")):
-        return "rank_lost"
-    if failure.stage in ("accelerator", "setup", "prepare") and failure.kind in ("PlanError", "AltParamsError"):
-        return "setup_refused"
-    return "error"
+    if failure.cause in CAUSES:
+        return Cause(failure.cause)
+    return Cause.RANKS_DRIFT if failure.kind == "DriftError" else Cause.ERROR
+
+
+#: What a warning's detail adds, by its cause: the library mended it this time.
+_MENDED = {Cause.REQUIRES_GRAD_BEHIND_SCHEDULE: " (the library put the flags back this time, but this code changes "
+                                                "them at every step)"}
 
 
 def _warning_causes(result: RankResult) -> list[tuple[str, str]]:
+    """``(cause, detail)`` of each warning the rank caught that names a cause (an ``AltParamsWarning``)."""
     out = []
-    for line in result.warnings:
-        if "no longer matched phase" in line:
-            out.append(("requires_grad_behind_schedule",
-                        f"rank {result.rank}: {line[:600]} (the library put the flags back this time, but this "
-                        "code changes them at every step)"))
+    for cause, line in result.warning_causes:
+        if cause in CAUSES:
+            out.append((cause, f"rank {result.rank}: {line[:600]}{_MENDED.get(Cause(cause), '')}"))
     return out
 
 

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError, SwitchError
+from ..errors import Cause, PlanError, Refusal, SwitchError, cause_of
 from ..plan.phase import Phase
 
 __all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors", "gather_rows",
@@ -113,7 +113,7 @@ def collective_errors(phase: Optional[Phase], step: Optional[int], group: Option
                        f"switch's {what} ({_short(exc)}); {tail}")
         else:
             message = f"{head}: the switch's {what} collective failed ({_short(exc)}); {tail}"
-        raise SwitchError(message) from exc
+        raise SwitchError(message, cause=Cause.RANK_LOST) from exc
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -163,7 +163,7 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
     """
     if not is_distributed(group):
         if local_error:
-            raise SwitchError(f"phase switch at step {step} refused: {local_error}")
+            raise SwitchError(f"phase switch at step {step} refused: {local_error}", cause=cause_of(local_error))
         return
     code = _phase_code(phase)
     with collective_errors(phase, step, group, timeout):
@@ -180,11 +180,12 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     refusals = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
     if refusals:
-        raise SwitchError(f"phase switch at {where} refused; " + "; ".join(refusals))
+        raise SwitchError(f"phase switch at {where} refused; " + "; ".join(refusals),
+                          cause=_first_cause(e for _, e, _ in gathered))
     asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s) in enumerate(gathered))
     raise SwitchError(
         f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
-        "switch with the same step, schedule and seed"
+        "switch with the same step, schedule and seed", cause=Cause.SCHEDULE_DIFFERS_PER_RANK
     )
 
 
@@ -205,7 +206,9 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
 
     Returns ``(None, False)`` when so, else ``(message, every rank refused)``:
     the message of the error every rank must raise, the same text on every rank
-    (built from gathered details only).
+    (built from gathered details only); a refusal's or a disagreement's is a
+    :class:`~hf_altparams.errors.Refusal` carrying its cause (the first refusing
+    rank's, or ``schedule_differs_per_rank``).
     ``local_error`` is this rank's refusal (it applied nothing), ``failure``
     its failed attempt (already rolled back locally). Single process: the
     local refusal or failure, if any.
@@ -215,7 +218,7 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
     """
     if not is_distributed(group):
         if local_error:
-            return f"phase switch at step {step} refused: {local_error}", True
+            return Refusal(f"phase switch at step {step} refused: {local_error}", cause_of(local_error)), True
         if failure:
             return _failure_message(phase, step, [failure]), False
         return None, False
@@ -232,12 +235,18 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     refusals = [f"rank {r}: {e}" for r, (_, e, _, _) in enumerate(gathered) if e]
     if refusals:
-        return f"phase switch at {where} refused; " + "; ".join(refusals), len(refusals) == world
+        return Refusal(f"phase switch at {where} refused; " + "; ".join(refusals),
+                       _first_cause(e for _, e, _, _ in gathered)), len(refusals) == world
     if len({p for p, _, _, _ in gathered}) > 1:
         asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s, _) in enumerate(gathered))
-        return (f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
-                "switch with the same step, schedule and seed"), False
+        return Refusal(f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
+                       "switch with the same step, schedule and seed", Cause.SCHEDULE_DIFFERS_PER_RANK), False
     return _failure_message(phase, step, [f"rank {r}: {f}" for r, (_, _, _, f) in enumerate(gathered) if f]), False
+
+
+def _first_cause(refusals: Iterator[Optional[str]]) -> Cause:
+    """The cause of the first rank's refusal (gathered, so the same on every rank)."""
+    return cause_of(next(e for e in refusals if e))
 
 
 def _failure_message(phase: Phase, step: Optional[int], reasons: list[str]) -> str:

@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import AltParamsError, DriftError, PlanError
+from ..errors import AltParamsError, Cause, DriftError, PlanError
 from ..plan.groups import ParamGroups
 from .collective import gather_rows, is_distributed
 from .digest import combine, digest_many, digest_values
@@ -238,7 +238,7 @@ def check_drift(groups: ParamGroups, group: Optional[dist.ProcessGroup] = None, 
             f"the drift check {when}: rank {dist.get_rank()} of {dist.get_world_size(group)} got no answer from the "
             f"other ranks in its all-gather ({type(exc).__name__}: {str(exc).strip()[:300]}); a rank died, hangs or "
             "skipped this point (every rank must reach it: a save, a switch); stop the job and restart it from the "
-            "latest complete checkpoint (docs/faults.md)") from exc
+            "latest complete checkpoint (docs/faults.md)", cause=Cause.RANK_LOST) from exc
     drift = find_drift(entries, rows)
     if drift:
         raise DriftError(drift_message(drift, len(rows), when, refused))

@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..errors import AltParamsError
+from ..errors import AltParamsError, AltParamsWarning, Cause
 from ..plan.phase import Phase
 from .collective import any_rank_failed, is_distributed
 from .ddp import is_ddp, reduced_parameters, reducer_parameter_names
@@ -109,7 +109,7 @@ def check_before_step(
             "and DDP, built for the phase's parameters, never all-reduced it; stepping would make the ranks "
             f"diverge. The step was not applied. Usual causes: {_culprits()}. Fix: let the schedule own "
             "`requires_grad` (remove that call, or make it before the run starts), or put those parameters in "
-            "the groups of the phases that should train them."
+            "the groups of the phases that should train them.", cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE
         )
     flipped_on = [(n, p) for n, p in idle if p.requires_grad]
     flipped_off = [(n, p) for n, p in trainable if not p.requires_grad]
@@ -122,11 +122,11 @@ def check_before_step(
         if not names <= warned:
             warned.update(names)
             examples = [n for n, _ in flipped_on[:3]] + [n for n, _ in flipped_off[:3]]
-            warnings.warn(
+            warnings.warn(AltParamsWarning(
                 f"hf_altparams: `requires_grad` of {len(names)} parameter(s) (e.g. {examples}) no longer matched "
                 f"phase {phase.name!r} at this optimizer step; no gradient had reached them yet, so the phase's "
                 f"flags were put back (nothing un-reduced was applied). Usual causes: {_culprits()}.",
-                stacklevel=4)
+                Cause.REQUIRES_GRAD_BEHIND_SCHEDULE), stacklevel=4)
     if ddp_reduces and not find_unused and check_missing:
         missing = [name for name, p in trainable if p.grad is None]
         if missing and len(missing) < len(trainable):  # none at all: a step with nothing to apply
@@ -139,7 +139,7 @@ def check_before_step(
                 "(TrainingArguments); if the loop ran the wrong branch, task or adapter for this phase (read "
                 "`accelerator.phase` / `.task` at the top of the iteration), fix the loop; if they should not "
                 "train in this phase, move them out of its groups. Something that turns `requires_grad` off "
-                f"behind the schedule's back causes it too: {_culprits()}."
+                f"behind the schedule's back causes it too: {_culprits()}.", cause=Cause.TRAINABLE_PARAM_UNUSED
             )
     return len(flipped_on) + len(flipped_off)
 

@@ -68,7 +68,7 @@ from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.switch import PhaseSwitcher
 from ..engine.collective import is_collective_failure
-from ..errors import AltParamsError, PlanError, SwitchError
+from ..errors import AltParamsError, Cause, PlanError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
@@ -369,7 +369,8 @@ class PhasedAccelerator(Accelerator):
             raise PlanError(
                 "the grouped model was prepared, but no optimizer over its parameters was passed to `prepare` "
                 "yet: the schedule is driven by that optimizer's steps, so the phases would never advance. "
-                "Pass the optimizer to `accelerator.prepare` (with the model, or in a later call) before training.")
+                "Pass the optimizer to `accelerator.prepare` (with the model, or in a later call) before training.",
+                cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
         if self.switcher is not None:
             check_loss(loss, self.switcher.current, self.switcher.groups, "accelerator.backward(loss)",
                        "`accelerator.task` / `accelerator.phase`")
@@ -385,7 +386,7 @@ class PhasedAccelerator(Accelerator):
                 "The ranks are out of step: another rank is in another collective, most likely a phase switch, "
                 "because the ranks did not all call `optimizer.step()` at the same iterations (a step skipped or "
                 "doubled on some rank) or one rank died. Every rank must run the same steps; the process group is "
-                "unusable now: restart from the latest complete checkpoint") from exc
+                "unusable now: restart from the latest complete checkpoint", cause=Cause.RANK_LOST) from exc
         if self.run.driver is not None:
             self.run.driver.note_backward()
 
@@ -518,7 +519,8 @@ def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
                   "phase switch changes; drop `dynamo_backend` (compile outside the phased run, if at all)")
     if reason is not None:
         raise AltParamsError(
-            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs; it cannot drive {what}: {reason}")
+            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs; it cannot drive {what}: {reason}",
+            cause=Cause.STRATEGY_REFUSED)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if acc.num_processes == 1 and world > 1:
         raise AltParamsError(

@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from ..engine.backend import model_name_in
 from ..engine.ddp import is_ddp
 from ..engine.optim import GroupedOptimizer, frozen_ungrouped, grouped_in, match_to_groups, uncovered_message
-from ..errors import AltParamsError, PlanError
+from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
 from .accelerate_internals import is_prepared, mark_prepared
@@ -143,8 +143,8 @@ def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Opt
         f"{what} {missing}; they would never be updated. Build it over every parameter the schedule trains, "
         "whether frozen now or not "
         "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
-        f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}"
-    )
+        f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}",
+        cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
 
 
 def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule: Optional[Schedule], *,

@@ -72,7 +72,7 @@ from torch import nn
 
 from ..engine.layouts import remember
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, PlanError
+from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
@@ -448,8 +448,8 @@ class PeftAdapters:
             "computed gradients DDP does not reduce for one adapter and none for the phase's. Let the schedule "
             "pick the adapter (remove the call); to evaluate another adapter use "
             f"`with adapters.visiting({(current or ['name'])[0]!r}): ...` (from hf_altparams.integrations.peft.follow_phases), or "
-            "call `set_adapter` under `torch.no_grad()` and then `adapters.restore()`."
-        )
+            "call `set_adapter` under `torch.no_grad()` and then `adapters.restore()`.",
+            cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE)
 
 
 def follow_phases(run: Any, *, fallback: Union[None, str, Sequence[str]] = None) -> PeftAdapters:

@@ -58,7 +58,7 @@ from ..engine.optim import GroupedOptimizer, uncovered_message
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, PlanError, SwitchError
+from ..errors import AltParamsError, Cause, PlanError, SwitchError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
@@ -268,8 +268,8 @@ def check_optimizer_covers(groups: ParamGroups, schedule: Schedule, optimizer: O
         "pass `optimizers=(optimizer, scheduler)` or build the optimizer yourself, build it over "
         "every parameter the schedule trains, whether frozen now or not (e.g. "
         "`torch.optim.AdamW(model.parameters())`, or `grouped_optimizer(groups, ...)` from "
-        "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`."
-    )
+        "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`.",
+        cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
 
 
 def describe_phase(switcher: PhaseSwitcher, phase: Optional[Phase]) -> dict[str, Union[int, str]]:
@@ -527,7 +527,7 @@ class AlternatingFreeze(TrainerCallback):
                     model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         refusal = unsupported_backend(args)
         if refusal:
-            raise AltParamsError(refusal)
+            raise AltParamsError(refusal, cause=Cause.STRATEGY_REFUSED)
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
@@ -540,7 +540,7 @@ class AlternatingFreeze(TrainerCallback):
                        **kwargs: Any) -> None:
         refusal = unsupported_backend(args)
         if refusal:
-            raise AltParamsError(refusal)
+            raise AltParamsError(refusal, cause=Cause.STRATEGY_REFUSED)
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None

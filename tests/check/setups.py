@@ -18,6 +18,7 @@ from torch import nn
 
 from hf_altparams.check import CheckSetup, builtin_model
 from hf_altparams.check.workload import layer_groups, schedule_for
+from hf_altparams.plan import Alternating, ParamGroups
 
 #: Tensors the leaking set-ups keep (module-level, as a user's cache would be).
 KEPT: list[torch.Tensor] = []
@@ -106,6 +107,37 @@ def drifting(rank: int) -> CheckSetup:
 
     setup.on_step = nudge
     return setup
+
+
+class _WithBranch(nn.Module):
+    """A trunk, a branch some batches skip, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(32, 32)
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, use_branch: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.trunk(x))
+        if bool(use_branch):
+            hidden = hidden + self.branch(hidden)
+        return self.head(hidden)
+
+
+def branch_skipped_on_some_steps() -> CheckSetup:
+    """A branch the forward skips on every fourth batch, trained in turn with the trunk, under DDP's default
+    ``find_unused_parameters=False``: at step 3 the branch trains but gets no gradient."""
+    torch.manual_seed(0)
+    model = _WithBranch()
+    groups = ParamGroups(model, {"trunk": "trunk.*", "branch": "branch.*", "head": "head.*"})
+
+    def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        return {"x": torch.randn(8, 32, generator=generator), "use_branch": torch.tensor(step % 4 != 3)}
+
+    return CheckSetup(groups, Alternating(["trunk", "branch"], always=["head"]), batch=batch,
+                      description="trunk, branch and head; the branch skipped on every fourth batch")
 
 
 def drop_that_does_nothing() -> CheckSetup:

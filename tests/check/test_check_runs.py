@@ -90,6 +90,7 @@ def test_fsdp2_alternating_passes() -> None:
     ("schedule_per_rank", "schedule_differs_per_rank"),
     ("drifting", "ranks_drift"),
     ("drop_that_does_nothing", "idle_state_held"),
+    ("branch_skipped_on_some_steps", "trainable_param_unused"),
 ])
 def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str) -> None:
     code, verdict = check("--setup", f"tests.check.setups:{setup}")

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
-from hf_altparams.errors import AltParamsError, SwitchError
+from hf_altparams.errors import AltParamsError, Cause, SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 
 
@@ -111,6 +111,7 @@ def test_a_trainable_parameter_without_a_gradient_gets_advice_for_each_cause(wor
     assert "'spare.weight'" in message and "phase 'a' got no gradient" in message
     assert "find_unused_parameters=True" in message and "wrong branch, task or adapter" in message
     assert "move them out of its groups" in message
+    assert err.value.cause is Cause.TRAINABLE_PARAM_UNUSED
 
 
 def test_a_bare_switcher_refuses_it_at_the_next_switch_with_the_same_advice(world: None) -> None:
@@ -123,6 +124,7 @@ def test_a_bare_switcher_refuses_it_at_the_next_switch_with_the_same_advice(worl
     message = str(err.value)
     assert "'spare.weight'" in message and "wrong branch, task or adapter" in message
     assert "find_unused_parameters=True" in message and "leave them out of its groups" in message
+    assert err.value.cause is Cause.TRAINABLE_PARAM_UNUSED  # the refusal's cause, through the switch
 
 
 def test_without_ddp_a_stray_gradient_is_not_a_divergence_and_the_flags_come_back(world: None) -> None:

@@ -240,6 +240,7 @@ def test_ranks_disagreeing_on_the_phase_all_raise(key: str, ranks: list[dict[str
     assert "disagree" in messages[0]
     assert "rank 0 -> Phase(trainable=frozenset({'l" in messages[0]
     assert "rank 1 -> Phase(trainable=frozenset({'head'})" in messages[0]
+    assert [r["bad_inputs"][key]["cause"] for r in ranks] == ["schedule_differs_per_rank"] * 2
 
 
 @pytest.mark.parametrize("key", ["pending_all", "pending_rank1"])
@@ -257,6 +258,7 @@ def test_a_trainable_parameter_without_gradient_refuses_the_switch_on_every_rank
     assert messages[0] == messages[1]
     assert "got no gradient" in messages[0] and "'heads.1.weight'" in messages[0]
     assert "find_unused_parameters=True" in messages[0]
+    assert [r["bad_inputs"]["unused_all"]["cause"] for r in ranks] == ["trainable_param_unused"] * 2
     assert all(r["bad_inputs"]["unused_phase_after"] == ["l0", "t0", "t1"] for r in ranks)
 
 

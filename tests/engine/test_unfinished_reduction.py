@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import PhaseSwitcher
-from hf_altparams.errors import SwitchError
+from hf_altparams.errors import Cause, SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 
 
@@ -58,8 +58,9 @@ def test_an_unused_trainable_parameter_refuses_the_switch_and_names_it(world: No
     for p in model.parameters():
         p.grad = None
     flags = [p.requires_grad for p in model.parameters()]
-    with pytest.raises(SwitchError, match=r"got no gradient.*'spare\.weight'.*find_unused_parameters=True"):
+    with pytest.raises(SwitchError, match=r"got no gradient.*'spare\.weight'.*find_unused_parameters=True") as info:
         switcher.step_to(1)
+    assert info.value.cause is Cause.TRAINABLE_PARAM_UNUSED  # what `check` names it by
     assert switcher.current.name == "high" and flags == [p.requires_grad for p in model.parameters()]
 
 

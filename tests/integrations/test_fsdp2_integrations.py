@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_altparams.errors import AltParamsError
+from hf_altparams.errors import AltParamsError, Cause
 from hf_altparams.plan import Alternating
 from hf_altparams.testing import launch, rank_results
 from tests.scripts import script_path
@@ -91,9 +91,10 @@ def test_fsdp1_plugin_is_refused_naming_fsdp2() -> None:
 
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
-    with pytest.raises(AltParamsError, match=r"FullyShardedDataParallelPlugin\(fsdp_version=2"):
+    with pytest.raises(AltParamsError, match=r"FullyShardedDataParallelPlugin\(fsdp_version=2") as info:
         PhasedAccelerator(Alternating(["a", "b"]), cpu=True,
                           fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
+    assert info.value.cause is Cause.STRATEGY_REFUSED
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -113,6 +114,7 @@ def test_deepspeed_is_refused_at_prepare_naming_fsdp2_and_ddp() -> None:
     with pytest.raises(AltParamsError, match=r"DeepSpeed.*fsdp_version=2.*--multi_gpu") as info:
         acc.prepare(model, opt)
     assert "cannot drive DeepSpeed" in str(info.value)  # the setting named (not a distributed_type value)
+    assert info.value.cause is Cause.STRATEGY_REFUSED
     assert all(p.requires_grad for p in model.parameters())  # refused before any phase was applied
 
 
@@ -150,8 +152,9 @@ def test_trainer_accepts_fsdp2_and_refuses_fsdp1_naming_fsdp2(tmp_path: Path, ve
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.Linear(1, 1))
     freeze = AlternatingFreeze({"a": "0.*", "b": "2.*"}, Alternating(["a", "b"]))
     if version == 1:
-        with pytest.raises(AltParamsError, match=r"FSDP1.*FullyShardedDataParallelPlugin\(fsdp_version=2"):
+        with pytest.raises(AltParamsError, match=r"FSDP1.*FullyShardedDataParallelPlugin\(fsdp_version=2") as info:
             freeze.on_init_end(args, TrainerState(), TrainerControl(), model=model)
+        assert info.value.cause is Cause.STRATEGY_REFUSED
         return
     freeze.on_init_end(args, TrainerState(), TrainerControl(), model=model)
     # FSDP2: the parameters the schedule never trains are frozen before the optimizer exists

@@ -546,8 +546,8 @@ def _outcome(fn: Callable[[], Any]) -> dict[str, Optional[str]]:
     try:
         fn()
     except Exception as exc:  # recorded for the test to judge
-        return {"type": type(exc).__name__, "message": str(exc)}
-    return {"type": None, "message": None}
+        return {"type": type(exc).__name__, "message": str(exc), "cause": str(getattr(exc, "cause", ""))}
+    return {"type": None, "message": None, "cause": None}
 
 
 def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:

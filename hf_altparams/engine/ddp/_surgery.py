@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._compat import ALLOW_UNTESTED_ENV, TESTED_TORCH, torch_version
-from ...errors import SwitchError
+from ...errors import Cause, Refusal, SwitchError
 from . import _inputs
 from ._inputs import InputsVerdict, reducer_inputs
 from ._reducer_cache import PER_BUCKET_HOOK_STATE, ReducerCache
@@ -279,12 +279,14 @@ def unfinished_reduction_error(ddp: DistributedDataParallel,
         which = (f"{len(unused)} trainable parameter(s) of the current phase got no gradient in the last "
                  f"backward (e.g. {unused[:6]})" if unused else
                  "a trainable parameter of the current phase got no gradient in the last backward")
-        return (f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
-                "and the ranks would diverge. Which fix depends on why: if the loop ran the wrong branch, task "
-                "or adapter for this phase, fix the loop (read the phase at the top of the iteration); if the "
-                "forward skips them on purpose, build DDP with find_unused_parameters=True "
-                "(PhasedAccelerator(find_unused_parameters=True); TrainingArguments(ddp_find_unused_parameters=True)); "
-                "if they should not train in this phase, leave them out of its groups")
+        return Refusal(f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
+                       "and the ranks would diverge. Which fix depends on why: if the loop ran the wrong branch, task "
+                       "or adapter for this phase, fix the loop (read the phase at the top of the iteration); if the "
+                       "forward skips them on purpose, build DDP with find_unused_parameters=True "
+                       "(PhasedAccelerator(find_unused_parameters=True); "
+                       "TrainingArguments(ddp_find_unused_parameters=True)); "
+                       "if they should not train in this phase, leave them out of its groups",
+                       Cause.TRAINABLE_PARAM_UNUSED)
     return None
 
 

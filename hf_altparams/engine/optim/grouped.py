@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ...errors import PlanError
+from ...errors import Cause, PlanError
 from ...plan.groups import ParamGroups
 from ..driver import PhaseSource
 from ..memory import StatePolicy, StatePolicyLike, TensorMover, optimizer_of
@@ -172,7 +172,7 @@ def match_to_groups(
     if left:
         raise PlanError(f"no optimizer holds group(s) {left} (the optimizers hold {list(matched)}); their "
                         f"parameters would never be updated; add one optimizer per group left out, or leave "
-                        f"those groups out of the ParamGroups. {forms}")
+                        f"those groups out of the ParamGroups. {forms}", cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
     return {g: matched[g][1] for g in groups.names}
 
 
