@@ -35,7 +35,7 @@ from .engine import (
     register_comm_counter,
     shard_by_groups,
 )
-from .errors import AltParamsError, DriftError, PlanError, SwitchError, UnreachedPhaseError
+from .errors import AltParamsError, AltParamsWarning, Cause, DriftError, PlanError, SwitchError, UnreachedPhaseError
 from .plan import (
     Alternating,
     Chain,
@@ -72,8 +72,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AltParamsError",
+    "AltParamsWarning",
     "Alternating",
     "AlternatingFreeze",
+    "Cause",
     "Chain",
     "CommCounter",
     "CostPlan",

@@ -270,7 +270,7 @@ def _check_compiled(args: tuple[Any, ...], root: nn.Module, multi_process: bool)
                     "processes that is not supported: a compiled graph guards on `requires_grad`, which every "
                     "phase switch changes (a recompile per switch until dynamo gives up), and under DDP on the "
                     "bucket layout the switch rebuilds. Pass the uncompiled model to `prepare` (in one process, "
-                    "a compiled model trains, its groups named either way)")
+                    "a compiled model trains, its groups named either way)", cause=Cause.STRATEGY_REFUSED)
 
 
 def _warn_frozen_ungrouped(groups: ParamGroups, optimizer: Optimizer) -> None:

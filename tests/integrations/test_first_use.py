@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch import nn
 
-from hf_altparams import Alternating, AltParamsError, GroupedOptimizer, ParamGroups, PhasedAccelerator, PlanError
+from hf_altparams import Alternating, AltParamsError, Cause, GroupedOptimizer, ParamGroups, PhasedAccelerator, PlanError
 from hf_altparams.integrations import accelerate_internals
 from hf_altparams.integrations.accelerate_prepare import find_grouped
 from tests.support.digests import param_sha
@@ -108,9 +108,10 @@ def test_a_compiled_model_is_refused_with_several_processes_naming_compile(on_co
     groups = ParamGroups(target, {"a": f"{prefix}layer1.*", "b": f"{prefix}layer2.*"})
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(AltParamsError, match=r"compiled with `torch.compile` before `prepare`.*several processes.*"
-                                             r"Pass the uncompiled model"):
+                                             r"Pass the uncompiled model") as info:
         find_grouped((compiled, opt), groups, Alternating(["a", "b"]), prepared_models=set(), driving_bound=False,
                      multi_process=True)
+    assert info.value.cause is Cause.STRATEGY_REFUSED
 
 
 def test_an_optimizer_whose_model_is_not_the_grouped_one_gets_the_right_error() -> None:
