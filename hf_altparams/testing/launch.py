@@ -87,6 +87,10 @@ Launcher facts (torch 2.13, accelerate 1.15):
   stops the whole process tree, and reads output from a file so an orphaned
   rank can never block it. When one node of :func:`launch_nodes` fails, the
   others may wait for it forever: they get 20 s to end, then are stopped.
+  Every process a launch starts carries :data:`LAUNCH_TAG_ENV` in its
+  environment; after a run that did not end cleanly, any process still
+  carrying the run's tag (a rank whose launcher died first, so no longer in
+  its tree) is stopped too.
 * A port taken between :func:`free_port` and the launch makes torchrun fail
   with ``EADDRINUSE`` (retried here once on a new port); ``accelerate launch``
   notices a busy port itself and falls back to a free one.
@@ -105,14 +109,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
 import psutil  # required by accelerate, so always installed with hf_altparams (which does not name it)
 
 __all__ = [
+    "LAUNCH_TAG_ENV",
     "LaunchError",
     "free_port",
     "launch",
@@ -131,6 +138,10 @@ _TAIL_LINES = 200  # lines of output a LaunchError quotes (shared among the node
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 #: Seconds the other launchers get to end by themselves once one has failed.
 _GRACE_AFTER_FAILURE = 20.0
+#: The environment variable each :func:`run_launchers` run sets to a tag of its own in every process it starts.
+LAUNCH_TAG_ENV = "HF_ALTPARAMS_LAUNCH_TAG"
+#: The signals held back while a run's processes are being stopped (a second Ctrl-C must not cut the cleanup).
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _BASE_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "1",
@@ -257,28 +268,71 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def _tagged(tag: str) -> list[psutil.Process]:
+    """The processes of this machine whose environment carries ``LAUNCH_TAG_ENV=tag`` (those this user may read)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get(LAUNCH_TAG_ENV) == tag:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL every process still carrying ``tag``: ranks whose launcher died before them (reparented away)."""
+    stragglers = _tagged(tag)
+    for process in stragglers:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(stragglers, timeout=5)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back within the block (delivered after it); a no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def run_launchers(
     cmds: Sequence[list[str]],
     env: Mapping[str, str],
     *,
     timeout: float,
     cwd: str | os.PathLike[str] | None = None,
+    on_poll: Callable[[], None] | None = None,
 ) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
     """Start every command at once, each in a session of its own, and wait for all of them.
 
     Output goes to a temporary file per command, not a pipe, so a rank that
     outlives its launcher can never block the read. Once one command has
     failed, the others get 20 s to end by themselves (they may be waiting for
-    it). On `timeout`, after that grace, or on an interrupt (``KeyboardInterrupt``,
-    pytest-timeout) every command still running is stopped with all the
-    processes it started. Nothing is raised for a failed command: the caller
-    reads the exit codes.
+    it). On `timeout`, after that grace, or on any exception while waiting
+    (``KeyboardInterrupt``, pytest-timeout, one a signal handler of the
+    caller's raises) every command still running is stopped with all the
+    processes it started; SIGINT, SIGTERM and SIGHUP are held back until that
+    is done, so a second Ctrl-C cannot leave ranks behind. After a run that
+    did not end cleanly, processes still carrying the run's
+    :data:`LAUNCH_TAG_ENV` are stopped too. Nothing is raised for a failed
+    command: the caller reads the exit codes.
 
     Args:
         cmds: one argv per launcher (e.g. :func:`launch_command`, :func:`node_command`).
-        env: their environment (e.g. :func:`launch_env`).
+        env: their environment (e.g. :func:`launch_env`); :data:`LAUNCH_TAG_ENV` is added.
         timeout: seconds before every command still running is stopped.
         cwd: working directory of the commands.
+        on_poll: called about every 0.1 s while the commands run (to watch them); what
+            it raises ends the run as an interrupt does.
 
     Returns:
         One finished process per command, in order (``stdout`` holds its stdout
@@ -292,27 +346,36 @@ def run_launchers(
     """
     procs: list[subprocess.Popen[bytes]] = []
     timed_out = False
+    clean = False
+    tag = uuid.uuid4().hex
+    tagged_env = {**env, LAUNCH_TAG_ENV: tag}
     with contextlib.ExitStack() as files:
         logs: list[IO[bytes]] = [files.enter_context(tempfile.TemporaryFile()) for _ in cmds]
         try:
             for cmd, log in zip(cmds, logs):
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=tagged_env, cwd=cwd,
                                               start_new_session=True))
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]  # poll every one (any() would stop at the first running)
                 if all(code is not None for code in codes):
+                    clean = all(code == 0 for code in codes)
                     break
                 if any(code not in (None, 0) for code in codes):  # one failed: the others may wait forever
                     deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
                 if time.monotonic() > deadline:
                     timed_out = all(code in (None, 0) for code in codes)
                     break
+                if on_poll is not None:
+                    on_poll()
                 time.sleep(0.1)
-        finally:  # a timeout, one failed command, KeyboardInterrupt: leave no rank behind
-            for proc in procs:
-                if proc.poll() is None:
-                    _kill_tree(proc)
+        finally:  # a timeout, one failed command, an interrupt: leave no rank behind
+            with _signals_held():
+                for proc in procs:
+                    if proc.poll() is None:
+                        _kill_tree(proc)
+                if not clean:
+                    _kill_tagged(tag)
         results = []
         for cmd, proc, log in zip(cmds, procs, logs):
             log.seek(0)
