@@ -28,13 +28,23 @@ The uses:
 * ``ProjectConfiguration.total_limit`` set aside during ``save_state``:
   Accelerate deletes the oldest folders *before* it saves, counting torn ones;
   ``PhasedAccelerator`` applies the limit itself once the new checkpoint is
-  complete (:func:`without_total_limit`).
+  complete (:func:`without_total_limit`);
+* ``accelerate launch``'s config files (``accelerate.commands.config.config_args``:
+  ``default_config_file``, ``load_config_from_file``) and what its launcher
+  does with them (:func:`default_launch_config`, :func:`read_launch_config`,
+  :class:`LaunchConfig`): ``python -m hf_altparams check`` starts its ranks
+  with the user's config and must know, before it does, how many processes
+  that launch starts; and it must know when it is the one process such a
+  launch started (:func:`started_alone_by_accelerate`: the environment
+  variables ``accelerate launch``'s one-process launcher sets).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import accelerate
 from accelerate import Accelerator
@@ -45,19 +55,24 @@ from .._compat import check_library_at_import
 from ..errors import AltParamsError
 
 __all__ = [
+    "ONE_PROCESS_TYPES",
     "TESTED_ACCELERATE",
     "USES",
+    "LaunchConfig",
     "check_accelerate",
+    "default_launch_config",
     "fresh_accelerator_state",
     "is_prepared",
     "mark_prepared",
     "missing_names",
     "prepared_dataloaders",
     "prepared_optimizers",
+    "read_launch_config",
     "register_prepared_optimizer",
     "register_prepared_scheduler",
     "run_fsdp_state",
     "shared_accelerator_state",
+    "started_alone_by_accelerate",
     "without_total_limit",
 ]
 
@@ -75,6 +90,8 @@ USES: dict[str, tuple[str, ...]] = {
     "run_fsdp_state": ("PartialState._shared_state", "AcceleratorState.distributed_type",
                        "AcceleratorState.fsdp_plugin"),
     "without_total_limit": ("ProjectConfiguration.total_limit",),
+    "default_launch_config": ("config_args.default_config_file",),
+    "read_launch_config": ("config_args.load_config_from_file",),
 }
 
 _PREPARED_MARK = "_is_accelerate_prepared"
@@ -86,10 +103,12 @@ def missing_names() -> list[str]:
     Instance attributes are looked for on a fresh object of their class where one
     is cheap to make, on the class otherwise.
     """
+    from accelerate.commands.config import config_args
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.utils import ProjectConfiguration
 
     probes: dict[str, Any] = {
+        "config_args": config_args,
         "Accelerator": Accelerator,
         "AcceleratedOptimizer": AcceleratedOptimizer,
         "AcceleratorState": AcceleratorState,
@@ -204,3 +223,121 @@ def without_total_limit(acc: Accelerator, limit: Optional[int]) -> Iterator[None
 
 
 check_accelerate()
+
+
+# ------------------------------------------------------------------ accelerate launch's config files
+#: The ``distributed_type`` values for which ``accelerate launch`` (1.15) starts ONE process, whatever the
+#: config's ``num_processes``: ``launch_command`` sends only ``MULTI_<device>``, ``FSDP``, ``MEGATRON_LM`` and
+#: ``DEEPSPEED`` to the multi-process launchers (torch's elastic launcher); ``NO`` and ``MULTI_CPU`` go to its
+#: "simple" launcher, which runs the script once, with no ``RANK``, ``WORLD_SIZE`` or ``LOCAL_RANK`` (an
+#: ``mpirun_hostfile`` makes ``MULTI_CPU`` run under ``mpirun`` instead).
+ONE_PROCESS_TYPES: tuple[str, ...] = ("NO", "MULTI_CPU")
+_MULTI_PROCESS_TYPES = ("FSDP", "MEGATRON_LM", "DEEPSPEED")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """An ``accelerate launch`` config file as Accelerate reads it, and what its launcher starts from it.
+
+    Attributes:
+        path: the file.
+        distributed_type: its ``distributed_type`` (``"NO"``, ``"MULTI_CPU"``, ``"MULTI_GPU"``, ``"FSDP"``, ...).
+        num_processes: its ``num_processes`` (Accelerate's default 1 for ``NO``); ``None`` where it names none.
+        num_machines: its ``num_machines``.
+        mpirun_hostfile: its MPI hostfile, where ``MULTI_CPU`` runs under ``mpirun``.
+        sagemaker: whether it launches on Amazon SageMaker (``compute_environment``).
+    """
+
+    path: Path
+    distributed_type: str
+    num_processes: Optional[int]
+    num_machines: int
+    mpirun_hostfile: Optional[str]
+    sagemaker: bool
+
+    @property
+    def one_process(self) -> bool:
+        """Whether ``accelerate launch`` starts one process from it, whatever ``num_processes`` says."""
+        return self.distributed_type in ONE_PROCESS_TYPES and not self.mpirun_hostfile
+
+    def elsewhere(self) -> Optional[str]:
+        """Why this launch is not one a single command on this machine starts and ends (``None``: it is)."""
+        if self.sagemaker:
+            return "it launches on Amazon SageMaker (compute_environment)"
+        if self.mpirun_hostfile:
+            return f"it runs under mpirun over the machines of {self.mpirun_hostfile!r} (mpirun_hostfile)"
+        if self.num_machines > 1:
+            return f"it spans num_machines {self.num_machines}: every machine must start its part"
+        if not self.one_process and not self.distributed_type.startswith("MULTI_") and \
+                self.distributed_type not in _MULTI_PROCESS_TYPES:
+            return f"distributed_type {self.distributed_type} has a launcher of its own"
+        return None
+
+    def processes(self, num_processes: Optional[int] = None) -> Optional[int]:
+        """The processes ``accelerate launch --config_file path [--num_processes N]`` starts on one machine.
+
+        ``None`` where the config names no count and none is given (Accelerate then refuses to launch).
+
+        Example:
+            >>> LaunchConfig(Path("c.yaml"), "MULTI_CPU", 2, 1, None, False).processes()
+            1
+            >>> LaunchConfig(Path("c.yaml"), "MULTI_GPU", 2, 1, None, False).processes(4)
+            4
+        """
+        if self.one_process:
+            return 1
+        return num_processes if num_processes is not None else self.num_processes
+
+
+def default_launch_config() -> Path:
+    """The file ``accelerate launch`` reads when given no ``--config_file`` (it may not exist).
+
+    ``$HF_HOME/accelerate/default_config.yaml``, else under ``$XDG_CACHE_HOME/huggingface``, else
+    ``~/.cache/huggingface``: Accelerate works it out once, when its config module is imported.
+    """
+    from accelerate.commands.config import config_args
+
+    return Path(config_args.default_config_file)
+
+
+def read_launch_config(path: Union[str, Path]) -> LaunchConfig:
+    """Read ``path`` the way ``accelerate launch --config_file path`` does (Accelerate's own loader and defaults).
+
+    Raises:
+        AltParamsError: the file is missing or Accelerate cannot read it (the message names the file).
+    """
+    from accelerate.commands.config import config_args
+
+    try:
+        config = config_args.load_config_from_file(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise AltParamsError(f"Accelerate config {str(path)!r} cannot be read: {type(err).__name__}: {err}") from err
+    kind = getattr(config.distributed_type, "value", config.distributed_type)
+    if kind is False:  # `distributed_type: NO` unquoted: YAML reads a boolean (Accelerate's writer quotes it)
+        kind = "NO"
+    count = getattr(config, "num_processes", None)
+    mpirun = (getattr(config, "mpirun_config", None) or {}).get("mpirun_hostfile")
+    environment = getattr(config.compute_environment, "value", config.compute_environment)
+    return LaunchConfig(path=Path(path), distributed_type=str(kind),
+                        num_processes=count if isinstance(count, int) and count > 0 else None,
+                        num_machines=int(getattr(config, "num_machines", 1) or 1),
+                        mpirun_hostfile=mpirun or None, sagemaker=str(environment) == "AMAZON_SAGEMAKER")
+
+
+#: Variables ``accelerate launch``'s one-process ("simple") launcher sets in its process's environment
+#: (1.15: ``prepare_simple_launcher_cmd_env``), besides ``ACCELERATE_USE_CPU`` and ``ACCELERATE_MIXED_PRECISION``,
+#: which a user may export by hand.
+_SIMPLE_LAUNCHER_ENV = ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH",
+                        "ACCELERATE_DYNAMO_USE_DYNAMIC", "ACCELERATE_MIXED_PRECISION")
+
+
+def started_alone_by_accelerate(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is that of the one process ``accelerate launch`` starts (a ``NO`` or ``MULTI_CPU`` config).
+
+    Its launcher sets its dynamo and precision variables and no ``WORLD_SIZE``.
+
+    Example:
+        >>> started_alone_by_accelerate({"PATH": "/usr/bin"})
+        False
+    """
+    return "WORLD_SIZE" not in environ and all(name in environ for name in _SIMPLE_LAUNCHER_ENV)

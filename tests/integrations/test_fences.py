@@ -10,6 +10,8 @@ not in a user's run.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import DefaultFlowCallback
 
+from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import accelerate_internals as acc_fence
 from hf_altparams.integrations import transformers_internals as tf_fence
 
@@ -95,6 +98,32 @@ def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(fres
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]  # nothing deleted
     acc.save_state()  # outside: Accelerate applies the limit itself, deleting the oldest first
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_2"]
+
+
+def test_launch_configs_read_as_accelerate_launch_reads_them(tmp_path: Path) -> None:
+    """`distributed_type: NO` unquoted is a YAML boolean to Accelerate's loader; NO and MULTI_CPU start one process."""
+    def config(name: str, body: str) -> acc_fence.LaunchConfig:
+        path = tmp_path / name
+        path.write_text(f"compute_environment: LOCAL_MACHINE\n{body}mixed_precision: 'no'\nuse_cpu: true\n")
+        return acc_fence.read_launch_config(path)
+
+    quoted, bare = config("a.yaml", "distributed_type: 'NO'\n"), config("b.yaml", "distributed_type: NO\n")
+    assert quoted.distributed_type == bare.distributed_type == "NO" and quoted.processes() == bare.processes() == 1
+    cpu = config("c.yaml", "distributed_type: MULTI_CPU\nnum_processes: 4\n")
+    assert cpu.one_process and cpu.num_processes == 4 and cpu.processes(4) == 1 and cpu.elsewhere() is None
+    gpu = config("d.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\nnum_machines: 2\n")
+    assert not gpu.one_process and gpu.processes() == 2 and "num_machines 2" in (gpu.elsewhere() or "")
+    with pytest.raises(AltParamsError, match="cannot be read"):
+        acc_fence.read_launch_config(tmp_path / "missing.yaml")
+
+
+def test_the_default_launch_config_follows_hf_home(tmp_path: Path) -> None:
+    """Accelerate works the path out when its config module is imported: a fresh process sees HF_HOME."""
+    code = ("from hf_altparams.integrations.accelerate_internals import default_launch_config; "
+            "print(default_launch_config())")
+    env = dict(os.environ, HF_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == str(tmp_path / "accelerate" / "default_config.yaml"), done.stderr[-2000:]
 
 
 # ------------------------------------------------------------------ transformers
