@@ -12,12 +12,17 @@ own groups, schedule, optimizer, data and per-step code) under
 * the switch's share of the step time.
 
 It exits 1 on a failure, naming its cause (:data:`~hf_altparams.check.verdict.CAUSES`),
-and ``--json`` prints the verdict for CI. ``docs/check.md`` describes each
-check, its tolerance and the failures it names.
+and ``--json`` prints the verdict for CI. Started plainly it launches its ranks
+once, says how, and first prices the run against this machine's memory;
+Ctrl-C, SIGTERM and ``--deadline`` stop every process it started.
+``docs/check.md`` describes each check, its tolerance, the launch and the
+failures it names.
 
 Modules: :mod:`.workload` (what is trained), :mod:`.readings` (memory readings),
 :mod:`.rank` (one rank's run), :mod:`.verdict` (the judgement and the report),
-:mod:`.launch` (starting the ranks or being one), :mod:`.cli` (the flags).
+:mod:`.launch` (which launch, started once, or being one of its ranks),
+:mod:`.preflight` (will it fit, priced before any rank starts), :mod:`.watch`
+(how far each rank got, and why a launch ended early), :mod:`.cli` (the flags).
 
 Example (a set-up of one's own, ``my_check.py``)::
 

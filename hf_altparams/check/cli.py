@@ -1,17 +1,30 @@
-"""``python -m hf_altparams check``: the command line (flags, then a self-launch or one rank's run)."""
+"""``python -m hf_altparams check``: the command line (flags, then a self-launch or one rank's run).
+
+:func:`main` decides what this process is (:mod:`.launch`): a rank the check
+started, a rank of the user's own launcher, the one process of ``accelerate
+launch``, or the check itself, which announces its launch, prices it
+(:mod:`.preflight`), starts it once and judges what the ranks wrote. Exit codes:
+0 passed, 1 failed (a finding, a rank's error, the deadline, a run that cannot
+fit), 2 bad flags or a launch refused, 128 + the signal when interrupted (130
+Ctrl-C, 143 SIGTERM).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from ..errors import PlanError
-from .launch import RESULTS_ENV, decide_on_rank0, launched, self_launch, write_result
+from ..errors import AltParamsError, Cause, PlanError
+from .launch import (RESULTS_ENV, Interrupted, LaunchRefused, alone_under_accelerate, deadline_left, decide_on_rank0,
+                     launched, plan_launch, self_launch, signals_interrupt, started_by_check, write_result)
+from .preflight import price_check
 from .rank import CheckOptions, RankResult, run_rank
-from .verdict import Tolerances, Verdict, judge
+from .verdict import CAUSES, Tolerances, Verdict, judge
+from .watch import ProgressFile
 from .workload import SCHEDULES, CheckSetup, builtin_setup, load_setup, model_setup, schedule_for
 
 __all__ = ["build_parser", "main"]
@@ -36,9 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a short phased run on this machine's devices and ranks, then report: ranks "
                     "bit-identical after each switch, bytes all-reduced = trainable bytes, memory flat over "
                     "switches and within the plan, switch time. Exits 1 on a failure, naming the cause.",
-        epilog="Without a launcher it starts its ranks itself (torchrun; accelerate launch with your config "
-               "when one exists and --ranks is not given). Under torchrun or accelerate launch "
-               "(`accelerate launch -m hf_altparams check ...`) it runs as one of the ranks.")
+        epilog="Without a launcher it starts its ranks itself, once, and says how: --ranks N (torchrun) > an "
+               "Accelerate config (--accelerate-config, else your default one: accelerate launch) > the GPUs > 2 "
+               "CPU ranks (torchrun). A config that would start one process where it asks for several is refused "
+               "(exit 2). Under torchrun or accelerate launch (`accelerate launch -m hf_altparams check ...`) it "
+               "runs as one of the ranks, or as the one process such a launch started. Exit codes: 0 passed, 1 "
+               "failed, 2 bad flags or launch refused, 130 Ctrl-C, 143 SIGTERM.")
     what = p.add_argument_group("what to train (default: a built-in 8-layer Llama)")
     what.add_argument("--model", help="a transformers config JSON or checkpoint folder (read locally)")
     what.add_argument("--weights", action="store_true", help="load the checkpoint's weights (default: fresh)")
@@ -58,13 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("the run")
     run.add_argument("--steps", type=_positive("--steps"), default=60, help="optimizer steps (default 60)")
     run.add_argument("--ranks", type=_positive("--ranks"),
-                     help="ranks to start (default: your Accelerate config, else the GPUs, else 2 CPU ranks)")
+                     help="ranks to start with torchrun (with --accelerate-config: accelerate launch's "
+                          "--num_processes); default: your Accelerate config, else the GPUs, else 2 CPU ranks")
+    run.add_argument("--accelerate-config", metavar="FILE",
+                     help="start the ranks with `accelerate launch --config_file FILE` (default: your default "
+                          "Accelerate config, where one exists and --ranks is not given)")
+    run.add_argument("--no-preflight", action="store_true",
+                     help="start the ranks without pricing their memory first (the pre-flight refuses a run "
+                          "that cannot fit in this machine's memory)")
     run.add_argument("--fsdp2", action="store_true", help="shard with FSDP2 (also on CPU ranks)")
     run.add_argument("--warmup", type=int, default=2, help="switches left out of the memory judgement")
     run.add_argument("--timeout", type=_positive("--timeout", float), default=120.0,
                      help="seconds a rank waits for the others before reporting them lost")
     run.add_argument("--deadline", type=_positive("--deadline", float), default=900.0,
-                     help="seconds the whole check may take (self-launched)")
+                     help="seconds the whole check may take (self-launched); past it every process is stopped "
+                          "and the check fails naming how far each rank got")
     run.add_argument("--json", action="store_true", help="print the verdict as JSON (for CI)")
     run.add_argument("--json-out", metavar="FILE", help="also write the verdict as JSON to FILE")
     return p
@@ -122,7 +146,7 @@ def _report(verdict: Verdict, args: argparse.Namespace, tail: str = "") -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the check; returns the exit code (0 passed, 1 failed, 2 bad flags)."""
+    """Run the check; returns the exit code (0 passed, 1 failed, 2 bad flags or launch refused, 128 + signal)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
@@ -131,24 +155,104 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"python -m hf_altparams check: error: {err}", file=sys.stderr)
         return 2
     options = CheckOptions(steps=args.steps, fsdp2=args.fsdp2, timeout=args.timeout)
-    if not launched():
-        results, how, tail = self_launch(argv, args.ranks, args.deadline)
-        verdict = judge(results, _tolerances(results, args), header=_header(results, how, args))
-        return _report(verdict, args, tail)
-    folder = os.environ.get(RESULTS_ENV)
-    if folder:  # started by self_launch: write the result, the parent judges
+    if started_by_check():  # a rank of the check's own launch: train, write, never launch
+        folder = os.environ[RESULTS_ENV]
+        rank = int(os.environ.get("RANK", "0"))
+
         def write(result: RankResult) -> int:
-            if result.rank == 0:
-                (Path(folder) / "world").write_text(str(result.world))
             write_result(folder, result)
             return 0
-        return run_rank(_setup_maker(args), options, write)
+        return run_rank(_setup_maker(args), options, write, progress=ProgressFile(folder, rank))
+    if launched() or alone_under_accelerate():
+        how = "launched" if launched() else (
+            "the one process accelerate launch started: it set no WORLD_SIZE, as it does for a config of "
+            "distributed_type NO or MULTI_CPU; nothing else was started")
 
-    def decide(results: list[Optional[RankResult]]) -> int:
-        verdict = judge(results, _tolerances(results, args), header=_header(results, "launched", args))
-        return _report(verdict, args)
+        def decide(results: list[Optional[RankResult]]) -> int:
+            verdict = judge(results, _tolerances(results, args), header=_header(results, how, args))
+            return _report(verdict, args)
 
-    return run_rank(_setup_maker(args), options, lambda result: decide_on_rank0(result, decide, args.timeout))
+        return run_rank(_setup_maker(args), options, lambda result: decide_on_rank0(result, decide, args.timeout))
+    return _launch_and_judge(argv, args)
+
+
+def _launch_and_judge(argv: Sequence[str], args: argparse.Namespace) -> int:
+    """Announce the launch, price it, start it once, judge what the ranks wrote; stopped on a signal."""
+    started = time.monotonic()
+    try:
+        with signals_interrupt():
+            plan = plan_launch(argv, args.ranks, args.accelerate_config)
+            print(plan.line(), file=sys.stderr, flush=True)
+            priced = _preflight(args, plan.processes)
+            outcome = self_launch(plan, deadline_left(started, args.deadline), args.steps, priced,
+                                  allowed=args.deadline)
+    except LaunchRefused as refused:  # the launch (exit 2) or the pre-flight (exit 1) refused it
+        return _refuse(args, refused.cause, refused.detail)
+    except (PlanError, AltParamsError) as err:
+        print(f"python -m hf_altparams check: error: {err}", file=sys.stderr)
+        return 2
+    except Interrupted as stop:
+        print(f"hf_altparams check: interrupted by {stop}: stopped every process it started; no verdict",
+              file=sys.stderr, flush=True)
+        if args.json:
+            _refuse(args, Cause.INTERRUPTED, f"interrupted by {stop} after {time.monotonic() - started:.0f} s",
+                    header="hf_altparams check: interrupted")
+        return stop.exit_code
+    results = outcome.results
+    verdict = judge(results, _tolerances(results, args), header=_header(results, plan.how, args),
+                    stopped=outcome.stopped)
+    return _report(verdict, args, outcome.tail)
+
+
+def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
+    """Price the run (:mod:`.preflight`) and say so in one line; its price, or ``None`` when not priced.
+
+    Raises:
+        LaunchRefused: ``wont_fit`` (it cannot fit) or ``setup_refused`` (the flags build no model).
+    """
+    if args.no_preflight or args.setup:
+        why = "--no-preflight" if args.no_preflight else (
+            "a --setup builds its model in your code, so it cannot be priced before it runs")
+        print(f"pre-flight: skipped ({why})", file=sys.stderr, flush=True)
+        return None
+    try:
+        price = price_check(args.model, ranks=processes, steps=args.steps, fsdp2=args.fsdp2,
+                            model_class=args.model_class, dtype=args.dtype if args.model else None,
+                            layers=args.layers, per=args.per, schedule=args.schedule, every=args.every, k=args.k,
+                            always=_always(args), seed=args.seed)
+    except PlanError as err:
+        raise LaunchRefused(Cause.SETUP_REFUSED, str(err)) from err
+    except Exception as err:  # a model the planner cannot price: the ranks will build it and say what fails
+        print(f"pre-flight: this model cannot be priced ({type(err).__name__}: {str(err)[:300]}); skipped",
+              file=sys.stderr, flush=True)
+        return None
+    print(price.line(), file=sys.stderr, flush=True)
+    if not price.fits:
+        raise LaunchRefused(Cause.WONT_FIT, price.refusal(dtype=args.dtype, fsdp2=args.fsdp2))
+    return price.summary()
+
+
+def _always(args: argparse.Namespace) -> Optional[list[str]]:
+    return None if args.always is None else [a.strip() for a in args.always.split(",") if a.strip()]
+
+
+def _refuse(args: argparse.Namespace, cause: Cause, detail: str,
+            header: str = "hf_altparams check: stopped before training") -> int:
+    """Report a check stopped before the ranks gave a verdict (refused, interrupted); its exit code.
+
+    2 for a launch refused (like a bad flag), 1 for what the pre-flight refused
+    (a failure of the run: ``wont_fit``, ``setup_refused``).
+    """
+    failure: dict[str, Any] = {"cause": cause, "rank": None, "detail": detail}
+    verdict = judge([], header=header, stopped=[failure])
+    if args.json_out:
+        Path(args.json_out).write_text(verdict.json())
+    if args.json:
+        print(verdict.json())
+    else:
+        title, fix = CAUSES[cause]
+        print(f"{verdict.header}\n\nFAILED: {title} ({cause}): {detail}\n  fix: {fix}")
+    return 2 if cause is Cause.LAUNCH_STARTS_ONE_PROCESS else 1
 
 
 def _tolerances(results: Sequence[Optional[RankResult]], args: argparse.Namespace) -> Optional[Tolerances]:

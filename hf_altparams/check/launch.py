@@ -1,39 +1,70 @@
-"""How ``check`` gets its ranks: it starts them itself, or it is one of them.
+"""How ``check`` gets its ranks: it starts them itself, once, or it is one of them.
 
-* Started plainly (``python -m hf_altparams check``): :func:`self_launch` starts
-  the ranks with ``torchrun --standalone`` (a free local port), or with
-  ``accelerate launch`` when an Accelerate config file exists and ``--ranks``
-  is not given, so the user's config (processes, FSDP) applies. Each rank writes
-  its result to a folder (:data:`RESULTS_ENV` names it); this process reads them
-  all, judges and prints. A rank that wrote nothing is reported lost; a job
-  that runs past ``--deadline`` is stopped with every process it started
-  (:func:`hf_altparams.testing.launch.run_launchers`: SIGTERM to the
-  launcher, then SIGKILL to the ranks, whatever session they are in).
-* Started by a launcher (``torchrun ... -m hf_altparams check``,
-  ``accelerate launch -m hf_altparams check``): every rank runs, rank 0 gathers
-  the results and prints (:func:`decide_on_rank0`), and every rank exits with
-  the verdict's code.
+Which, for a process running ``python -m hf_altparams check``:
+
+* **Started by the check** (:data:`RESULTS_ENV` in its environment, which the
+  check gives every process it starts): a rank. It trains, writes its result
+  and progress to that folder, and never starts a launcher, whatever the
+  launcher did (one that set no ``WORLD_SIZE`` gives one process of world 1).
+* **Started by a launcher** (:func:`launched`: torchrun's or ``accelerate
+  launch``'s ``LOCAL_RANK`` and ``WORLD_SIZE``): one of the ranks; rank 0
+  gathers the results and prints (:func:`decide_on_rank0`), and every rank
+  exits with the verdict's code.
+* **The one process of** ``accelerate launch`` (:func:`alone_under_accelerate`:
+  its environment, no world): a config of ``distributed_type`` ``NO`` or
+  ``MULTI_CPU`` makes ``accelerate launch`` start one process
+  (:data:`~hf_altparams.integrations.accelerate_internals.ONE_PROCESS_TYPES`);
+  the check runs as that process, says so, and starts nothing.
+* **Started plainly**: :func:`plan_launch` decides the launch (by precedence:
+  ``--ranks`` > an Accelerate config, ``--accelerate-config`` or the default
+  file > the GPUs > 2 CPU ranks) and refuses one that cannot give the ranks
+  wanted (:class:`LaunchRefused`: a config that starts one process where it asks
+  for several); :func:`self_launch` starts it, waits at most ``--deadline``, and
+  reads every rank's result. A job that runs past the deadline, or is
+  interrupted (:func:`signals_interrupt`: Ctrl-C, SIGTERM, SIGHUP), is stopped
+  with every process it started
+  (:func:`hf_altparams.testing.launch.run_launchers`), and
+  :class:`~hf_altparams.check.watch.Watch` says how far each rank got and
+  which one a SIGKILL ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from types import FrameType
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ..errors import Cause, PlanError
+from ..integrations.accelerate_internals import (ONE_PROCESS_TYPES, default_launch_config, read_launch_config,
+                                                 started_alone_by_accelerate)
 from ..testing.launch import run_launchers, write_rank_result
 from .rank import RankResult
+from .watch import Watch
 
-__all__ = ["RESULTS_ENV", "accelerate_config", "decide_on_rank0", "launched", "read_results", "self_launch",
-           "write_result"]
+__all__ = ["RESULTS_ENV", "Interrupted", "LaunchOutcome", "LaunchPlan", "LaunchRefused", "alone_under_accelerate",
+           "deadline_left", "decide_on_rank0", "launched", "plan_launch", "read_results", "self_launch", "signals_interrupt",
+           "started_by_check", "write_result"]
 
-#: The folder a self-launched rank writes its ``rank{r}.json`` to.
+#: The folder a self-launched rank writes its ``rank{r}.json`` and ``progress{r}.json`` to; set in every
+#: process the check starts, it also marks that process as started by the check (it never launches).
 RESULTS_ENV = "HF_ALTPARAMS_CHECK_RESULTS"
+
+_SIGNAL_NAMES: dict[int, str] = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+def started_by_check() -> bool:
+    """Whether this process was started by a self-launching check (it must never start a launcher itself)."""
+    return RESULTS_ENV in os.environ
 
 
 def launched() -> bool:
@@ -41,14 +72,129 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def accelerate_config() -> Optional[Path]:
-    """The user's default Accelerate config file, where one exists (``accelerate config`` writes it)."""
+def alone_under_accelerate() -> bool:
+    """Whether ``accelerate launch`` started this process as its only one (its environment, no world size)."""
+    return not launched() and started_alone_by_accelerate(os.environ)
+
+
+class LaunchRefused(Exception):
+    """The launch the flags and config describe cannot give the ranks wanted; ``cause`` names why (``CAUSES``)."""
+
+    def __init__(self, cause: Cause, detail: str) -> None:
+        super().__init__(detail)
+        self.cause = cause
+        self.detail = detail
+
+
+class Interrupted(BaseException):
+    """The check got ``signum`` (SIGINT, SIGTERM, SIGHUP) while it started or waited for its ranks.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way may swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(_SIGNAL_NAMES.get(signum, f"signal {signum}"))
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signum``, as a shell reports a process a signal ended: 130 for Ctrl-C, 143 for SIGTERM."""
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """Within the block SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (so every rank is stopped); restored after.
+
+    A signal this process ignores stays ignored (``nohup`` ignores SIGHUP; a shell
+    ignores SIGINT in a job it starts in the background).
+    """
+    def interrupt(signum: int, frame: Optional[FrameType]) -> None:
+        raise Interrupted(signum)
+
+    caught = [number for number in _SIGNAL_NAMES if signal.getsignal(number) != signal.SIG_IGN]
+    before = {number: signal.signal(number, interrupt) for number in caught}
     try:
-        from accelerate.commands.config import default_config_file
-    except ImportError:
-        return None
-    path = Path(default_config_file)
-    return path if path.is_file() else None
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The launch the check will start: its command, launcher, the processes it starts, and why."""
+
+    command: list[str]
+    launcher: str
+    processes: int
+    why: str
+
+    def line(self) -> str:
+        """The one line announcing it."""
+        return (f"hf_altparams check: starting {self.processes} rank{'s' if self.processes > 1 else ''} with "
+                f"{self.launcher} ({self.why})")
+
+    @property
+    def how(self) -> str:
+        """The launch in a few words, for the report's header."""
+        return f"{self.launcher}, {self.why}"
+
+
+def _cuda_ranks() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _torchrun(argv: Sequence[str], count: int, why: str) -> LaunchPlan:
+    return LaunchPlan([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
+                       "-m", "hf_altparams", "check", *argv], "torchrun", count, why)
+
+
+def plan_launch(argv: Sequence[str], ranks: Optional[int], config_file: Optional[str]) -> LaunchPlan:
+    """The launch for ``--ranks`` and ``--accelerate-config`` (either may be ``None``), by the precedence above.
+
+    Raises:
+        LaunchRefused: ``launch_starts_one_process``: the config makes ``accelerate launch``
+            start one process where it (or ``--ranks``) asks for several.
+        PlanError: the config cannot be read, names no process count, or is not a launch one
+            command on this machine starts (several machines, mpirun, SageMaker).
+    """
+    given = config_file is not None
+    config = Path(config_file) if config_file is not None else default_launch_config()
+    if not given and (ranks is not None or not config.is_file()):
+        gpus = _cuda_ranks()
+        if ranks is not None:
+            return _torchrun(argv, ranks, f"--ranks {ranks}")
+        return _torchrun(argv, gpus, f"{gpus} GPUs") if gpus else _torchrun(argv, 2, "no GPU: 2 CPU ranks")
+    where = "--accelerate-config" if given else "your default Accelerate config"
+    if not config.is_file():
+        raise PlanError(f"`--accelerate-config` {str(config)!r} does not exist")
+    read = read_launch_config(config)
+    elsewhere = read.elsewhere()
+    if elsewhere:
+        raise PlanError(f"{where} {str(config)} is not a launch the check can start on this machine alone: "
+                        f"{elsewhere}. Start the check under it yourself on every machine (`accelerate launch "
+                        f"--config_file {config} -m hf_altparams check`), or give `--ranks N` to use torchrun here")
+    wanted = ranks or read.num_processes or (1 if read.one_process else None)
+    if wanted is None:
+        raise PlanError(f"{where} {str(config)} (distributed_type {read.distributed_type}) names no num_processes; "
+                        "give `--ranks N`")
+    started = read.processes(ranks)
+    assert started is not None  # wanted is known, so is what starts
+    if started < wanted:
+        raise LaunchRefused(Cause.LAUNCH_STARTS_ONE_PROCESS, (
+            f"{where} {config} has distributed_type {read.distributed_type} and num_processes "
+            f"{read.num_processes}{f' (--ranks {ranks})' if ranks else ''}, but `accelerate launch` starts ONE "
+            f"process for distributed_type {' or '.join(ONE_PROCESS_TYPES)}: the check would test one process, not "
+            f"{wanted} ranks, as would your own `accelerate launch` with it. Set `distributed_type: MULTI_GPU` in "
+            f"that file, or give `--ranks {wanted}` (without --accelerate-config) to start {wanted} ranks with "
+            "torchrun"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    if ranks is not None and not read.one_process:
+        command += ["--num_processes", str(ranks)]
+    counted = f", --ranks {ranks}" if ranks is not None else f", num_processes {read.num_processes}"
+    why = f"{where} {config}: distributed_type {read.distributed_type}{counted}"
+    return LaunchPlan([*command, "-m", "hf_altparams", "check", *argv], "accelerate launch", started, why)
 
 
 def write_result(folder: str, result: RankResult) -> None:
@@ -97,32 +243,44 @@ def decide_on_rank0(result: RankResult, decide: Callable[[list[Optional[RankResu
         return decide([result] + [None] * (result.world - 1))
 
 
-def _default_ranks() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+@dataclass
+class LaunchOutcome:
+    """What a self-launch gave: every rank's result, the launch's last lines, and why it ended early, if it did."""
+
+    results: list[Optional[RankResult]]
+    tail: str
+    stopped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _command(argv: Sequence[str], ranks: Optional[int]) -> tuple[list[str], str]:
-    config = accelerate_config() if ranks is None else None
-    if config is not None:
-        return ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                 "-m", "hf_altparams", "check", *argv], f"accelerate launch (your config {config})")
-    count = ranks or _default_ranks()
-    return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
-             "-m", "hf_altparams", "check", *argv], f"torchrun, {count} rank{'s' if count > 1 else ''}")
+def self_launch(plan: LaunchPlan, deadline: float, steps: int, priced: Optional[str] = None,
+                allowed: Optional[float] = None) -> LaunchOutcome:
+    """Start ``plan``, wait for it at most ``deadline`` seconds, and read what the ranks wrote.
 
-
-def self_launch(argv: Sequence[str], ranks: Optional[int], deadline: float
-                ) -> tuple[list[Optional[RankResult]], str, str]:
-    """Start the ranks, wait for them (at most ``deadline`` seconds); ``(results, how, log tail)``."""
-    command, how = _command(argv, ranks)
+    ``steps``: the steps each rank trains (to say how far one got); ``priced``: the
+    pre-flight's price, quoted when a rank is killed; ``allowed``: the ``--deadline``
+    the report names (default ``deadline``; less may be left once the check has
+    priced the run). :class:`Interrupted` (inside :func:`signals_interrupt`) passes
+    through, once every process is stopped.
+    """
+    allowed = deadline if allowed is None else allowed
     with tempfile.TemporaryDirectory(prefix="hf_altparams_check_") as folder:
         env = dict(os.environ, **{RESULTS_ENV: folder})
         if not torch.cuda.is_available():
             env.setdefault("ACCELERATE_USE_CPU", "1")  # else Accelerate runs each CPU rank alone
-        (done,), timed_out = run_launchers([command], env, timeout=deadline)
+        watch = Watch(folder, plan.processes)
+        (done,), timed_out = run_launchers([plan.command], env, timeout=deadline, on_poll=watch.poll)
         tail = "\n".join((done.stdout or "").splitlines()[-40:])
-        world_file = Path(folder) / "world"
-        world = int(world_file.read_text()) if world_file.is_file() else (ranks or _default_ranks())
+        results = read_results(Path(folder), plan.processes)
+        world = max([plan.processes] + [r.world for r in results if r is not None])
+        if world > plan.processes:  # the launch started more than it said: read them all
+            results = read_results(Path(folder), world)
         if timed_out:
-            tail = f"(stopped after --deadline {deadline:.0f} s)\n{tail}"
-        return read_results(Path(folder), world), how, tail
+            stopped = [watch.deadline_failure(allowed, steps)]
+        else:
+            stopped = watch.killed_failures(done.stdout or "", done.returncode, steps, priced)
+        return LaunchOutcome(results, tail, stopped)
+
+
+def deadline_left(started: float, deadline: float) -> float:
+    """Seconds left of ``deadline`` since ``started`` (``time.monotonic()``), at least one."""
+    return max(1.0, deadline - (time.monotonic() - started))

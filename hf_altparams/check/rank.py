@@ -246,12 +246,16 @@ def _cause(stage: str, err: BaseException) -> Cause:
     return Cause.ERROR
 
 
-def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish: Callable[[RankResult], T]) -> T:
+def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish: Callable[[RankResult], T],
+             progress: Optional[Callable[[str, int], None]] = None) -> T:
     """Train ``make_setup()`` for ``options.steps`` steps on this rank, record it, return ``finish(result)``.
 
     Every rank of the job calls it; a failure is recorded, not raised, so that
     every rank can report. ``finish`` runs while the process group is still up
     (to gather the results); then the accelerator ends (and the process group).
+    ``progress(stage, steps_done)``, where given, is told each stage as it
+    starts (``setup``, ``prepare``, ``final``) and each step as it ends
+    (``step``), so that a watcher can say how far a rank got.
 
     Example::
 
@@ -268,6 +272,7 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
     result = RankResult(rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD_SIZE", 1)),
                         device="?", parallel="?", memory_source="?")
     stage, step = "accelerator", None
+    told = progress or (lambda stage, steps: None)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -276,11 +281,14 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
                 gauge = MemoryGauge(acc.device)
                 result.device, result.parallel, result.memory_source = str(acc.device), _parallel(acc), gauge.source
                 stage = "setup"
+                told(stage, 0)
                 setup = make_setup()
                 result.description = setup.description
                 stage = "prepare"
-                _train(acc, setup, options, gauge, result)
+                told(stage, 0)
+                _train(acc, setup, options, gauge, result, told)
                 stage, step = "final", None
+                told(stage, len(result.steps))
                 acc.switcher.check_weights("at the end of the check")
                 result.weights_compared += 1
             except Exception as err:  # recorded for the report: every rank reports what stopped it
@@ -319,7 +327,8 @@ def _unique(lines: Any) -> list[str]:
     return list(seen)
 
 
-def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGauge, result: RankResult) -> None:
+def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGauge, result: RankResult,
+           told: Callable[[str, int], None]) -> None:
     """The stock loop, with the readings of the module docstring."""
     groups: ParamGroups = setup.groups
     schedule: Schedule = setup.schedule
@@ -366,6 +375,7 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
                 switcher.reduced_bytes(current) if result.parallel == "FSDP2" else grad_bytes)
             result.steps.append(StepRow(step=step, phase=phase, grad_bytes=grad_bytes, reduced_bytes=reduced,
                                         expected_reduced=expected, held=held[0], seconds=seconds))
+            told("step", step + 1)
             record = switcher.history.last
             if record is not last:
                 last = record

@@ -25,8 +25,10 @@ What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
 
 Failures are named by cause (:data:`CAUSES`, one entry per
 :class:`~hf_altparams.errors.Cause`): the cause the error or warning a rank
-recorded carries (never read from its message); each cause carries what usually
-produces it and the fix.
+recorded carries (never read from its message), or what the launch itself saw
+(the deadline, a rank the kernel killed, a launch or pre-flight refused:
+:func:`judge`'s ``stopped``); each cause carries what usually produces it and
+the fix.
 """
 
 from __future__ import annotations
@@ -110,12 +112,15 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "(`FullyShardedDataParallelPlugin(fsdp_version=2)`) or run plain DDP, as the message says"),
     Cause.OUT_OF_MEMORY: (
         "a rank ran out of memory",
-        "the run needs more memory than the device (or host) has: `python -m hf_altparams plan` shows the peak "
-        "per phase; train fewer groups at once, offload idle state, or use a smaller batch"),
+        "the run needs more memory than the device (or host) has (the kernel's out-of-memory killer ends a process "
+        "with SIGKILL): `python -m hf_altparams plan` shows the peak per phase; train fewer groups at once, offload "
+        "idle state, or use a smaller batch; in the check: fewer `--ranks`, `--dtype bf16`, `--fsdp2`, or a "
+        "smaller model"),
     Cause.WONT_FIT: (
         "the run would not fit in memory",
-        "the plan's peak for some phase exceeds the memory there is; train fewer groups at once, offload idle "
-        "state, or use a smaller batch (`python -m hf_altparams plan`)"),
+        "the plan's peak for some phase (or the model each rank builds) exceeds the memory there is; train fewer "
+        "groups at once, offload idle state, or use a smaller batch (`python -m hf_altparams plan`); in the "
+        "check: fewer `--ranks`, `--dtype bf16`, `--fsdp2`, a smaller model, or `--no-preflight` to try anyway"),
     Cause.DEADLINE: (
         "the check ran past its deadline",
         "a rank hangs (a collective some rank never reached) or the run is slower than `--deadline` allows; "
@@ -124,10 +129,11 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "the check was interrupted",
         "it was stopped from outside (Ctrl-C, a signal) before the ranks reported; run it again"),
     Cause.LAUNCH_STARTS_ONE_PROCESS: (
-        "the launch started one process",
-        "`accelerate launch --cpu --num_processes N` starts one process; on CPU use "
-        "`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu` with "
-        "ACCELERATE_USE_CPU=1)"),
+        "the launch starts one process where several ranks are wanted",
+        "`accelerate launch` starts ONE process for a config of distributed_type NO or MULTI_CPU, and for "
+        "`--cpu --num_processes N`: use distributed_type MULTI_GPU (or `--multi_gpu`) with ACCELERATE_USE_CPU=1 "
+        "on a CPU machine, or torchrun (`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N`; `--ranks N` in the "
+        "check)"),
     Cause.ERROR: ("the run raised an error", "see the message"),
 }
 
@@ -267,10 +273,10 @@ def _trend(values: Sequence[int]) -> Optional[int]:
     return int(statistics.median(values[-third:]) - statistics.median(values[:third]))
 
 
-def _failures(results: Sequence[Optional[RankResult]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    stopped = [i for i, r in enumerate(results) if r is None]
-    for rank in stopped:
+def _failures(results: Sequence[Optional[RankResult]], stopped: Sequence[dict[str, Any]] = ()
+              ) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [dict(f) for f in stopped]
+    for rank in [i for i, r in enumerate(results) if r is None]:
         out.append({"cause": "rank_lost", "rank": rank,
                     "detail": f"rank {rank} wrote no result (it crashed, or was stopped when another rank failed)"})
     for result in results:
@@ -302,8 +308,12 @@ def _dedupe(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Tolerances] = None,
-          header: str = "") -> Verdict:
+          header: str = "", stopped: Sequence[dict[str, Any]] = ()) -> Verdict:
     """Judge the ranks' results (``None``: a rank that wrote none) into a :class:`Verdict`.
+
+    ``stopped``: failures the launch itself found (``{"cause", "rank", "detail"}``: the
+    deadline, a rank the kernel killed, a launch refused), listed first; a rank
+    that wrote nothing is then not also reported lost.
 
     Example::
 
@@ -311,7 +321,7 @@ def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Toleranc
         print(verdict.table()); sys.exit(0 if verdict.passed else 1)
     """
     present = [r for r in results if r is not None]
-    failures = _failures(results)
+    failures = _failures(results, stopped)
     verdict = Verdict(passed=False, header=header, ranks=list(results))
     if not present:
         verdict.failures = failures

@@ -158,3 +158,15 @@ def hangs_ignoring_sigterm(rank: int) -> CheckSetup:
     Path(os.environ["HANG_MARK"], f"rank{rank}").touch()
     time.sleep(600)
     raise AssertionError("the check's deadline should have stopped this rank")
+
+
+def killed_by_the_kernel(rank: int) -> CheckSetup:
+    """Rank 1 ends by SIGKILL at its second step, as the kernel's out-of-memory killer ends a process."""
+    setup = _small()
+
+    def die(model: nn.Module, step: int) -> None:
+        if rank == 1 and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    setup.on_step = die
+    return setup
