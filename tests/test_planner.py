@@ -270,7 +270,7 @@ BAD_FLAGS = [
     (["--schedule", "sequence"], "needs at least one `--phase"),
     (["--schedule", "sequence", "--phase", "emb"], "`--phase` must look like GROUP[+GROUP...]:DURATION"),
     (["--schedule", "alternating", "--ratios", "emb=x"], "`--ratios` entry 'emb=x' must be GROUP[+GROUP]=INT"),
-    (["--schedule", "alternating", "--ratios", "emb=1,nope=2"], "unknown group(s) ['nope']"),
+    (["--schedule", "alternating", "--ratios", "emb=1,nope=2"], "`--ratios` names ['nope'], which are not groups"),
     (["--schedule", "alternating", "--optimizer", "lion"], "`optimizer` must be one of"),
     (["--schedule", "weekly"], "argument --schedule: invalid choice: 'weekly'"),
     (["--schedule", "alternating", "--state-policy", "lazy"], "argument --state-policy: invalid choice"),
@@ -444,7 +444,7 @@ def test_lisa_and_badam_plans_default_to_the_run_s_lean_state_and_say_why(capsys
 def test_badam_orders_are_its_own(capsys: pytest.CaptureFixture[str]) -> None:
     for extra, message in [
         (["--schedule", "gradual", "--every", "2", "--order", "random"],
-         "`order` must be one of ['last_to_first', 'first_to_last'], got 'random'"),
+         "`--order` 'random' does not apply to `--schedule gradual`; accepted: last_to_first, first_to_last"),
         (["--schedule", "badam", "--every", "2", "--order", "first_to_last"], "accepted: ascending, descending, random"),
         (["--schedule", "lisa", "--every", "2"], "`--k` (groups drawn per block) is required for `--schedule lisa`"),
     ]:

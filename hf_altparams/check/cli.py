@@ -25,7 +25,7 @@ from .preflight import price_check
 from .rank import CheckOptions, RankResult, run_rank
 from .verdict import CAUSES, Tolerances, Verdict, judge
 from .watch import ProgressFile
-from .workload import SCHEDULES, CheckSetup, builtin_setup, load_setup, model_setup, schedule_for
+from .workload import CHECK_DEFAULTS, SCHEDULES, CheckSetup, builtin_setup, load_setup, model_setup, schedule_for
 
 __all__ = ["build_parser", "main"]
 
@@ -64,13 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--per", type=_positive("--per"), default=1, help="layers per group")
     what.add_argument("--setup", metavar="MODULE:FUNCTION",
                       help="your own set-up: a function returning a CheckSetup or (groups, schedule)")
-    sched = p.add_argument_group("the schedule (with the built-in model or --model)")
-    sched.add_argument("--schedule", choices=SCHEDULES, default="lisa")
-    sched.add_argument("--every", type=_positive("--every"), help="steps per phase (lisa/badam/gradual: 3, "
-                                                                     "alternating: 2)")
-    sched.add_argument("--k", type=_positive("--k"), default=2, help="lisa: layers drawn per phase")
-    sched.add_argument("--always", help="groups trained in every phase, comma list (lisa: emb,head)")
-    sched.add_argument("--seed", type=int, default=0, help="lisa/badam seed")
+    SCHEDULES.add_flags(p.add_argument_group(
+        "the schedule (with the built-in model or --model)",
+        "the kinds and flags of hf_altparams.plan.SCHEDULES, the same as the planner's, with check's own "
+        "defaults (hf_altparams.check.workload.CHECK_DEFAULTS; docs/check.md)"), CHECK_DEFAULTS)
     run = p.add_argument_group("the run")
     run.add_argument("--steps", type=_positive("--steps"), default=60, help="optimizer steps (default 60)")
     run.add_argument("--ranks", type=_positive("--ranks"),
@@ -96,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """A function building the set-up on a rank (called inside the rank's run, so its errors are reported)."""
-    always = None if args.always is None else [a.strip() for a in args.always.split(",") if a.strip()]
-    options = {"every": args.every, "k": args.k, "always": always, "seed": args.seed}
+    kind, options = SCHEDULES.given(args)
+    name = kind if kind is not None else str(CHECK_DEFAULTS.schedule)
 
     def make() -> CheckSetup:
         if args.setup:
@@ -109,9 +106,9 @@ def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if args.model:
             model, groups = model_setup(args.model, weights=args.weights, model_class=args.model_class,
                                         dtype=args.dtype, layers=args.layers, per=args.per)
-            return CheckSetup(groups, schedule_for(args.schedule, groups, **options),
-                              description=f"{args.model} ({type(model).__name__}); {args.schedule}")
-        return builtin_setup(args.schedule, **options)
+            return CheckSetup(groups, schedule_for(name, groups, **options),
+                              description=f"{args.model} ({type(model).__name__}); {name}")
+        return builtin_setup(name, **options)
     return make
 
 
@@ -122,6 +119,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise PlanError("`--weights` loads the weights of `--model`; give --model PATH")
     if args.warmup < 0:
         raise PlanError(f"`--warmup` must be 0 or more, got {args.warmup}")
+    kind, options = SCHEDULES.given(args)
+    if args.setup and (kind or options):
+        flags = (["--schedule"] if kind else []) + [SCHEDULES.option(o).flag for o in options]
+        raise PlanError(f"`--setup` builds its own schedule: leave out {', '.join(flags)}")
+    SCHEDULES.resolve(kind, options, CHECK_DEFAULTS)  # before any rank starts; the groups are checked on the ranks
 
 
 def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Namespace) -> str:
@@ -215,11 +217,11 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
             "a --setup builds its model in your code, so it cannot be priced before it runs")
         print(f"pre-flight: skipped ({why})", file=sys.stderr, flush=True)
         return None
+    kind, options = SCHEDULES.given(args)
     try:
         price = price_check(args.model, ranks=processes, steps=args.steps, fsdp2=args.fsdp2,
                             model_class=args.model_class, dtype=args.dtype if args.model else None,
-                            layers=args.layers, per=args.per, schedule=args.schedule, every=args.every, k=args.k,
-                            always=_always(args), seed=args.seed)
+                            layers=args.layers, per=args.per, schedule=kind, schedule_options=options)
     except PlanError as err:
         raise LaunchRefused(Cause.SETUP_REFUSED, str(err)) from err
     except Exception as err:  # a model the planner cannot price: the ranks will build it and say what fails
@@ -230,10 +232,6 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
     if not price.fits:
         raise LaunchRefused(Cause.WONT_FIT, price.refusal(dtype=args.dtype, fsdp2=args.fsdp2))
     return price.summary()
-
-
-def _always(args: argparse.Namespace) -> Optional[list[str]]:
-    return None if args.always is None else [a.strip() for a in args.always.split(",") if a.strip()]
 
 
 def _refuse(args: argparse.Namespace, cause: Cause, detail: str,

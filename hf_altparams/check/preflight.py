@@ -31,7 +31,7 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import psutil
 import torch
@@ -197,10 +197,12 @@ def price(model: nn.Module, groups: ParamGroups, schedule: Schedule, *, built: i
 
 
 def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, model_class: str = "AutoModelForCausalLM",
-                dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1, schedule: str = "lisa",
-                every: Optional[int] = None, k: int = 2, always: Optional[Sequence[str]] = None, seed: int = 0
-                ) -> Price:
+                dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1,
+                schedule: Optional[str] = None, schedule_options: Optional[Mapping[str, Any]] = None) -> Price:
     """Price the check the flags describe (the built-in model, or ``--model``), on this machine.
+
+    ``schedule`` and ``schedule_options`` are the schedule flags given (``SCHEDULES.given(args)``),
+    built as the ranks build them (:func:`~hf_altparams.check.workload.schedule_for`).
 
     Example:
         >>> p = price_check(None, ranks=2, steps=12, fsdp2=False)
@@ -209,7 +211,7 @@ def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, mo
     """
     net, built = meta_model(model, model_class=model_class, dtype=dtype)
     groups = layer_groups(net) if model is None else layer_groups(net, layers, per)
-    plan = schedule_for(schedule, groups, every=every, k=k, always=always, seed=seed)
+    plan = schedule_for(schedule, groups, **(schedule_options or {}))
     device = rank_device()
     return price(net, groups, plan, built=built, ranks=ranks, fsdp2=fsdp2, steps=steps, device=device,
                  gpu_free=gpu_free_bytes() if device == "cuda" else ())

@@ -12,7 +12,9 @@ A :class:`CheckSetup` holds all of it. Three ways to get one:
   runs every step (``on_step``, as a Trainer callback would), so that the check
   trains what the user's run will.
 
-Schedules come from :func:`schedule_for` (``--schedule lisa|badam|alternating|gradual``).
+Schedules come from :func:`schedule_for`: any kind of the one schedule registry
+(:data:`hf_altparams.plan.SCHEDULES`, whose flags the planner has too), with the
+defaults ``check`` declares over its layer groups (:data:`CHECK_DEFAULTS`).
 Every function here runs on each rank alike and builds the same thing on each.
 """
 
@@ -28,13 +30,38 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..errors import PlanError
-from ..plan import Alternating, GradualUnfreeze, ParamGroups, Schedule, badam, lisa
+from ..plan import ANY_KIND, SCHEDULES, CommandDefaults, Derived, ParamGroups, Schedule
 
-__all__ = ["SCHEDULES", "Batch", "CheckSetup", "builtin_model", "builtin_setup", "find_layers", "layer_groups",
-           "load_setup", "model_setup", "schedule_for", "synthetic_batch"]
+__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "Batch", "CheckSetup", "builtin_model", "builtin_setup", "find_layers",
+           "layer_groups", "load_setup", "model_setup", "schedule_for", "synthetic_batch"]
 
-#: The schedules ``--schedule`` names.
-SCHEDULES = ("lisa", "badam", "alternating", "gradual")
+#: The groups :func:`layer_groups` adds beside the layers: the input embeddings and the output head.
+_EMBEDDINGS = ("emb", "head")
+
+
+def _present(*names: str) -> Derived:
+    def derive(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
+        return tuple(n for n in names if n in groups.names)
+    return Derived(f"{','.join(names)} (those the model has)", derive)
+
+
+def _layers(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
+    always = set(values.get("always") or ())
+    return tuple(n for n in groups.names if n not in _EMBEDDINGS and n not in always)
+
+
+#: ``check``'s own defaults over the registry's (the planner has none): short phases, so that a
+#: one-minute run switches often; LISA's embeddings and head in every phase and gradual's head
+#: from the start, as those recipes train them; the scheduled blocks are the layer groups of
+#: :func:`layer_groups` (not ``emb`` and ``head``). ``--unit epoch`` is refused: the check counts
+#: optimizer steps and runs no epochs, so such a schedule would never switch.
+CHECK_DEFAULTS = CommandDefaults(
+    "check", schedule="lisa",
+    values={"every": {"alternating": 2, ANY_KIND: 3}, "k": {ANY_KIND: 2},
+            "always": {"lisa": _present("emb", "head"), "gradual": _present("head")},
+            "blocks": {ANY_KIND: Derived("the layer groups (not emb, head) not in --always", _layers)}},
+    refused={"unit": {"epoch": "it counts optimizer steps and runs no epochs, so a schedule in epochs would "
+                               "never switch; give --every in steps"}})
 
 #: Model inputs of one micro-batch (keyword arguments of the model's forward).
 Batch = Mapping[str, torch.Tensor]
@@ -257,46 +284,33 @@ def builtin_setup(schedule: str = "lisa", **options: Any) -> CheckSetup:
                       description=f"built-in Llama, 8 layers, 7.5 M parameters; {schedule}")
 
 
-def schedule_for(name: str, groups: ParamGroups, *, every: Optional[int] = None, k: int = 2,
-                 always: Optional[Sequence[str]] = None, seed: int = 0) -> Schedule:
-    """The schedule ``--schedule`` names, over the layer groups of :func:`layer_groups`.
+def schedule_for(name: Optional[str], groups: ParamGroups, **options: Any) -> Schedule:
+    """The schedule ``--schedule`` names over ``groups``, with ``check``'s defaults (:data:`CHECK_DEFAULTS`).
 
-    * ``lisa``: ``k`` layers re-drawn every ``every`` steps (default 3), ``always``
-      (default ``emb`` and ``head``) in every phase; idle state dropped (its recipe);
-    * ``badam``: one layer at a time for ``every`` steps (default 3), ascending;
-      ``always`` default none; idle state dropped;
-    * ``alternating``: every group in turn, ``every`` steps each (default 2); state kept;
-    * ``gradual``: layers unfrozen from the last, one more every ``every`` steps
-      (default 3); ``always`` trains from the start (default ``head``).
+    ``name`` is any kind of :data:`~hf_altparams.plan.SCHEDULES` (``None``: ``lisa``); ``options`` are
+    its options (``every=3``, ``always=["head"]``, or the command line's text), the same as the
+    planner's flags. Over :func:`layer_groups`, by default:
+
+    * ``lisa``: ``k`` 2 layers re-drawn every 3 steps, ``emb`` and ``head`` in every
+      phase; idle state dropped (its recipe);
+    * ``badam``: one layer at a time for 3 steps, ascending; idle state dropped;
+    * ``alternating``: every group in turn, 2 steps each; state kept;
+    * ``gradual``: layers unfrozen from the last, one more every 3 steps; ``head``
+      trains from the start;
+    * the other kinds as the planner builds them, over the layer groups, 3 steps a phase.
+
+    Raises:
+        PlanError: an unknown kind or option, an option that does not apply, a bad value; the
+            message names the flag.
 
     Example:
         >>> groups = layer_groups(builtin_model(layers=4, hidden=64, vocab=128))
         >>> schedule_for("badam", groups, every=1).phase_at(1).name
         'layer1'
+        >>> schedule_for("per-task", groups, trunk="emb,head").phase_at(3).name
+        'layer1'
     """
-    if name not in SCHEDULES:
-        raise PlanError(f"`--schedule` is {name!r}; accepted: {list(SCHEDULES)}")
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise PlanError(f"`--every` must be a positive integer, got {every!r}")
-    layer_names = [n for n in groups.names if n not in ("emb", "head")]
-    if always is None:
-        defaults = {"lisa": ("emb", "head"), "gradual": ("head",)}.get(name, ())
-        always = [g for g in defaults if g in groups.names]
-    unknown = sorted(set(always) - set(groups.names))
-    if unknown:
-        raise PlanError(f"`--always` names {unknown}, which are not groups; the groups are {list(groups.names)}")
-    blocks = [n for n in layer_names if n not in always]
-    if not blocks:
-        raise PlanError(f"no layer groups are left to schedule once `--always` {list(always)} is taken out")
-    if name == "lisa":
-        if not isinstance(k, int) or not 1 <= k <= len(blocks):
-            raise PlanError(f"`--k` must be an integer from 1 to {len(blocks)} (the layer groups), got {k!r}")
-        return lisa(blocks, k=k, every=every or 3, always=always, seed=seed)
-    if name == "badam":
-        return badam(blocks, steps_per_block=every or 3, always=always, seed=seed)
-    if name == "alternating":
-        return Alternating(list(groups.names), every=every or 2)
-    return GradualUnfreeze(blocks, every=every or 3, order="last_to_first", always=always)
+    return SCHEDULES.build(name, groups, options, CHECK_DEFAULTS)
 
 
 def load_setup(spec: str, **context: Any) -> CheckSetup:

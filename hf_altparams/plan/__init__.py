@@ -4,7 +4,10 @@ Modules: :mod:`~hf_altparams.plan.groups` (:class:`ParamGroups`),
 :mod:`~hf_altparams.plan.phase` (:class:`Phase`), :mod:`~hf_altparams.plan.schedules`
 (:class:`Schedule` and every kind), :mod:`~hf_altparams.plan.recipes` (:func:`lisa`,
 :func:`badam`), :mod:`~hf_altparams.plan.share` (what share of the model a schedule
-trains) and :mod:`~hf_altparams.plan.checks` (the argument checks they share).
+trains), :mod:`~hf_altparams.plan.checks` (the argument checks they share), and the
+schedule registry the command lines read: :mod:`~hf_altparams.plan.registry` (kinds,
+options, per-command defaults) and :mod:`~hf_altparams.plan.kinds` (the built-in kinds,
+:data:`SCHEDULES`).
 
 Example:
     >>> from torch import nn
@@ -20,8 +23,10 @@ Example:
 from __future__ import annotations
 
 from .groups import ParamGroups
+from .kinds import SCHEDULES
 from .phase import Phase
 from .recipes import badam, lisa
+from .registry import ANY_KIND, CommandDefaults, Derived, Option, ScheduleArgs, ScheduleKind, ScheduleRegistry
 from .schedules import (
     Alternating,
     Chain,
@@ -37,10 +42,14 @@ from .share import ALWAYS_SHARE_LIMIT, PhaseShare, TrainShare, TrainShareWarning
 
 __all__ = [
     "ALWAYS_SHARE_LIMIT",
+    "ANY_KIND",
     "Alternating",
     "Chain",
+    "CommandDefaults",
+    "Derived",
     "FnSchedule",
     "GradualUnfreeze",
+    "Option",
     "ParamGroups",
     "PerTaskCycle",
     "Phase",
@@ -48,7 +57,11 @@ __all__ = [
     "PhaseShare",
     "ProgressiveFreeze",
     "RandomBlocks",
+    "SCHEDULES",
     "Schedule",
+    "ScheduleArgs",
+    "ScheduleKind",
+    "ScheduleRegistry",
     "TrainShare",
     "TrainShareWarning",
     "badam",

@@ -1,7 +1,8 @@
 """``python -m hf_altparams plan`` (``python -m hf_altparams.planner``): the planner's command line.
 
 Parses the flags, builds the model on ``meta`` (:func:`~hf_altparams.planner.build_model`),
-its parameter groups and the schedule, and prints what
+its parameter groups and the schedule (its kinds and flags are those of the one schedule
+registry, :data:`hf_altparams.plan.SCHEDULES`, which ``check`` reads too), and prints what
 :func:`~hf_altparams.planner.plan_cost` reports. :mod:`hf_altparams.planner`
 re-exports :func:`main`, :func:`build_from_argv` and :func:`plan_from_argv`.
 """
@@ -12,14 +13,13 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Callable, Literal, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..plan import (Alternating, GradualUnfreeze, ParamGroups, PerTaskCycle, PhaseSequence, ProgressiveFreeze,
-                   RandomBlocks, Schedule, TrainShareWarning, badam, lisa)
+from ..plan import SCHEDULES, ParamGroups, Schedule, TrainShareWarning
 from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, plan_cost
 from .hardware import BF16_ENV
 from .model import build_model, dtype_from_name
@@ -27,7 +27,6 @@ from .report import CostPlan
 
 __all__ = ["SCHEDULES", "build_from_argv", "build_parser", "main", "plan_from_argv"]
 
-SCHEDULES = ("alternating", "gradual", "progressive", "per-task", "random-blocks", "sequence", "lisa", "badam")
 _DTYPE_METAVAR = "{bf16,fp16,fp32,bfloat16,float16,float32}"
 
 
@@ -69,25 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per", type=int, default=1, help="layers per group with --layers")
     p.add_argument("--prefix", default="layer", help="layer group name prefix with --layers")
     p.add_argument("--ungrouped", choices=["frozen", "trainable", "error"], default="frozen")
-    p.add_argument("--schedule", required=True, choices=SCHEDULES)
-    p.add_argument("--every", type=int, help="positions per phase (alternating: default 1)")
-    p.add_argument("--ratios", help="alternating: a=3,b+c=1 (durations) or a,b+c (each --every long)")
-    p.add_argument("--blocks", help="gradual/progressive/random-blocks/lisa/badam: ordered groups (default: all but "
-                   "--always)")
-    p.add_argument("--order", choices=["last_to_first", "first_to_last", "ascending", "descending", "random"],
-                   help="gradual/progressive: last_to_first or first_to_last; badam: ascending (default), "
-                        "descending or random")
-    p.add_argument("--always", default="",
-                   help="alternating/gradual/progressive/random-blocks: groups that train in every phase (comma list)")
-    p.add_argument("--k", type=int, help="random-blocks/lisa: groups drawn per block")
-    p.add_argument("--seed", type=int, default=0, help="random-blocks/lisa/badam seed")
-    p.add_argument("--trunk", help="per-task: shared groups (comma list)")
-    p.add_argument("--tasks", help="per-task: tasks, comma list, a+b for a task of several groups "
-                                   "(default: every group not in --trunk)")
-    p.add_argument("--phase", action="append", default=[], metavar="GROUP[+GROUP...]:DURATION",
-                   help="sequence: one phase (repeatable)")
-    p.add_argument("--repeat", action="store_true", help="sequence: cycle the phases")
-    p.add_argument("--unit", choices=["step", "epoch"], default="step")
     p.add_argument("--steps", type=int, help="positions to list (default: one period or up to the last phase)")
     p.add_argument("--optimizer", default="adamw",
                    help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)")
@@ -117,16 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"cuda:N, or none (planning for another machine: no check); {BF16_ENV}=fast|slow "
                         "forces the verdict")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    SCHEDULES.add_flags(p.add_argument_group(
+        "the schedule", "the kinds and flags of hf_altparams.plan.SCHEDULES, the same in `check` (docs/planner.md)"))
     return p
 
 
 def _names(text: Optional[str]) -> list[str]:
     return [n.strip() for n in (text or "").split(",") if n.strip()]
-
-
-def _entry(text: str) -> Union[str, tuple[str, ...]]:
-    parts = tuple(n.strip() for n in text.split("+"))
-    return parts[0] if len(parts) == 1 else parts
 
 
 def _groups_from_args(args: argparse.Namespace, model: nn.Module) -> ParamGroups:
@@ -145,64 +122,9 @@ def _groups_from_args(args: argparse.Namespace, model: nn.Module) -> ParamGroups
 
 
 def _schedule_from_args(args: argparse.Namespace, groups: ParamGroups) -> Schedule:
-    kind, unit, always = args.schedule, args.unit, _names(args.always)
-    if always and kind in ("per-task", "sequence"):
-        fix = "the trunk trains in every phase: --trunk" if kind == "per-task" else "add them to each --phase"
-        raise PlanError(f"`--always` {args.always!r} does not apply to `--schedule {kind}`; {fix}")
-    blocks = _names(args.blocks) or [g for g in groups.names if g not in always]
-
-    def every() -> int:
-        if args.every is None:
-            raise PlanError(f"`--every` is required for `--schedule {kind}`")
-        return int(args.every)
-
-    if kind == "alternating":
-        items = _names(args.ratios) or [g for g in groups.names if g not in always]
-        if all("=" in i for i in items):
-            ratios = {}
-            for item in items:
-                name, _, count = item.partition("=")
-                if not count.strip().isdigit():
-                    raise PlanError(f"`--ratios` entry {item!r} must be GROUP[+GROUP]=INT")
-                ratios[_entry(name)] = int(count)
-            return Alternating(ratios, unit=unit, always=always)
-        if any("=" in i for i in items):
-            raise PlanError(f"`--ratios` mixes a=N and plain entries: {args.ratios!r}; use one form")
-        return Alternating([_entry(i) for i in items], every=args.every or 1, unit=unit, always=always)
-    if kind == "gradual":
-        return GradualUnfreeze(blocks, every=every(), unit=unit, order=args.order or "last_to_first", always=always)
-    if kind == "progressive":
-        return ProgressiveFreeze(blocks, every=every(), unit=unit, order=args.order or "first_to_last",
-                                 always=always)
-    if kind in ("random-blocks", "lisa"):
-        if args.k is None:
-            raise PlanError(f"`--k` (groups drawn per block) is required for `--schedule {kind}`")
-        if kind == "lisa":
-            return lisa(blocks, k=args.k, every=every(), always=always, seed=args.seed)
-        return RandomBlocks(blocks, k=args.k, every=every(), seed=args.seed, always=always, unit=unit)
-    if kind == "badam":
-        orders: dict[str, Literal["ascending", "descending", "random"]] = {
-            "ascending": "ascending", "descending": "descending", "random": "random"}
-        order = args.order or "ascending"
-        if order not in orders:
-            raise PlanError(f"`--order` {order!r} does not apply to `--schedule badam`; accepted: ascending, "
-                            "descending, random")
-        return badam(blocks, steps_per_block=every(), order=orders[order], always=always, seed=args.seed)
-    if kind == "per-task":
-        trunk = _names(args.trunk)
-        if not trunk:
-            raise PlanError("`--trunk` (the shared groups) is required for `--schedule per-task`")
-        tasks = [_entry(t) for t in _names(args.tasks)] or [g for g in groups.names if g not in trunk]
-        return PerTaskCycle(trunk, tasks, every=every(), unit=unit)
-    if not args.phase:
-        raise PlanError("`--schedule sequence` needs at least one `--phase GROUP[+GROUP]:DURATION`")
-    phases = []
-    for item in args.phase:
-        names, _, count = item.rpartition(":")
-        if not names or not count.strip().isdigit():
-            raise PlanError(f"`--phase` must look like GROUP[+GROUP...]:DURATION, got {item!r}")
-        phases.append(([n.strip() for n in names.split("+")], int(count)))
-    return PhaseSequence(phases, repeat=args.repeat, unit=unit)
+    """The schedule the flags name, built through the schedule registry (no defaults of the planner's own)."""
+    kind, given = SCHEDULES.given(args)
+    return SCHEDULES.build(kind, groups, given)
 
 
 def _optimizer_arg(text: str) -> OptimizerSpec:

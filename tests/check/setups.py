@@ -27,7 +27,8 @@ KEPT: list[torch.Tensor] = []
 def _small(schedule: str = "lisa", seed: int = 0, **options: Any) -> CheckSetup:
     model = builtin_model(layers=4, hidden=128, vocab=512)
     groups = layer_groups(model)
-    return CheckSetup(groups, schedule_for(schedule, groups, k=1, every=1, seed=seed, **options),
+    drawn = {"k": 1, "seed": seed} if schedule == "lisa" else {}  # options only a draw takes
+    return CheckSetup(groups, schedule_for(schedule, groups, every=1, **drawn, **options),
                       description=f"small Llama, {schedule}")
 
 
