@@ -42,7 +42,8 @@ _EMBEDDINGS = ("emb", "head")
 def _present(*names: str) -> Derived:
     def derive(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
         return tuple(n for n in names if n in groups.names)
-    return Derived(f"{','.join(names)} (those the model has)", derive)
+    has = "those the model has" if len(names) > 1 else "if the model has one"
+    return Derived(f"{','.join(names)} ({has})", derive)
 
 
 def _layers(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
@@ -54,14 +55,19 @@ def _layers(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
 #: one-minute run switches often; LISA's embeddings and head in every phase and gradual's head
 #: from the start, as those recipes train them; the scheduled blocks are the layer groups of
 #: :func:`layer_groups` (not ``emb`` and ``head``). ``--unit epoch`` is refused: the check counts
-#: optimizer steps and runs no epochs, so such a schedule would never switch.
+#: optimizer steps and runs no epochs, so such a schedule would never switch. ``per-task`` is refused
+#: over layer groups (every forward runs through every layer; its other tasks are off the device):
+#: a ``--setup`` with a model that routes by task checks it.
 CHECK_DEFAULTS = CommandDefaults(
     "check", schedule="lisa",
     values={"every": {"alternating": 2, ANY_KIND: 3}, "k": {ANY_KIND: 2},
             "always": {"lisa": _present("emb", "head"), "gradual": _present("head")},
             "blocks": {ANY_KIND: Derived("the layer groups (not emb, head) not in --always", _layers)}},
     refused={"unit": {"epoch": "it counts optimizer steps and runs no epochs, so a schedule in epochs would "
-                               "never switch; give --every in steps"}})
+                               "never switch; give --every in steps"},
+             "schedule": {"per-task": "its groups are layers, and every forward runs through all of them, while "
+                                      "a per-task schedule keeps the other tasks off the device; give a --setup "
+                                      "whose model routes each batch through its own task's groups"}})
 
 #: Model inputs of one micro-batch (keyword arguments of the model's forward).
 Batch = Mapping[str, torch.Tensor]
@@ -297,7 +303,8 @@ def schedule_for(name: Optional[str], groups: ParamGroups, **options: Any) -> Sc
     * ``alternating``: every group in turn, 2 steps each; state kept;
     * ``gradual``: layers unfrozen from the last, one more every 3 steps; ``head``
       trains from the start;
-    * the other kinds as the planner builds them, over the layer groups, 3 steps a phase.
+    * the other kinds as the planner builds them, over the layer groups, 3 steps a phase;
+      ``per-task`` is refused (see :data:`CHECK_DEFAULTS`).
 
     Raises:
         PlanError: an unknown kind or option, an option that does not apply, a bad value; the
@@ -307,7 +314,7 @@ def schedule_for(name: Optional[str], groups: ParamGroups, **options: Any) -> Sc
         >>> groups = layer_groups(builtin_model(layers=4, hidden=64, vocab=128))
         >>> schedule_for("badam", groups, every=1).phase_at(1).name
         'layer1'
-        >>> schedule_for("per-task", groups, trunk="emb,head").phase_at(3).name
+        >>> schedule_for("sequence", groups, phase=["layer0+head:2", "layer1:2"]).phase_at(3).name
         'layer1'
     """
     return SCHEDULES.build(name, groups, options, CHECK_DEFAULTS)

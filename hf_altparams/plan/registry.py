@@ -162,7 +162,7 @@ class CommandDefaults:
         schedule: the kind ``--schedule`` defaults to (``None``: ``--schedule`` is required).
         values: option name -> {kind name, or :data:`ANY_KIND` for every kind it applies to -> default}
             (a value or a :class:`Derived`); these win over the kind's own defaults.
-        refused: option name -> {value -> why this command cannot take it}.
+        refused: option name (or ``"schedule"`` for a kind) -> {value -> why this command cannot take it}.
 
     Example:
         >>> mine = CommandDefaults("mine", values={"every": {"alternating": 2, ANY_KIND: 3}})
@@ -350,6 +350,9 @@ class ScheduleRegistry:
                 raise PlanError(f"`--schedule` is required; accepted: {list(self._kinds)}")
             name = defaults.schedule
         kind = self.kind(name)
+        why_not = defaults.refused.get("schedule", {}).get(kind.name)
+        if why_not:
+            raise PlanError(f"`--schedule {kind.name}` is refused by `{defaults.command}`: {why_not}")
         values: dict[str, Any] = {}
         for key, raw in given.items():
             if raw is None:
@@ -449,7 +452,9 @@ class ScheduleRegistry:
                 raise argparse.ArgumentTypeError(f"invalid choice: {text!r}; accepted: {', '.join(self._kinds)}"
                                                  + self._aliases_note()) from None
 
-        lines = "; ".join(f"{k.name}: {k.help}" for k in self._kinds.values())
+        refused = defaults.refused.get("schedule", {})
+        lines = "; ".join(f"{k.name}: {k.help}" + (f" (`{defaults.command}` refuses it: {refused[k.name]})"
+                                                   if k.name in refused else "") for k in self._kinds.values())
         parser.add_argument("--schedule", type=kind_name, default=None, required=defaults.schedule is None,
                             metavar="{" + ",".join(self._kinds) + "}",
                             help=(f"the kind of schedule (default {defaults.schedule}). " if defaults.schedule
@@ -519,6 +524,8 @@ class ScheduleRegistry:
         rows = [f"| flag | kinds | `{defaults.command}`'s default |", "|---|---|---|"]
         if defaults.schedule is not None:
             rows.append(f"| `--schedule` | - | `{defaults.schedule}` |")
+        for kind, why in defaults.refused.get("schedule", {}).items():
+            rows.append(f"| `--schedule` | `{kind}` | refused: {_cell(why)} |")
         for option in self.options:
             per_kind = defaults.values.get(option.name, {})
             for key, value in per_kind.items():

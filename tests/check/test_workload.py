@@ -99,7 +99,8 @@ def test_batches_differ_by_rank_and_step_and_repeat_exactly(small: nn.Module) ->
      "`--setup` builds its own schedule: leave out --schedule, --every"),
     (["--schedule", "alternating", "--unit", "epoch"], "`--unit` 'epoch' is refused by `check`: it counts optimizer"),
     (["--schedule", "gradual", "--k", "2"], "`--k` '2' does not apply to `--schedule gradual`"),
-    (["--schedule", "per-task"], "`--trunk` (the shared groups) is required for `--schedule per-task`"),
+    (["--schedule", "sequence"], "`--schedule sequence` needs at least one `--phase GROUP[+GROUP...]:DURATION`"),
+    (["--schedule", "per-task", "--trunk", "emb"], "`--schedule per-task` is refused by `check`: its groups are"),
 ])
 def test_conflicting_flags_exit_2_before_any_rank_starts(argv: list[str], match: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:

@@ -155,7 +155,7 @@ def test_command_defaults_win_over_the_kind_s_and_refuse_what_the_command_cannot
     mine = CommandDefaults("mine", schedule="badam",
                            values={"every": {"alternating": 5, ANY_KIND: 4},
                                    "always": {"badam": Derived("head", lambda g, v: ("head",))}},
-                           refused={"unit": {"epoch": "it has no epochs"}})
+                           refused={"unit": {"epoch": "it has no epochs"}, "schedule": {"sequence": "no"}})
     built = SCHEDULES.build(None, groups, {}, mine)  # the command's kind, its `every` and its `always`
     assert describe(built) == describe(badam(LAYERS, steps_per_block=4, always=["head"]))
     assert describe(SCHEDULES.build("alternating", groups, {}, mine)) == describe(Alternating(EVERYTHING, every=5))
@@ -163,6 +163,8 @@ def test_command_defaults_win_over_the_kind_s_and_refuse_what_the_command_cannot
     assert describe(given) == describe(badam(EVERYTHING, steps_per_block=1))
     with pytest.raises(PlanError, match="`--unit` 'epoch' is refused by `mine`: it has no epochs"):
         SCHEDULES.resolve("gradual", {"unit": "epoch"}, mine)
+    with pytest.raises(PlanError, match="`--schedule sequence` is refused by `mine`: no"):
+        SCHEDULES.resolve("phase-sequence", {"phase": ["l0:1"]}, mine)
     with pytest.raises(PlanError, match="`--schedule` is required"):
         SCHEDULES.resolve(None, {})
     table = SCHEDULES.defaults_table(mine)
