@@ -242,22 +242,27 @@ class ScheduleRegistry:
         if not isinstance(kind, ScheduleKind):
             raise PlanError(f"`kind` must be an hf_altparams.plan.registry.ScheduleKind, got {type(kind).__name__}")
         spellings = (kind.name, *kind.aliases)
+        odd = [s for s in spellings if not isinstance(s, str) or not s or s != _spelling(s)]
+        if odd:
+            raise PlanError(f"schedule kind {kind.name!r}: names and aliases must be non-empty, lower case, with "
+                            f"- between words (they are looked up so), got {odd}")
         taken = sorted(set(spellings) & set(self.spellings))
-        if taken or not all(isinstance(s, str) and s for s in spellings):
-            raise PlanError(f"schedule kind {kind.name!r} takes the name(s) {taken or list(spellings)}, which are "
-                            f"registered already or empty; registered: {self.spellings}")
+        if taken:
+            raise PlanError(f"schedule kind {kind.name!r} takes the name(s) {taken}, registered already; "
+                            f"registered: {self.spellings}")
         unknown = sorted(set(kind.options) - set(self._options))
         if unknown:
             raise PlanError(f"schedule kind {kind.name!r} names undeclared option(s) {unknown}; declared: "
                             f"{list(self._options)} (add_option first)")
-        for what, names in (("defaults", kind.defaults), ("required", kind.required), ("choices", kind.choices),
-                            ("instead", kind.instead)):
-            stray = sorted(set(names) - set(kind.options)) if what != "instead" else sorted(
-                set(names) & set(kind.options))
+        for what, names in (("defaults", kind.defaults), ("required", kind.required), ("choices", kind.choices)):
+            stray = sorted(set(names) - set(kind.options))
             if stray:
-                raise PlanError(f"schedule kind {kind.name!r}: `{what}` names option(s) {stray} "
-                                + ("that are not among its `options`" if what != "instead" else
-                                   "that apply to it (`instead` is for options that do not)"))
+                raise PlanError(f"schedule kind {kind.name!r}: `{what}` names option(s) {stray} that are not "
+                                "among its `options`")
+        applying = sorted(set(kind.instead) & set(kind.options))
+        if applying:
+            raise PlanError(f"schedule kind {kind.name!r}: `instead` names option(s) {applying} that apply to it "
+                            "(`instead` says what to use for an option that does not)")
         self._kinds[kind.name] = kind
         return kind
 
@@ -303,7 +308,7 @@ class ScheduleRegistry:
         return tuple(k.name for k in self._kinds.values() if option in k.options)
 
     def _lookup(self, name: str) -> Optional[ScheduleKind]:
-        wanted = name.strip().lower().replace("_", "-")
+        wanted = _spelling(name)
         for kind in self._kinds.values():
             if wanted in (kind.name, *kind.aliases):
                 return kind
@@ -537,6 +542,11 @@ class ScheduleRegistry:
                 rows.append(f"| `{option.flag}` | every kind it applies to | refuses `{describe_value(value)}`: "
                             f"{_cell(why)} |")
         return "\n".join(rows)
+
+
+def _spelling(name: str) -> str:
+    """How a kind's name is looked up: any case, ``_`` or ``-`` between words."""
+    return name.strip().lower().replace("_", "-")
 
 
 def _cell(text: str) -> str:

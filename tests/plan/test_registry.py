@@ -179,6 +179,8 @@ def test_a_registry_refuses_collisions_and_undeclared_options() -> None:
     every = Option("every", "positions per phase", lambda v, flag: int(v))
     registry = ScheduleRegistry([every])
     registry.register(ScheduleKind("one", "all groups", _tiny, options=("every",), aliases=("uno",)))
+    with pytest.raises(PlanError, match=r"lower case, with - between words .* got \['Two_Ways'\]"):
+        registry.register(ScheduleKind("two", "all groups", _tiny, options=("every",), aliases=("Two_Ways",)))
     with pytest.raises(PlanError, match=r"takes the name\(s\) \['uno'\]"):
         registry.register(ScheduleKind("two", "all groups", _tiny, options=("every",), aliases=("uno",)))
     with pytest.raises(PlanError, match=r"names undeclared option\(s\) \['k'\]"):
