@@ -267,8 +267,8 @@ def test_refused_switches_change_nothing_and_training_goes_on(ranks: list[dict[s
         bad = rank["bad_inputs"]
         assert bad["flags_unchanged"]
         assert bad["records_after_refusals"] == 1  # only the initial phase
-        assert bad["recovered"] == {"type": None, "message": None}
-        assert bad["steps_after_refusal"] == {"type": None, "message": None}
+        assert bad["recovered"] == {"type": None, "message": None, "cause": None}
+        assert bad["steps_after_refusal"] == {"type": None, "message": None, "cause": None}
     assert ranks[0]["bad_inputs"]["params_after_refusal"] == ranks[1]["bad_inputs"]["params_after_refusal"]
 
 
