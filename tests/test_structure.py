@@ -8,6 +8,10 @@ What is checked (``docs/design.md`` shows the map it enforces):
 * **layers**: ``plan`` (pure) <- ``engine`` <- ``integrations``, and inside the
   engine the order of :data:`ENGINE_LAYERS` (a part imports only parts of its
   own layer or below);
+* **strategies behind the registry** (:data:`STRATEGIES`): a strategy's
+  internals (its strategy module, its backend class) are imported only by its
+  own modules (the strategy module, its fence package) and by the registry
+  (:data:`REGISTRY`); everything else reaches a strategy through the registry;
 * **privacy**, outside the fence modules (:data:`FENCES`: the only modules that
   may touch the private names of torch, Accelerate and transformers):
   no read of another object's underscore attribute (``other._x``, or
@@ -49,8 +53,22 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory", "comm", "shutdown"),
     ("optim", "buffers", "drift", "invariants", "prefix"),
     ("config", "report"),
+    ("strategies",),
     ("switch",),
 )
+
+#: The strategy registry: the one module besides a strategy's own that imports the strategy's internals.
+REGISTRY = "hf_altparams.engine.strategies"
+
+#: Per strategy: its own modules (prefixes: its strategy module, its fence package) and its internals, the
+#: modules or names no other module but :data:`REGISTRY` imports.
+STRATEGIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "local": (("hf_altparams.engine.strategies.local",), ("hf_altparams.engine.strategies.local",)),
+    "ddp": (("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp"),
+            ("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp.DDPBackend")),
+    "fsdp2": (("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2"),
+              ("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2.FSDP2Backend")),
+}
 
 
 # ---------------------------------------------------------------------------- the module graph
@@ -217,6 +235,64 @@ def test_engine_parts_import_their_layer_or_below() -> None:
             if theirs is not None and theirs != mine and level[theirs] > level[mine]:
                 wrong.append(f"{name} -> {target}")
     assert wrong == []
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def strategy_findings(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every import of a strategy's internals outside its own modules and the registry."""
+    modules = {name: Path(name.replace(".", "/") + ("/__init__.py" if is_init else ".py"))
+               for name, (_, is_init) in sources.items()}
+    found: list[str] = []
+    for name, (source, _) in sources.items():
+        if name == REGISTRY:
+            continue
+        for _, target, names in _imports(name, modules[name], modules, ast.parse(source)):
+            imported = [target] + [f"{target}.{n}" for n in names]
+            for strategy, (own, internals) in STRATEGIES.items():
+                if _within(name, own):
+                    continue
+                hit = [i for i in imported if _within(i, internals)]
+                if hit:
+                    found.append(f"{name}: imports {hit[0]}, an internal of the {strategy!r} strategy (reach it "
+                                 f"through the registry, {REGISTRY})")
+    return found
+
+
+def test_the_strategy_rule_catches_an_import_of_a_strategys_internals() -> None:
+    sources = {
+        REGISTRY: ("from .ddp import DDPStrategy\nfrom . import fsdp2\n", True),
+        "hf_altparams.engine.strategies.ddp": ("from ..ddp import DDPBackend, is_ddp\n", False),
+        "hf_altparams.engine.strategies.fsdp2": ("x = 1\n", False),
+        "hf_altparams.engine.strategies.local": ("x = 1\n", False),
+        "hf_altparams.engine.ddp": ("from ._backend import DDPBackend\n", True),
+        "hf_altparams.engine.ddp._backend": ("class DDPBackend: ...\n", False),
+        "hf_altparams.engine.fsdp2": ("class FSDP2Backend: ...\n", True),
+        "hf_altparams.engine.switch": ("from .ddp import is_ddp\nfrom .strategies import strategy_for\n"
+                                       "from .strategies.ddp import DDPStrategy\n", False),
+        "hf_altparams.integrations.x": ("from ..engine.ddp import DDPBackend\n"
+                                        "import hf_altparams.engine.strategies.local\n"
+                                        "from ..engine.fsdp2 import FSDP2Backend as B\n", False),
+    }
+    found = strategy_findings(sources)
+    assert len(found) == 4, found
+    assert any(f.startswith("hf_altparams.engine.switch: imports hf_altparams.engine.strategies.ddp") for f in found)
+    assert any("integrations.x: imports hf_altparams.engine.ddp.DDPBackend" in f for f in found)
+    assert any("integrations.x: imports hf_altparams.engine.strategies.local" in f for f in found)
+    assert any("integrations.x: imports hf_altparams.engine.fsdp2.FSDP2Backend" in f for f in found)
+
+
+def test_only_the_registry_reaches_a_strategys_internals() -> None:
+    from hf_altparams.engine.strategies import registered
+
+    assert {s.name for s in registered()} == set(STRATEGIES)  # every registered strategy has its rule here
+    modules = _modules()
+    for own, internals in STRATEGIES.values():
+        assert all(any(_within(m, (o,)) for m in modules) for o in own), own
+    sources = {name: (path.read_text(), path.name == "__init__.py") for name, path in modules.items()}
+    assert strategy_findings(sources) == []
 
 
 # ---------------------------------------------------------------------------- privacy

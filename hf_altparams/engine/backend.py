@@ -1,15 +1,16 @@
-"""The small interface between the switch transaction and a distributed wrapper.
+"""The per-wrapper runtime object a switch drives: :class:`Backend`.
 
 :class:`~hf_altparams.engine.PhaseSwitcher` runs one transaction for every
 backend (agree, move residency, flip ``requires_grad``, let the backend adapt,
 roll back on failure, release, record). What differs per wrapper is behind
-:class:`Backend`; each backend lives in its own module, with any private torch
-API it needs fenced there:
+:class:`Backend`; each is made by its strategy
+(:meth:`hf_altparams.engine.strategies.Strategy.backend`), in its own module,
+with any private torch API it needs fenced there:
 
 * :class:`LocalBackend` (here): a plain module, one process or no wrapper yet.
-* ``DDPBackend`` (:mod:`hf_altparams.engine.ddp`): rebuilds the DDP reducer
+* the DDP backend (:mod:`hf_altparams.engine.ddp`): rebuilds the DDP reducer
   in place so that only the phase's gradients are bucketed and all-reduced.
-* ``FSDP2Backend`` (:mod:`hf_altparams.engine.fsdp2`): a ``fully_shard``
+* the FSDP2 backend (:mod:`hf_altparams.engine.fsdp2`): a ``fully_shard``
   model; no rebuild, mixed-precision dtypes re-initialised, shards moved with
   FSDP2's storage.
 * :class:`ModelsBackend` (here): several models trained by one schedule (a
@@ -18,9 +19,9 @@ API it needs fenced there:
   groups are all frozen in a phase gets a reducer over no parameter: DDP then
   neither all-reduces nor broadcasts for it.
 
-Which backend drives a given model is decided where the switcher attaches it
-(:meth:`~hf_altparams.engine.PhaseSwitcher.attach`), the one place that knows
-every backend.
+Which strategy, hence which backend, drives a given model is the registry's
+answer (:func:`hf_altparams.engine.strategies.strategy_for`), asked where the
+switcher attaches it (:meth:`~hf_altparams.engine.PhaseSwitcher.attach`).
 
 Example:
     >>> import torch
@@ -129,6 +130,30 @@ class Backend:
         """Bytes the kept idle reducers hold (their gradient buckets)."""
         return 0
 
+    @property
+    def wrappers(self) -> list[nn.Module]:
+        """The wrapper objects this backend drives (none for a plain module)."""
+        return [] if self.wrapper is None else [self.wrapper]
+
+    @property
+    def find_unused(self) -> bool:
+        """Whether the wrapper searches every step for trainable parameters the forward skipped (DDP's setting)."""
+        return False
+
+    def built_for_other_flags(self, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+        """Why the wrapper, attached without a rebuild, does not sync what ``requires_grad`` says now, or ``None``.
+
+        Called on every rank at attach; may run a collective on ``group`` (so
+        that every rank takes the same decision).
+        """
+        return None
+
+    def release(self) -> None:
+        """End the wrapper's training life before its process group goes (DDP: its reducer freed)."""
+
+    def close(self) -> None:
+        """This backend drives the wrapper no more (another one took it over): free what it kept for it."""
+
 
 class LocalBackend(Backend):
     """A plain module: nothing to rebuild, nothing synchronised by a wrapper."""
@@ -163,14 +188,25 @@ class ModelsBackend(Backend):
     def add(self, name: str, backend: Backend) -> None:
         """Drive model ``name``'s wrapper with ``backend`` from now on (replacing an earlier one)."""
         old = self.parts.get(name)
-        close = getattr(old, "close", None)
-        if close is not None and old is not backend:
-            close()
+        if old is not None and old is not backend:
+            old.close()
         self.parts[name] = backend
 
     @property
     def wrappers(self) -> list[nn.Module]:
-        return [b.wrapper for b in self.parts.values() if b.wrapper is not None]
+        return [w for b in self.parts.values() for w in b.wrappers]
+
+    @property
+    def find_unused(self) -> bool:
+        return any(b.find_unused for b in self.parts.values())
+
+    def release(self) -> None:
+        for backend in self.parts.values():
+            backend.release()
+
+    def close(self) -> None:
+        for backend in self.parts.values():
+            backend.close()
 
     @property
     def collective_free_apply(self) -> bool:  # type: ignore[override]

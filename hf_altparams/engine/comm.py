@@ -149,13 +149,14 @@ class _CountingReduceScatter:
         return _REDUCE_SCATTER(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
 
 
-def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:
+def register_reduce_scatter_counter(model: torch.nn.Module, counter: Optional[CommCounter] = None) -> CommCounter:
     """Count the bytes each rank feeds to FSDP2's reduce-scatter, on every ``fully_shard`` unit of ``model``.
 
     The FSDP2 counterpart of :func:`register_comm_counter`: ``bytes_pending``
     grows during backward (each unit's padded gradients of the parameters that
     have one), :meth:`CommCounter.end_step` closes an optimizer step. Compare a
-    step's figure with ``PhaseSwitcher.allreduce_bytes_per_step()``.
+    step's figure with ``PhaseSwitcher.allreduce_bytes_per_step()``. ``counter``:
+    count into this one (default: a new one).
 
     Raises:
         PlanError: when ``model`` has no ``fully_shard`` unit. (FSDP2 itself
@@ -169,7 +170,7 @@ def register_reduce_scatter_counter(model: torch.nn.Module) -> CommCounter:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    counter = CommCounter()
+    counter = counter if counter is not None else CommCounter()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         raise PlanError(f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count; pass the model "

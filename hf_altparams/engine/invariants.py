@@ -28,10 +28,10 @@ gradient it did not expect: a refused step changes nothing.
 Wiring mistakes the switch refuses (or mends) before anything changes, for the
 same reason (ranks that drift apart silently):
 
-* :func:`wrapper_mismatch`: a DDP wrapper attached without ``rebuild`` whose
-  reducer buckets other parameters than the current phase trains (DDP built
-  before ``switcher.step_to(0)``): :meth:`PhaseSwitcher.attach` then warns and
-  re-buckets it, as one collective transaction.
+* a wrapper attached without ``rebuild`` that syncs other parameters than the
+  current phase trains (DDP built before ``switcher.step_to(0)``; the
+  backend's ``built_for_other_flags``): :meth:`PhaseSwitcher.attach` then
+  warns and re-buckets it, as one collective transaction.
 * :func:`unattached_error`: a switch after the first phase in a multi-rank run
   while no wrapper was ever attached (``switcher.attach(ddp)`` forgotten): the
   new phase's gradients would never be all-reduced, so the switch is refused on
@@ -48,16 +48,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..errors import AltParamsError, AltParamsWarning, Cause
 from ..plan.phase import Phase
-from .collective import any_rank_failed, is_distributed
-from .ddp import is_ddp, reduced_parameters, reducer_parameter_names
+from .collective import is_distributed
 
-__all__ = ["CULPRITS", "check_before_step", "check_each_step", "pending_grads_error", "unattached_error",
-           "wrapper_mismatch"]
+__all__ = ["CULPRITS", "check_before_step", "check_each_step", "pending_grads_error", "unattached_error"]
 
 #: What usually changes ``requires_grad`` behind the schedule's back.
 CULPRITS = (
@@ -166,34 +163,15 @@ def check_each_step(optimizer: Any, owner: Any) -> Any:
 
     return inner.register_step_pre_hook(check)
 
-def wrapper_mismatch(ddp: nn.Module, group: Optional[dist.ProcessGroup]) -> Optional[str]:
-    """Why ``ddp``'s reducer does not match the current ``requires_grad`` flags on some rank, or ``None``.
+def unattached_error(current: Optional[Phase], attached: bool) -> Optional[str]:
+    """The refusal for a switch in a multi-rank run that never attached its wrapper, or ``None``.
 
-    Collective when ``group`` spans several ranks (one small all-gather), so
-    every rank takes the same decision.
+    ``attached``: a wrapper that synchronises gradients was attached, or the
+    plain module was, on purpose.
     """
-    if not is_ddp(ddp):
-        return None
-    assert isinstance(ddp, DistributedDataParallel)
-    actual = reducer_parameter_names(ddp)
-    names = {id(p): n for n, p in ddp.module.named_parameters()}
-    wanted = {names[id(p)] for p in reduced_parameters(ddp)}
-    local = None
-    if actual is not None and actual != wanted:
-        extra, missing = sorted(actual - wanted), sorted(wanted - actual)
-        local = (f"buckets {len(extra)} parameter(s) the phase freezes (e.g. {extra[:3]}) and misses "
-                 f"{len(missing)} it trains (e.g. {missing[:3]})")
-    if is_distributed(group):
-        if any_rank_failed(group, local is not None) and local is None:
-            local = "matches here but not on another rank"
-    return local
-
-
-def unattached_error(current: Optional[Phase], backend_kind: str, plain_attached: bool) -> Optional[str]:
-    """The refusal for a switch in a multi-rank run that never attached its wrapper, or ``None``."""
-    if current is None or backend_kind != "local":
+    if current is None or attached:
         return None  # the first phase comes before DDP is built; a wrapper is attached
-    if plain_attached or not is_distributed(None):
+    if not is_distributed(None):
         return None
     return (f"this run has {dist.get_world_size()} ranks but no DDP wrapper was attached to the switcher, "
             "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "

@@ -54,17 +54,15 @@ from .backend import Backend, LocalBackend, ModelsBackend, model_name_in
 from .buffers import BufferSync
 from .collective import agree, any_rank_failed, collective_errors, is_distributed, settle
 from .config import SwitchConfig
-from .ddp import DDPBackend, is_ddp
 from .drift import DriftCheck, check_drift
 from .driver import DriverState, PhaseDriver
-from .fsdp2 import FSDP2Backend, is_fsdp2
 from .layouts import PhaseLayouts, remember
 from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
-from .memory import StatePolicy, optimizer_of, run_idle_policies
-from .optim import GroupedOptimizer, PlainOptimizerState, check_groups_argument, grouped_in
+from .memory import StatePolicy, run_idle_policies
+from .optim import GroupedOptimizer, StateOwner, check_groups_argument, grouped_in
 from .records import SwitchHistory, SwitchRecord
 from .report import expected_peak_bytes
-from .shutdown import install_exit_hook
+from .strategies import Strategy, local_strategy, registered, strategy_for
 
 __all__ = ["PhaseHook", "PhaseSwitcher", "SwitchRecord", "backend_for"]
 
@@ -81,20 +79,14 @@ class PhaseHook(Protocol):
 
 
 def backend_for(model: nn.Module) -> Backend:
-    """The backend for ``model``: a ``fully_shard`` model gets FSDP2's, a DDP wrapper DDP's, anything else none.
+    """The backend of the strategy that recognises ``model`` (:func:`~hf_altparams.engine.strategies.strategy_for`).
 
     Example:
         >>> import torch
         >>> backend_for(torch.nn.Linear(2, 2)).kind
         'local'
     """
-    if is_fsdp2(model):
-        return FSDP2Backend(model)
-    if is_ddp(model):
-        install_exit_hook()  # a wrapper's last all-reduce must not race interpreter exit
-        assert isinstance(model, DistributedDataParallel)
-        return DDPBackend(model)
-    return LocalBackend(model)
+    return strategy_for(model).backend(model)
 
 
 class PhaseSwitcher:
@@ -160,9 +152,11 @@ class PhaseSwitcher:
         self.buffer_sync = BufferSync(self.config.buffer_sync, self.config.frozen_norms,
                                       self.config.buffer_updating_types)
         self.backend: Backend = LocalBackend()
+        #: the strategy of the attached wrapper (one process until one is attached)
+        self.strategy: Strategy = local_strategy()
         self.optimizer: Optional[Optimizer] = None
         self._grouped: Optional[GroupedOptimizer] = None
-        self._state: Union[None, GroupedOptimizer, PlainOptimizerState] = None  # what follows the phase
+        self._state: Optional[StateOwner] = None  # where idle optimizer state lives: the strategy's choice
         self._idle_logged = False
         self._release = ReleasePolicy(self.config.release)
         self._prefetch = PhasePrefetch(self.config.prefetch)
@@ -214,10 +208,9 @@ class PhaseSwitcher:
 
     @property
     def wrappers(self) -> list[nn.Module]:
-        """Every DDP wrapper the switcher drives: one, one per model (``ParamGroups.of_models``), or none."""
-        if isinstance(self.backend, ModelsBackend):
-            return self.backend.wrappers
-        return [self.ddp] if self.ddp is not None else []
+        """Every wrapper whose gradient sync a switch rebuilds (DDP): one, one per model
+        (``ParamGroups.of_models``), or none."""
+        return self.backend.wrappers if self.strategy.capabilities.rebuckets_at_switch else []
 
     @property
     def grouped_optimizer(self) -> Optional[GroupedOptimizer]:
@@ -295,17 +288,24 @@ class PhaseSwitcher:
             raise AltParamsError("the switcher has an optimizer already; a second would step outside the schedule")
         self.optimizer = optimizer
         self._grouped = grouped_in(optimizer)
-        inner = optimizer_of(optimizer)
-        self._state = self._grouped if self._grouped is not None else (
-            PlainOptimizerState(inner, self.groups) if isinstance(inner, Optimizer) else None)
         self.residency.set_optimizer(optimizer)
         self._step_hook = invariants.check_each_step(optimizer, self)
+        self._take_state_owner()
+        self.reapply_placement()
+
+    def _take_state_owner(self) -> None:
+        """Ask the strategy who owns the optimizer's state, and hand that owner the run's policies and phase."""
+        self._state = self.strategy.state_owner(self.optimizer, self.groups) if self.optimizer is not None else None
         if self._state is not None:
             idle_state, idle_master, _ = self.idle_policies()
             self._state.follow(self.driver, idle_state, idle_master)
             if self.current is not None:
                 self._state.enter_phase(self.current.trainable)
-        self.reapply_placement()
+
+    @property
+    def state_owner(self) -> Optional[StateOwner]:
+        """Who decides where idle groups' optimizer state lives in this run (``None`` without an optimizer)."""
+        return self._state
 
     def idle_policies(self) -> tuple[StatePolicy, StatePolicy, str]:
         """``(optimizer state, fp32 masters, why)``: the run's idle-state policies where the optimizer leaves them open.
@@ -333,10 +333,8 @@ class PhaseSwitcher:
         if phase is None:
             return 0
         trainable, idle = self._layouts.split(phase.trainable)
-        wrappers = self.wrappers
         return invariants.check_before_step(
-            phase, trainable, idle, ddp_reduces=bool(wrappers),
-            find_unused=any(bool(getattr(w, "find_unused_parameters", False)) for w in wrappers),
+            phase, trainable, idle, ddp_reduces=bool(self.wrappers), find_unused=self.backend.find_unused,
             warned=self._warned_flags, check_missing=self._refuse_missing)
 
     @contextlib.contextmanager
@@ -369,15 +367,18 @@ class PhaseSwitcher:
 
     # ------------------------------------------------------------ wiring
     def attach(self, model: nn.Module, *, rebuild: bool = False) -> Optional[SwitchRecord]:
-        """Attach the DDP wrapper built around ``groups.module`` (or the module itself, or an FSDP2 model).
+        """Attach the wrapper that trains ``groups.module`` (DDP, an FSDP2 model, or the module itself).
 
-        Without ``rebuild`` the wrapper must have been built while the current
-        phase was applied (``requires_grad`` set); from now on switches
-        re-bucket it in place.
+        The wrapper's strategy comes from the registry
+        (:func:`~hf_altparams.engine.strategies.strategy_for`); from now on
+        its backend adapts the wrapper at every switch (DDP: re-buckets it in
+        place). Without ``rebuild`` a DDP wrapper must have been built while
+        the current phase was applied (``requires_grad`` set).
 
         Args:
-            model: the DDP wrapper (or the plain grouped module, or the
-                ``fully_shard`` model).
+            model: the wrapper (a DDP around the grouped module or one model of
+                ``ParamGroups.of_models``), the ``fully_shard`` model, or the plain
+                grouped module.
             rebuild: the wrapper was built before the current phase was applied
                 (the HF Trainer wraps the model before any callback can set the
                 phase, and on resume): re-bucket it now for the current phase, as
@@ -385,19 +386,21 @@ class PhaseSwitcher:
                 Allowed at the start of a gradient-accumulation window (inside
                 ``no_sync``) as long as no gradient is pending.
         """
-        if not is_ddp(model):
-            self._attach_plain(model)
+        strategy = strategy_for(model)
+        if not strategy.capabilities.wraps_module:
+            self._attach_in_place(model, strategy)
             return None
-        assert isinstance(model, DistributedDataParallel)
-        part = model_name_in(self.module, model.module)
-        if model.module is not self.module and part is None:
+        inner = strategy.wrapped_module(model)
+        part = model_name_in(self.module, inner)
+        if inner is not self.module and part is None:
             raise SwitchError(
-                "`model` is a DistributedDataParallel around a different module than the one "
-                "ParamGroups was built on; build ParamGroups on `ddp.module` (or before wrapping), or on "
+                f"`model` is a {type(model).__name__} ({strategy.label}) around a different module than the one "
+                "ParamGroups was built on; build ParamGroups on the module it wraps (or before wrapping), or on "
                 "the models together with ParamGroups.of_models({...}) when each has its own wrapper"
             )
-        backend = backend_for(model)
-        rebuild = self._attach_part(part, backend) if part is not None else self._attach_ddp(model, backend, rebuild)
+        backend = strategy.backend(model)
+        rebuild = (self._attach_part(part, strategy, backend) if part is not None
+                   else self._attach_wrapper(model, strategy, backend, rebuild))
         if not rebuild:
             return None
         if self.current is None:
@@ -407,35 +410,52 @@ class PhaseSwitcher:
                        or invariants.pending_grads_error(self.groups.all_named_params()))
         return self._transaction(self.current, None, None, local_error)
 
+    def release_wrappers(self) -> None:
+        """End the attached wrappers' training life before the process group goes (DDP: reducers freed).
+
+        The prepared model cannot train afterwards. ``PhasedAccelerator.end_training`` calls it.
+        """
+        self.backend.release()
+
     def _forget_sizes(self) -> None:
         """The wrapper changed: what it reduces and its gradient copies differ."""
         self._reduced_bytes.clear()
         self._footprints.clear()
 
-    def _attach_ddp(self, model: DistributedDataParallel, backend: Backend, rebuild: bool) -> bool:
-        """A wrapper around the whole grouped module; returns whether it must be re-bucketed now."""
-        self.backend = backend
+    def _take_strategy(self, strategy: Strategy, backend: Backend) -> None:
+        """``strategy`` drives the run from now on through ``backend``; a strategy owning the state owns it now."""
+        changed = strategy is not self.strategy
+        self.strategy, self.backend = strategy, backend
+        if changed and strategy.capabilities.owns_optimizer_state and self.optimizer is not None:
+            self._take_state_owner()
+        self._forget_sizes()
+
+    def _keep_reducers(self, backend: Backend, which: str) -> None:
         keep = self.config.keep_reducers
         why_not = backend.keep_reducers(keep)
         if why_not:
-            warnings.warn(f"hf_altparams: keep_reducers={keep} is not used with this DDP wrapper "
-                          f"({why_not}); every switch builds a new reducer", stacklevel=3)
-        if self._state is not None:
-            self._state.attach_ddp(model)  # PrecisionOptimizer(allreduce_dtype=...): its comm hook
-        self._forget_sizes()
+            warnings.warn(f"hf_altparams: keep_reducers={keep} is not used with {which} ({why_not}); every "
+                          "switch builds a new reducer", stacklevel=4)
+
+    def _attach_wrapper(self, model: nn.Module, strategy: Strategy, backend: Backend, rebuild: bool) -> bool:
+        """A wrapper around the whole grouped module; returns whether it must be re-bucketed now."""
+        self._take_strategy(strategy, backend)
+        self._keep_reducers(backend, f"this {strategy.label} wrapper")
+        strategy.attached(model, self.optimizer)  # e.g. PrecisionOptimizer(allreduce_dtype=...): its comm hook
         current = self.current
         if current is not None and not rebuild:
-            group = self.process_group if self._distributed() else None
-            mismatch = invariants.wrapper_mismatch(model, group)
+            mismatch = backend.built_for_other_flags(self.process_group if self._distributed() else None)
             if mismatch:
                 warnings.warn(
-                    f"hf_altparams: the DDP wrapper passed to `attach` was built before phase "
+                    f"hf_altparams: the {strategy.label} wrapper passed to `attach` was built before phase "
                     f"{current.name!r} was applied: its reducer {mismatch}, so the ranks would diverge. "
-                    "Re-bucketing it now for the current phase; build DDP after `switcher.step_to(0)` "
-                    "(or pass `attach(ddp, rebuild=True)`) to skip this.", stacklevel=3)
+                    "Re-bucketing it now for the current phase; build the wrapper after `switcher.step_to(0)` "
+                    "(or pass `attach(wrapper, rebuild=True)`) to skip this.", stacklevel=3)
                 rebuild = True
         self.residency.attached(backend.ignored_at_wrap(), backend.device)
-        self.buffer_sync.attach(model, user_ignore=self.residency.ignore_names(frozenset()))
+        ddp = self.ddp
+        if ddp is not None:
+            self.buffer_sync.attach(ddp, user_ignore=self.residency.ignore_names(frozenset()))
         if current is not None:
             # Accelerate's prepare() and the Trainer move the whole model to the device.
             self.residency.enforce(keep_state_off=self._state_stays_off(current))
@@ -443,47 +463,51 @@ class PhaseSwitcher:
             if not rebuild:
                 if backend.ignored_at_wrap() != self.residency.ignore_names():
                     backend.apply(self.residency.ignore_names())
-                self.buffer_sync.apply(self.module, self.trainable_names(current), ddp=model,
+                self.buffer_sync.apply(self.module, self.trainable_names(current), ddp=ddp,
                                        ignore=self.residency.ignore_names())
         return rebuild
 
-    def _attach_part(self, name: str, backend: Backend) -> bool:
+    def _attach_part(self, name: str, strategy: Strategy, backend: Backend) -> bool:
         """One model of several (``ParamGroups.of_models``): its wrapper joins the others'; always re-bucketed.
 
-        Its DDP was built over every parameter of the model (DDP refuses a module
-        with nothing to train), so it is re-bucketed for the current phase now.
+        Its wrapper was built over every parameter of the model (DDP refuses a
+        module with nothing to train), so it is re-bucketed for the current phase now.
         """
+        if not strategy.capabilities.wrapper_per_model:
+            raise SwitchError(f"model {name!r} has its own {strategy.label} wrapper, but {strategy.label} is not "
+                              "supported with one wrapper per model; wrap the root module once")
         if self.config.buffer_sync != "keep":
             raise SwitchError(f"`buffer_sync={self.config.buffer_sync!r}` is not supported with one wrapper per "
                               "model; leave it at 'keep'")
         models = self.backend if isinstance(self.backend, ModelsBackend) else ModelsBackend()
-        if self.backend is not models and self.backend.kind != "local":
+        if self.backend is not models and self.strategy is not local_strategy():
             raise SwitchError(f"model {name!r} has its own wrapper, but the switcher already drives a "
-                              f"{self.backend.kind} wrapper around the whole module; wrap either the models or the "
-                              "root")
-        why_not = backend.keep_reducers(self.config.keep_reducers)
-        if why_not:
-            warnings.warn(f"hf_altparams: keep_reducers={self.config.keep_reducers} is not used with model "
-                          f"{name!r}'s wrapper ({why_not}); every switch builds a new reducer", stacklevel=4)
+                              f"{self.strategy.label} wrapper around the whole module; wrap either the models or "
+                              "the root")
+        if self.backend is models and strategy is not self.strategy:
+            raise SwitchError(f"model {name!r} comes with a {strategy.label} wrapper, but the other models' "
+                              f"wrappers are {self.strategy.label}; wrap every model the same way")
+        self._keep_reducers(backend, f"model {name!r}'s wrapper")
         models.add(name, backend)
-        self.backend = models
-        self._forget_sizes()
+        self._take_strategy(strategy, models)
         self.residency.attached(models.ignored_at_wrap(), models.device)
         return self.current is not None
 
-    def _attach_plain(self, model: nn.Module) -> None:
+    def _attach_in_place(self, model: nn.Module, strategy: Strategy) -> None:
+        """The grouped module itself: trained as it is, or wrapped in place (FSDP2)."""
         if model is not self.module:
+            names = [s.label for s in registered() if s.capabilities.wraps_module]
             raise SwitchError(
-                f"`model` ({type(model).__name__}) is neither the grouped module nor a "
-                "DistributedDataParallel around it; build ParamGroups on the model you train"
+                f"`model` ({type(model).__name__}) is neither the grouped module nor a wrapper around it "
+                f"({', '.join(names)}); build ParamGroups on the model you train"
             )
-        self._plain_attached = True  # no DDP wrapper, on purpose
-        backend = backend_for(model)
-        if backend.kind == "local":
+        self._plain_attached = True  # no wrapper around it, on purpose
+        if strategy is local_strategy():
             return
+        backend = strategy.backend(model)
         backend.bind(self.groups, self.residency)  # FSDP2: groups vs units checked, residency moves routed
-        self.backend = backend  # fully_shard changed the module in place (FSDP2)
-        self._forget_sizes()  # footprints are per-rank shards from now on
+        self._take_strategy(strategy, backend)  # footprints are per-rank shards from now on
+        strategy.attached(model, self.optimizer)
         if self.current is not None:
             backend.apply(self.residency.ignore_names())
 
@@ -509,7 +533,8 @@ class PhaseSwitcher:
         """One transaction into ``phase`` (the driver commits it after); called by the driver."""
         local_error = (self.backend.precondition_error()
                        or invariants.pending_grads_error(self.groups.all_named_params())
-                       or invariants.unattached_error(self.current, self.backend.kind, self._plain_attached))
+                       or invariants.unattached_error(
+                           self.current, self._plain_attached or self.strategy.capabilities.synchronises_gradients))
         return self._transaction(phase, step, epoch, local_error)
 
     def position_moved(self) -> None:

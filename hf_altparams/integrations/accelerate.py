@@ -59,7 +59,6 @@ from torch.optim import Optimizer
 
 from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
-from ..engine.ddp import free_reducer
 from ..engine.driver import PhaseDriver
 from ..engine.memory import rss_bytes
 from ..engine.optim import GroupedLRScheduler
@@ -463,16 +462,15 @@ class PhasedAccelerator(Accelerator):
     def end_training(self) -> None:
         """``Accelerator.end_training`` (trackers finish, the process group goes), exiting cleanly.
 
-        Before the group is destroyed, the DDP wrapper's reducer is freed (the
-        prepared model cannot train afterwards) and the gloo threads finish their
+        Before the group is destroyed, the wrappers end their training life (a
+        DDP wrapper's reducer is freed; the prepared model cannot train afterwards) and the gloo threads finish their
         pending work (:mod:`hf_altparams.engine.shutdown`: a script whose last
         backward ran just before exit could otherwise abort with "terminate
         called without an active exception"). A script that never calls it is
         covered by the exit hook installed when the wrapper was attached.
         """
-        ddp = None if self.switcher is None else self.switcher.ddp
-        if ddp is not None:
-            free_reducer(ddp)
+        if self.switcher is not None:
+            self.switcher.release_wrappers()
         quiesce_comm_threads()
         super().end_training()
         quiesce_comm_threads()

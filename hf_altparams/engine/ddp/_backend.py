@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ...errors import SwitchError
+from ..collective import any_rank_failed, is_distributed
 from . import _surgery as _ddp
 from ._reducer_cache import ReducerCache, why_not_cacheable
 from ..backend import Backend
@@ -64,6 +65,29 @@ class DDPBackend(Backend):
 
     def ignored_at_wrap(self) -> set[str]:
         return set(self.ddp.parameters_to_ignore)
+
+    @property
+    def find_unused(self) -> bool:
+        return bool(self.ddp.find_unused_parameters)
+
+    def built_for_other_flags(self, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+        """Whether the reducer buckets what the ``requires_grad`` flags say, on every rank (one all-gather)."""
+        actual = _ddp.reducer_parameter_names(self.ddp)
+        names = {id(p): n for n, p in self.ddp.module.named_parameters()}
+        wanted = {names[id(p)] for p in _ddp.reduced_parameters(self.ddp)}
+        local = None
+        if actual is not None and actual != wanted:
+            extra, missing = sorted(actual - wanted), sorted(wanted - actual)
+            local = (f"buckets {len(extra)} parameter(s) the phase freezes (e.g. {extra[:3]}) and misses "
+                     f"{len(missing)} it trains (e.g. {missing[:3]})")
+        if is_distributed(group):
+            if any_rank_failed(group, local is not None) and local is None:
+                local = "matches here but not on another rank"
+        return local
+
+    def release(self) -> None:
+        """Free the wrapper's reducer (and the kept ones) before the process group goes (:func:`free_reducer`)."""
+        free_reducer(self.ddp)
 
     def precondition_error(self, *, in_accumulation_window: bool = False) -> str | None:
         if not in_accumulation_window and not self.ddp.require_backward_grad_sync:

@@ -13,6 +13,10 @@
   for a GroupedOptimizer and for a plain torch optimizer following a run's
   phases (:class:`PlainOptimizerState`); the run's default comes from the
   schedule (``drop`` for lisa and badam).
+* :mod:`.owner`: the one interface through which a run's switcher decides and
+  applies where optimizer state lives (:class:`StateOwner`), and the library's
+  owner for the optimizers it can see (:func:`library_state_owner`); a
+  strategy whose wrapper keeps the state itself brings its own.
 
 Both optimizers move state and masters through
 :class:`~hf_altparams.engine.memory.TensorMover`; this package builds on
@@ -33,6 +37,7 @@ from .grouped import (
     uncovered_message,
 )
 from .idle import IdleState, PlainOptimizerState
+from .owner import StateOwner, library_state_owner
 from .precision import DynamicLossScale, MasterPolicy, PrecisionOptimizer, store_model
 from .scheduler import GroupedLRScheduler, SchedulerFactory
 
@@ -47,10 +52,12 @@ __all__ = [
     "PrecisionOptimizer",
     "SchedulerFactory",
     "StatePolicy",
+    "StateOwner",
     "StatePolicyLike",
     "check_groups_argument",
     "frozen_ungrouped",
     "grouped_in",
+    "library_state_owner",
     "match_to_groups",
     "reapply_state_policy",
     "store_model",

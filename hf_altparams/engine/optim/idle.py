@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ...errors import PlanError
@@ -236,10 +235,6 @@ class PlainOptimizerState:
     @property
     def prefetched_bytes(self) -> int:
         return self._mover.prefetched_bytes
-
-    def attach_ddp(self, ddp: DistributedDataParallel) -> Any:
-        """Nothing to register on a DDP wrapper."""
-        return None
 
     def summary(self, idle: Iterable[str], source: str) -> str:
         """What the ``idle`` groups' state is now, under which policy and where."""
