@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import SCHEDULES, ParamGroups, Schedule, TrainShareWarning
-from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, plan_cost
+from .cost import DEFAULT_PCIE_GBPS, OPTIMIZER_STATES, POLICIES, OptimizerSpec, backends, plan_cost
 from .hardware import BF16_ENV
 from .model import build_model, dtype_from_name
 from .report import CostPlan
@@ -86,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
                         "default: the gradients' dtype)")
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
-    p.add_argument("--fsdp2", action="store_true",
-                   help="bytes per rank with the model sharded by fully_shard over --world-size ranks, next to DDP's")
+    p.add_argument("--strategy", default=None, metavar="{" + ",".join(backends()) + "}",
+                   help="the registered strategy to price (default: ddp); fsdp2: bytes per rank with the model "
+                        "sharded by fully_shard over --world-size ranks, next to DDP's; local: one process")
+    p.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
     p.add_argument("--nonresident-on-device", action="store_true",
                    help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
     p.add_argument("--pcie-gbps", type=float, default=DEFAULT_PCIE_GBPS, help="host<->device GB/s assumed")
@@ -164,9 +166,16 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
                      bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
                      offload_nonresident=not args.nonresident_on_device,
                      storage_dtype=args.storage_dtype,
-                     master_policy=args.master_policy, backend="fsdp2" if args.fsdp2 else "ddp",
+                     master_policy=args.master_policy, backend=_strategy_arg(args.strategy, args.fsdp2),
                      allreduce_dtype=args.allreduce_dtype, bf16_check=args.device)
     return args, plan
+
+
+def _strategy_arg(strategy: Optional[str], fsdp2: bool) -> str:
+    """``--strategy`` (default ``ddp``), or ``fsdp2`` for the old ``--fsdp2``; refused when they disagree."""
+    if fsdp2 and strategy not in (None, "fsdp2"):
+        raise PlanError(f"`--fsdp2` and `--strategy {strategy}` disagree; give one of them")
+    return "fsdp2" if fsdp2 else (strategy or "ddp")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

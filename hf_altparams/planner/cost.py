@@ -10,22 +10,29 @@ groups of a :class:`~hf_altparams.plan.ParamGroups` (built on ``meta``), the
 walk over the schedule's phases, the bytes a switch moves between two layouts,
 and the FSDP2 mode.
 
-**FSDP2** (``plan_cost(..., backend="fsdp2")``, ``--fsdp2``) costs the same
-phases with every parameter sharded the way ``fully_shard`` shards it: dim 0
-split over ``world_size`` ranks and padded to a multiple of it, so a rank holds
+**Strategies.** ``plan_cost(..., backend=NAME)`` (``--strategy NAME``) prices
+the phases under a registered strategy (:mod:`hf_altparams.engine.strategies`)
+from its :class:`~hf_altparams.engine.strategies.Pricing`: what one rank holds
+per category and what it communicates. A *replicated* category is whole on
+every rank; a *sharded* one is split the way ``fully_shard`` and ZeRO split
+it: dim 0 over ``world_size`` ranks, padded to a multiple of it, so a rank holds
 ``ceil(rows / world_size)`` rows of each parameter (:func:`shard_rows`; the
-figures are rank 0's, the largest). Per phase and rank: the resident
-parameters' shards (non-resident groups' on the host); the trainable
+figures are rank 0's, the largest). Where gradients are sharded, what a rank
+feeds the collective per step is the trainable gradients padded and unsharded
+(the engine's ``SwitchRecord.allreduce_bytes_per_step``); gradient buckets are
+counted only for a strategy that holds them (DDP); sent/rank follows the
+collective (a ring all-reduce ``2 (N-1)/N``, a reduce-scatter ``(N-1)/N``, none
+for one process). A strategy that names another in ``compare_with`` (FSDP2:
+DDP) gets that strategy's device bytes of the same phases beside its own.
+
+**FSDP2** (``backend="fsdp2"``, ``--strategy fsdp2`` or ``--fsdp2``) shards
+parameters, gradients, optimizer state and masters: per phase and rank, the
+resident parameters' shards (non-resident groups' on the host), the trainable
 parameters' sharded gradients only (FSDP2 reduce-scatters only parameters that
-have a gradient); the shards of the state the policy keeps on the device; no
-DDP buckets. Its "reduce-scatter/step" is what each rank feeds to
-reduce-scatter per step (the trainable gradients, padded, unsharded: the
-engine's ``SwitchRecord.allreduce_bytes_per_step`` for FSDP2) and sent/rank is
-``(N-1)/N`` of it (all-gathers not counted); next to it, the device bytes of
-the same phase under DDP. Not in the device total (transients, like
-activations): one unit's unsharded parameters during its forward and backward
-(with one unit per group, the largest group: ``CostPlan.unit_bytes``) and its
-reduce-scatter input.
+have a gradient), the shards of the state the policy keeps on the device; no
+DDP buckets. Not in the device total (transients, like activations): one
+unit's unsharded parameters during its forward and backward (with one unit per
+group, the largest group: ``CostPlan.unit_bytes``) and its reduce-scatter input.
 
 **bf16 speed.** A plan whose run computes in bf16 (``storage_dtype=torch.bfloat16``,
 or a model stored in bf16) carries the verdict of
@@ -47,13 +54,14 @@ from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layou
                                     buffer_owners, everything_layout, footprint, layout, run_idle_policies,
                                     state_bytes_for,
                                     tensor_sizes)
+from ..engine.strategies import Placement, Pricing, Strategy, registered, strategy_named
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
 from ..plan.checks import check_int
 from .hardware import Bf16Speed, bf16_speed
 from .report import CostPlan, PhaseCost, SwitchCost
 
-__all__ = ["BACKENDS", "DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "plan_cost",
+__all__ = ["DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "backends", "plan_cost",
            "shard_rows"]
 
 #: The state policies (``--state-policy``, ``--master-policy``): the values of
@@ -61,8 +69,6 @@ __all__ = ["BACKENDS", "DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "Opt
 POLICIES: tuple[str, ...] = tuple(p.value for p in StatePolicy)
 #: Host<->device bandwidth assumed for offload time estimates (GB/s; PCIe 4.0 x16, pinned memory).
 DEFAULT_PCIE_GBPS = 25.0
-#: ``plan_cost(backend=)``: replicated under DDP, sharded by ``fully_shard``, or one process without DDP.
-BACKENDS = ("ddp", "fsdp2", "local")
 _DEFAULT_POSITIONS = 1000  # positions listed for schedules with no repeating pattern
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -71,6 +77,16 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OptimizerSpec = Union[str, float, Callable[[str, nn.Parameter], int]]
 StateBytes = Callable[[str, nn.Parameter], int]
 Owners = list[tuple[frozenset[Optional[str]], int]]
+
+
+def backends() -> tuple[str, ...]:
+    """What ``plan_cost(backend=)`` and ``--strategy`` accept: the registered strategies' names.
+
+    Example:
+        >>> backends()
+        ('fsdp2', 'ddp', 'local')
+    """
+    return tuple(s.name for s in registered())
 
 
 def plan_cost(
@@ -133,11 +149,13 @@ def plan_cost(
         allreduce_dtype: the dtype the gradients are all-reduced in, if not theirs
             (``PrecisionOptimizer(allreduce_dtype=torch.float32)``): the all-reduce
             figures count it; the memory figures do not change.
-        backend: ``"ddp"`` (replicated parameters, DDP buckets) or ``"fsdp2"``: every
-            figure per rank for a ``fully_shard`` model over ``world_size`` ranks
-            (parameters, gradients and optimizer state sharded; reduce-scatter
-            bytes per step), next to DDP's device bytes (see the module docstring);
-            or ``"local"``: one process without DDP (no buckets, nothing all-reduced).
+        backend: the strategy, by its registered name (:func:`backends`) or an
+            alias: ``"ddp"`` (replicated parameters, DDP buckets), ``"fsdp2"``:
+            every figure per rank for a ``fully_shard`` model over ``world_size``
+            ranks (parameters, gradients and optimizer state sharded;
+            reduce-scatter bytes per step), next to DDP's device bytes (see the
+            module docstring); ``"local"``: one process without DDP (no buckets,
+            nothing all-reduced); any other registered strategy by its pricing.
         bf16_check: where the run computes, for a plan that computes in bf16
             (``storage_dtype=torch.bfloat16``, or bf16 parameters): ``"auto"`` (a
             visible GPU, else this CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a
@@ -160,7 +178,9 @@ def plan_cost(
     """
     if groups.module is not (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model):
         raise PlanError("`groups` was built on another module than `model`; build ParamGroups on `model`")
-    _check_args(steps, world_size, pcie_gbps, grad_dtype, storage_dtype, allreduce_dtype, backend)
+    _check_args(steps, world_size, pcie_gbps, grad_dtype, storage_dtype, allreduce_dtype)
+    strategy = strategy_named(backend, argument="`backend` (--strategy)")
+    pricing = strategy.pricing
     run_state, run_master, why = run_idle_policies(schedule.idle_state, schedule.kind)
     policy = run_state if state_policy is None else StatePolicy.parse(state_policy, "`state_policy`")
     masters_policy = run_master if master_policy is None else StatePolicy.parse(
@@ -176,21 +196,26 @@ def plan_cost(
                       allreduce_dtype=allreduce_dtype)
     params = dict(groups.all_named_params())
     full = _group_sizes(params, groups, state_fn, storage)
-    size = full if backend != "fsdp2" else _shard_sizes(full, params, groups, world_size, state_fn, storage)
-    walk = _Walk(groups, schedule, steps, size, storage, backend=backend, world_size=world_size,
-                 bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
-                 masters_policy=masters_policy)
+    shards = _shard_sizes(full, params, groups, world_size, state_fn, storage) if _shards_any(strategy) else full
+
+    def walk_of(priced: Strategy) -> _Walk:
+        return _Walk(groups, schedule, steps, _priced_sizes(full, shards, priced.pricing), storage,
+                     pricing=priced.pricing, world_size=world_size, bucket_as_view=bucket_as_view,
+                     offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps, masters_policy=masters_policy)
+
+    walk = walk_of(strategy)
+    size = walk.size
     results = {p.value: walk.run(p) for p in StatePolicy}
     rows, switches = results[policy.value]
     everything = walk.cost("train everything", set(size), everything_layout(size))
     everything.trainable_groups = tuple(groups.names)
     ddp_device_bytes: dict[str, int] = {}
-    if backend == "fsdp2":  # the same phases under DDP (unsharded sizes, the same policy), side by side
-        ddp = _Walk(groups, schedule, steps, full, storage, backend="ddp", world_size=world_size,
-                    bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
-                    masters_policy=masters_policy)
-        ddp_rows = [*ddp.run(policy)[0], ddp.cost("train everything", set(full), everything_layout(full))]
-        ddp_device_bytes = {row.phase: row.device_bytes for row in ddp_rows}
+    compared = None if pricing.compare_with is None else strategy_named(pricing.compare_with)
+    if compared is not None:  # the same phases under the compared strategy (the same policy), side by side
+        other = walk_of(compared)
+        other_rows = [*other.run(policy)[0],
+                      other.cost("train everything", set(other.size), everything_layout(other.size))]
+        ddp_device_bytes = {row.phase: row.device_bytes for row in other_rows}
     return CostPlan(
         model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
         positions=steps, optimizer=label, state_policy=policy.value, state_policy_source=source,
@@ -203,10 +228,11 @@ def plan_cost(
                   for p, res in results.items()},
         storage_dtype=_dtype_text(storage_dtype),
         master_policy=None if storage_dtype is None else masters_policy.value,
-        allreduce_dtype=_dtype_text(allreduce_dtype), backend=backend,
-        ddp_device_bytes=ddp_device_bytes,
+        allreduce_dtype=_dtype_text(allreduce_dtype), backend=strategy.name, strategy_label=strategy.label,
+        collective=pricing.collective.value,
+        compared_with=None if compared is None else compared.label, ddp_device_bytes=ddp_device_bytes,
         # a transient of FSDP2's forward/backward: the largest group (or the ungrouped) unsharded
-        unit_bytes=max((entry.param for entry in full.values()), default=0) if backend == "fsdp2" else 0,
+        unit_bytes=max((entry.param for entry in full.values()), default=0) if pricing.unit_transient else 0,
         trained=trained, bf16_speed=speed,
     )
 
@@ -227,9 +253,9 @@ class _Walk:
     """The walk over a schedule's segments under one idle-state policy: a row per phase, a cost per switch."""
 
     def __init__(self, groups: ParamGroups, schedule: Schedule, steps: int, size: dict[str, Sizes],
-                 storage: Storage, *, backend: str, world_size: int, bucket_as_view: bool,
+                 storage: Storage, *, pricing: Pricing, world_size: int, bucket_as_view: bool,
                  offload_nonresident: bool, pcie_gbps: float, masters_policy: StatePolicy) -> None:
-        self.groups, self.size, self.backend, self.world_size = groups, size, backend, world_size
+        self.groups, self.size, self.pricing, self.world_size = groups, size, pricing, world_size
         self.bucket_as_view, self.offload_nonresident, self.pcie_gbps = bucket_as_view, offload_nonresident, pcie_gbps
         self.segments = schedule.segments(steps)
         self.owners: Owners = buffer_owners(groups.module, groups.group_of, storage)
@@ -244,8 +270,8 @@ class _Walk:
 
     def cost(self, name: str, active: set[str], where: Layout) -> PhaseCost:
         """The row of a phase training ``active`` with everything placed as ``where`` says."""
-        used = footprint(self.size, where, self.owners, ddp=self.backend == "ddp", bucket_view=self.bucket_as_view)
-        return _phase_cost(name, active, used, self.size, self.world_size, self.backend)
+        used = footprint(self.size, where, self.owners, ddp=self.pricing.buckets, bucket_view=self.bucket_as_view)
+        return _phase_cost(name, active, used, self.size, self.world_size, self.pricing)
 
     def run(self, idle: StatePolicy) -> tuple[list[PhaseCost], list[SwitchCost]]:
         """Rows (each phase's largest occurrence, with every range it is active in) and switches, under ``idle``."""
@@ -276,7 +302,7 @@ class _Walk:
 
 
 def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype],
-                storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype], backend: str) -> None:
+                storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype]) -> None:
     for value, name in ((steps, "steps"), (world_size, "world_size")):
         if value is not None:
             check_int(value, name, minimum=1)
@@ -288,8 +314,6 @@ def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dt
                         (allreduce_dtype, "`allreduce_dtype` (--allreduce-dtype)")):
         if dtype is not None and dtype not in _FLOAT_DTYPES:
             raise PlanError(f"{name} must be bfloat16, float16, float32 or None, got {dtype!r}")
-    if backend not in BACKENDS:
-        raise PlanError(f"`backend` (--fsdp2) must be 'ddp', 'fsdp2' or 'local', got {backend!r}")
 
 
 def _bf16_verdict(check: Union[str, torch.device, Bf16Speed, None], groups: ParamGroups,
@@ -349,12 +373,40 @@ def _group_sizes(params: Mapping[str, nn.Parameter], groups: ParamGroups, state_
             for key, names in members.items()}
 
 
+def _shards_any(strategy: Strategy) -> bool:
+    """Whether ``strategy`` or the one it is compared with shards anything (the shard sizes are needed)."""
+    compared = strategy.pricing.compare_with
+    return strategy.pricing.sharded or (compared is not None and strategy_named(compared).pricing.sharded)
+
+
+def _priced_sizes(full: dict[str, Sizes], shards: dict[str, Sizes], pricing: Pricing) -> dict[str, Sizes]:
+    """Per group: what one rank holds under ``pricing``, each category from ``full`` or from ``shards``.
+
+    Where gradients are sharded, ``bucket``, ``bucket_kept`` and ``reduced`` are what a rank feeds to
+    the collective (:func:`_shard_sizes`: its padded shard times the world size).
+    """
+    if not pricing.sharded:
+        return full
+
+    def pick(placement: Placement, key: str, kind: str) -> int:
+        return int(getattr(shards[key] if placement is Placement.SHARDED else full[key], kind))
+
+    out = {}
+    for key in full:
+        grads = pricing.gradients
+        out[key] = Sizes(numel=full[key].numel, param=pick(pricing.parameters, key, "param"),
+                         grad=pick(grads, key, "grad"), bucket=pick(grads, key, "bucket"),
+                         bucket_kept=pick(grads, key, "bucket_kept"), reduced=pick(grads, key, "reduced"),
+                         state=pick(pricing.optimizer_state, key, "state"), master=pick(pricing.masters, key, "master"))
+    return out
+
+
 def _shard_sizes(full: dict[str, Sizes], params: Mapping[str, nn.Parameter], groups: ParamGroups, world_size: int,
                  state_fn: StateBytes, storage: Storage) -> dict[str, Sizes]:
-    """Per group: the :class:`Sizes` of one rank's FSDP2 shards of its parameters (see the module docstring).
+    """Per group: the :class:`Sizes` of one rank's shards of its parameters (see the module docstring).
 
     Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
-    the bytes a rank feeds to reduce-scatter (its padded shard times ``world_size``;
+    the bytes a rank feeds to a reduce-scatter (its padded shard times ``world_size``;
     ``reduced`` in the all-reduce dtype if one is set).
     """
     shards = {name: nn.Parameter(torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"),
@@ -383,12 +435,10 @@ def _moves(before: Layout, after: Layout, size: dict[str, Sizes], owners: Owners
 
 
 def _phase_cost(name: str, active: set[str], where: Footprint, size: dict[str, Sizes], world_size: int,
-                backend: str) -> PhaseCost:
+                pricing: Pricing) -> PhaseCost:
     """A :class:`PhaseCost` row from the model's :class:`Footprint` of the phase."""
-    reduced = 0 if backend == "local" else where.allreduced
-    # sent per rank: a ring all-reduce sends 2 (N-1)/N of the bytes; FSDP2's reduce-scatter (N-1)/N
-    share = world_size - 1 if backend == "fsdp2" else 2 * (world_size - 1)
-    sent = share * reduced // world_size
+    reduced = 0 if pricing.collective.value == "none" else where.allreduced
+    sent = pricing.collective.sent_per_rank(reduced, world_size)
     return PhaseCost(
         phase=name, trainable_groups=tuple(sorted(active - {UNGROUPED})), ranges=[],
         trainable_params=sum(size[k].numel for k in active), allreduce_bytes=reduced, wire_bytes=sent,

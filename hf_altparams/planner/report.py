@@ -97,8 +97,11 @@ class CostPlan:
     storage_dtype: Optional[str] = None  # low-precision storage (PrecisionOptimizer), else None
     master_policy: Optional[str] = None
     allreduce_dtype: Optional[str] = None  # all-reduced in this dtype, if not the gradients'
-    backend: str = "ddp"  # "fsdp2": bytes per rank of fully_shard shards; "local": one process, no DDP
-    ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # fsdp2: each phase's device bytes under DDP
+    backend: str = "ddp"  # the strategy's name ("fsdp2": bytes per rank of fully_shard shards; "local": one process)
+    strategy_label: str = "DDP"  # how the table names the strategy
+    collective: str = "all-reduce"  # what carries the gradients ("reduce-scatter", "none")
+    compared_with: Optional[str] = None  # the strategy whose device bytes are shown beside (FSDP2: "DDP")
+    ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # each phase's device bytes under `compared_with`
     unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
     trained: Optional[TrainShare] = None  # the share of the parameters each phase trains (Schedule.trained_share)
     bf16_speed: Optional[Bf16Speed] = None  # a plan that computes in bf16: is bf16 fast where the run computes?
@@ -145,7 +148,7 @@ class CostPlan:
 
     def table(self) -> str:
         """A readable report: one row per phase, the train-everything row, then the switches and the notes."""
-        return self._fsdp2_table() if self.backend == "fsdp2" else self._ddp_table()
+        return self._compared_table() if self.compared_with is not None else self._ddp_table()
 
     def _ddp_table(self) -> str:
         host = any(r.host_bytes for r in self.phases)
@@ -163,7 +166,7 @@ class CostPlan:
             values.append(f"{100.0 * row.device_bytes / full:.0f}%")
             return values + ([format_bytes(row.host_bytes)] if host else [])
 
-        buckets = ("none (no DDP)" if self.backend == "local" else
+        buckets = ("none (no DDP)" if self.collective == "none" else
                    "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate")
         why = "" if self.state_policy_source == "given" else f" ({self.state_policy_source})"
         settings = (f"optimizer: {self.optimizer} | state policy: {self.state_policy}{why} | world size: "
@@ -192,11 +195,12 @@ class CostPlan:
                      "temporaries, Adam step counters, allocator rounding")
         return "\n".join(lines)
 
-    def _fsdp2_table(self) -> str:
+    def _compared_table(self) -> str:
         host = any(r.host_bytes for r in self.phases)
-        head = ["phase", f"{self.unit}s", "trainable params", "reduce-scatter/step", "sent/rank", "params",
+        other = self.compared_with
+        head = ["phase", f"{self.unit}s", "trainable params", f"{self.collective}/step", "sent/rank", "params",
                 "buffers", "grads", "optimizer" if self.storage_dtype is None else "optim+master", "device",
-                "DDP device", "vs DDP"] + (["host"] if host else [])
+                f"{other} device", f"vs {other}"] + (["host"] if host else [])
 
         def cells(row: PhaseCost, where: str) -> list[str]:
             ddp = self.ddp_device_bytes.get(row.phase, 0)
@@ -207,7 +211,8 @@ class CostPlan:
             values += [format_bytes(ddp), f"{100.0 * row.device_bytes / (ddp or 1):.0f}%"]
             return values + ([format_bytes(row.host_bytes)] if host else [])
 
-        settings = (f"FSDP2 (fully_shard) over {self.world_size} ranks | optimizer: {self.optimizer} | state "
+        how = "FSDP2 (fully_shard)" if self.backend == "fsdp2" else self.strategy_label
+        settings = (f"{how} over {self.world_size} ranks | optimizer: {self.optimizer} | state "
                     f"policy: {self.state_policy} | grads: {self.grad_dtype or 'param dtype'}"
                     + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
                     + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
@@ -215,9 +220,10 @@ class CostPlan:
         lines = [self._model_line(), settings, *self._grid(head, cells), *self.share_lines(), *self.bf16_lines(),
                  "state policies: " + " | ".join(f"{p}: peak {format_bytes(v['peak_device_bytes'])}"
                                                  for p, v in self.policies.items()),
-                 "bytes per rank (rank 0's padded shards); sent/rank: reduce-scatter only; not in 'device': one "
-                 f"unit unsharded in forward/backward (largest: {format_bytes(self.unit_bytes)} with one unit per "
-                 "group, ungrouped parameters in the root's), activations, temporaries, Adam step counters"]
+                 f"bytes per rank (rank 0's padded shards); sent/rank: {self.collective} only; not in 'device': "
+                 + (f"one unit unsharded in forward/backward (largest: {format_bytes(self.unit_bytes)} with one "
+                    "unit per group, ungrouped parameters in the root's), " if self.unit_bytes else "")
+                 + "activations, temporaries, Adam step counters"]
         return "\n".join(lines)
 
     def _model_line(self) -> str:
