@@ -76,11 +76,12 @@ from .accelerate_internals import (is_prepared, prepared_dataloaders, prepared_o
                                    register_prepared_scheduler)
 from .accelerate_prepare import OptimizerHandle, checked_phases, find_grouped, unscale_once
 from .accelerate_run import PhasedRun, RunSettings
-from .fsdp2 import accelerator_refusal, fsdp2_metrics, fsdp2_not_running
+from .fsdp2 import fsdp2_metrics, fsdp2_not_running
+from .refusals import ACCELERATE, Configuration, check
 from .unreached import check_loss
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "PhasedOptimizer", "PreparedGroupedLRScheduler", "STATE_FILE",
-           "check_supported"]
+           "check_supported", "configuration"]
 
 
 class PhasedAccelerator(Accelerator):
@@ -490,43 +491,28 @@ class StepHooks(Protocol):
 
     def after_step(self) -> Any: ...
 
-#: Refused distributed types (DeepSpeed and FSDP1: ``_fsdp2_prepare.fsdp_refusal``, naming FSDP2).
-UNSUPPORTED = {
-    DistributedType.MEGATRON_LM: "Megatron-LM builds its own optimizer and reducer",
-    DistributedType.XLA: "XLA reduces gradients itself, without a DDP reducer",
-}
+def configuration(acc: Accelerator, fsdp_plugin_given: Any = None) -> Configuration:
+    """The accelerator's run as the refusal table reads it (:mod:`.refusals`).
 
+    The FSDP plugin given to the constructor (``fsdp_plugin_given``) counts even
+    where Accelerate dropped it (on CPU): the same script on GPUs would run it.
+    """
+    kind = acc.distributed_type
+    plugin = fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
+    parallelism = getattr(acc, "parallelism_config", None)
+    dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return Configuration(
+        ACCELERATE, deepspeed=kind == DistributedType.DEEPSPEED, fsdp_version=getattr(plugin, "fsdp_version", None),
+        megatron=kind == DistributedType.MEGATRON_LM, xla=kind == DistributedType.XLA,
+        tensor_parallel=parallelism is not None and bool(parallelism.tp_enabled or parallelism.cp_enabled),
+        compiled=None if dynamo == DynamoBackend.NO else f"dynamo_backend={getattr(dynamo, 'value', dynamo)!r}",
+        world_size=world, processes=int(acc.num_processes), distributed_type=str(kind.value))
 
 
 def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:
-    """Refuse, with the reason, a configuration whose reducer or trainable set the phases cannot drive."""
-    what, reason = "", accelerator_refusal(acc, fsdp_plugin_given)
-    if reason is not None:
-        plugin = fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
-        version = getattr(plugin, "fsdp_version", None)
-        what = "DeepSpeed" if acc.distributed_type == DistributedType.DEEPSPEED else f"FSDP version {version}"
-    elif acc.distributed_type in UNSUPPORTED:
-        what, reason = f"distributed_type={acc.distributed_type.value!r}", UNSUPPORTED[acc.distributed_type]
-    parallelism = getattr(acc, "parallelism_config", None)
-    if reason is None and parallelism is not None and (parallelism.tp_enabled or parallelism.cp_enabled):
-        what, reason = "tensor/context parallelism", "it shards parameters outside DDP"
-    dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
-    if reason is None and dynamo != DynamoBackend.NO:
-        what = f"dynamo_backend={getattr(dynamo, 'value', dynamo)!r} (torch.compile)"
-        reason = ("a compiled graph guards on `requires_grad` and (under DDP) on DDP's bucket layout, which every "
-                  "phase switch changes; drop `dynamo_backend` (compile outside the phased run, if at all)")
-    if reason is not None:
-        raise AltParamsError(
-            f"PhasedAccelerator supports DDP, FSDP2 and single-process runs; it cannot drive {what}: {reason}",
-            cause=Cause.STRATEGY_REFUSED)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if acc.num_processes == 1 and world > 1:
-        raise AltParamsError(
-            f"Accelerate chose distributed_type={acc.distributed_type.value!r} (one process) although this is one "
-            f"of {world} ranks of torch.distributed: each rank would train alone, no gradient all-reduced. On CPU "
-            "ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use `accelerate "
-            "launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate launch --cpu` runs "
-            "one process)")
+    """Refuse, with the reason and the way out, a configuration the phases cannot drive (:func:`.refusals.check`)."""
+    check(configuration(acc, fsdp_plugin_given))
 
 
 class PhasedOptimizer(AcceleratedOptimizer):

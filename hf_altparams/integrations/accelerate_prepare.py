@@ -49,6 +49,7 @@ from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
 from .accelerate_internals import is_prepared, mark_prepared
+from .refusals import ACCELERATE, Configuration, check
 
 __all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "checked_phases", "find_grouped", "held",
            "unscale_once"]
@@ -265,12 +266,7 @@ def _check_compiled(args: tuple[Any, ...], root: nn.Module, multi_process: bool)
         if isinstance(arg, nn.Module) and is_compiled_module(arg):
             inner = extract_model_from_parallel(arg, keep_torch_compile=False)
             if arg is root or inner is root or model_name_in(root, arg) or model_name_in(root, inner):
-                raise AltParamsError(
-                    f"{_label(i)} is the grouped model compiled with `torch.compile` before `prepare`; with several "
-                    "processes that is not supported: a compiled graph guards on `requires_grad`, which every "
-                    "phase switch changes (a recompile per switch until dynamo gives up), and under DDP on the "
-                    "bucket layout the switch rebuilds. Pass the uncompiled model to `prepare` (in one process, "
-                    "a compiled model trains, its groups named either way)", cause=Cause.STRATEGY_REFUSED)
+                check(Configuration(ACCELERATE, compiled_model=_label(i)))
 
 
 def _warn_frozen_ungrouped(groups: ParamGroups, optimizer: Optimizer) -> None:

@@ -25,14 +25,14 @@ the old parameters, so after ``prepare`` the integrations:
   (empty state entries for the scheduled parameters,
   :func:`forget_untrained_state` after a resume).
 
-The refusals for FSDP1 and DeepSpeed live here too (:func:`fsdp_refusal`).
+FSDP1 and DeepSpeed are refused in the one refusal table (:mod:`.refusals`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -45,60 +45,13 @@ from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 from .accelerate_internals import shared_accelerator_state
 
-if TYPE_CHECKING:
-    from accelerate import Accelerator
-
 __all__ = [
-    "fsdp2_not_running",
-    "DEEPSPEED_MESSAGE", "FSDP1_MESSAGE", "InnerOptimizers", "accelerator_refusal", "forget_untrained_state",
-    "fsdp2_metrics",
-    "fsdp_refusal", "grouped_checkpoint_view", "groups_with_state", "rebind_groups", "rebind_optimizer",
-    "shard_trainer_groups", "trainer_fsdp_version", "uses_fsdp2",
+    "InnerOptimizers", "forget_untrained_state", "fsdp2_metrics", "fsdp2_not_running", "grouped_checkpoint_view",
+    "groups_with_state", "rebind_groups", "rebind_optimizer", "shard_trainer_groups", "trainer_fsdp_version",
+    "uses_fsdp2",
 ]
 
-FSDP1_MESSAGE = (
-    "FSDP1 (`fsdp_version=1`) keeps whole flat parameters and reduce-scatters them in full (zeros for "
-    "frozen parts), so freezing a group saves no communication. Use FSDP2: "
-    "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)` (Trainer: `fsdp_config={'fsdp_version': 2}`), "
-    "or plain DDP (`accelerate launch --multi_gpu`)."
-)
-DEEPSPEED_MESSAGE = (
-    "DeepSpeed fixes the trainable set, its gradient partitions and optimizer state at "
-    "`deepspeed.initialize` and ignores (or crashes on) later `requires_grad` changes. Shard with FSDP2 "
-    "instead: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)` (Trainer: `fsdp=...` with "
-    "`fsdp_config={'fsdp_version': 2}`), or train with plain DDP (`accelerate launch --multi_gpu`)."
-)
-
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def fsdp_refusal(distributed_type: str, fsdp_version: Optional[int]) -> Optional[str]:
-    """Why a run is refused: DeepSpeed and FSDP1 (``None`` for FSDP2 and the rest).
-
-    ``distributed_type`` is Accelerate's (``"FSDP"``, ``"DEEPSPEED"``, ...);
-    ``fsdp_version`` the plugin's, when one was given (Accelerate ignores an FSDP
-    plugin on CPU, but the same script on a GPU would run it).
-
-    Example:
-        >>> fsdp_refusal("FSDP", 2) is None, fsdp_refusal("MULTI_GPU", None) is None
-        (True, True)
-        >>> "fsdp_version=2" in fsdp_refusal("FSDP", 1)
-        True
-    """
-    if distributed_type == "DEEPSPEED":
-        return DEEPSPEED_MESSAGE
-    if fsdp_version is not None and int(fsdp_version) != 2:
-        return FSDP1_MESSAGE
-    return None
-
-
-def accelerator_refusal(acc: Accelerator, plugin_given: Any = None) -> Optional[str]:
-    """:func:`fsdp_refusal` for an accelerator: its distributed type and its FSDP plugin's version.
-
-    The plugin given to the constructor (``plugin_given``) counts even where Accelerate dropped it (on CPU).
-    """
-    plugin = plugin_given or getattr(acc.state, "fsdp_plugin", None)
-    return fsdp_refusal(acc.distributed_type.value, getattr(plugin, "fsdp_version", None))
 
 
 def canonical_name(name: str) -> str:

@@ -63,7 +63,8 @@ from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .accelerate_internals import shared_accelerator_state
-from .fsdp2 import FSDP1_MESSAGE, fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
+from .fsdp2 import fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
+from .refusals import TRAINER, Configuration, check, message
 from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed, last_complete_checkpoint,
                                   mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
                                   saved_driver_state)
@@ -83,51 +84,35 @@ GroupsArg = Union[Mapping[str, Spec], Callable[[nn.Module], ParamGroups], ParamG
 Metrics = dict[str, Union[int, float, str]]
 
 
-_DEEPSPEED_MESSAGE = (
-    "AlternatingFreeze does not support DeepSpeed: DeepSpeed fixes the trainable set, its gradient "
-    "partitions and optimizer state at `deepspeed.initialize` and ignores (or crashes on) later "
-    "`requires_grad` changes. Train with plain DDP instead: drop `deepspeed=` from TrainingArguments "
-    "(and any DeepSpeed accelerate config) and launch with `torchrun` or `accelerate launch "
-    "--multi_gpu`; AlternatingFreeze then all-reduces only the phase's parameters, and "
-    "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
-    "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'version': 2}`."
-)
-_FSDP_MESSAGE = "AlternatingFreeze does not support FSDP1: " + FSDP1_MESSAGE
-_COMPILE_MESSAGE = (
-    "AlternatingFreeze does not support `torch_compile=True` in a multi-process run: the compiled "
-    "DDP graph is split by the gradient-bucket layout fixed at compile time, which every phase "
-    "switch changes. Set `torch_compile=False` (a single-process run may compile)."
-)
-
-
 def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def unsupported_backend(args: TrainingArguments) -> Optional[str]:
-    """The refusal message for DeepSpeed / FSDP1 / compiled DDP in ``args``, or None (FSDP2 is accepted)."""
+def configuration(args: TrainingArguments, *, unwrapped: bool = False) -> Configuration:
+    """The Trainer's run as the refusal table reads it (:mod:`.refusals`), from ``args`` and Accelerate's state.
+
+    ``unwrapped``: the model trains without a wrapper (seen at its first training forward).
+    """
     shared = shared_accelerator_state()  # the Trainer's accelerator exists by on_init_end
     kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
-    if (
-        kind == "DEEPSPEED"
-        or getattr(args, "deepspeed", None)
-        or getattr(args, "deepspeed_plugin", None) is not None
-        or shared.get("deepspeed_plugin") is not None
-        or shared.get("deepspeed_plugins") is not None
-        or _env_true("ACCELERATE_USE_DEEPSPEED")
-    ):
-        return _DEEPSPEED_MESSAGE
-    if (
-        kind == "FSDP"
-        or getattr(args, "fsdp", None)
-        or getattr(args, "fsdp_plugin_args", None) is not None
-        or shared.get("fsdp_plugin") is not None
-        or _env_true("ACCELERATE_USE_FSDP")
-    ) and trainer_fsdp_version(args, shared.get("fsdp_plugin")) != 2:
-        return _FSDP_MESSAGE  # FSDP2 is supported (on_train_begin rebinds the groups to the shards)
-    if getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1:
-        return _COMPILE_MESSAGE
-    return None
+    deepspeed = (kind == "DEEPSPEED" or bool(getattr(args, "deepspeed", None))
+                 or getattr(args, "deepspeed_plugin", None) is not None or shared.get("deepspeed_plugin") is not None
+                 or shared.get("deepspeed_plugins") is not None or _env_true("ACCELERATE_USE_DEEPSPEED"))
+    fsdp = (kind == "FSDP" or bool(getattr(args, "fsdp", None)) or getattr(args, "fsdp_plugin_args", None) is not None
+            or shared.get("fsdp_plugin") is not None or _env_true("ACCELERATE_USE_FSDP"))
+    version = trainer_fsdp_version(args, shared.get("fsdp_plugin")) if fsdp else None
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ranks = max(int(getattr(args, "world_size", 1) or 1), world)
+    compiled = "`torch_compile=True` in a multi-process run" if (
+        getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1) else None
+    return Configuration(TRAINER, deepspeed=deepspeed, fsdp_version=(version or 1) if fsdp else None,
+                         compiled=compiled, world_size=ranks, processes=ranks, unwrapped=unwrapped,
+                         distributed_type=kind)
+
+
+def unsupported_backend(args: TrainingArguments) -> Optional[str]:
+    """The refusal message for ``args`` (DeepSpeed, FSDP1, compiled DDP, ...: :mod:`.refusals`), or None."""
+    return message(configuration(args))
 
 
 class FirstCallCatcher:
@@ -176,22 +161,6 @@ FIND_UNUSED_WARNING = (
     "AlternatingFreeze re-buckets DDP for exactly the phase's parameters, so pass "
     "`ddp_find_unused_parameters=False` to TrainingArguments unless your forward skips some trainable parameters."
 )
-
-
-def no_wrapper_error() -> Optional[str]:
-    """Why a model training without a DDP wrapper is refused (several processes), or ``None``."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world <= 1:
-        return None
-    return (
-        f"AlternatingFreeze: the model trains in {world} processes but the Trainer did not "
-        "wrap it in DistributedDataParallel, so no gradient would be synchronised. A known "
-        "cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
-        "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` "
-        "skips the DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before "
-        "training outside the Trainer, or only after `train()`. Otherwise: only DDP (the "
-        "Trainer's default for multi-process runs) is supported."
-    )
 
 
 @dataclass(frozen=True)
@@ -525,9 +494,7 @@ class AlternatingFreeze(TrainerCallback):
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: Optional[nn.Module] = None, **kwargs: Any) -> None:
-        refusal = unsupported_backend(args)
-        if refusal:
-            raise AltParamsError(refusal, cause=Cause.STRATEGY_REFUSED)
+        check(configuration(args))
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
@@ -538,9 +505,7 @@ class AlternatingFreeze(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
                        **kwargs: Any) -> None:
-        refusal = unsupported_backend(args)
-        if refusal:
-            raise AltParamsError(refusal, cause=Cause.STRATEGY_REFUSED)
+        check(configuration(args))
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
         assert self.groups is not None
@@ -655,10 +620,9 @@ class AlternatingFreeze(TrainerCallback):
             logger.warning(FIND_UNUSED_WARNING)
 
     def _no_wrapper(self) -> None:
-        """Called when the model trains without a DDP wrapper: refused in a multi-process run."""
-        error = no_wrapper_error()
-        if error is not None:
-            raise SwitchError(error)
+        """Called when the model trains without a DDP wrapper: refused in a multi-process run (:mod:`.refusals`)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        check(Configuration(TRAINER, world_size=world, processes=world, unwrapped=True))
 
     def _attach_prefix(self, model: nn.Module) -> None:
         if self._prefix_option is None:

@@ -268,8 +268,8 @@ def test_resume_with_another_schedule_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"deepspeed": "ds_config.json"}, r"does not support DeepSpeed.*plain DDP.*`torchrun`"),
-        ({"fsdp": ["full_shard"]}, r"does not support FSDP.*plain DDP"),
+        ({"deepspeed": "ds_config.json"}, r"cannot drive DeepSpeed.*plain DDP.*`torchrun`"),
+        ({"fsdp": ["full_shard"]}, r"cannot drive FSDP version 1.*plain DDP"),
     ],
 )
 def test_deepspeed_and_fsdp_are_refused_with_the_way_out(tmp_path: Path, overrides: dict[str, Any], message: str) -> None:

@@ -1,0 +1,241 @@
+"""Every configuration hf_altparams refuses, in one table: what it is, why, and the way out.
+
+Both integrations ask this module before anything changes
+(``PhasedAccelerator(...)`` and its ``prepare``; ``AlternatingFreeze`` at
+``on_init_end`` and ``on_train_begin``). What is specific to an integration is
+only how it *recognises* its run: each builds a :class:`Configuration` from what
+it sees (Accelerate's distributed type, plugins and process count; the
+Trainer's arguments and Accelerate's shared state), and :func:`check` raises
+the first row of :data:`REFUSALS` that applies, naming the integration, the
+setting, the reason and the way out in that integration's terms.
+
+The table (:data:`REFUSALS`):
+
+============================  ====================================================================
+``deepspeed``                 DeepSpeed, until a strategy named ``deepspeed`` is registered
+                              (:mod:`hf_altparams.engine.strategies`): it fixes the trainable set,
+                              its gradient partitions and optimizer state at ``initialize``.
+``fsdp1``                     FSDP1 reduces whole flat parameters (zeros for frozen parts).
+``megatron``                  Megatron-LM builds its own optimizer and reducer.
+``xla``                       XLA reduces gradients itself.
+``tensor-parallel``           tensor / context parallelism shards parameters outside the strategies.
+``compiled``                  a whole-model compiled graph (``dynamo_backend``; the Trainer's
+                              ``torch_compile`` with several ranks): it guards on ``requires_grad``
+                              and the bucket layout, which every switch changes.
+``compiled-model``            a model compiled before ``prepare``, in several processes: the same.
+``one-process-of-many``       Accelerate chose one process inside a multi-rank job.
+``unwrapped-of-many``         the Trainer trains the model without a wrapper in several processes.
+============================  ====================================================================
+
+Beside the table, :func:`capability_refusal` refuses a feature the run's
+strategy does not declare (:class:`~hf_altparams.engine.strategies.Capabilities`):
+the frozen-prefix cache, comm counting, per-task residency.
+
+Example:
+    >>> check(Configuration("PhasedAccelerator", fsdp_version=2))  # FSDP2: driven
+    >>> refusal_for(Configuration("PhasedAccelerator", fsdp_version=1)).name
+    'fsdp1'
+    >>> message(Configuration("AlternatingFreeze", world_size=2, compiled="torch_compile=True"))[:58]
+    'AlternatingFreeze drives FSDP2, DDP and one process; it ca'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from ..engine.strategies import Strategy, is_registered, registered
+from ..errors import AltParamsError, Cause, SwitchError
+
+__all__ = ["ACCELERATE", "REFUSALS", "TRAINER", "Configuration", "RefusalRule", "capability_refusal", "check",
+           "message", "refusal_for"]
+
+#: The integrations' names, as messages give them.
+ACCELERATE = "PhasedAccelerator"
+TRAINER = "AlternatingFreeze"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A run as an integration recognised it: what the table's rows test.
+
+    Attributes:
+        integration: :data:`ACCELERATE` or :data:`TRAINER` (how messages name the caller, and which way out).
+        deepspeed: DeepSpeed was asked for (a plugin, a config, ``distributed_type`` DEEPSPEED, the env).
+        fsdp_version: the FSDP version asked for (``None``: no FSDP).
+        megatron: Megatron-LM.
+        xla: XLA (TPU).
+        tensor_parallel: tensor or context parallelism.
+        compiled: how a whole-model compile was asked for (``"dynamo_backend='EAGER'"``), else ``None``;
+            the integration says whether it applies (the Trainer's only with several ranks).
+        compiled_model: which argument is the grouped model compiled with ``torch.compile`` before the
+            integration wraps it, in a run of several processes (else ``None``).
+        world_size: ranks of the ``torch.distributed`` job (1 without one).
+        processes: processes the framework runs (Accelerate's ``num_processes``).
+        unwrapped: the model trains without a wrapper (the Trainer's first training forward).
+        distributed_type: the framework's distributed type, for messages (``"NO"``, ``"MULTI_CPU"``, ...).
+    """
+
+    integration: str
+    deepspeed: bool = False
+    fsdp_version: Optional[int] = None
+    megatron: bool = False
+    xla: bool = False
+    tensor_parallel: bool = False
+    compiled: Optional[str] = None
+    compiled_model: Optional[str] = None
+    world_size: int = 1
+    processes: int = 1
+    unwrapped: bool = False
+    distributed_type: str = "NO"
+
+    @property
+    def strategy_name(self) -> Optional[str]:
+        """The strategy this configuration asks for, when it names one (``None``: decided by the wrapper)."""
+        if self.deepspeed:
+            return "deepspeed"
+        if self.fsdp_version is not None:
+            return "fsdp2" if int(self.fsdp_version) == 2 else "fsdp1"
+        return None
+
+
+@dataclass(frozen=True)
+class RefusalRule:
+    """One row of the table: when it applies, what to call the setting, why, and the way out per integration."""
+
+    name: str
+    applies: Callable[[Configuration], bool]
+    what: Callable[[Configuration], str]
+    reason: str
+    way_out: Mapping[str, str] = field(default_factory=dict)
+    #: the exception raised: SwitchError where the refusal comes at a switch or the first forward
+    error_type: type[AltParamsError] = AltParamsError
+    #: the cause the error carries (``err.cause``)
+    cause: Cause = Cause.STRATEGY_REFUSED
+
+    def message(self, config: Configuration) -> str:
+        """The refusal as the integration raises it."""
+        way_out = self.way_out.get(config.integration, "")
+        return (f"{config.integration} drives {_supported()}; it cannot drive {self.what(config)}: {self.reason}"
+                + (f". {way_out}" if way_out else ""))
+
+    def error(self, config: Configuration) -> AltParamsError:
+        """The exception raised for ``config``."""
+        return self.error_type(self.message(config), cause=self.cause)
+
+
+def _supported() -> str:
+    labels = [s.label for s in registered()]
+    return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+
+
+_FSDP2_OR_DDP = {
+    ACCELERATE: ("Use FSDP2: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or plain DDP (`accelerate "
+                 "launch --multi_gpu`)"),
+    TRAINER: ("Use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}` (in an Accelerate config: "
+              "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)`), or plain DDP (launch with `torchrun` or "
+              "`accelerate launch --multi_gpu`)"),
+}
+
+#: The refused configurations, in the order they are tested.
+REFUSALS: tuple[RefusalRule, ...] = (
+    RefusalRule(
+        "deepspeed", lambda c: c.deepspeed and not is_registered("deepspeed"), lambda c: "DeepSpeed",
+        "DeepSpeed fixes the trainable set, its gradient partitions and optimizer state at `deepspeed.initialize` "
+        "and ignores (or crashes on) later `requires_grad` changes",
+        {ACCELERATE: ("Shard with FSDP2 instead: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or train "
+                      "with plain DDP (`accelerate launch --multi_gpu`)"),
+         TRAINER: ("Train with plain DDP instead: drop `deepspeed=` from TrainingArguments (and any DeepSpeed "
+                   "accelerate config) and launch with `torchrun` or `accelerate launch --multi_gpu`; "
+                   "AlternatingFreeze then all-reduces only the phase's parameters, and "
+                   "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
+                   "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}`")}),
+    RefusalRule(
+        "fsdp1", lambda c: c.fsdp_version is not None and int(c.fsdp_version) != 2,
+        lambda c: f"FSDP version {c.fsdp_version}",
+        "FSDP1 keeps whole flat parameters and reduce-scatters them in full (zeros for frozen parts), so freezing "
+        "a group saves no communication", _FSDP2_OR_DDP),
+    RefusalRule("megatron", lambda c: c.megatron, lambda c: f"distributed_type={c.distributed_type!r}",
+            "Megatron-LM builds its own optimizer and reducer", _FSDP2_OR_DDP),
+    RefusalRule("xla", lambda c: c.xla, lambda c: f"distributed_type={c.distributed_type!r}",
+            "XLA reduces gradients itself, without a DDP reducer", _FSDP2_OR_DDP),
+    RefusalRule("tensor-parallel", lambda c: c.tensor_parallel, lambda c: "tensor/context parallelism",
+            "it shards parameters outside DDP and FSDP2", _FSDP2_OR_DDP),
+    RefusalRule(
+        "compiled", lambda c: c.compiled is not None, lambda c: f"{c.compiled} (torch.compile)",
+        "a compiled graph guards on `requires_grad` and, under DDP, on the gradient-bucket layout fixed at compile "
+        "time, both of which every phase switch changes",
+        {ACCELERATE: "Drop `dynamo_backend` (compile outside the phased run, if at all)",
+         TRAINER: "Set `torch_compile=False` (a single-process run may compile)"}),
+    RefusalRule(
+        "compiled-model", lambda c: c.compiled_model is not None,
+        lambda c: f"{c.compiled_model}, the grouped model compiled with `torch.compile` before `prepare`, in several "
+                  "processes",
+        "a compiled graph guards on `requires_grad`, which every phase switch changes (a recompile per switch "
+        "until dynamo gives up), and under DDP on the bucket layout the switch rebuilds",
+        {ACCELERATE: ("Pass the uncompiled model to `prepare` (in one process, a compiled model trains, its groups "
+                      "named either way)")}),
+    RefusalRule(
+        "one-process-of-many", lambda c: c.processes == 1 and c.world_size > 1,
+        lambda c: f"distributed_type={c.distributed_type!r}: Accelerate chose one process although this is one of "
+                  f"{c.world_size} ranks of torch.distributed",
+        "each rank would train alone, no gradient all-reduced",
+        {ACCELERATE: ("On CPU ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use "
+                      "`accelerate launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate "
+                      "launch --cpu` runs one process)")},
+        cause=Cause.LAUNCH_STARTS_ONE_PROCESS),
+    RefusalRule(
+        "unwrapped-of-many", lambda c: c.unwrapped and c.world_size > 1,
+        lambda c: f"the model as the Trainer left it: it trains in {c.world_size} processes, but the Trainer did "
+                  "not wrap it in DistributedDataParallel",
+        "no gradient would be synchronised",
+        {TRAINER: ("A known cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
+                   "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` skips the "
+                   "DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before training outside the Trainer, "
+                   "or only after `train()`. Otherwise: use the Trainer's default DDP for multi-process runs")},
+        SwitchError, Cause.SETUP_REFUSED),
+)
+
+
+def refusal_for(config: Configuration) -> Optional[RefusalRule]:
+    """The first row of :data:`REFUSALS` that applies to ``config``, or ``None`` (the run can be driven)."""
+    return next((row for row in REFUSALS if row.applies(config)), None)
+
+
+def message(config: Configuration) -> Optional[str]:
+    """The refusal message for ``config``, or ``None``."""
+    row = refusal_for(config)
+    return None if row is None else row.message(config)
+
+
+def check(config: Configuration) -> None:
+    """Raise the refusal for ``config`` (an :class:`~hf_altparams.errors.AltParamsError`), if a row applies."""
+    row = refusal_for(config)
+    if row is not None:
+        raise row.error(config)
+
+
+def capability_refusal(strategy: Strategy, *, frozen_prefix: bool = False, count_comm: bool = False,
+                       per_task_residency: bool = False) -> Optional[str]:
+    """Why a feature the run asks for is refused with ``strategy`` (its capabilities lack it), or ``None``.
+
+    ``per_task_residency``: some phase keeps only some groups resident and
+    non-resident groups are to leave the device (``offload_device`` set).
+
+    Example:
+        >>> from hf_altparams.engine.strategies import strategy_named
+        >>> capability_refusal(strategy_named("fsdp2"), frozen_prefix=True)
+        '`frozen_prefix` is not supported with FSDP2 (not verified); leave it out'
+        >>> capability_refusal(strategy_named("ddp"), frozen_prefix=True, count_comm=True) is None
+        True
+    """
+    caps = strategy.capabilities
+    if frozen_prefix and not caps.frozen_prefix:
+        return f"`frozen_prefix` is not supported with {strategy.label} (not verified); leave it out"
+    if count_comm and caps.synchronises_gradients and not caps.counts_comm:
+        return f"`count_comm=True` is not supported with {strategy.label} (no comm counter); leave it out"
+    if per_task_residency and not caps.per_task_residency:
+        return (f"a schedule whose phases keep only some groups resident, with their groups off the device "
+                f"(`offload_device`), is not supported with {strategy.label}; pass `offload_device=None` in the "
+                "switcher options, or train with DDP")
+    return None
