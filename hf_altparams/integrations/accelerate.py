@@ -65,6 +65,7 @@ from ..engine.optim import GroupedLRScheduler
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
+from ..engine.strategies import Strategy, is_registered, strategy_named
 from ..engine.switch import PhaseSwitcher
 from ..engine.collective import is_collective_failure
 from ..errors import AltParamsError, Cause, PlanError, SwitchError
@@ -76,7 +77,8 @@ from .accelerate_internals import (is_prepared, prepared_dataloaders, prepared_o
                                    register_prepared_scheduler)
 from .accelerate_prepare import OptimizerHandle, checked_phases, find_grouped, unscale_once
 from .accelerate_run import PhasedRun, RunSettings
-from .fsdp2 import fsdp2_metrics, fsdp2_not_running
+from .assembly import comm_metrics
+from .fsdp2 import fsdp2_not_running
 from .refusals import ACCELERATE, Configuration, check
 from .unreached import check_loss
 
@@ -300,12 +302,13 @@ class PhasedAccelerator(Accelerator):
             run.note_unphased(args)
         check_supported(self, self._fsdp_plugin_given)
         root_index = next((i for i, part in found.models.items() if part is None), None)
-        sharded = root_index is not None and self.is_fsdp2  # FSDP2: phases start after fully_shard
-        if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and not sharded:
+        strategy = self._configured_strategy()
+        if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and (
+                root_index is None or strategy is None or strategy.name != "fsdp2"):
             warnings.warn(fsdp2_not_running("fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)",
                                             str(self.distributed_type.value)), stacklevel=2)
         if found.models and run.switcher is None and not run.prepared_models:
-            run.start(found.groups, found.driving, apply_first=not sharded)  # type: ignore[arg-type]
+            run.start(found.groups, found.driving, strategy)  # type: ignore[arg-type]
             handler = self.ddp_handler
             wanted = run.find_unused(handler.find_unused_parameters if handler is not None else False)
             self.ddp_handler = (DistributedDataParallelKwargs(find_unused_parameters=wanted) if handler is None
@@ -318,9 +321,6 @@ class PhasedAccelerator(Accelerator):
             with run.wrapping_all(parts):
                 result = super().prepare(*call_args, device_placement=placement)
             items = [result] if len(call_args) == 1 else list(result)
-            if sharded:
-                run.start_sharded(items[root_index])  # type: ignore[index]
-                found.groups = run.groups  # rebound to the shards (hand_back hooks them)
         finally:
             run.driving = None
         for i, obj in enumerate(items):
@@ -328,10 +328,19 @@ class PhasedAccelerator(Accelerator):
                 items[i] = self._prepare_grouped_scheduler(obj)
         for i, part in found.models.items():
             run.attach(items[i], part)
+        if found.models:
+            found.groups = run.groups  # rebound to FSDP2's shards, if it replaced the parameters (hand_back hooks them)
         items, arrivals = found.hand_back(args, items)
         if arrivals is not None:
             run.arrivals = arrivals
         return items[0] if len(args) == 1 else tuple(items)
+
+    def _configured_strategy(self) -> Optional[Strategy]:
+        """The registered strategy Accelerate is configured to run (FSDP2, or DeepSpeed once registered), else
+        ``None``: DDP or one process, as the wrapper ``prepare`` returns says."""
+        name = {DistributedType.FSDP: "fsdp2" if self.is_fsdp2 else None,
+                DistributedType.DEEPSPEED: "deepspeed"}.get(self.distributed_type)
+        return strategy_named(name) if name is not None and is_registered(name) else None
 
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None) -> Optimizer:
         """As in Accelerate; the optimizer that drives the schedule gets the phase-aware wrapper."""
@@ -361,6 +370,11 @@ class PhasedAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward``; notes that gradients now wait for a sync-boundary ``step()``.
 
+        Under a strategy whose update runs inside the sync-boundary backward
+        (its declared step boundary is ``backward``: DeepSpeed's engine under
+        Accelerate), that backward is the step: the schedule counts it and
+        switches phase at its end, and ``optimizer.step()`` drives nothing.
+
         A loss that depends on no trainable parameter is refused first, naming the
         phase and the likely causes (:mod:`.unreached`), instead of torch's
         "element 0 of tensors does not require grad".
@@ -389,6 +403,8 @@ class PhasedAccelerator(Accelerator):
                 "unusable now: restart from the latest complete checkpoint", cause=Cause.RANK_LOST) from exc
         if self.run.driver is not None:
             self.run.driver.note_backward()
+        if self.run.steps_in_backward and self.sync_gradients:
+            self.run.after_step()  # the strategy's update ran inside this backward: its step boundary
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """``Accelerator.unscale_gradients``; one grouped optimizer behind several handles is unscaled once."""
@@ -447,7 +463,7 @@ class PhasedAccelerator(Accelerator):
     def switch_metrics(self, record: SwitchRecord, prefix: str = "altparams/") -> dict[str, Any]:
         """What ``accelerator.log`` receives at a switch: the record, the run's switch totals, memory."""
         metrics: dict[str, Any] = record.as_log(prefix)
-        metrics.update(fsdp2_metrics(self.switcher, self.comm_counter, record, prefix))
+        metrics.update(comm_metrics(self.switcher, self.comm_counter, record, prefix))
         if self.switcher is not None:
             metrics.update(self.switcher.history.as_log(prefix))
         if self.device.type == "cuda":
@@ -487,9 +503,14 @@ class StepHooks(Protocol):
 
     guard: Any
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """The strategy applies the update inside the sync-boundary backward (its step boundary)."""
+
     def before_step(self) -> None: ...
 
     def after_step(self) -> Any: ...
+
 
 def configuration(acc: Accelerator, fsdp_plugin_given: Any = None) -> Configuration:
     """The accelerator's run as the refusal table reads it (:mod:`.refusals`).
@@ -536,7 +557,8 @@ class PhasedOptimizer(AcceleratedOptimizer):
         self._accumulation_steps = accumulation_steps
 
     def step(self, closure: Any = None) -> None:
-        at_boundary = self.gradient_state.sync_gradients
+        # a strategy whose update runs inside the sync-boundary backward switches there (PhasedAccelerator.backward)
+        at_boundary = self.gradient_state.sync_gradients and not self._run.steps_in_backward
         if at_boundary:
             self._run.before_step()
         super().step(closure)

@@ -1,11 +1,12 @@
 """The phased part of a :class:`~hf_altparams.integrations.accelerate.PhasedAccelerator` run: :class:`PhasedRun`.
 
 The accelerator keeps Accelerate's own state and delegates everything about
-phases to one ``PhasedRun``: the settings given at construction, the
-:class:`~hf_altparams.engine.driver.PhaseDriver` (schedule position and current
-phase), the :class:`~hf_altparams.engine.PhaseSwitcher` built at ``prepare``,
-the optimizer that drives the schedule, the loop guard, the comm counter and the
-frozen-prefix cache. The prepared optimizer talks to the run's two step hooks
+phases to one ``PhasedRun``: the settings given at construction, the shared
+run assembly (:class:`~.assembly.PhaseRun`: the
+:class:`~hf_altparams.engine.driver.PhaseDriver`, the
+:class:`~hf_altparams.engine.PhaseSwitcher` built at ``prepare``, the comm
+counter and the frozen-prefix cache), the optimizer that drives the schedule
+and the loop guard. The prepared optimizer talks to the run's two step hooks
 (:meth:`PhasedRun.before_step`, :meth:`PhasedRun.after_step`), never to the
 accelerator's internals.
 
@@ -37,7 +38,6 @@ hooks and its warned-once flags.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -45,23 +45,21 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from accelerate.utils import extract_model_from_parallel, is_compiled_module
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
+from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
-from ..engine.ddp import is_ddp
-from ..engine.fsdp2 import is_fsdp2
 from ..engine.driver import PhaseDriver
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache
 from ..engine.records import SwitchRecord
+from ..engine.strategies import StepBoundary, Strategy, local_strategy, strategy_for
 from ..engine.switch import PhaseSwitcher
 from ..engine.torch_internals import version_counter
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
 from .accelerate_prepare import GradientArrivals
-from .fsdp2 import rebind_groups, rebind_optimizer
+from .assembly import PhaseRun, RunOptions
 
 __all__ = ["LoopGuard", "PhasedRun", "RunSettings"]
 
@@ -80,6 +78,15 @@ class RunSettings:
 class PhasedRun:
     """The phases of one accelerator run, from ``prepare`` to ``free_memory``.
 
+    What every integration does to run phases (the strategy, the switcher, the
+    wrapper attached, state put back, comm counted, the frozen-prefix cache,
+    the first-phase record, switch logs) is the shared run assembly,
+    :class:`~.assembly.PhaseRun` (:attr:`phases`); this class adds what is
+    Accelerate's: which ``prepare`` call brings the model and the optimizer
+    that drives the schedule, the models prepared unphased, the DDP wrappers of
+    several models made trainable while Accelerate builds them, and the loop
+    checks (:class:`LoopGuard`).
+
     Args:
         schedule: the run's schedule (``None``: the accelerator runs unphased).
         groups: the groups given at construction (``None``: taken from a
@@ -97,18 +104,39 @@ class PhasedRun:
         self.groups_given = groups
         self.settings = settings
         self._log, self._metrics, self._steps_per_epoch = log, metrics, steps_per_epoch
-        self.groups: Optional[ParamGroups] = groups
-        self.driver: Optional[PhaseDriver] = None
+        self.phases: Optional[PhaseRun] = None
         self.guard: Optional[LoopGuard] = None
-        self.switcher: Optional[PhaseSwitcher] = None
         self.driving: Optional[Optimizer] = None  # the optimizer being prepared to drive (inside prepare)
         self.arrivals: Optional[GradientArrivals] = None  # one optimizer per group (accelerate_prepare)
-        self.comm_counter: Optional[CommCounter] = None
-        self.frozen_prefix: Optional[FrozenPrefixCache] = None
         self.prepared_models: set[Optional[str]] = set()  # grouped models prepared (None: the groups' module)
         self.unphased_models: list[str] = []  # models prepared while no schedule was set (set_phases refuses them)
         self.driving_bound = False  # the optimizer that drives the schedule was prepared
         self.reset()
+
+    # ------------------------------------------------------------ the assembly's state
+    @property
+    def driver(self) -> Optional[PhaseDriver]:
+        """The schedule position and current phase (``None`` without a schedule)."""
+        return None if self.phases is None else self.phases.driver
+
+    @property
+    def switcher(self) -> Optional[PhaseSwitcher]:
+        """The engine's switcher (``None`` before ``prepare``)."""
+        return None if self.phases is None else self.phases.switcher
+
+    @property
+    def groups(self) -> Optional[ParamGroups]:
+        """The groups of the prepared model (rebound to FSDP2's shards), else the ones given."""
+        groups = None if self.phases is None else self.phases.groups
+        return groups if groups is not None else self.groups_given
+
+    @property
+    def comm_counter(self) -> Optional[CommCounter]:
+        return None if self.phases is None else self.phases.comm_counter
+
+    @property
+    def frozen_prefix(self) -> Optional[FrozenPrefixCache]:
+        return None if self.phases is None else self.phases.frozen_prefix
 
     def note_unphased(self, args: tuple[Any, ...]) -> None:
         """``prepare`` ran without a schedule: remember the models it prepared (a later ``set_phases`` is too late)."""
@@ -122,12 +150,14 @@ class PhasedRun:
     def reset(self) -> None:
         """Forget the model: a new driver at step 0, nothing prepared (``free_memory``, construction)."""
         self.close()
-        self.groups = self.groups_given
-        self.switcher, self.driving, self.comm_counter = None, None, None
+        self.driving = None
         self.prepared_models, self.driving_bound, self.unphased_models = set(), False, []
-        self.driver = (PhaseDriver(self.schedule, set_epoch_call="accelerator.set_epoch(epoch)")
-                       if self.schedule is not None else None)
-        self.guard = LoopGuard(self.driver, self._steps_per_epoch) if self.driver is not None else None
+        settings = self.settings
+        self.phases = None if self.schedule is None else PhaseRun(
+            self.schedule, RunOptions(settings.config, settings.count_comm, settings.prefix),
+            on_switch=self.after_switch, refuse_missing_grads=True,  # a missing gradient is refused at the step
+            set_epoch_call="accelerator.set_epoch(epoch)")
+        self.guard = None if self.phases is None else LoopGuard(self.phases.driver, self._steps_per_epoch)
 
     def close(self) -> None:
         """Remove what the run hooked (loop guard, gradient arrivals, the prefix cache, the step check)."""
@@ -136,110 +166,60 @@ class PhasedRun:
         if self.arrivals is not None:
             self.arrivals.close()
             self.arrivals = None
-        if self.frozen_prefix is not None:
-            self.frozen_prefix.detach()
-            self.frozen_prefix = None
-        if self.switcher is not None:
-            self.switcher.close()
+        if self.phases is not None:
+            self.phases.close()
 
     # ------------------------------------------------------------ prepare
-    def start(self, groups: ParamGroups, driving: Optional[Optimizer], apply_first: bool = True) -> None:
-        """Build the switcher for ``groups`` and apply the first phase (before DDP's constructor reads the flags).
+    def start(self, groups: ParamGroups, driving: Optional[Optimizer], strategy: Optional[Strategy]) -> None:
+        """Before Accelerate wraps the model: ``strategy``'s refusals, the switcher, the first phase.
 
+        ``strategy``: the one Accelerate is configured for, when it names one
+        (FSDP2: the phases start after ``fully_shard``, at :meth:`attach`);
         ``driving`` may come in a later ``prepare`` call (:meth:`bind_optimizer`).
         """
-        assert self.driver is not None and self.schedule is not None
-        self.groups = groups
+        assert self.phases is not None
         self._take_driving(driving)
-        if not apply_first:  # FSDP2: the phases start after fully_shard (start_sharded)
-            return
-        self.switcher = self._new_switcher()
-        self.driver.move_to(self.driver.step, self.driver.epoch)
-
-    def _new_switcher(self) -> PhaseSwitcher:
-        """The run's switcher over :attr:`groups`, driven by the run's driver and optimizer."""
-        assert self.groups is not None and self.schedule is not None and self.driver is not None
-        # a missing gradient is refused at the step, before the update
-        return PhaseSwitcher(self.groups, self.schedule, optimizer=self.driving, config=self.settings.config,
-                             driver=self.driver, refuse_missing_grads=True)
+        self.phases.expect(strategy)
+        self.phases.start(groups, driving)
 
     def bind_optimizer(self, driving: Optimizer) -> None:
         """The optimizer that drives the schedule, prepared after the model (a separate ``prepare`` call)."""
-        assert self.switcher is not None
+        assert self.phases is not None and self.phases.switcher is not None
         self._take_driving(driving)
-        self.switcher.set_optimizer(driving)
+        self.phases.bind_optimizer(driving)
 
     def _take_driving(self, driving: Optional[Optimizer]) -> None:
         self.driving = driving
         self.driving_bound = driving is not None
-
-    def start_sharded(self, model: nn.Module) -> None:
-        """After Accelerate's FSDP2 ``prepare``: groups rebound, switcher built and attached, first phase applied."""
-        if not is_fsdp2(model):
-            raise AltParamsError(
-                f"Accelerate runs FSDP2 but `prepare` returned a {type(model).__name__} that is not a fully_shard "
-                "module; PhasedAccelerator needs the sharded module itself"
-            )
-        if self.settings.prefix is not None:
-            raise AltParamsError("`frozen_prefix` is not supported with FSDP2 (not verified); leave it out")
-        assert self.groups is not None and self.schedule is not None and self.driver is not None
-        old = self.groups
-        self.groups = rebind_groups(old, model)
-        rebind_optimizer(self.driving, old, self.groups)
-        self.switcher = self._new_switcher()
-        self.switcher.attach(model)  # the FSDP2 backend: nothing is rebuilt at a switch
-        self.driver.move_to(self.driver.step, self.driver.epoch)  # the first phase, read at the next all-gather
-        if self.settings.count_comm:
-            self.comm_counter = register_reduce_scatter_counter(model)
 
     def find_unused(self, handler_value: bool) -> bool:
         """DDP's ``find_unused_parameters``: the setting given, else the handler's (default ``False``)."""
         return handler_value if self.settings.find_unused is None else self.settings.find_unused
 
     def attach(self, prepared: nn.Module, part: Optional[str] = None) -> None:
-        """After Accelerate's ``prepare``: attach the wrapper, put state back, log the first phase.
+        """After Accelerate's ``prepare``: the assembly attaches the wrapper; the loop guard watches it.
 
         ``part``: the model's name among several (``ParamGroups.of_models``); its
         wrapper was built over all its parameters and is re-bucketed now.
         """
-        switcher = self.switcher
-        assert switcher is not None and self.guard is not None
+        phases = self.phases
+        assert phases is not None and self.guard is not None
         self.prepared_models.add(part)
-        if part is not None:
-            if not isinstance(prepared, DistributedDataParallel):
-                return  # one process: the model trains unwrapped
-            if self.settings.count_comm:
-                self.comm_counter = register_comm_counter(prepared, counter=self.comm_counter)
-            record = switcher.attach(prepared, rebuild=True)
-            self.guard.watch_many(switcher.wrappers)
-            switcher.reapply_placement()
-            if record is not None:
-                self.after_switch(record)
-            return
-        if isinstance(prepared, DistributedDataParallel):
-            switcher.attach(prepared)
-            if self.settings.count_comm:
-                self.comm_counter = register_comm_counter(prepared)
-        if is_ddp(prepared) or switcher.backend.kind == "fsdp2":  # FSDP2: attached at start_sharded
-            self.guard.watch(prepared)
-        elif prepared is not switcher.module and not (
-                is_compiled_module(prepared)
-                and extract_model_from_parallel(prepared, keep_torch_compile=False) is switcher.module):
-            raise AltParamsError(
-                f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
-                "supports a DistributedDataParallel wrapper or the module itself"
-            )
-        # prepare() moved the whole model to the device and AcceleratedOptimizer(device_placement=True)
-        # moved every optimizer state tensor there: back to where the current phase wants them.
-        switcher.reapply_placement()
-        history = switcher.history
-        first = history.last  # taken before DDP existed: fill in what its reducer reduces
-        assert first is not None
-        history.replace_last(dataclasses.replace(
-            first, allreduce_bytes_per_step=switcher.allreduce_bytes_per_step(), rebuilt_ddp=False))
-        if self.settings.prefix is not None:
-            self.frozen_prefix = FrozenPrefixCache(switcher.module, self.settings.prefix).attach()
-        self.after_switch(history.last)  # type: ignore[arg-type]
+        strategy = strategy_for(prepared)
+        if strategy is local_strategy() and part is None:
+            switcher = phases.switcher
+            if switcher is not None and prepared is not switcher.module and not (
+                    is_compiled_module(prepared)
+                    and extract_model_from_parallel(prepared, keep_torch_compile=False) is switcher.module):
+                raise AltParamsError(
+                    f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
+                    "supports the wrappers of its strategies (DDP, FSDP2) or the module itself"
+                )
+        phases.attach(prepared, part=part)
+        if strategy.capabilities.synchronises_gradients:
+            switcher = phases.switcher
+            assert switcher is not None
+            self.guard.watch_many(switcher.wrappers if part is not None else [prepared])
 
     def wrapping_all(self, models: list[nn.Module]) -> Any:
         """Every parameter of ``models`` trainable while DDP wraps them (it refuses a module with nothing to
@@ -247,6 +227,13 @@ class PhasedRun:
         return _all_trainable(models)
 
     # ------------------------------------------------------------ the loop
+    @property
+    def steps_in_backward(self) -> bool:
+        """The run's strategy applies the update inside the sync-boundary backward (its declared step boundary):
+        the schedule is driven from ``accelerator.backward`` then, not from ``optimizer.step()``."""
+        return self.phases is not None and (
+            self.phases.strategy.capabilities.step_boundary is StepBoundary.BACKWARD)
+
     def before_step(self) -> None:
         """Before a sync-boundary step: the loop checks (the phase's invariants run in the optimizer's own hook)."""
         if self.switcher is not None and self.guard is not None:
@@ -254,25 +241,16 @@ class PhasedRun:
 
     def after_step(self) -> Optional[SwitchRecord]:
         """After a sync-boundary step (fp16-skipped too, as the Trainer counts it): count it, switch if due."""
-        if self.switcher is None or self.driver is None:  # used after free_memory(): nothing to drive
+        if self.phases is None:  # used after free_memory(): nothing to drive
             return None
-        if self.comm_counter is not None:
-            self.comm_counter.end_step()
-        record = self.driver.stepped()
-        if record is not None:
-            self.after_switch(record)
-        return record
+        return self.phases.stepped()
 
     def set_epoch(self, epoch: int) -> Optional[SwitchRecord]:
         """The loop entered ``epoch``: move the driver there; switch if the schedule says so."""
-        if self.driver is None:
-            return None
-        record = self.driver.set_epoch(epoch)  # before prepare (nothing bound): the position only
-        if record is not None:
-            self.after_switch(record)
-        return record
+        return None if self.phases is None else self.phases.set_epoch(epoch)
 
     def after_switch(self, record: SwitchRecord) -> None:
+        """Log a switch record (``log_switches``)."""
         if self.settings.log_switches:
             self._log(self._metrics(record), step=record.step)
 

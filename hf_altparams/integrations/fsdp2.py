@@ -38,15 +38,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine.comm import CommCounter
 from ..engine.optim import GroupedOptimizer
-from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
 from ..plan.groups import ParamGroups
 from .accelerate_internals import shared_accelerator_state
 
 __all__ = [
-    "InnerOptimizers", "forget_untrained_state", "fsdp2_metrics", "fsdp2_not_running", "grouped_checkpoint_view",
+    "InnerOptimizers", "forget_untrained_state", "fsdp2_not_running", "grouped_checkpoint_view",
     "groups_with_state", "rebind_groups", "rebind_optimizer", "shard_trainer_groups", "trainer_fsdp_version",
     "uses_fsdp2",
 ]
@@ -194,17 +192,6 @@ def grouped_checkpoint_view(optimizers: list[Any], names_by_index: Optional[dict
             param.requires_grad_(flag)
 
 
-def fsdp2_metrics(switcher: Optional[PhaseSwitcher], counter: Optional[CommCounter], record: Any,
-                  prefix: str) -> dict[str, int]:
-    """The switch log's FSDP2 figures: bytes reduce-scattered per step (expected; measured when counted)."""
-    if switcher is None or switcher.backend.kind != "fsdp2":
-        return {}
-    out = {f"{prefix}reduce_scatter_bytes_per_step": int(record.allreduce_bytes_per_step)}
-    if counter is not None and counter.history:
-        out[f"{prefix}reduce_scatter_bytes_measured"] = int(counter.history[-1])
-    return out
-
-
 def trainer_fsdp_version(args: Any, shared_plugin: Any) -> Optional[int]:
     """The FSDP version a Trainer run uses (``None``: no FSDP), from its arguments or Accelerate's plugin."""
     plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
@@ -253,7 +240,7 @@ def uses_fsdp2(args: Any) -> bool:
 
 
 def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer], args: Any,
-                         state: Any, trained: set[str], *, has_prefix: bool) -> ParamGroups:
+                         state: Any, trained: set[str]) -> ParamGroups:
     """For the Trainer's FSDP2 run (at ``on_train_begin``): the groups on the sharded parameters.
 
     The Trainer's ``accelerator.prepare`` ran ``fully_shard`` on the model in
@@ -267,8 +254,6 @@ def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optio
     (``global_step > 0``) the groups not in ``trained`` get it back empty
     (:func:`forget_untrained_state`).
     """
-    if has_prefix:
-        raise AltParamsError("`frozen_prefix` is not supported with FSDP2 (not verified); leave it out")
     if isinstance(_unwrapped(optimizer), GroupedOptimizer) and args.save_strategy != "no":
         raise AltParamsError(
             "AlternatingFreeze with FSDP2 cannot checkpoint a GroupedOptimizer through the Trainer (its state "

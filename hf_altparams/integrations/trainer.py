@@ -49,21 +49,22 @@ from transformers import (
 )
 
 from ..engine.collective import is_distributed
-from ..engine.comm import CommCounter, register_comm_counter, register_reduce_scatter_counter
+from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
-from ..engine.fsdp2 import is_fsdp2
+from ..engine.strategies import local_strategy, strategy_for
 from ..engine.memory import optimizer_of
-from ..engine.optim import GroupedOptimizer, uncovered_message
+from ..engine.optim import uncovered_message
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
 from ..engine.switch import PhaseSwitcher
-from ..errors import AltParamsError, Cause, PlanError, SwitchError
+from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .accelerate_internals import shared_accelerator_state
 from .fsdp2 import fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
+from .assembly import PhaseRun, RunOptions
 from .refusals import TRAINER, Configuration, check, message
 from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed, last_complete_checkpoint,
                                   mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
@@ -118,22 +119,25 @@ def unsupported_backend(args: TrainingArguments) -> Optional[str]:
 class FirstCallCatcher:
     """A one-shot *global* forward pre-hook that finds the wrapper the Trainer built.
 
-    The Trainer keeps its ``DistributedDataParallel`` in a local variable and
-    hands callbacks the bare model. A global pre-hook sees every module call,
-    the wrapper's own included, *before* its ``forward`` runs (a pre-hook on
-    the inner module would run after ``DDP._pre_forward`` has already prepared
-    the old reducer for this iteration). It removes itself at the first call
-    of either the wrapper or, when there is none, the bare model in training.
+    The Trainer keeps its wrapper (``DistributedDataParallel``, or that of any
+    registered strategy that wraps the module) in a local variable and hands
+    callbacks the bare model. A global pre-hook sees every module call, the
+    wrapper's own included, *before* its ``forward`` runs (a pre-hook on the
+    inner module would run after ``DDP._pre_forward`` has already prepared the
+    old reducer for this iteration). The registry says whether a caller is a
+    wrapper around the model (:func:`~hf_altparams.engine.strategies.strategy_for`).
+    It removes itself at the first call of either the wrapper or, when there is
+    none, the bare model in training.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        on_ddp: Callable[[nn.parallel.DistributedDataParallel], None],
+        on_wrapper: Callable[[nn.Module], None],
         on_plain: Callable[[], None],
     ) -> None:
         self._module = weakref.ref(module)  # a global hook must not keep the model alive
-        self.on_ddp = on_ddp
+        self.on_wrapper = on_wrapper
         self.on_plain = on_plain
         self._handle: Optional[Any] = register_module_forward_pre_hook(self._hook)
 
@@ -141,12 +145,15 @@ class FirstCallCatcher:
         module = self._module()
         if module is None:
             self.remove()
-        elif isinstance(called, nn.parallel.DistributedDataParallel) and called.module is module:
-            self.remove()
-            self.on_ddp(called)
-        elif called is module and called.training and torch.is_grad_enabled():
-            self.remove()
-            self.on_plain()
+        elif called is module:
+            if called.training and torch.is_grad_enabled():
+                self.remove()
+                self.on_plain()
+        elif any(child is module for child in called.children()):
+            strategy = strategy_for(called)
+            if strategy.capabilities.wraps_module and strategy.wrapped_module(called) is module:
+                self.remove()
+                self.on_wrapper(called)
 
     def remove(self) -> None:
         if self._handle is not None:
@@ -425,16 +432,31 @@ class AlternatingFreeze(TrainerCallback):
         prefix_option = as_frozen_prefix(frozen_prefix)
         if prefix_option is not None and prefix_option.blocks is None and layers is not None:
             prefix_option = dataclasses.replace(prefix_option, blocks=layers)
-        self._prefix_option = prefix_option
-        self.frozen_prefix: Optional[FrozenPrefixCache] = None
+        #: the run assembly (:class:`~.assembly.PhaseRun`): the strategy, the switcher, the wrapper, the comm
+        #: counter, the frozen-prefix cache; a new driver at every ``train()``
+        self.run = PhaseRun(schedule, RunOptions(self.config, self.count_comm, prefix_option),
+                            on_built=self._started)
         self.groups: Optional[ParamGroups] = None
-        self.switcher: Optional[PhaseSwitcher] = None
-        self.comm: Optional[CommCounter] = None
         self.find_unused_parameters: Optional[bool] = None
         self._catcher: Optional[FirstCallCatcher] = None
         self._is_main = True
         self._save_prepared_at: Optional[int] = None  # the step whose save `_prepare_save` checked
         self._output_guard: Optional[OutputGuard] = None  # a training forward without grad: a clear error
+
+    @property
+    def switcher(self) -> Optional[PhaseSwitcher]:
+        """The engine's switcher of the current ``train()`` (``None`` before it)."""
+        return self.run.switcher
+
+    @property
+    def comm(self) -> Optional[CommCounter]:
+        """The comm counter (``count_comm=True``, once the wrapper is attached)."""
+        return self.run.comm_counter
+
+    @property
+    def frozen_prefix(self) -> Optional[FrozenPrefixCache]:
+        """The frozen-prefix cache (``frozen_prefix=...``), attached at ``Trainer(...)`` time."""
+        return self.run.frozen_prefix
 
     @property
     def driver(self) -> Optional[PhaseDriver]:
@@ -499,7 +521,7 @@ class AlternatingFreeze(TrainerCallback):
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
         make_scheduled_trainable(self.groups, self.schedule, only=uses_fsdp2(args))
-        self._attach_prefix(model)
+        self.run.attach_prefix(model)
         move_before_reporters(self, caller_frame())
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -511,13 +533,15 @@ class AlternatingFreeze(TrainerCallback):
         assert self.groups is not None
         resumed_from = saved_driver_state(state, self._epoch(state))  # a resumed checkpoint's record (or none)
         trained = set(resumed_from.trained_groups)
-        sharded = model if model is not None and is_fsdp2(model) else None  # prepare ran fully_shard in place
-        if sharded is None and uses_fsdp2(args) and state.is_world_process_zero:
+        self.run.restart()  # the last train()'s switcher (its optimizer step check) goes
+        in_place = strategy_for(model) if model is not None else local_strategy()  # prepare wrapped it in place
+        self.run.expect(in_place if in_place is not local_strategy() else None)
+        if in_place is local_strategy() and uses_fsdp2(args) and state.is_world_process_zero:
             logger.warning(fsdp2_not_running("fsdp_config={'version': 2}", "plain DDP"))
-        if sharded is not None:
-            self.groups = shard_trainer_groups(self.groups, sharded, optimizer, args, state, trained,
-                                               has_prefix=self._prefix_option is not None)
-        self._attach_prefix(self.groups.module)
+        if in_place.capabilities.rebinds_parameters:  # FSDP2's shards: the groups, optimizer and DCP state follow
+            assert model is not None
+            self.groups = shard_trainer_groups(self.groups, model, optimizer, args, state, trained)
+        self.run.attach_prefix(self.groups.module)
         check_optimizer_covers(self.groups, self.schedule, optimizer)
         resumed = resumed_checkpoint(caller_frame(), args, state)
         if resumed is not None:
@@ -525,27 +549,22 @@ class AlternatingFreeze(TrainerCallback):
             check_resumed(resumed, state, saved)
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
-        if self.switcher is not None:
-            self.switcher.close()  # the last train()'s: its optimizer step check goes
-        self.switcher = PhaseSwitcher(self.groups, self.schedule, optimizer=optimizer_of(optimizer),
-                                      config=self.config)
-        self.switcher.driver.restore(resumed_from)
-        if self._on_start is not None:
-            self._on_start(self.switcher)
-        self.comm = None
-        if sharded is not None:  # FSDP2: no wrapper to catch; the phase is read at the next all-gather
-            self.switcher.attach(sharded)
-            self.comm = register_reduce_scatter_counter(sharded) if self.count_comm else None
+        self.run.build(self.groups, optimizer_of(optimizer))  # on_start is called here (_started)
+        self.run.driver.restore(resumed_from)
+        if in_place is not local_strategy():  # no wrapper to catch; the phase is read at the next all-gather
+            assert model is not None
+            self.run.attach(model)
         self.report.reset()
-        self.switcher.step_to(state.global_step, self._epoch(state))
+        self.run.move_to(state.global_step, self._epoch(state))
+        assert self.switcher is not None
         self._save_state(state)
         if self._catcher is not None:
             self._catcher.remove()
         if self._output_guard is not None:
             self._output_guard.remove()
         self._output_guard = OutputGuard(self.groups.module, lambda: self.phase, self.groups)
-        if dist.is_available() and dist.is_initialized() and sharded is None:
-            self._catcher = FirstCallCatcher(self.groups.module, self._attach_ddp, self._no_wrapper)
+        if dist.is_available() and dist.is_initialized() and in_place is local_strategy():
+            self._catcher = FirstCallCatcher(self.groups.module, self._attach_wrapper, self._no_wrapper)
         if self._is_main:
             logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
                         self.groups.summary(self.switcher.current.trainable if self.switcher.current else None))
@@ -554,12 +573,10 @@ class AlternatingFreeze(TrainerCallback):
                     **kwargs: Any) -> None:
         if self.switcher is None:
             return
-        if self.comm is not None:
-            self.comm.end_step()
         if control.should_save:
             self._prepare_save(args, state)  # drift check; the folder the Trainer saves next may be an old run's
         last = bool(state.max_steps and state.global_step >= state.max_steps)  # no step follows: no switch
-        switched = self.switcher.driver.stepped(state.global_step, self._epoch(state), switch=not last) is not None
+        switched = self.run.stepped(state.global_step, self._epoch(state), switch=not last) is not None
         if switched or control.should_save:  # the checkpoint's record holds the groups trained up to this step
             self._save_state(state)
 
@@ -603,19 +620,16 @@ class AlternatingFreeze(TrainerCallback):
             self._output_guard = None
 
     # ------------------------------------------------------------------ internals
-    def _attach_ddp(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Called on the first call of the Trainer's DDP, before its forward: re-bucket it."""
+    def _started(self, switcher: PhaseSwitcher) -> None:
+        """The run's switcher was built (every ``train()``): the user's ``on_start`` sees it first."""
+        if self._on_start is not None:
+            self._on_start(switcher)
+
+    def _attach_wrapper(self, wrapper: nn.Module) -> None:
+        """Called on the first call of the Trainer's wrapper, before its forward: re-bucket it for the phase."""
+        self.run.attach(wrapper, rebuild=True)
         assert self.switcher is not None
-        if self.count_comm and self.comm is None:
-            try:
-                self.comm = register_comm_counter(ddp)
-            except RuntimeError as err:
-                raise SwitchError(
-                    f"`count_comm=True` could not register its comm hook on the Trainer's DDP ({err}); "
-                    "DDP takes one comm hook: drop the other one, or pass `count_comm=False`"
-                ) from err
-        self.switcher.attach(ddp, rebuild=True)
-        self.find_unused_parameters = bool(ddp.find_unused_parameters)
+        self.find_unused_parameters = self.switcher.backend.find_unused
         if self.find_unused_parameters and self._is_main:
             logger.warning(FIND_UNUSED_WARNING)
 
@@ -623,16 +637,6 @@ class AlternatingFreeze(TrainerCallback):
         """Called when the model trains without a DDP wrapper: refused in a multi-process run (:mod:`.refusals`)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         check(Configuration(TRAINER, world_size=world, processes=world, unwrapped=True))
-
-    def _attach_prefix(self, model: nn.Module) -> None:
-        if self._prefix_option is None:
-            return
-        if self.frozen_prefix is not None and self.frozen_prefix.model is model:
-            self.frozen_prefix.reset()  # a new train() (or a resume): rows of the last one are void
-            return
-        if self.frozen_prefix is not None:
-            self.frozen_prefix.detach()
-        self.frozen_prefix = FrozenPrefixCache(model, self._prefix_option).attach()
 
     @staticmethod
     def _epoch(state: TrainerState) -> int:

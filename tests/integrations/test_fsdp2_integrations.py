@@ -203,8 +203,6 @@ def test_trainer_refuses_to_checkpoint_a_grouped_optimizer_under_fsdp2() -> None
     model, opt = _grouped()
     state = SimpleNamespace(global_step=0)
     with pytest.raises(AltParamsError, match=r"cannot checkpoint a GroupedOptimizer.*`save_strategy='no'`"):
-        shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="steps"), state, set(),
-                             has_prefix=False)
-    rebound = shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="no"), state, set(),
-                                   has_prefix=False)
+        shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="steps"), state, set())
+    rebound = shard_trainer_groups(opt.groups, model, opt, SimpleNamespace(save_strategy="no"), state, set())
     assert rebound.names == ("a", "b")

@@ -6,7 +6,8 @@
 * :mod:`tests.support.digests`: sha256 of weights, to compare ranks and runs;
 * :mod:`tests.support.exits`: counts aborts at interpreter exit of repeated 2-rank runs;
 * :mod:`tests.support.faults`: kills a checkpoint save part-way (torn-checkpoint tests);
-* :mod:`tests.support.switch_leaks`: what a DDP switch must free, and the guard that fails when it does not.
+* :mod:`tests.support.switch_leaks`: what a DDP switch must free, and the guard that fails when it does not;
+* :mod:`tests.support.fake_strategy`: a strategy registered by the tests only (the seam's proof).
 
 Imported as ``tests.support.x`` with the repository root on ``sys.path``
 (pytest: ``pythonpath = .`` in ``setup.cfg``; the benchmarks, the check
