@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..engine.strategies import strategy_named
 from ..errors import AltParamsError, Cause, PlanError
 from .launch import (RESULTS_ENV, Interrupted, LaunchRefused, alone_under_accelerate, deadline_left, decide_on_rank0,
                      launched, plan_launch, self_launch, signals_interrupt, started_by_check, write_result)
@@ -79,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-preflight", action="store_true",
                      help="start the ranks without pricing their memory first (the pre-flight refuses a run "
                           "that cannot fit in this machine's memory)")
-    run.add_argument("--fsdp2", action="store_true", help="shard with FSDP2 (also on CPU ranks)")
+    run.add_argument("--strategy", metavar="{" + ",".join(CONFIGURABLE) + "}",
+                     help="the registered strategy to run (default: as Accelerate is configured); fsdp2: shard "
+                          "with FSDP2, also on CPU ranks")
+    run.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
     run.add_argument("--warmup", type=int, default=2, help="switches left out of the memory judgement")
     run.add_argument("--timeout", type=_positive("--timeout", float), default=120.0,
                      help="seconds a rank waits for the others before reporting them lost")
@@ -112,6 +116,10 @@ def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return make
 
 
+#: The strategies the check sets up itself through Accelerate (``--strategy``): plain DDP, or FSDP2's plugin.
+CONFIGURABLE = ("ddp", "fsdp2")
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     if args.setup and args.model:
         raise PlanError("`--setup` and `--model` exclude each other: a --setup builds its own model")
@@ -124,6 +132,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         flags = (["--schedule"] if kind else []) + [SCHEDULES.option(o).flag for o in options]
         raise PlanError(f"`--setup` builds its own schedule: leave out {', '.join(flags)}")
     SCHEDULES.resolve(kind, options, CHECK_DEFAULTS)  # before any rank starts; the groups are checked on the ranks
+    if args.strategy is not None:
+        name = strategy_named(args.strategy, argument="`--strategy`").name
+        if name not in CONFIGURABLE:
+            raise PlanError(f"`--strategy {args.strategy}`: the check sets up {list(CONFIGURABLE)} through "
+                            f"Accelerate; run {name} under your own launcher and config instead")
+        if args.fsdp2 and name != "fsdp2":
+            raise PlanError(f"`--fsdp2` and `--strategy {args.strategy}` disagree; give one of them")
+        args.fsdp2 = name == "fsdp2"  # the one flag the rest of the check reads
 
 
 def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Namespace) -> str:

@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 
 from ..engine.collective import is_collective_failure
 from ..engine.memory import StatePolicy
+from ..engine.strategies import Collective
 from ..errors import AltParamsError, AltParamsWarning, Cause
 from ..plan import ParamGroups, Schedule
 from .readings import MemoryGauge
@@ -371,8 +372,11 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             seconds = time.perf_counter() - began - hook_seconds[0]
             counter = acc.comm_counter
             reduced = counter.history[-1] if counter is not None and counter.history else None
+            # what the strategy feeds its collective: a reduce-scatter the padded trainable gradients (the
+            # switch's figure), an all-reduce the gradients themselves
             expected = None if counter is None else (
-                switcher.reduced_bytes(current) if result.parallel == "FSDP2" else grad_bytes)
+                switcher.reduced_bytes(current) if switcher.strategy.pricing.collective is Collective.REDUCE_SCATTER
+                else grad_bytes)
             result.steps.append(StepRow(step=step, phase=phase, grad_bytes=grad_bytes, reduced_bytes=reduced,
                                         expected_reduced=expected, held=held[0], seconds=seconds))
             told("step", step + 1)

@@ -205,3 +205,14 @@ def test_the_planner_cli_takes_a_strategy_name_and_the_old_flag() -> None:
     assert plan_from_argv([*argv, "--strategy", "none"])[1].backend == "local"
     with pytest.raises(PlanError, match=r"`--fsdp2` and `--strategy ddp` disagree"):
         plan_from_argv([*argv, "--strategy", "ddp", "--fsdp2"])
+
+
+def test_the_check_cli_takes_a_strategy_name_through_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_altparams.check.cli import main
+
+    assert main(["--strategy", "deepspeed"]) == 2  # refused before any rank starts
+    assert "`--strategy` must be one of the registered strategies" in capsys.readouterr().err
+    assert main(["--strategy", "none"]) == 2
+    assert "the check sets up ['ddp', 'fsdp2'] through Accelerate; run local under your own" in capsys.readouterr().err
+    assert main(["--strategy", "ddp", "--fsdp2"]) == 2
+    assert "`--fsdp2` and `--strategy ddp` disagree" in capsys.readouterr().err
