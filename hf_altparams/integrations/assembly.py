@@ -234,6 +234,7 @@ class PhaseRun:
         if strategy is local_strategy():
             if part is not None:
                 return None  # one process: the model trains unwrapped
+            switcher.reapply_placement()  # the framework moved the model, and the optimizer state, to the device
             return self._first_record(switcher)
         self._count(wrapper, strategy, shared=part is not None)  # before a rebuild: it re-registers the hook
         record = switcher.attach(wrapper, rebuild=rebuild or part is not None)
@@ -250,8 +251,9 @@ class PhaseRun:
         rebind_optimizer(self.optimizer, old, groups)
         switcher = self.build(groups, self.optimizer)
         switcher.attach(wrapper)  # nothing is rebuilt at a switch: the phase is read at the next all-gather
-        record = self.move_to(self.driver.step, self.driver.epoch)
         self._count(wrapper, strategy, shared=False)
+        record = self.move_to(self.driver.step, self.driver.epoch)
+        switcher.reapply_placement()
         return record
 
     def _first_record(self, switcher: PhaseSwitcher) -> Optional[SwitchRecord]:

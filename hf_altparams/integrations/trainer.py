@@ -16,11 +16,13 @@ and the DDP wrapper caught at its first call; each optimizer step: the phase's
 invariants; ``on_step_end``: the switch; ``on_log``, ``on_save``): ``docs/trainer.md``.
 
 The engine (a :class:`~hf_altparams.engine.PhaseSwitcher` and its driver) does
-every switch; this module holds the callback, with what it needs around the
-Trainer: its groups on the Trainer's model (:func:`resolve_groups`), the
-refusals of strategies it cannot drive (:func:`unsupported_backend`), the
-one-shot hook that finds the Trainer's DDP wrapper at its first call
-(:class:`FirstCallCatcher`) and the log values (:class:`TrainerReport`).
+every switch, and the run assembly both integrations share
+(:class:`~.assembly.PhaseRun`) builds and attaches it; this module holds the
+callback, with what is the Trainer's own: its groups on the Trainer's model
+(:func:`resolve_groups`), how its arguments map to the refusal table
+(:func:`configuration`, :mod:`.refusals`), the one-shot hook that finds the
+Trainer's wrapper at its first call (:class:`FirstCallCatcher`) and the log
+values (:class:`TrainerReport`).
 Saves and resumes are in :mod:`.trainer_checkpoints`; the optimizer helpers in
 :mod:`.trainer_optim`; the Trainer internals it reads in
 :mod:`.transformers_internals`.
@@ -52,19 +54,19 @@ from ..engine.collective import is_distributed
 from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
-from ..engine.strategies import local_strategy, strategy_for
 from ..engine.memory import optimizer_of
 from ..engine.optim import uncovered_message
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchRecord
+from ..engine.strategies import local_strategy, strategy_for
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .accelerate_internals import shared_accelerator_state
-from .fsdp2 import fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
 from .assembly import PhaseRun, RunOptions
+from .fsdp2 import fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
 from .refusals import TRAINER, Configuration, check, message
 from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed, last_complete_checkpoint,
                                   mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
