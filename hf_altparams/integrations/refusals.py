@@ -7,7 +7,12 @@ only how it *recognises* its run: each builds a :class:`Configuration` from what
 it sees (Accelerate's distributed type, plugins and process count; the
 Trainer's arguments and Accelerate's shared state), and :func:`check` raises
 the first row of :data:`REFUSALS` that applies, naming the integration, the
-setting, the reason and the way out in that integration's terms.
+setting, the reason and the way out in that integration's terms, with its cause
+(``err.cause``: :data:`~hf_altparams.errors.Cause.STRATEGY_REFUSED` for a
+strategy or parallelism the phases cannot drive;
+:data:`~hf_altparams.errors.Cause.SETUP_REFUSED` for a set-up that would train
+each rank alone: Accelerate's one process in a multi-rank job, the Trainer's
+unwrapped model).
 
 The table (:data:`REFUSALS`):
 
@@ -183,7 +188,7 @@ REFUSALS: tuple[RefusalRule, ...] = (
         {ACCELERATE: ("On CPU ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use "
                       "`accelerate launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate "
                       "launch --cpu` runs one process)")},
-        cause=Cause.LAUNCH_STARTS_ONE_PROCESS),
+        cause=Cause.SETUP_REFUSED),
     RefusalRule(
         "unwrapped-of-many", lambda c: c.unwrapped and c.world_size > 1,
         lambda c: f"the model as the Trainer left it: it trains in {c.world_size} processes, but the Trainer did "

@@ -63,7 +63,7 @@ def test_a_refusal_at_the_first_forward_is_a_switch_error() -> None:
     assert info.value.cause is Cause.SETUP_REFUSED
     with pytest.raises(AltParamsError, match="ACCELERATE_USE_CPU=1") as info:
         check(Configuration(ACCELERATE, world_size=2, processes=1))
-    assert info.value.cause is Cause.LAUNCH_STARTS_ONE_PROCESS
+    assert info.value.cause is Cause.SETUP_REFUSED
 
 
 @pytest.mark.parametrize("config", [Configuration(ACCELERATE), Configuration(ACCELERATE, fsdp_version=2),
