@@ -43,8 +43,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.backend import model_name_in
-from ..engine.ddp import is_ddp
 from ..engine.optim import GroupedOptimizer, frozen_ungrouped, grouped_in, match_to_groups, uncovered_message
+from ..engine.strategies import strategy_for
 from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.schedules import Schedule
@@ -181,8 +181,11 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
         is_model, name = _model_part(root, arg)
         if is_model:
             models[i] = name
-        elif is_ddp(arg) and (arg.module is root or _model_part(root, arg.module)[0]):
-            _refuse_user_ddp()
+        elif isinstance(arg, nn.Module):
+            strategy = strategy_for(arg)
+            inner = strategy.wrapped_module(arg)
+            if strategy.capabilities.wraps_module and (inner is root or _model_part(root, inner)[0]):
+                _refuse_user_wrapper(arg)
     twice = [name for name in models.values() if name in prepared_models]
     if twice or len(set(models.values())) < len(models):
         raise AltParamsError(
@@ -249,7 +252,7 @@ def _groups_of_one_model(groups: ParamGroups, args: tuple[Any, ...], schedule: S
     if set(groups.names) != set(parts):
         return groups
     for arg in args:
-        if isinstance(arg, nn.Module) and not is_ddp(arg):
+        if isinstance(arg, nn.Module) and not strategy_for(arg).capabilities.wraps_module:
             inside = {id(m) for m in arg.modules() if m is not arg}
             if all(id(part) in inside for part in parts.values()):
                 rebuilt = ParamGroups(arg, {name: part for name, part in parts.items()}, ungrouped=groups.ungrouped)
@@ -444,10 +447,11 @@ def _refuse_without_groups(optimizers: list[Optimizer]) -> None:
     )
 
 
-def _refuse_user_ddp() -> None:
-    """`prepare` got a DistributedDataParallel the user built around the grouped model."""
+def _refuse_user_wrapper(wrapper: nn.Module) -> None:
+    """`prepare` got a wrapper (a registered strategy's: DDP, ...) the user built around the grouped model."""
     raise AltParamsError(
-        "`prepare` got a DistributedDataParallel you built around the grouped model; pass the model itself "
-        "(`groups.module`): PhasedAccelerator applies the first phase before it builds DDP, and rebuilds "
-        "DDP's reducer at each switch, which a wrapper built earlier (over every parameter) would miss"
+        f"`prepare` got a {type(wrapper).__name__} you built around the grouped model; pass the model itself "
+        "(`groups.module`): PhasedAccelerator applies the first phase before Accelerate builds the wrapper, and "
+        "adapts that wrapper at each switch (DDP's reducer is rebuilt), which a wrapper built earlier (over every "
+        "parameter) would miss"
     )
