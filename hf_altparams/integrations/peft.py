@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from ..engine.layouts import remember
+from ..engine.strategies import strategy_for
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError, Cause, PlanError
 from ..plan.groups import ParamGroups, Spec, UngroupedPolicy
@@ -102,7 +103,7 @@ def _require_peft() -> None:
 
 
 def as_peft_model(model: Any, *, argument: str = "model") -> Any:
-    """``model`` itself (a DDP wrapper unwrapped) if it is a peft model with adapters; else a clear error.
+    """``model`` itself (a wrapper such as DDP unwrapped) if it is a peft model with adapters; else a clear error.
 
     Example:
         >>> import torch
@@ -112,9 +113,10 @@ def as_peft_model(model: Any, *, argument: str = "model") -> Any:
         hf_altparams.errors.PlanError: `model` must be a peft model ...
     """
     _require_peft()
-    inner = getattr(model, "module", None)
-    if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
-        model = inner
+    if isinstance(model, nn.Module):
+        strategy = strategy_for(model)  # a wrapper a registered strategy drives (DDP): its module
+        if strategy.capabilities.wraps_module:
+            model = strategy.wrapped_module(model)
     if not isinstance(model, (peft.PeftModel, peft.PeftMixedModel)):
         raise PlanError(
             f"`{argument}` must be a peft model (a PeftModel from `peft.get_peft_model(model, config)` or "
