@@ -216,3 +216,19 @@ def test_the_check_cli_takes_a_strategy_name_through_the_registry(capsys: pytest
     assert "the check sets up ['ddp', 'fsdp2'] through Accelerate; run local under your own" in capsys.readouterr().err
     assert main(["--strategy", "ddp", "--fsdp2"]) == 2
     assert "`--fsdp2` and `--strategy ddp` disagree" in capsys.readouterr().err
+
+
+def test_a_strategy_registered_before_another_is_tried_first() -> None:
+    class Shadow(FakeStrategy):
+        name, aliases, label = "shadow", (), "Shadow"
+
+    with registered_fake(FakeStrategy()) as fake:
+        shadow = register(Shadow(), before="fake")
+        try:
+            assert [s.name for s in registered()] == ["fsdp2", "ddp", "shadow", "fake", "local"]
+            assert strategy_for(FakeWrapper(_net())) is shadow  # both recognise it: the earlier wins
+        finally:
+            unregister("shadow")
+        assert strategy_for(FakeWrapper(_net())) is fake
+    with pytest.raises(PlanError, match=r"`before` must name a registered strategy.*got 'local'"):
+        register(Shadow(), before="local")

@@ -130,8 +130,8 @@ def register(strategy: Strategy, *, before: Optional[str] = None) -> Strategy:
     if before is not None:
         at = next((i for i, s in enumerate(_REGISTERED) if before in _names(s)), -1)
         if at < 0:
-            raise PlanError(f"`before` names no registered strategy that can be passed: {before!r}; "
-                            f"registered: {[s.name for s in _REGISTERED]}")
+            raise PlanError(f"`before` must name a registered strategy (the one-process fallback comes last "
+                            f"anyway), got {before!r}; registered: {[s.name for s in _REGISTERED]}")
     _REGISTERED.insert(at, strategy)
     return strategy
 
