@@ -215,7 +215,10 @@ class PhasedRun:
                     f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
                     "supports the wrappers of its strategies (DDP, FSDP2) or the module itself"
                 )
+        before = phases.groups
         phases.attach(prepared, part=part)
+        if phases.groups is not before and self.groups_given is before:  # rebound to the strategy's parameters
+            self.groups_given = phases.groups  # else it would keep every parameter from before fully_shard alive
         if strategy.capabilities.synchronises_gradients:
             switcher = phases.switcher
             assert switcher is not None

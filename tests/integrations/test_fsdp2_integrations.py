@@ -42,6 +42,8 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert {"optimizer_0", "pytorch_model_fsdp_0", "hf_altparams_state.json"} <= set(r["ckpt_files"])
         # one optimizer per group (prepare(model, opt_a, opt_b, opt_c)) under FSDP2: same as the reference
         assert r["per_group_max_diff"] < 1e-5, r["per_group_max_diff"]
+        # the groups the accelerator was given no longer hold the parameters from before fully_shard
+        assert r["pre_shard_alive"] == 0
         # mixed_precision="bf16" (Accelerate's bf16 MixedPrecisionPolicy): groups frozen at the first
         # forward train once unfrozen; fp32 master parameters; bf16 reduce-scatter, counted == expected
         bf16 = r["bf16"]

@@ -18,9 +18,11 @@ equal to the uninterrupted one.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -136,12 +138,20 @@ def bf16_run() -> dict[str, object]:
             "digest": hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in final.values())).hexdigest()}
 
 
-def per_group_run() -> float:
-    """One AdamW per group, ``prepare(model, opt_a, opt_b, opt_c)``: max difference to the reference."""
+def per_group_run() -> tuple[float, int]:
+    """One AdamW per group, ``prepare(model, opt_a, opt_b, opt_c)``: max difference to the reference.
+
+    And how many of the parameters from before ``fully_shard`` are still alive once
+    ``prepare`` is done (the groups given to the accelerator are the only ones that
+    could hold them: a whole unsharded copy of the model on every rank).
+    """
     model = build()
     acc = accelerator(groups=ParamGroups(model, SPECS))
+    before = [weakref.ref(p) for p in model.parameters()]
     opts = [torch.optim.AdamW(model[i].parameters(), lr=LR) for i in (0, 2, 4)]
     model, *handles = acc.prepare(model, *opts)
+    gc.collect()
+    alive = sum(ref() is not None for ref in before)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches()
     for step in range(STEPS):
@@ -153,7 +163,7 @@ def per_group_run() -> float:
                 for handle in handles:
                     handle.zero_grad()
     got, ref = full(model), reference("keep")
-    return max(float((got[n] - ref[n]).abs().max()) for n in ref)
+    return max(float((got[n] - ref[n]).abs().max()) for n in ref), alive
 
 
 def check(out: str) -> dict[str, object]:
@@ -193,7 +203,7 @@ def check(out: str) -> dict[str, object]:
         "resume_max_diff": max(float((resumed[n] - got[n]).abs().max()) for n in got),
         "ckpt_files": sorted(os.listdir(os.path.join(out, "ckpt"))),
         "bf16": bf16_run(),
-        "per_group_max_diff": per_group_run(),
+        **dict(zip(("per_group_max_diff", "pre_shard_alive"), per_group_run())),
     }
 
 
