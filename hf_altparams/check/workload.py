@@ -5,7 +5,11 @@ A :class:`CheckSetup` holds all of it. Three ways to get one:
 * :func:`builtin_setup`: the default, a small Llama built from a config (no
   download), one group per decoder layer plus ``emb`` and ``head``;
 * :func:`model_setup`: the user's model from a config file or checkpoint folder
-  (``--model``), built with or without its weights, grouped the same way;
+  (``--model``), built with or without its weights, grouped the same way (an
+  encoder-decoder's encoder and decoder layers both), with the head of its
+  task (:data:`TASKS`: causal LM, seq2seq LM, masked LM, sequence
+  classification; from ``--task`` or the config's ``architectures``) and
+  synthetic batches that fit it (:func:`synthetic_batch`);
 * :func:`load_setup`: the user's own ``module:function`` (``--setup``), which
   returns a :class:`CheckSetup` (or a ``(groups, schedule)`` pair). That is where
   a set-up's own code goes: its optimizer, its batches and loss, and what it
@@ -32,8 +36,9 @@ from torch.optim import Optimizer
 from ..errors import PlanError
 from ..plan import ANY_KIND, SCHEDULES, CommandDefaults, Derived, ParamGroups, Schedule
 
-__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "Batch", "CheckSetup", "builtin_model", "builtin_setup", "find_layers",
-           "layer_groups", "load_setup", "model_setup", "schedule_for", "synthetic_batch"]
+__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "TASKS", "Batch", "CheckSetup", "builtin_model", "builtin_setup",
+           "ddp_kwargs", "find_layer_stacks", "find_layers", "layer_groups", "load_setup", "model_setup",
+           "model_task", "pick_task", "schedule_for", "synthetic_batch"]
 
 #: The groups :func:`layer_groups` adds beside the layers: the input embeddings and the output head.
 _EMBEDDINGS = ("emb", "head")
@@ -88,6 +93,16 @@ class CheckSetup:
             mean square of its first output).
         on_step: ``on_step(model, step)``, called on the unwrapped model before each step's forward:
             the user's own per-step code (what a Trainer callback does), checked with the rest.
+        before_step: ``before_step(model, optimizer, step)``, called between the last ``backward`` of an
+            optimizer step and ``optimizer.step()``, with the prepared model (the DDP or FSDP2 wrapper,
+            whose parameters hold the reduced gradients) and the prepared optimizer: gradient clipping
+            (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``), an LR scheduler's step, logging.
+        ddp: DDP's options, as Accelerate takes them: a ``DistributedDataParallelKwargs`` or a mapping of
+            its fields (``{"find_unused_parameters": True}`` for a forward that skips some trainable
+            parameters on some steps: MoE, multi-task loops; ``static_graph``, ``bucket_cap_mb``, ...).
+            ``comm_hook`` is refused: the check counts the bytes with its own.
+        accumulation: micro-batches per optimizer step (gradient accumulation, through
+            ``accelerator.accumulate``: DDP synchronises the last one only); default 1.
         description: one line for the report (what model, what schedule).
 
     Example:
@@ -106,6 +121,9 @@ class CheckSetup:
     loss: Optional[Callable[[Any], torch.Tensor]] = None
     on_step: Optional[Callable[[nn.Module, int], None]] = None
     description: str = field(default="")
+    before_step: Optional[Callable[[nn.Module, Optimizer, int], None]] = None
+    ddp: Any = None
+    accumulation: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, ParamGroups):
@@ -113,10 +131,14 @@ class CheckSetup:
         if not isinstance(self.schedule, Schedule):
             raise PlanError(f"CheckSetup `schedule` must be an hf_altparams Schedule, got "
                             f"{type(self.schedule).__name__}")
-        for name in ("optimizer", "batch", "loss", "on_step"):
+        for name in ("optimizer", "batch", "loss", "on_step", "before_step"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise PlanError(f"CheckSetup `{name}` must be callable or None, got {type(value).__name__}")
+        if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
+            raise PlanError(f"CheckSetup `accumulation` must be a positive integer (micro-batches per optimizer "
+                            f"step), got {self.accumulation!r}")
+        self.ddp = ddp_kwargs(self.ddp)
         if self.batch is None and not hasattr(self.model, "config"):
             raise PlanError(f"CheckSetup has no `batch` and its model ({type(self.model).__name__}) is not a "
                             "transformers model, whose inputs could be made up; give `batch=lambda step, rank: "
@@ -162,6 +184,39 @@ class CheckSetup:
         return first.float().pow(2).mean()
 
 
+def ddp_kwargs(value: Any) -> Any:
+    """``value`` (``CheckSetup.ddp``) as Accelerate's ``DistributedDataParallelKwargs`` (``None`` stays ``None``).
+
+    Example:
+        >>> ddp_kwargs({"find_unused_parameters": True}).find_unused_parameters
+        True
+        >>> ddp_kwargs({"find_unused": True})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hf_altparams.errors.PlanError: CheckSetup `ddp` names ['find_unused'], which DistributedDataParallelKwargs does not take; it takes [...]
+    """
+    if value is None:
+        return None
+    import dataclasses
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    fields = sorted(f.name for f in dataclasses.fields(DistributedDataParallelKwargs))
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise PlanError(f"CheckSetup `ddp` names {unknown}, which DistributedDataParallelKwargs does not take; it "
+                            f"takes {fields}")
+        value = DistributedDataParallelKwargs(**value)
+    if not isinstance(value, DistributedDataParallelKwargs):
+        raise PlanError(f"CheckSetup `ddp` must be a DistributedDataParallelKwargs or a mapping of its fields "
+                        f"({fields}), got {type(value).__name__}")
+    if str(value.comm_hook) != "no":
+        raise PlanError(f"CheckSetup `ddp` sets comm_hook={value.comm_hook!r}: the check counts the bytes all-reduced "
+                        "with a comm hook of its own, and DDP takes one; leave comm_hook out")
+    return value
+
+
 # ------------------------------------------------------------------------------ models
 def builtin_model(layers: int = 8, hidden: int = 256, vocab: int = 2048) -> nn.Module:
     """The default model: a small Llama (``LlamaForCausalLM``) from a config, seeded, no download.
@@ -190,16 +245,42 @@ def find_layers(model: nn.Module) -> str:
         >>> find_layers(net)
         'body.blocks'
     """
-    best, size = "", -1
+    return find_layer_stacks(model)[0]
+
+
+def find_layer_stacks(model: nn.Module) -> list[str]:
+    """The dotted paths of the model's stacks of layers: its largest ``ModuleList``, and the others of its kind.
+
+    A stack is a ``ModuleList`` of several modules that is not inside another
+    one; the others kept are those holding at least a quarter of the largest's
+    parameters (an encoder-decoder's encoder and decoder), largest first.
+
+    Example:
+        >>> net = nn.Module(); net.encoder = nn.ModuleList([nn.Linear(4, 4)] * 2)
+        >>> net.decoder = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)])
+        >>> find_layer_stacks(net)
+        ['decoder', 'encoder']
+    """
+    sizes: dict[str, int] = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            count = sum(p.numel() for p in module.parameters())
-            if count > size:
-                best, size = name, count
-    if not best:
+        inside = any(name.startswith(f"{other}.") for other in sizes)
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and not inside:
+            sizes[name] = sum(p.numel() for p in module.parameters())
+    if not sizes:
         raise PlanError(f"{type(model).__name__} holds no ModuleList of layers to group; name one with "
                         "`--layers PATH` or give a `--setup module:function` that builds the groups")
-    return best
+    largest = max(sizes.values())
+    return sorted((n for n, size in sizes.items() if size * 4 >= largest), key=lambda n: -sizes[n])
+
+
+def _stack_prefixes(paths: Sequence[str]) -> list[str]:
+    """Group-name prefixes for the stacks: ``layer`` for one; else each stack's parent (``encoder``, ``decoder``)."""
+    if len(paths) == 1:
+        return ["layer"]
+    parents = [p.rsplit(".", 1)[0].rsplit(".", 1)[-1] if "." in p else p for p in paths]
+    if len(set(parents)) == len(parents):
+        return parents
+    return [p.replace(".", "_") for p in paths]
 
 
 def _prefix_of(model: nn.Module, module: Optional[nn.Module]) -> Optional[str]:
@@ -214,17 +295,20 @@ def _prefix_of(model: nn.Module, module: Optional[nn.Module]) -> Optional[str]:
 def layer_groups(model: nn.Module, layers: Optional[str] = None, per: int = 1) -> ParamGroups:
     """One group per ``per`` layers (``layer0``, ...), plus ``emb`` and ``head`` where the model has them.
 
-    ``emb`` and ``head`` are the model's input and output embeddings (transformers'
-    ``get_input_embeddings`` / ``get_output_embeddings``; a tied head is part of
-    ``emb``). Other parameters (final norms) are ungrouped and stay frozen.
+    The layers are those of ``layers`` (a dotted path), else of the model's
+    stacks (:func:`find_layer_stacks`): an encoder-decoder gets ``encoder0``, ...
+    and ``decoder0``, ... ``emb`` and ``head`` are the model's input and output
+    embeddings (transformers' ``get_input_embeddings`` / ``get_output_embeddings``;
+    a tied head is part of ``emb``). Other parameters (final norms) are ungrouped
+    and stay frozen.
 
     Example:
         >>> groups = layer_groups(builtin_model(layers=2, hidden=64, vocab=128))
         >>> groups.names
         ('layer0', 'layer1', 'emb', 'head')
     """
-    path = layers or find_layers(model)
-    extra: dict[str, str] = {}
+    paths = [layers] if layers else find_layer_stacks(model)
+    extra: dict[str, Union[str, list[str]]] = {}
     getters = {"emb": "get_input_embeddings", "head": "get_output_embeddings"}
     emb_params = set()
     for group, getter in getters.items():
@@ -236,14 +320,101 @@ def layer_groups(model: nn.Module, layers: Optional[str] = None, per: int = 1) -
             continue  # tied to the embeddings: trained with them
         emb_params |= {id(p) for p in module.parameters()}
         extra[group] = f"{prefix}.*"
-    try:
-        return ParamGroups.from_layers(model, path, per=per, extra=extra)
-    except (AttributeError, KeyError, TypeError) as err:
-        raise PlanError(f"`--layers` {path!r} is not a ModuleList of {type(model).__name__} ({err})") from err
+    base = getattr(model, "base_model", None)
+    output = getattr(model, "get_output_embeddings", None)
+    if callable(output) and output() is None and isinstance(base, nn.Module) and base is not model:  # a classifier
+        heads = [f"{name}.*" for name, child in model.named_children()
+                 if child is not base and any(id(p) not in emb_params for p in child.parameters())]
+        if heads:
+            extra["head"] = heads
+    specs: dict[str, Any] = {}
+    for path, name in zip(paths, _stack_prefixes(paths)):
+        try:
+            stack = model.get_submodule(path)
+        except AttributeError as err:
+            raise PlanError(f"`--layers` {path!r} is not a ModuleList of {type(model).__name__} ({err})") from err
+        if not isinstance(stack, nn.ModuleList) or not len(stack):
+            raise PlanError(f"`--layers` {path!r} is a {type(stack).__name__} of {type(model).__name__}, not a "
+                            "ModuleList of layers")
+        for i, start in enumerate(range(0, len(stack), per)):
+            specs[f"{name}{i}"] = list(stack[start:start + per])
+    return ParamGroups(model, {**specs, **extra})
 
 
-def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: str = "AutoModelForCausalLM",
-                dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1) -> tuple[nn.Module, ParamGroups]:
+#: The model kinds ``--model`` trains (``--task``), each with the transformers auto class that builds it.
+TASKS: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq-classification": "AutoModelForSequenceClassification",
+}
+
+
+def _task_mappings() -> dict[str, dict[str, str]]:
+    """Per task, transformers' ``{model_type: class name}`` of the auto class (its public name tables)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return {"causal-lm": dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+            "seq2seq-lm": dict(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+            "masked-lm": dict(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+            "seq-classification": dict(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)}
+
+
+def _classes(names: object) -> set[str]:
+    return {names} if isinstance(names, str) else set(names) if isinstance(names, (tuple, list)) else set()
+
+
+def model_task(model: nn.Module) -> Optional[str]:
+    """The task (:data:`TASKS`) a transformers model's class is the head of; ``None`` for any other model.
+
+    Example:
+        >>> model_task(builtin_model(layers=2, hidden=64, vocab=128)), model_task(nn.Linear(2, 2))
+        ('causal-lm', None)
+    """
+    name = type(model).__name__
+    for task, mapping in _task_mappings().items():
+        if any(name in _classes(v) for v in mapping.values()):
+            return task
+    return None
+
+
+def pick_task(config: Any, task: Optional[str] = None) -> str:
+    """The task to train a model of ``config`` for: ``task`` if given, else its ``architectures``, else the first it has.
+
+    Raises:
+        PlanError: ``task`` is not one of :data:`TASKS`, or the config has no head
+            for it (or for any of them), naming what this config accepts.
+
+    Example:
+        >>> from transformers import T5Config
+        >>> pick_task(T5Config(architectures=["T5ForConditionalGeneration"])), pick_task(T5Config())
+        ('seq2seq-lm', 'seq2seq-lm')
+    """
+    if task is not None and task not in TASKS:
+        raise PlanError(f"`--task` is {task!r}; accepted: {list(TASKS)}")
+    mappings = _task_mappings()
+    model_type = getattr(config, "model_type", None)
+    supported = [t for t, mapping in mappings.items() if model_type in mapping]
+    if task is not None:
+        if task not in supported:
+            raise PlanError(f"`--task` {task!r}: transformers has no {TASKS[task]} head for a {type(config).__name__} "
+                            f"(model_type {model_type!r}); this config accepts {supported or 'none of them'}")
+        return task
+    for arch in getattr(config, "architectures", None) or []:
+        for name, mapping in mappings.items():
+            if any(arch in _classes(v) for v in mapping.values()):
+                return name
+    if supported:
+        return supported[0]
+    raise PlanError(f"a {type(config).__name__} (model_type {model_type!r}, architectures "
+                    f"{getattr(config, 'architectures', None)}) has none of the heads `check` trains: "
+                    f"{', '.join(f'{t} ({c})' for t, c in TASKS.items())}; give a `--setup module:function` "
+                    "that builds the model, its batches and its loss")
+
+
+def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: Optional[str] = None,
+                task: Optional[str] = None, dtype: Optional[str] = None, layers: Optional[str] = None,
+                per: int = 1) -> tuple[nn.Module, ParamGroups]:
     """The user's model (``--model``: a config JSON or a checkpoint folder) and its layer groups.
 
     Args:
@@ -251,28 +422,51 @@ def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: 
             weights, for ``weights=True``). Read locally; hub names are not fetched.
         weights: load the checkpoint's weights (``from_pretrained``); default: built from the
             config with fresh weights, which trains and measures the same.
-        model_class: the transformers class (``AutoModelForCausalLM`` computes its own loss).
+        model_class: the transformers class (default: the auto class of the task).
+        task: ``causal-lm``, ``seq2seq-lm``, ``masked-lm`` or ``seq-classification``
+            (:data:`TASKS`; default: :func:`pick_task` from the config's ``architectures``).
+            A sequence classifier whose config names no padding token gets its
+            end-of-sequence token (or 0) as one: transformers' decoder-style
+            classifiers refuse batches of several sequences without one.
         dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (default: as built).
-        layers, per: the ``ModuleList`` to group (default: the largest) and layers per group.
+        layers, per: the ``ModuleList`` to group (default: the model's stacks) and layers per group.
+
+    Example:
+        >>> # model, groups = model_setup("t5-small/config.json")  # T5ForConditionalGeneration: seq2seq-lm
     """
-    from ..planner.model import build_model, dtype_from_name
+    import transformers
+
+    from ..planner.model import dtype_from_name
 
     path = Path(model)
-    if weights:
-        import transformers
-
-        if not path.is_dir():
-            raise PlanError(f"`--weights` needs `--model` to be a checkpoint folder, got {str(path)!r}")
-        cls: Any = getattr(transformers, model_class, None)
-        if not hasattr(cls, "from_pretrained"):
-            raise PlanError(f"`--model-class` {model_class!r} is not a transformers class with `from_pretrained`")
-        torch.manual_seed(0)
-        built: nn.Module = cls.from_pretrained(str(path), local_files_only=True)
-        if dtype is not None:
-            built = built.to(dtype_from_name(dtype, "`--dtype`"))
-    else:
-        torch.manual_seed(0)  # the same fresh weights on every rank
-        built = build_model(str(path), model_class=model_class, dtype=dtype, device="cpu")
+    if weights and not path.is_dir():
+        raise PlanError(f"`--weights` needs `--model` to be a checkpoint folder, got {str(path)!r}")
+    if not path.exists():
+        raise PlanError(f"`--model` {str(path)!r} is neither a config JSON nor a checkpoint folder (read locally; "
+                        "hub names are not fetched: save the config first)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise PlanError(f"`--model` folder {str(path)!r} holds no config.json")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise PlanError(f"cannot read a transformers config from `--model` {str(path)!r}: {err}") from err
+    name = model_class or TASKS[pick_task(config, task)]
+    cls: Any = getattr(transformers, name, None)
+    if not hasattr(cls, "from_config"):
+        raise PlanError(f"`--model-class` {name!r} is not a transformers model class; use one of "
+                        f"{list(TASKS.values())} or leave it out")
+    if name == TASKS["seq-classification"] and getattr(config, "pad_token_id", None) is None:
+        eos = getattr(config, "eos_token_id", None)
+        config.pad_token_id = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) or 0
+    torch.manual_seed(0)  # the same fresh weights on every rank
+    try:
+        built: nn.Module = (cls.from_pretrained(str(path), config=config, local_files_only=True) if weights
+                            else cls.from_config(config))
+    except ValueError as err:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
+        raise PlanError(f"transformers' {name} cannot build a {type(config).__name__}: "
+                        f"{str(err).splitlines()[0][:300]}; leave `--model-class` out, or give `--task`") from err
+    if dtype is not None:
+        built = built.to(dtype_from_name(dtype, "`--dtype`"))
     return built, layer_groups(built, layers, per)
 
 
@@ -364,7 +558,13 @@ def load_setup(spec: str, **context: Any) -> CheckSetup:
 
 def synthetic_batch(model: nn.Module, step: int, rank: int, batch_size: int = 4, length: int = 64
                     ) -> dict[str, torch.Tensor]:
-    """Random token ids for a transformers model, seeded by ``(step, rank)``; ``labels`` for a causal LM.
+    """Random token ids for a transformers model, seeded by ``(step, rank)``, with what its head's loss needs.
+
+    By :func:`model_task`: ``labels`` (the ids) for a causal or masked LM;
+    ``labels`` and ``decoder_input_ids`` (the labels shifted right behind the
+    decoder's start token) for a seq2seq LM; class ``labels`` for a sequence
+    classifier (floats for regression and multi-label); ids alone for another
+    model (the loss is then the mean square of its first output).
 
     Example:
         >>> batch = synthetic_batch(builtin_model(layers=2, hidden=64, vocab=128), step=0, rank=1)
@@ -382,6 +582,21 @@ def synthetic_batch(model: nn.Module, step: int, rank: int, batch_size: int = 4,
     generator = torch.Generator().manual_seed(1_000_003 * step + rank)
     ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
     batch = {"input_ids": ids}
-    if type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    task = model_task(model)
+    if task in ("causal-lm", "masked-lm"):
         batch["labels"] = ids
+    elif task == "seq2seq-lm":
+        start = getattr(config, "decoder_start_token_id", None)
+        start = start if isinstance(start, int) else getattr(config, "pad_token_id", None) or 0
+        batch["labels"] = ids
+        batch["decoder_input_ids"] = torch.cat([torch.full((batch_size, 1), start), ids[:, :-1]], dim=1)
+    elif task == "seq-classification":
+        labels = max(1, int(getattr(config, "num_labels", 2)))
+        problem = getattr(config, "problem_type", None)
+        if labels == 1 or problem == "regression":
+            batch["labels"] = torch.randn(batch_size, labels, generator=generator).squeeze(-1)
+        elif problem == "multi_label_classification":
+            batch["labels"] = torch.randint(0, 2, (batch_size, labels), generator=generator).float()
+        else:
+            batch["labels"] = torch.randint(0, labels, (batch_size,), generator=generator)
     return batch

@@ -106,3 +106,81 @@ def test_conflicting_flags_exit_2_before_any_rank_starts(argv: list[str], match:
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_the_task_comes_from_the_flag_the_architectures_or_the_first_head_the_config_has() -> None:
+    from transformers import BertConfig, T5Config
+
+    from hf_altparams.check.workload import pick_task
+
+    assert pick_task(T5Config(architectures=["T5ForConditionalGeneration"])) == "seq2seq-lm"
+    assert pick_task(BertConfig(architectures=["BertForSequenceClassification"])) == "seq-classification"
+    assert pick_task(BertConfig()) == "causal-lm"  # no architectures: the first of TASKS it has a head for
+    assert pick_task(BertConfig(architectures=["BertForMaskedLM"]), "masked-lm") == "masked-lm"
+    with pytest.raises(PlanError, match=r"no AutoModelForCausalLM head for a T5Config .* accepts \['seq2seq-lm', "
+                                        r"'seq-classification'\]"):
+        pick_task(T5Config(), "causal-lm")
+    with pytest.raises(PlanError, match=r"`--task` is 'translation'; accepted: \['causal-lm'"):
+        pick_task(T5Config(), "translation")
+
+
+def test_a_config_without_a_head_the_check_trains_is_refused_naming_the_heads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import CLIPVisionConfig
+
+    from hf_altparams.check.workload import model_setup
+
+    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+                     ).save_pretrained(tmp_path)
+    with pytest.raises(PlanError, match=r"has none of the heads `check` trains: causal-lm \(AutoModelForCausalLM\)"):
+        model_setup(tmp_path / "config.json")
+
+
+def test_an_encoder_decoder_groups_both_stacks_and_gets_decoder_inputs() -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2,
+                                                d_kv=8, decoder_start_token_id=0))
+    groups = layer_groups(model)
+    assert groups.names == ("decoder0", "decoder1", "encoder0", "encoder1", "emb")
+    batch = synthetic_batch(model, 3, 0)
+    assert sorted(batch) == ["decoder_input_ids", "input_ids", "labels"]
+    assert torch.equal(batch["decoder_input_ids"][:, 1:], batch["labels"][:, :-1])
+    model(**batch).loss.backward()
+
+
+def test_setup_options_are_checked_when_built() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+
+    def make(**options) -> CheckSetup:  # type: ignore[no-untyped-def]
+        return CheckSetup(groups, Alternating(["a", "b"]), batch=lambda s, r: {}, **options)
+
+    assert make(ddp={"find_unused_parameters": True}).ddp.find_unused_parameters is True
+    with pytest.raises(PlanError, match=r"`ddp` names \['find_unused'\], which DistributedDataParallelKwargs does"):
+        make(ddp={"find_unused": True})
+    with pytest.raises(PlanError, match="`ddp` sets comm_hook=.*counts the bytes all-reduced with a comm hook"):
+        make(ddp={"comm_hook": "fp16"})
+    with pytest.raises(PlanError, match="`accumulation` must be a positive integer"):
+        make(accumulation=0)
+    with pytest.raises(PlanError, match="`before_step` must be callable"):
+        make(before_step="clip")
+
+
+@pytest.mark.parametrize("config", ["bert-mlm", "llama-classifier"])
+def test_a_masked_lm_and_a_decoder_classifier_train_on_their_synthetic_batches(tmp_path, config: str) -> None:  # type: ignore[no-untyped-def]
+    """The two kinds the real runs leave out (they run a T5 and a BERT classifier): built, grouped, one step."""
+    from transformers import BertConfig, LlamaConfig
+
+    from hf_altparams.check.workload import model_setup
+
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2}
+    made = (BertConfig(architectures=["BertForMaskedLM"], **small) if config == "bert-mlm"
+            else LlamaConfig(architectures=["LlamaForSequenceClassification"], **small))  # no pad token
+    made.save_pretrained(tmp_path)
+    model, groups = model_setup(tmp_path / "config.json")
+    setup = CheckSetup(groups, schedule_for("alternating", groups))
+    assert "head" in groups.names if config != "bert-mlm" else groups.names == ("layer0", "layer1", "emb")
+    setup.compute_loss(model(**setup.make_batch(0, 0, torch.device("cpu")))).backward()
+    assert all(p.grad is not None for p in groups.params("layer0"))
