@@ -26,7 +26,8 @@ from .preflight import price_check
 from .rank import CheckOptions, RankResult, run_rank
 from .verdict import CAUSES, Tolerances, Verdict, judge
 from .watch import ProgressFile
-from .workload import CHECK_DEFAULTS, SCHEDULES, CheckSetup, builtin_setup, load_setup, model_setup, schedule_for
+from .workload import (CHECK_DEFAULTS, SCHEDULES, TASKS, CheckSetup, builtin_setup, load_setup, model_setup,
+                       model_task, schedule_for)
 
 __all__ = ["build_parser", "main"]
 
@@ -59,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to train (default: a built-in 8-layer Llama)")
     what.add_argument("--model", help="a transformers config JSON or checkpoint folder (read locally)")
     what.add_argument("--weights", action="store_true", help="load the checkpoint's weights (default: fresh)")
-    what.add_argument("--model-class", default="AutoModelForCausalLM", help="transformers class for --model")
+    what.add_argument("--task", choices=list(TASKS),
+                      help="the head --model trains (default: from the config's architectures, else the first "
+                           "of these it has)")
+    what.add_argument("--model-class", help="transformers class for --model (default: the task's auto class)")
     what.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast --model to this dtype")
     what.add_argument("--layers", metavar="ATTR.PATH", help="the ModuleList to group (default: the largest)")
     what.add_argument("--per", type=_positive("--per"), default=1, help="layers per group")
@@ -85,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "with FSDP2, also on CPU ranks")
     run.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
     run.add_argument("--warmup", type=int, default=2, help="switches left out of the memory judgement")
+    run.add_argument("--run-steps", type=_positive("--run-steps"), default=10_000,
+                     help="optimizer steps of the run you plan: memory growing per step is projected to its end "
+                          "(default 10,000: a fine-tuning run of a few epochs)")
     run.add_argument("--timeout", type=_positive("--timeout", float), default=120.0,
                      help="seconds a rank waits for the others before reporting them lost")
     run.add_argument("--deadline", type=_positive("--deadline", float), default=900.0,
@@ -109,9 +116,10 @@ def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             return load_setup(args.setup, rank=rank, world=world)
         if args.model:
             model, groups = model_setup(args.model, weights=args.weights, model_class=args.model_class,
-                                        dtype=args.dtype, layers=args.layers, per=args.per)
+                                        task=args.task, dtype=args.dtype, layers=args.layers, per=args.per)
             return CheckSetup(groups, schedule_for(name, groups, **options),
-                              description=f"{args.model} ({type(model).__name__}); {name}")
+                              description=f"{args.model} ({type(model).__name__}, "
+                                          f"{model_task(model) or 'no known head'}); {name}")
         return builtin_setup(name, **options)
     return make
 
@@ -140,6 +148,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.fsdp2 and name != "fsdp2":
             raise PlanError(f"`--fsdp2` and `--strategy {args.strategy}` disagree; give one of them")
         args.fsdp2 = name == "fsdp2"  # the one flag the rest of the check reads
+    for flag in ("task", "model_class"):
+        if getattr(args, flag) and not args.model:
+            raise PlanError(f"`--{flag.replace('_', '-')}` says how to build `--model`; give --model PATH")
 
 
 def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Namespace) -> str:
@@ -149,9 +160,22 @@ def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Na
     if first.device == "?":
         return f"hf_altparams check: {first.world} rank(s) ({how}): stopped before training"
     switches = len(first.switches)
+    model = f"{first.model_class}: " if first.model_class and first.model_class not in first.description else ""
+    accumulation = f", {first.accumulation} micro-batches per step" if first.accumulation > 1 else ""
     return (f"hf_altparams check: {first.world} rank{'s' if first.world > 1 else ''} ({how}), {first.parallel} on "
-            f"{first.device}; {first.description}; {len(first.steps)} of {args.steps} steps, {switches} "
-            f"switches, {max(r.seconds for r in results if r is not None):.0f} s")
+            f"{first.device}; {model}{first.description}; {_precision(first)}; {len(first.steps)} of {args.steps} "
+            f"steps{accumulation}, {switches} switches, {max(r.seconds for r in results if r is not None):.0f} s")
+
+
+def _precision(result: RankResult) -> str:
+    """``fp32 weights, mixed precision no`` (the weights' dtypes, most first; Accelerate's mixed precision)."""
+    if not result.precision:
+        return "precision not read"
+    dtypes = result.precision.get("dtypes", {})
+    weights = " + ".join(name if share >= 0.9995 else f"{name} ({share:.0%})" for name, share in dtypes.items())
+    mixed = result.precision.get("mixed_precision", "?")
+    computes = {"bf16": " (autocast to bf16)", "fp16": " (autocast to fp16)"}.get(mixed, "")
+    return f"{weights or '?'} weights, mixed precision {mixed}{computes}"
 
 
 def _report(verdict: Verdict, args: argparse.Namespace, tail: str = "") -> int:
@@ -271,4 +295,5 @@ def _refuse(args: argparse.Namespace, cause: Cause, detail: str,
 
 def _tolerances(results: Sequence[Optional[RankResult]], args: argparse.Namespace) -> Optional[Tolerances]:
     first = next((r for r in results if r is not None), None)
-    return None if first is None else Tolerances.for_source(first.memory_source, warmup=args.warmup)
+    return None if first is None else Tolerances.for_source(first.memory_source, warmup=args.warmup,
+                                                            run_steps=args.run_steps)

@@ -1,10 +1,17 @@
 """One rank of ``check``: train a set-up under ``PhasedAccelerator`` and record what it measured.
 
-The loop is the stock Accelerate loop (``prepare``, forward, ``backward``,
+The loop is the stock Accelerate loop (``prepare``, then per optimizer step
+``accumulate``, forward, ``backward``, the set-up's ``before_step``,
 ``optimizer.step()``, ``zero_grad``) on the user's devices and process group,
 DDP or FSDP2 as Accelerate is configured (``--fsdp2``: FSDP2 also on CPU ranks,
-where Accelerate would run DDP). Around it, each rank records:
+where Accelerate would run DDP; the model is then sharded one ``fully_shard``
+unit per group, :func:`~hf_altparams.engine.shard_by_groups`). Around it, each
+rank records:
 
+* before ``prepare``: whether the ranks built the same weights
+  (:func:`.weights.differing_at_start`); under DDP, whose constructor copies
+  rank 0's weights to every rank, the check makes that copy itself first;
+* the precision: Accelerate's mixed precision and the dtypes of the weights;
 * per optimizer step: the phase, the bytes its gradients hold (what DDP must
   all-reduce), the bytes the counting comm hook saw all-reduced (or
   reduce-scattered), the memory held at the end of the step (weights, gradients
@@ -16,7 +23,11 @@ where Accelerate would run DDP). Around it, each rank records:
   still hold on the training device, read from the optimizer itself;
 * per phase visit: the peak memory, activations included;
 * the weights compared across ranks after every switch and at the end (the
-  switch's drift check, ``drift_check="switch"``);
+  switch's drift check, ``drift_check="switch"``), and each idle group's
+  weights on this rank against their reading when it went idle
+  (:class:`.weights.IdleWatch`);
+* at the end: what the memory held is made of (:func:`_census`) and what the
+  device has left (:func:`_available`);
 * what went wrong, if anything: the stage, the exception and its cause (the
   :class:`~hf_altparams.errors.Cause` a library error carries; out of memory and
   a lost rank told by the exception's type), the library's warnings with the
@@ -41,15 +52,20 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..engine import memory_report, shard_by_groups
 from ..engine.collective import is_collective_failure
-from ..engine.memory import StatePolicy
+from ..engine.memory import StatePolicy, optimizer_of
 from ..engine.strategies import Collective
 from ..errors import AltParamsError, AltParamsWarning, Cause
 from ..plan import ParamGroups, Schedule
-from .readings import MemoryGauge
+from .readings import MemoryGauge, live_tensor_bytes, storage_keys
+from .weights import IdleChange, IdleWatch, copy_rank0, differing_at_start
 from .workload import CheckSetup
 
-__all__ = ["CheckOptions", "Failure", "RankResult", "StepRow", "SwitchRow", "run_rank"]
+__all__ = ["CheckOptions", "Failure", "IdleChange", "RankResult", "StepRow", "SwitchRow", "run_rank"]
+
+#: The idle changes one rank keeps (the first ones; ``RankResult.idle_changed`` counts them all).
+_KEPT_CHANGES = 20
 
 T = TypeVar("T")
 
@@ -138,7 +154,18 @@ class Failure:
 
 @dataclass
 class RankResult:
-    """Everything one rank measured (JSON-ready through :meth:`as_dict`)."""
+    """Everything one rank measured (JSON-ready through :meth:`as_dict`).
+
+    Beyond the rows: ``model_class`` (the trained model's class), ``precision``
+    (``mixed_precision``: Accelerate's; ``dtypes``: the weights' dtypes and their
+    share of the parameters), ``start_differs`` (the groups whose weights differed
+    between the ranks before ``prepare``) and ``start_equalized`` (whether
+    something made them equal before training: DDP's copy from rank 0),
+    ``idle_changes`` (the first changes of idle groups; ``idle_changed`` counts
+    them all), ``census`` (bytes at the end, by what holds them), ``available``
+    (bytes the device has left for this rank at the end) and ``accumulation``
+    (micro-batches per optimizer step).
+    """
 
     rank: int
     world: int
@@ -158,6 +185,15 @@ class RankResult:
     bf16: Optional[dict[str, Any]] = None
     failure: Optional[Failure] = None
     seconds: float = 0.0
+    model_class: str = ""
+    precision: dict[str, Any] = field(default_factory=dict)
+    start_differs: list[str] = field(default_factory=list)
+    start_equalized: bool = False
+    idle_changes: list[IdleChange] = field(default_factory=list)
+    idle_changed: int = 0
+    census: dict[str, int] = field(default_factory=dict)
+    available: Optional[int] = None
+    accumulation: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +207,7 @@ class RankResult:
         values["peaks"] = [tuple(p) for p in data.get("peaks", [])]
         values["warning_causes"] = [tuple(w) for w in data.get("warning_causes", [])]
         values["failure"] = Failure(**data["failure"]) if data.get("failure") else None
+        values["idle_changes"] = [IdleChange(**row) for row in data.get("idle_changes", [])]
         return cls(**values)
 
 
@@ -216,13 +253,32 @@ def _grad_bytes(params: list[nn.Parameter]) -> int:
     return sum(p.grad.numel() * p.grad.element_size() for p in params if p.requires_grad and p.grad is not None)
 
 
-def _bf16(model: nn.Module, device: torch.device) -> Optional[dict[str, Any]]:
-    if not any(p.dtype == torch.bfloat16 for p in model.parameters()):
+def _precision(model: nn.Module, acc: Any) -> dict[str, Any]:
+    """Accelerate's mixed precision and the weights' dtypes (each with its share of the parameters)."""
+    counts: dict[str, int] = {}
+    for param in model.parameters():
+        name = str(param.dtype).replace("torch.", "")
+        counts[name] = counts.get(name, 0) + param.numel()
+    total = sum(counts.values()) or 1
+    return {"mixed_precision": str(acc.mixed_precision),
+            "dtypes": {name: round(n / total, 4) for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}}
+
+
+def _bf16(model: nn.Module, device: torch.device, mixed_precision: str) -> Optional[dict[str, Any]]:
+    """The planner's verdict on bf16 here, where the run computes in bf16 (bf16 weights, or autocast to bf16)."""
+    weights = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    if not weights and mixed_precision != "bf16":
         return None
     from ..planner.hardware import bf16_speed
 
     speed = bf16_speed(device)
-    return {**speed.as_dict(), "warning": speed.warning()}
+    warning = speed.warning()
+    if warning and not weights:  # autocast: the weights are not what to change
+        warning = (f"Accelerate's mixed_precision='bf16' runs the forward and backward in bf16 (autocast), and "
+                   f"{speed.reason[0].lower()}{speed.reason[1:]}: each step pays it. The way out here: "
+                   "mixed_precision 'no' (your Accelerate config, or ACCELERATE_MIXED_PRECISION=no), or train where "
+                   "bf16 is native (a CPU with AVX-512 bf16 or AMX, a GPU of compute capability 8.0+).")
+    return {**speed.as_dict(), "warning": warning, "autocast": mixed_precision == "bf16"}
 
 
 #: The stages before the first training step: a library error there is a refused set-up.
@@ -287,11 +343,11 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
                 result.description = setup.description
                 stage = "prepare"
                 told(stage, 0)
-                _train(acc, setup, options, gauge, result, told)
-                stage, step = "final", None
-                told(stage, len(result.steps))
-                acc.switcher.check_weights("at the end of the check")
-                result.weights_compared += 1
+                if _train(acc, setup, options, gauge, result, told):
+                    stage, step = "final", None
+                    told(stage, len(result.steps))
+                    acc.switcher.check_weights("at the end of the check")
+                    result.weights_compared += 1
             except Exception as err:  # recorded for the report: every rank reports what stopped it
                 stage, step = _stage_of(result, stage)
                 result.failure = Failure.from_error(stage, step, err)
@@ -328,32 +384,125 @@ def _unique(lines: Any) -> list[str]:
     return list(seen)
 
 
+def _own_fsdp2(acc: Any, options: CheckOptions) -> bool:
+    """Whether the check shards the model itself: ``--fsdp2`` (its own plugin), on several ranks."""
+    return options.fsdp2 and acc.is_fsdp2 and acc.num_processes > 1
+
+
+def _start_equal(acc: Any, setup: CheckSetup, options: CheckOptions, result: RankResult) -> bool:
+    """Compare the ranks' weights as built; under DDP copy rank 0's (as its constructor will). Whether to train.
+
+    Under FSDP2 nothing makes them equal unless Accelerate loads rank 0's
+    weights into the shards (``cpu_ram_efficient_loading``), which it does not
+    when the check shards the model itself: the run stops before training.
+    """
+    import torch.distributed as dist
+
+    if acc.num_processes == 1 or not dist.is_initialized():
+        return True
+    group = dist.new_group(backend="gloo")  # the model is still on the host: a group that carries CPU tensors
+    result.start_differs = differing_at_start(setup.groups, group)
+    if not result.start_differs:
+        return True
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    broadcast = not acc.is_fsdp2 or (not _own_fsdp2(acc, options) and bool(
+        getattr(plugin, "cpu_ram_efficient_loading", False)))
+    if broadcast:
+        copy_rank0(setup.model, group)
+    result.start_equalized = broadcast
+    return broadcast
+
+
+def _shard(acc: Any, setup: CheckSetup) -> None:
+    """``--fsdp2``: one ``fully_shard`` unit per group (then the root), with the plugin's settings."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = acc.state.fsdp_plugin
+    kwargs: dict[str, Any] = {"reshard_after_forward": plugin.reshard_after_forward}
+    if isinstance(plugin.mixed_precision_policy, MixedPrecisionPolicy):
+        kwargs["mp_policy"] = plugin.mixed_precision_policy
+    setup.groups = shard_by_groups(setup.model, setup.groups, **kwargs)
+
+
+def _optimizer_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
+    """Every state tensor ``optimizer`` holds (each inner optimizer's for a ``GroupedOptimizer``)."""
+    inner = optimizer_of(optimizer)
+    nested = getattr(inner, "inner", None)
+    owners = [o for o in nested.values() if o is not None] if isinstance(nested, dict) else [inner]
+    return [t for o in owners for state in o.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def _census(model: nn.Module, optimizer: Optimizer, gauge: MemoryGauge) -> dict[str, int]:
+    """What the memory held now is made of: the model's tensors, the optimizer's, other tensors, the rest."""
+    where = gauge.device.type
+    level = gauge.level()
+    live = live_tensor_bytes(where)
+    parts = {"weights and buffers": storage_keys([*model.parameters(), *model.buffers()], where),
+             "gradients": storage_keys([p.grad for p in model.parameters() if p.grad is not None], where),
+             "optimizer state": storage_keys(_optimizer_tensors(optimizer), where)}
+    claimed: set[int] = set()
+    out: dict[str, int] = {}
+    for name, keys in parts.items():
+        out[name] = sum(n for k, n in keys.items() if k not in claimed)
+        claimed |= set(keys)
+    out["other tensors"] = sum(n for k, n in live.items() if k not in claimed)
+    out["rest"] = level - sum(out.values())  # no tensor Python holds: libraries, DDP buckets, the allocator
+    return out
+
+
+def _available(device: torch.device) -> Optional[int]:
+    """Bytes the device has left for this rank: free GPU memory, or the host's available memory per local rank."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        import psutil
+
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        return int(psutil.virtual_memory().available) // ranks
+    except (RuntimeError, ValueError, ImportError, OSError):
+        return None
+
+
 def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGauge, result: RankResult,
-           told: Callable[[str, int], None]) -> None:
-    """The stock loop, with the readings of the module docstring."""
-    groups: ParamGroups = setup.groups
-    schedule: Schedule = setup.schedule
-    acc.set_phases(schedule, groups=groups)
+           told: Callable[[str, int], None]) -> bool:
+    """The stock loop, with the readings of the module docstring; ``False`` when it stopped before training."""
     model = setup.model
+    result.model_class = type(model).__name__
+    result.accumulation = setup.accumulation
+    acc.gradient_accumulation_steps = setup.accumulation
+    if setup.ddp is not None:
+        acc.ddp_handler = setup.ddp
+    if not _start_equal(acc, setup, options, result):
+        return False
+    if _own_fsdp2(acc, options):
+        _shard(acc, setup)
+    schedule: Schedule = setup.schedule
+    acc.set_phases(schedule, groups=setup.groups)
     gauge.start(model)
     raw = setup.make_optimizer(model)
-    result.bf16 = _bf16(model, acc.device)
+    result.precision = _precision(model, acc)
+    result.bf16 = _bf16(model, acc.device, result.precision["mixed_precision"])
     held: list[Optional[int]] = [None]
     hook_seconds = [0.0]
 
     def read_held(*_: Any) -> None:
         began = time.perf_counter()
+        if not result.steps and not gauge.rebased:  # the first step: its imports and first touches are done
+            gauge.rebase(memory_report(acc.switcher).total("ddp_buckets"))
         held[0] = gauge.level()
         hook_seconds[0] += time.perf_counter() - began
 
     handle = raw.register_step_post_hook(read_held)
     prepared, optimizer = acc.prepare(model, raw)
     switcher = acc.switcher
+    groups: ParamGroups = switcher.groups
+    setup.groups = groups  # after fully_shard: drop the check's hold on the parameters from before it
     params = [p for p in model.parameters()]
     result.first_prediction = switcher.expected_peak(switcher.current)
     result.trainable_everything = sum(p.numel() * p.element_size() for p in params)
     last = switcher.history.last
     phase_started = acc.phase.name
+    watch = IdleWatch(groups, acc.phase)
     gauge.reset_peak()
     try:
         for step in range(options.steps):
@@ -361,14 +510,9 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             phase = current.name
             if setup.on_step is not None:
                 setup.on_step(acc.unwrap_model(prepared), step)
-            batch = setup.make_batch(step, acc.process_index, acc.device)
             hook_seconds[0], held[0] = 0.0, None
             began = time.perf_counter()
-            loss = setup.compute_loss(prepared(**batch))
-            acc.backward(loss)
-            grad_bytes = _grad_bytes(params)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_bytes, unused_bytes = _micro_batches(acc, setup, prepared, optimizer, params, step)
             seconds = time.perf_counter() - began - hook_seconds[0]
             counter = acc.comm_counter
             reduced = counter.history[-1] if counter is not None and counter.history else None
@@ -376,7 +520,7 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             # switch's figure), an all-reduce the gradients themselves
             expected = None if counter is None else (
                 switcher.reduced_bytes(current) if switcher.strategy.pricing.collective is Collective.REDUCE_SCATTER
-                else grad_bytes)
+                else grad_bytes + unused_bytes)
             result.steps.append(StepRow(step=step, phase=phase, grad_bytes=grad_bytes, reduced_bytes=reduced,
                                         expected_reduced=expected, held=held[0], seconds=seconds))
             told("step", step + 1)
@@ -384,6 +528,7 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             if record is not last:
                 last = record
                 result.peaks.append((phase_started, gauge.peak_since_reset()))
+                _note_idle(result, watch.boundary(step + 1, acc.phase))
                 held_bytes, held_groups, checked = _idle_state_on_device(switcher, raw, acc.device)
                 result.switches.append(SwitchRow(step=step + 1, phase=record.phase, seconds=record.seconds,
                                                  level=gauge.level(),
@@ -394,9 +539,45 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
                 phase_started = record.phase
                 gauge.reset_peak()
         result.peaks.append((phase_started, gauge.peak_since_reset()))
+        _note_idle(result, watch.boundary(options.steps, None))
+        result.census = _census(model, raw, gauge)
+        result.available = _available(acc.device)
     finally:
         handle.remove()
+    return True
 
+
+def _micro_batches(acc: Any, setup: CheckSetup, model: nn.Module, optimizer: Optimizer, params: list[nn.Parameter],
+                   step: int) -> tuple[int, int]:
+    """One optimizer step: ``setup.accumulation`` micro-batches under ``accumulate``.
+
+    Returns the bytes of the gradients at the step, and of the trainable
+    parameters without one that DDP all-reduces anyway (as zeros) when it runs
+    with ``find_unused_parameters=True``.
+    """
+    grad_bytes = unused_bytes = 0
+    finds_unused = bool(getattr(acc.switcher.ddp, "find_unused_parameters", False))
+    for micro in range(setup.accumulation):
+        batch = setup.make_batch(step * setup.accumulation + micro, acc.process_index, acc.device)
+        with acc.accumulate(model):
+            loss = setup.compute_loss(model(**batch))
+            acc.backward(loss)
+            if acc.sync_gradients:
+                grad_bytes = _grad_bytes(params)
+                if finds_unused:
+                    unused_bytes = sum(p.numel() * p.element_size() for p in params
+                                       if p.requires_grad and p.grad is None)
+                if setup.before_step is not None:
+                    setup.before_step(model, optimizer, step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return grad_bytes, unused_bytes
+
+
+def _note_idle(result: RankResult, changes: list[IdleChange]) -> None:
+    room = max(0, _KEPT_CHANGES - len(result.idle_changes))
+    result.idle_changes += changes[:room]
+    result.idle_changed += len(changes)
 
 
 def _idle_state_on_device(switcher: Any, optimizer: Optimizer, device: torch.device) -> tuple[int, list[str], int]:

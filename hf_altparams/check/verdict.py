@@ -2,6 +2,11 @@
 
 What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
 
+* **ranks start equal**: every group's digest compared across the ranks as the
+  set-up built them, before ``prepare``. Different weights (a set-up that does
+  not seed the model's construction) are a note under DDP, whose constructor
+  copies rank 0's weights to every rank, and a failure (``unseeded_setup``)
+  where nothing makes them equal (FSDP2 sharding each rank's own weights).
 * **ranks identical**: the switch's drift check compared every parameter's
   digest across the ranks after every switch and at the end; a difference is a
   :class:`~hf_altparams.errors.DriftError` on every rank.
@@ -15,9 +20,24 @@ What is judged (each a :class:`Finding`, ``status`` pass / fail / info):
   not explain). Its trend over the switches after warm-up: the median of the
   last third against the median of the first third. Growth beyond the tolerance
   is a leak; the rank and the figure are named.
+* **memory per step**: the memory held at the end of each optimizer step minus
+  the plan's figure for its phase, over the later half of the steps after
+  warm-up: its growth per step (the Theil-Sen slope, the median of the slopes
+  between every two readings, which a few outliers cannot move; its lower
+  confidence bound is what is projected), when it is steady (both halves of
+  that window grow), projected to the end of the run the user plans
+  (``--run-steps``). It fails
+  (``memory_grows_per_step``) when the projection would take the memory held
+  beyond what the plan allows, or beyond what the device has left.
 * **memory against the plan**: the memory held at the end of each step
   (weights, gradients, optimizer state; activations gone) against the plan's
-  figure for the phase (``expected_peak``), after warm-up.
+  figure for the phase (``expected_peak``), after warm-up. The detail says what
+  the reading counts and, at the end of the run, what it is made of (the
+  model's weights, gradients, optimizer state, other tensors, the rest).
+* **idle groups unchanged**: each group's weights on each rank when it goes
+  idle against the next reading (every switch, the end): a group that does
+  not train must not change (``idle_group_changed``), which no comparison
+  across ranks can see when every rank changes it alike.
 * **idle optimizer state as its policy says**: after each switch, the state the
   optimizer itself holds on the training device for idle groups whose policy
   sends it away (``drop``; ``offload`` too on a GPU) must be none.
@@ -34,6 +54,7 @@ the fix.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
@@ -80,11 +101,14 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "the growth after warm-up beyond what the plan predicts"),
     Cause.MEMORY_GROWS_PER_STEP: (
         "memory grows from step to step",
-        "something keeps memory at every optimizer step (user code holding tensors or losses, a growing cache)"),
+        "something keeps memory at every optimizer step (user code holding tensors or losses with their graphs, "
+        "a growing cache); the figures are the growth per step and where it takes the run by its last step"),
     Cause.MEMORY_OVER_PLAN: (
         "memory held beyond the plan",
-        "the rank holds more at the end of a step than the memory model predicts for the phase (state of idle "
-        "groups still on the device, buffers held elsewhere)"),
+        "the rank holds more at the end of a step than the model's weights, gradients and optimizer state the "
+        "plan counts: the detail says what the reading counts and what held it at the end (tensors of other "
+        "code: a cache, a list, a copy of the weights; optimizer state the plan does not expect; the rest, "
+        "memory that is no tensor)"),
     Cause.IDLE_STATE_HELD: (
         "idle groups' optimizer state stays on the device",
         "the policy says drop (lisa, badam) or offload, but the optimizer still holds that state on the device: "
@@ -149,6 +173,14 @@ class Tolerances:
         over_plan_share: the memory held may exceed the plan by this share ...
         over_plan: ... plus these bytes (allocator blocks, library workspaces;
             on a CPU the pages of the libraries first touched by training).
+        step_growth: growth per optimizer step left out of the projection. On a
+            CPU the resident set grows a few KiB a step with the run's own
+            records (the switch history, the check's rows: 5-7 KiB a step
+            measured with a switch at every step), which is not a leak.
+        run_steps: the optimizer steps of the run the user plans: the growth per
+            step is projected to its end (``--run-steps``; default 10,000, a
+            fine-tuning run of a few epochs, where a leak of a few hundred KiB
+            a step that 60 steps hide takes gigabytes).
     """
 
     warmup: int
@@ -156,13 +188,21 @@ class Tolerances:
     growth_share: float
     over_plan_share: float
     over_plan: int
+    step_growth: int = 0
+    run_steps: int = 10_000
 
     @classmethod
-    def for_source(cls, source: str, warmup: int = 2) -> "Tolerances":
+    def for_source(cls, source: str, warmup: int = 2, run_steps: int = 10_000) -> "Tolerances":
         """The defaults for ``"torch.cuda.memory_allocated"`` (exact) or ``"RSS"`` (coarse)."""
         if source == "RSS":
-            return cls(warmup=warmup, growth=16 << 20, growth_share=0.02, over_plan_share=0.25, over_plan=64 << 20)
-        return cls(warmup=warmup, growth=2 << 20, growth_share=0.005, over_plan_share=0.10, over_plan=64 << 20)
+            return cls(warmup=warmup, growth=16 << 20, growth_share=0.02, over_plan_share=0.25, over_plan=64 << 20,
+                       step_growth=32 << 10, run_steps=run_steps)
+        return cls(warmup=warmup, growth=2 << 20, growth_share=0.005, over_plan_share=0.10, over_plan=64 << 20,
+                   run_steps=run_steps)
+
+    def allowed(self, planned: int) -> float:
+        """The most a step may hold against ``planned`` bytes: the share above it plus the slack."""
+        return planned * (1 + self.over_plan_share) + self.over_plan
 
 
 @dataclass
@@ -186,6 +226,7 @@ class Verdict:
     phases: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     ranks: list[Optional[RankResult]] = field(default_factory=list)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def causes(self) -> list[str]:
@@ -195,7 +236,7 @@ class Verdict:
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "header": self.header, "causes": self.causes,
                 "findings": [asdict(f) for f in self.findings], "failures": self.failures,
-                "phases": self.phases, "notes": self.notes,
+                "phases": self.phases, "notes": self.notes, "warnings": self.warnings,
                 "ranks": [None if r is None else r.as_dict() for r in self.ranks]}
 
     def json(self) -> str:
@@ -219,6 +260,12 @@ class Verdict:
                 lines.append(f"  ... {len(self.phases) - len(shown)} more phases (--json lists all)")
         for note in self.notes:
             lines += ["", f"  note: {note}"]
+        if self.warnings:
+            lines += ["", f"  warnings the ranks raised ({len(self.warnings)}, each once):"]
+            for warning in self.warnings[:_SHOWN_WARNINGS]:
+                lines.append(f"  - {_ranks(warning['ranks'])}: {_clip(warning['text'], 600)}")
+            if len(self.warnings) > _SHOWN_WARNINGS:
+                lines.append(f"  ... {len(self.warnings) - _SHOWN_WARNINGS} more (--json lists all)")
         lines.append("")
         if self.passed:
             lines.append("PASSED")
@@ -230,8 +277,25 @@ class Verdict:
         return "\n".join(lines)
 
 
+#: The warnings the table shows (``--json`` carries all).
+_SHOWN_WARNINGS = 12
+
+
 def _size(n: Optional[int]) -> str:
     return "-" if n is None else format_bytes(n)
+
+
+def _signed(n: float) -> str:
+    return f"{'+' if n >= 0 else '-'}{format_bytes(int(abs(n)))}"
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def classify(failure: Failure) -> Cause:
@@ -327,22 +391,99 @@ def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Toleranc
         verdict.failures = failures
         return verdict
     tol = tolerances or Tolerances.for_source(present[0].memory_source)
+    start = _start(present, failures)
+    if start is not None:
+        verdict.findings.append(start)
     verdict.findings.append(_identical(present))
     verdict.findings.append(_bytes(present, failures))
     growth, rows = _memory(present, tol, failures)
-    verdict.findings += [growth, rows]
+    verdict.findings += [growth, _per_step(present, tol, failures), rows]
+    verdict.findings.append(_idle_changes(present, failures))
     verdict.findings.append(_idle_state(present, failures))
     verdict.findings.append(_switch_share(present))
     verdict.phases = _phase_table(present[0], tol)
-    idle = next((r.idle_state for r in present if r.idle_state), [])
-    if idle:
-        verdict.notes.append(idle[0])
-    bf16 = next((r.bf16 for r in present if r.bf16 and r.bf16.get("warning")), None)
-    if bf16:
-        verdict.notes.append(str(bf16["warning"]))
+    verdict.notes += _notes(present)
+    verdict.warnings = _warnings(present)
     verdict.failures = failures
     verdict.passed = not failures and all(f.status != "fail" for f in verdict.findings)
     return verdict
+
+
+def _notes(results: Sequence[RankResult]) -> list[str]:
+    """The idle-state summary, the bf16 verdict, the unseeded set-up that DDP made equal (each once)."""
+    out = []
+    idle = next((r.idle_state for r in results if r.idle_state), [])
+    if idle:
+        out.append(idle[0])
+    bf16 = next((r.bf16 for r in results if r.bf16 and r.bf16.get("warning")), None)
+    if bf16:
+        out.append(str(bf16["warning"]))
+    differs = next((r for r in results if r.start_differs and r.start_equalized), None)
+    if differs is not None:
+        out.append(f"the set-up builds different weights on each rank ({_groups(differs.start_differs)} differ before "
+                   f"`prepare`: the model's construction is not seeded). {differs.parallel} makes them equal here "
+                   "(DDP's constructor copies rank 0's parameters and buffers to every rank; the check made that "
+                   "copy before its first comparison), so this run trains from rank 0's weights, as yours will. "
+                   "Seed it anyway (`torch.manual_seed(0)` before building the model): FSDP2 shards each rank's own "
+                   "weights, and a drift check before DDP is built (`drift_check='switch'`) would see them differ.")
+    return out
+
+
+def _warnings(results: Sequence[RankResult]) -> list[dict[str, Any]]:
+    """Every warning the ranks raised, once, with the ranks that raised it (in order of first appearance)."""
+    seen: dict[str, list[int]] = {}
+    for r in results:
+        for line in r.warnings:
+            ranks = seen.setdefault(line, [])
+            if r.rank not in ranks:
+                ranks.append(r.rank)
+    return [{"text": text, "ranks": ranks} for text, ranks in seen.items()]
+
+
+def _groups(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:6])
+    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+    return f"group{'s' if len(names) > 1 else ''} {shown}{more}"
+
+
+def _start(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Optional[Finding]:
+    name = "ranks start from the same weights"
+    if results[0].world == 1:
+        return None
+    differs = next((r for r in results if r.start_differs), None)
+    if differs is None:
+        if not any(r.steps for r in results):
+            return Finding(name, "info", "not compared (the run stopped before `prepare`)")
+        return Finding(name, "pass", f"every group's digest equal on the {results[0].world} ranks as the set-up "
+                                     "built them, before `prepare`")
+    what = f"{_groups(differs.start_differs)} differ between the ranks as the set-up built them"
+    if differs.start_equalized:
+        return Finding(name, "info", f"{what}; {differs.parallel}'s constructor copies rank 0's weights to every "
+                                     "rank, so the run starts equal (see the note)")
+    detail = (f"{what}, before `prepare`, and under {differs.parallel} nothing makes them equal: each rank keeps "
+              "its own shard of its own weights, so the model trained is a mix of the ranks' initialisations; "
+              "the check stopped before training")
+    return _judged(name, detail, True, "unseeded_setup", differs.rank, failures)
+
+
+def _idle_changes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Finding:
+    name = "idle groups unchanged"
+    if not any(r.steps for r in results):
+        return Finding(name, "info", "no step was trained")
+    changed = [r for r in results if r.idle_changed]
+    if not changed:
+        return Finding(name, "pass", "every group's weights unchanged on every rank while it did not train (read "
+                                     "at every switch and at the end)")
+    r = changed[0]
+    spans = "; ".join(f"{c.group!r} idle in phase {c.phase!r}, changed between steps {c.since} and {c.until}"
+                      for c in r.idle_changes[:4])
+    groups = sorted({c.group for c in r.idle_changes})
+    detail = (f"rank {r.rank}: {_groups(groups)} changed while not training ({r.idle_changed} time(s)): {spans}"
+              f"{'; ...' if r.idle_changed > 4 else ''}. Likely: an optimizer that updates every parameter it holds, "
+              "gradient or not (weight decay or momentum without a gradient; torch's own optimizers skip a "
+              "parameter whose `.grad` is None), per-step code that writes every weight (`p.mul_()`, a weight "
+              "constraint), or an EMA or a checkpoint copied back into the model")
+    return _judged(name, detail, True, "idle_group_changed", r.rank, failures)
 
 
 def _identical(results: Sequence[RankResult]) -> Finding:
@@ -394,7 +535,7 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
     flat, plan = "memory flat after warm-up", "memory held vs plan"
     source = results[0].memory_source
     worst_growth: Optional[tuple[int, int, int]] = None  # growth, rank, readings
-    worst_over: Optional[tuple[float, int, str, int, int]] = None  # ratio, rank, phase, held, planned
+    worst_over: Optional[tuple[float, RankResult, StepRow, int]] = None  # ratio, rank, step, planned
     limit_growth = 0
     for r in results:
         after = r.switches[tol.warmup:]
@@ -408,26 +549,138 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
                 continue
             ratio = row.held / planned if planned else float("inf")
             if worst_over is None or ratio > worst_over[0]:
-                worst_over = (ratio, r.rank, row.phase, row.held, planned)
+                worst_over = (ratio, r, row, planned)
     if worst_growth is None:
         first = Finding(flat, "info", f"fewer than {tol.warmup + 3} switches: too few to judge a trend "
                                       "(--steps more, or --every fewer)")
     else:
         growth, rank, count = worst_growth
-        detail = (f"{'+' if growth >= 0 else '-'}{format_bytes(abs(growth))} over {count} switches after "
+        detail = (f"{_signed(growth)} over {count} switches after "
                   f"{tol.warmup} of warm-up (worst rank {rank}; {source} minus the plan; tolerance "
                   f"{format_bytes(limit_growth)})")
         first = _judged(flat, detail, growth > limit_growth, "memory_grows", rank, failures)
     if worst_over is None:
-        second = Finding(plan, "info", "no step after warm-up was read")
-    else:
-        ratio, rank, phase, held, planned = worst_over
-        allowed = planned * (1 + tol.over_plan_share) + tol.over_plan
-        detail = (f"worst {ratio:.2f}x: rank {rank}, phase {phase!r}, {format_bytes(held)} held at the end of a "
-                  f"step against {format_bytes(planned)} planned ({source}; allowed "
-                  f"{1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})")
-        second = _judged(plan, detail, held > allowed, "memory_over_plan", rank, failures)
-    return first, second
+        return first, Finding(plan, "info", "no step after warm-up was read")
+    ratio, r, row, planned = worst_over
+    over = row.held is not None and row.held > tol.allowed(planned)
+    detail = (f"worst {ratio:.2f}x: rank {r.rank}, phase {row.phase!r}, step {row.step}: "
+              f"{format_bytes(row.held or 0)} held at the end of the step against {format_bytes(planned)} planned "
+              f"({source}; allowed {1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})")
+    if over:
+        detail += f". {_what_is_read(source)}.{_made_of(r)}"
+    return first, _judged(plan, detail, over, "memory_over_plan", r.rank, failures)
+
+
+def _what_is_read(source: str) -> str:
+    """What a memory reading counts, and what the plan does (the detail of a ``memory_over_plan``)."""
+    planned = ("Planned: the memory model's weights, gradients, optimizer state and DDP buckets for the phase "
+               "(activations excluded)")
+    if source == "RSS":
+        return ("Held: the process's resident memory above its baseline, the memory that is not a tensor once "
+                "the first step has run (imports, kernels, libraries): every tensor the process holds, the "
+                "model's, the optimizer's and any other code's, plus non-tensor memory grown since. " + planned)
+    return f"Held: {source}, every tensor on the device. " + planned
+
+
+def _made_of(result: RankResult) -> str:
+    """Rank ``result``'s memory at the end of the run, by what holds it (empty when it was not read)."""
+    if not result.census:
+        return ""
+    parts = ", ".join(f"{name} {_signed(n) if name == 'rest' else format_bytes(n)}"
+                      for name, n in result.census.items())
+    other = result.census.get("other tensors", 0)
+    model = sum(v for k, v in result.census.items() if k not in ("other tensors", "rest"))
+    hint = (" Other tensors are held by code outside the model and its optimizer (a list or cache of user code, "
+            "a second copy of the weights such as parameters from before fully_shard that something still "
+            "references)." if other > model / 10 else "")
+    return (f" At the end of the run rank {result.rank} held: {parts} (the rest: memory no tensor Python holds "
+            f"accounts for: libraries, DDP's buckets, the allocator, graphs kept alive).{hint}")
+
+
+#: The fewest readings after warm-up from which growth per step is judged.
+_MIN_STEP_READINGS = 10
+#: The confidence of the lower bound of the growth per step that is projected (z of a normal: 99.7 %).
+_SLOPE_Z = 3.0
+
+
+def _slopes(points: Sequence[tuple[int, int]]) -> list[float]:
+    """The slopes between every two points (bytes per step), sorted."""
+    return sorted((b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points) for b in points[i + 1:] if b[0] != a[0])
+
+
+def _theil_sen(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """``(slope, lower bound)``: the median of the slopes between every two points, and its confidence bound.
+
+    The Theil-Sen estimator: a trend that a few outliers cannot move. The lower
+    bound is Sen's: the slope below which, were the readings independent noise
+    around the trend, the true slope lies with probability under 0.15 %
+    (:data:`_SLOPE_Z` standard deviations of Kendall's statistic).
+    """
+    slopes = _slopes(points)
+    if not slopes:
+        return 0.0, 0.0
+    n = len(points)
+    spread = _SLOPE_Z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18)
+    lower = int((len(slopes) - spread) / 2)
+    return float(statistics.median(slopes)), slopes[max(0, min(lower, len(slopes) - 1))]
+
+
+def _step_residuals(result: RankResult, tol: Tolerances) -> list[tuple[int, int]]:
+    """``(step, held - planned)`` of each step after warm-up whose memory was read."""
+    return [(row.step, row.held - planned) for row, planned in _held_vs_plan(result, tol) if row.held is not None]
+
+
+def _growth(result: RankResult, tol: Tolerances) -> Optional[dict[str, Any]]:
+    """Rank ``result``'s growth per step, and where it leads by the end of the run (``None``: too few readings).
+
+    Judged on the later half of the steps after warm-up: in the earlier half the
+    memory that is not tensors still grows as phases are visited for the first
+    time (the allocator's arenas, gloo's buffers, first kernels: up to 120 KiB a
+    step measured in a correct run), and flattens.
+    """
+    after = _step_residuals(result, tol)
+    points = after[len(after) // 2:]
+    if len(points) < _MIN_STEP_READINGS:
+        return None
+    slope, lower = _theil_sen(points)
+    half = len(points) // 2
+    halves = (_theil_sen(points[:half + 1])[0], _theil_sen(points[half:])[0])
+    excess = lower - tol.step_growth
+    steady = excess > 0 and min(halves) >= slope / 3  # both halves grow: not a rise once (a cache filled, a jump)
+    remaining = max(0, tol.run_steps - points[-1][0] - 1)
+    plans = [planned for _, planned in _planned_steps(result) if planned is not None]
+    largest = max(plans, default=0)
+    return {"slope": slope, "lower": lower, "steady": steady, "projected": max(0.0, excess) * remaining,
+            "room": tol.allowed(largest) - (points[-1][1] + largest), "available": result.available,
+            "last": points[-1][0], "readings": len(points), "excess": excess}
+
+
+def _per_step(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[str, Any]]) -> Finding:
+    name = "memory per step"
+    found = [(r, g) for r in results for g in [_growth(r, tol)] if g is not None]
+    if not found:
+        return Finding(name, "info", f"fewer than {2 * _MIN_STEP_READINGS} steps read after warm-up: too few to "
+                                     "judge growth per step (--steps more)")
+
+    def reach(item: tuple[RankResult, dict[str, Any]]) -> float:
+        g = item[1]
+        budget = min([g["room"]] + ([g["available"]] if g["available"] is not None else []))
+        return g["projected"] / max(1.0, budget) if g["steady"] else g["lower"] / (1 << 40)
+
+    r, g = max(found, key=reach)
+    over_plan = g["steady"] and g["projected"] > g["room"]
+    out_of_memory = g["steady"] and g["available"] is not None and g["projected"] > g["available"]
+    detail = (f"{_signed(g['slope'])} per step, at least {_signed(g['lower'])} (rank {r.rank}; Theil-Sen slope of "
+              f"the memory held minus the plan over the last {g['readings']} steps; growth under "
+              f"{format_bytes(tol.step_growth)} a step is not judged)")
+    if not g["steady"]:
+        return Finding(name, "pass", detail + ": no steady growth")
+    detail += (f": {_signed(g['projected'])} more by step {tol.run_steps:,} of the run (--run-steps), against "
+               f"{format_bytes(int(max(0, g['room'])))} left before the plan's allowance"
+               + (f" and {format_bytes(g['available'])} available" if g["available"] is not None else ""))
+    if out_of_memory:
+        detail += f"; it runs out of memory around step {g['last'] + int(g['available'] / g['excess']):,}"
+    return _judged(name, detail, over_plan or out_of_memory, "memory_grows_per_step", r.rank, failures)
 
 
 def _judged(check: str, detail: str, failed: bool, cause: str, rank: int, failures: list[dict[str, Any]]

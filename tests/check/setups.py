@@ -171,3 +171,167 @@ def killed_by_the_kernel(rank: int) -> CheckSetup:
 
     setup.on_step = die
     return setup
+
+
+def plain_mlp() -> CheckSetup:
+    """Correct: the ``CheckSetup`` docstring's own two-layer MLP, a plain ``nn.Module`` with its own batches."""
+    from hf_altparams.plan import Alternating, ParamGroups
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    return CheckSetup(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]),
+                      batch=lambda step, rank: {"input": torch.randn(8, 4)}, description="two-layer MLP")
+
+
+def batchnorm_net() -> CheckSetup:
+    """Correct: a small convolutional net with BatchNorm (buffers that change in every forward), alternating."""
+    from hf_altparams.plan import Alternating, ParamGroups
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12 * 12, 10))
+    groups = ParamGroups(net, {"conv1": ["0.*", "1.*"], "conv2": ["3.*", "4.*"], "head": "7.*"})
+
+    def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        return {"input": torch.randn(16, 3, 16, 16, generator=generator)}
+
+    return CheckSetup(groups, Alternating(["conv1", "conv2", "head"]), batch=batch, description="BatchNorm CNN")
+
+
+def keeps_256k_per_step() -> CheckSetup:
+    """Per-step code that keeps 256 KiB at every optimizer step in a list (a cache of its own, a history)."""
+    setup = _small("alternating")
+
+    def keep(model: nn.Module, step: int) -> None:
+        KEPT.append(torch.ones(64 << 10))  # 256 KiB, written: resident
+
+    setup.on_step = keep
+    return setup
+
+
+def sums_losses_with_their_graphs() -> CheckSetup:
+    """``total_loss += loss`` without ``.item()``: every step's graph (its saved activations) stays alive."""
+    setup = _small("alternating")
+    total: list[torch.Tensor] = [torch.zeros(())]
+
+    def loss(outputs: Any) -> torch.Tensor:
+        total[0] = total[0] + outputs.loss  # the running sum holds each step's graph
+        return outputs.loss
+
+    setup.loss = loss
+    return setup
+
+
+def unseeded_small() -> CheckSetup:
+    """A small Llama built without a seed (``torch.seed()``: a different one in each process)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.seed()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                                         num_attention_heads=4, max_position_embeddings=256,
+                                         tie_word_embeddings=False))
+    groups = layer_groups(model)
+    return CheckSetup(groups, schedule_for("alternating", groups), description="unseeded small Llama")
+
+
+class DecayEverything(torch.optim.Optimizer):
+    """SGD with decoupled weight decay applied to every parameter it holds, gradient or not (a user's own)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def optimizer_decays_idle_groups() -> CheckSetup:
+    """An optimizer of one's own that decays every parameter it holds, idle ones too."""
+    setup = _small("alternating")
+    setup.optimizer = lambda model: DecayEverything(model.parameters())
+    return setup
+
+
+def decays_every_weight_per_step() -> CheckSetup:
+    """Per-step code that shrinks every weight (``p.mul_(1 - 1e-3)``), trained or not."""
+    setup = _small("alternating")
+
+    def shrink(model: nn.Module, step: int) -> None:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 - 1e-3)
+
+    setup.on_step = shrink
+    return setup
+
+
+def ema_written_back() -> CheckSetup:
+    """An EMA of the weights, written back into the model every 5 steps."""
+    setup = _small("alternating")
+    average: dict[str, torch.Tensor] = {}
+
+    def ema(model: nn.Module, step: int) -> None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                kept = average.setdefault(name, param.detach().clone())
+                kept.mul_(0.9).add_(param.detach(), alpha=0.1)
+                if step % 5 == 4:
+                    param.copy_(kept)
+
+    setup.on_step = ema
+    return setup
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two task heads; each optimizer step's batch picks one head (a multi-task loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.head_a = nn.Linear(16, 1)
+        self.head_b = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        hidden = self.trunk(x).relu()
+        return (self.head_a if task == 0 else self.head_b)(hidden)
+
+
+def multi_task_with_options() -> CheckSetup:
+    """``ddp``, ``accumulation`` and ``before_step`` at work: a head unused at every step (DDP must find it),
+    2 micro-batches per optimizer step, gradient clipping and an LR schedule between backward and step.
+
+    ``before_step`` writes one line per call to ``$CHECK_HOOK_LOG`` (rank, step, gradient norm after
+    clipping, learning rate) for the test to read.
+    """
+    from hf_altparams.plan import Alternating, ParamGroups
+
+    torch.manual_seed(0)
+    net = TwoHeads()
+    groups = ParamGroups(net, {"trunk": "trunk.*", "heads": ["head_a.*", "head_b.*"]})
+    per_step = 2
+
+    def batch(index: int, rank: int) -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(7919 * index + rank)
+        return {"x": torch.randn(8, 16, generator=generator), "task": (index // per_step) % 2}
+
+    schedulers: list[Any] = []
+
+    def before_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if not schedulers:
+            schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        with open(os.environ["CHECK_HOOK_LOG"], "a") as log:
+            log.write(f"{os.environ.get('RANK', '0')} {step} {float(norm):.6f} {float(clipped):.6f} "
+                      f"{optimizer.param_groups[0]['lr']:.8f}\n")
+        schedulers[0].step()
+
+    return CheckSetup(groups, Alternating(["trunk", "heads"], every=2), batch=batch, before_step=before_step,
+                      ddp={"find_unused_parameters": True}, accumulation=per_step,
+                      optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+                      description="two task heads, options")

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -28,11 +28,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def check(*args: str, ranks: int = 2, steps: int = 12) -> tuple[int, dict[str, Any]]:
+def check(*args: str, ranks: int = 2, steps: int = 12, env: Optional[dict[str, str]] = None
+          ) -> tuple[int, dict[str, Any]]:
     """Run the check as a user would (CPU only, this checkout first on the path); ``(exit code, verdict)``."""
     proc = subprocess.run([sys.executable, "-m", "hf_altparams", "check", "--ranks", str(ranks), "--steps",
-                           str(steps), "--json", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=500)
+                           str(steps), "--json", *args], cwd=ROOT, env=_env(**(env or {})), capture_output=True,
+                          text=True, timeout=500)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
 
