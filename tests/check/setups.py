@@ -174,10 +174,14 @@ def killed_by_the_kernel(rank: int) -> CheckSetup:
 
 
 def plain_mlp() -> CheckSetup:
-    """Correct: the ``CheckSetup`` docstring's own two-layer MLP, a plain ``nn.Module`` with its own batches."""
+    """Correct: the ``CheckSetup`` docstring's own two-layer MLP, a plain ``nn.Module`` with its own batches.
+
+    Built as the docstring builds it, without a seed: each rank draws other weights, which DDP's
+    constructor replaces with rank 0's.
+    """
     from hf_altparams.plan import Alternating, ParamGroups
 
-    torch.manual_seed(0)
+    torch.seed()  # what a fresh process does without a seed: a seed of its own
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     return CheckSetup(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]),
                       batch=lambda step, rank: {"input": torch.randn(8, 4)}, description="two-layer MLP")
