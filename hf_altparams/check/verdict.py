@@ -87,7 +87,8 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "the forward skipped some of the phase's trainable parameters while DDP runs with "
         "`find_unused_parameters=False`, so their gradients were never all-reduced; if the forward skips them on "
         "purpose (a branch, a task head unused by the batch), pass `find_unused_parameters=True` "
-        "(`PhasedAccelerator(find_unused_parameters=True)`, `TrainingArguments(ddp_find_unused_parameters=True)`); "
+        "(`PhasedAccelerator(find_unused_parameters=True)`, `TrainingArguments(ddp_find_unused_parameters=True)`, "
+        "in the check `CheckSetup(ddp={'find_unused_parameters': True})`); "
         "if the loop ran the wrong branch or task for the phase, fix the loop; if they should not train in that "
         "phase, move them out of its groups"),
     Cause.LOSS_REACHES_NO_TRAINABLE: (

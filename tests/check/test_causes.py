@@ -245,7 +245,8 @@ def test_a_rank_records_the_cause_of_its_failure_and_of_its_warnings() -> None:
     assert result.failure is None  # one process: the library put the flags back, with a warning
     assert [cause for cause, _ in result.warning_causes] == ["requires_grad_behind_schedule"]
     assert RankResult.from_dict(result.as_dict()) == result
-    assert judge([result]).causes == [Cause.REQUIRES_GRAD_BEHIND_SCHEDULE]
+    # and its consequence: group "a" trained while idle (the flags were put back after its gradient was made)
+    assert judge([result]).causes == [Cause.REQUIRES_GRAD_BEHIND_SCHEDULE, Cause.IDLE_GROUP_CHANGED]
 
     def refused() -> CheckSetup:
         return CheckSetup(ParamGroups(Net(), {"a": "nothing.*"}), Alternating(["a"]))  # a pattern matching nothing
