@@ -647,11 +647,14 @@ def _growth(result: RankResult, tol: Tolerances) -> Optional[dict[str, Any]]:
     half = len(points) // 2
     halves = (_theil_sen(points[:half + 1])[0], _theil_sen(points[half:])[0])
     excess = lower - tol.step_growth
-    steady = excess > 0 and min(halves) >= slope / 3  # both halves grow: not a rise once (a cache filled, a jump)
+    both = min(halves) >= slope / 3  # both halves grow alike: not a rise once (a cache filled, a first touch)
+    steady = excess > 0 and both
+    why = "" if steady else ("within the growth not judged" if excess <= 0 else
+                             "not steady: the two halves of the window do not both grow (a rise once, not per step)")
     remaining = max(0, tol.run_steps - points[-1][0] - 1)
     plans = [planned for _, planned in _planned_steps(result) if planned is not None]
     largest = max(plans, default=0)
-    return {"slope": slope, "lower": lower, "steady": steady, "projected": max(0.0, excess) * remaining,
+    return {"slope": slope, "lower": lower, "steady": steady, "why": why, "projected": max(0.0, excess) * remaining,
             "room": tol.allowed(largest) - (points[-1][1] + largest), "available": result.available,
             "last": points[-1][0], "readings": len(points), "excess": excess}
 
@@ -675,7 +678,7 @@ def _per_step(results: Sequence[RankResult], tol: Tolerances, failures: list[dic
               f"the memory held minus the plan over the last {g['readings']} steps; growth under "
               f"{format_bytes(tol.step_growth)} a step is not judged)")
     if not g["steady"]:
-        return Finding(name, "pass", detail + ": no steady growth")
+        return Finding(name, "pass", f"{detail}: {g['why']}")
     detail += (f": {_signed(g['projected'])} more by step {tol.run_steps:,} of the run (--run-steps), against "
                f"{format_bytes(int(max(0, g['room'])))} left before the plan's allowance"
                + (f" and {format_bytes(g['available'])} available" if g["available"] is not None else ""))
