@@ -74,12 +74,6 @@ def test_the_builtin_default_passes_and_reports_the_lean_idle_state() -> None:
     assert all(s["reduced_bytes"] == s["grad_bytes"] < verdict["ranks"][0]["trainable_everything"] for s in steps)
 
 
-def test_fsdp2_alternating_passes() -> None:
-    code, verdict = check("--fsdp2", "--setup", "tests.check.setups:alternating_small")
-    assert code == 0 and verdict["passed"], verdict["failures"]
-    assert verdict["ranks"][0]["parallel"] == "FSDP2"
-
-
 @pytest.mark.parametrize("setup, cause", [
     ("requires_grad_behind", "requires_grad_behind_schedule"),
     ("optimizer_of_other_model", "optimizer_misses_parameters"),
