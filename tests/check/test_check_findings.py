@@ -34,12 +34,14 @@ def test_fsdp2_with_every_default_passes_one_unit_per_group() -> None:
 
 
 @pytest.mark.parametrize("setup", ["plain_mlp", "batchnorm_net"])
-def test_a_plain_module_passes_with_every_default(setup: str) -> None:
+def test_a_plain_module_passes_with_the_default_flags(setup: str) -> None:
     """Imports that ``prepare`` and a first step make are not counted as memory held (was 378-1348x the plan).
+
+    Every default but ``--steps`` (24 instead of 60, for CI's time; 60 were run by hand, three times each).
 
     ``plain_mlp`` is also unseeded, as the ``CheckSetup`` docstring's example is: under DDP a note, not drift.
     """
-    code, verdict = check("--setup", f"tests.check.setups:{setup}", steps=60)
+    code, verdict = check("--setup", f"tests.check.setups:{setup}", steps=24)  # growth per step judged from 22
     assert code == 0 and verdict["passed"], verdict["failures"]
     found = status(verdict)
     assert found["memory held vs plan"] == found["memory per step"] == found["idle groups unchanged"] == "pass"
