@@ -260,7 +260,8 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
     kind, options = SCHEDULES.given(args)
     try:
         price = price_check(args.model, ranks=processes, steps=args.steps, fsdp2=args.fsdp2,
-                            model_class=args.model_class, dtype=args.dtype if args.model else None,
+                            model_class=args.model_class, task=args.task,
+                            dtype=args.dtype if args.model else None,
                             layers=args.layers, per=args.per, schedule=kind, schedule_options=options)
     except PlanError as err:
         raise LaunchRefused(Cause.SETUP_REFUSED, str(err)) from err

@@ -39,9 +39,9 @@ from torch import nn
 
 from ..plan import ParamGroups, Schedule
 from ..plan.groups import format_bytes
-from ..planner import build_model, plan_cost
+from ..planner import plan_cost
 from ..planner.model import dtype_from_name
-from .workload import builtin_model, layer_groups, schedule_for
+from .workload import build_user_model, builtin_model, layer_groups, schedule_for
 
 __all__ = ["Price", "gpu_free_bytes", "meta_model", "price", "price_check", "rank_device"]
 
@@ -160,11 +160,13 @@ def _tensor_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def meta_model(model: Optional[str], *, model_class: str = "AutoModelForCausalLM", dtype: Optional[str] = None
-               ) -> tuple[nn.Module, int]:
+def meta_model(model: Optional[str], *, model_class: Optional[str] = None, task: Optional[str] = None,
+               dtype: Optional[str] = None) -> tuple[nn.Module, int]:
     """The check's model on ``meta`` as the ranks train it, and the bytes each rank holds once it is built.
 
-    ``model``: ``None`` for the built-in Llama, else ``--model`` (a config JSON or checkpoint folder).
+    ``model``: ``None`` for the built-in Llama, else ``--model`` (a config JSON or checkpoint folder),
+    built with the head the ranks build (``--model-class``, else ``--task``'s or the config's:
+    :func:`~hf_altparams.check.workload.build_user_model`).
 
     Example:
         >>> net, built = meta_model(None)
@@ -175,7 +177,7 @@ def meta_model(model: Optional[str], *, model_class: str = "AutoModelForCausalLM
         with torch.device("meta"):
             built = builtin_model()
     else:
-        built = build_model(model, model_class=model_class, device="meta")
+        built = build_user_model(model, model_class=model_class, task=task, device="meta")
     held = _tensor_bytes(built)
     if dtype is not None:
         built = built.to(dtype_from_name(dtype, "`--dtype`"))
@@ -196,8 +198,8 @@ def price(model: nn.Module, groups: ParamGroups, schedule: Schedule, *, built: i
                  host_total=int(memory.total), gpu_free=tuple(gpu_free))
 
 
-def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, model_class: str = "AutoModelForCausalLM",
-                dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1,
+def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, model_class: Optional[str] = None,
+                task: Optional[str] = None, dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1,
                 schedule: Optional[str] = None, schedule_options: Optional[Mapping[str, Any]] = None) -> Price:
     """Price the check the flags describe (the built-in model, or ``--model``), on this machine.
 
@@ -209,7 +211,7 @@ def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, mo
         >>> p.built < p.worst and p.fits
         True
     """
-    net, built = meta_model(model, model_class=model_class, dtype=dtype)
+    net, built = meta_model(model, model_class=model_class, task=task, dtype=dtype)
     groups = layer_groups(net) if model is None else layer_groups(net, layers, per)
     plan = schedule_for(schedule, groups, **(schedule_options or {}))
     device = rank_device()

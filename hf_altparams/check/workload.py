@@ -36,9 +36,9 @@ from torch.optim import Optimizer
 from ..errors import PlanError
 from ..plan import ANY_KIND, SCHEDULES, CommandDefaults, Derived, ParamGroups, Schedule
 
-__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "TASKS", "Batch", "CheckSetup", "builtin_model", "builtin_setup",
-           "ddp_kwargs", "find_layer_stacks", "find_layers", "layer_groups", "load_setup", "model_setup",
-           "model_task", "pick_task", "schedule_for", "synthetic_batch"]
+__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "TASKS", "Batch", "CheckSetup", "build_user_model", "builtin_model",
+           "builtin_setup", "ddp_kwargs", "find_layer_stacks", "find_layers", "layer_groups", "load_setup",
+           "model_setup", "model_task", "pick_task", "schedule_for", "synthetic_batch"]
 
 #: The groups :func:`layer_groups` adds beside the layers: the input embeddings and the output head.
 _EMBEDDINGS = ("emb", "head")
@@ -434,9 +434,26 @@ def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: 
     Example:
         >>> # model, groups = model_setup("t5-small/config.json")  # T5ForConditionalGeneration: seq2seq-lm
     """
-    import transformers
-
     from ..planner.model import dtype_from_name
+
+    built = build_user_model(model, weights=weights, model_class=model_class, task=task)
+    if dtype is not None:
+        built = built.to(dtype_from_name(dtype, "`--dtype`"))
+    return built, layer_groups(built, layers, per)
+
+
+def build_user_model(model: Union[str, Path], *, weights: bool = False, model_class: Optional[str] = None,
+                     task: Optional[str] = None, device: str = "cpu") -> nn.Module:
+    """``--model`` built with the head of its task (see :func:`model_setup`), on ``device``, in its own dtype.
+
+    ``device="meta"`` builds it without memory (the pre-flight prices it so);
+    ``weights=True`` loads the checkpoint's weights instead (on the host).
+
+    Raises:
+        PlanError: the path holds no config, the config has no head ``check``
+            trains (naming those it does), or ``model_class`` cannot build it.
+    """
+    import transformers
 
     path = Path(model)
     if weights and not path.is_dir():
@@ -460,14 +477,15 @@ def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: 
         config.pad_token_id = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) or 0
     torch.manual_seed(0)  # the same fresh weights on every rank
     try:
-        built: nn.Module = (cls.from_pretrained(str(path), config=config, local_files_only=True) if weights
-                            else cls.from_config(config))
+        if weights:
+            built: nn.Module = cls.from_pretrained(str(path), config=config, local_files_only=True)
+        else:
+            with torch.device(device):
+                built = cls.from_config(config)
     except ValueError as err:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
         raise PlanError(f"transformers' {name} cannot build a {type(config).__name__}: "
                         f"{str(err).splitlines()[0][:300]}; leave `--model-class` out, or give `--task`") from err
-    if dtype is not None:
-        built = built.to(dtype_from_name(dtype, "`--dtype`"))
-    return built, layer_groups(built, layers, per)
+    return built
 
 
 def builtin_setup(schedule: str = "lisa", **options: Any) -> CheckSetup:

@@ -184,3 +184,21 @@ def test_a_masked_lm_and_a_decoder_classifier_train_on_their_synthetic_batches(t
     assert "head" in groups.names if config != "bert-mlm" else groups.names == ("layer0", "layer1", "emb")
     setup.compute_loss(model(**setup.make_batch(0, 0, torch.device("cpu")))).backward()
     assert all(p.grad is not None for p in groups.params("layer0"))
+
+
+def test_the_preflight_prices_the_model_with_the_head_the_ranks_build(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A T5 config is priced as the T5ForConditionalGeneration the ranks train (was: unpriced, AutoModelForCausalLM
+    cannot build it); a config with none of the heads is refused before any rank starts, naming them."""
+    from transformers import CLIPVisionConfig, T5Config
+
+    from hf_altparams.check.preflight import meta_model, price_check
+
+    T5Config(d_model=16, d_ff=32, num_layers=2, d_kv=8, num_heads=2, vocab_size=64,
+             architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path / "t5")
+    net, built = meta_model(str(tmp_path / "t5" / "config.json"))
+    assert type(net).__name__ == "T5ForConditionalGeneration" and built > 0
+    assert price_check(str(tmp_path / "t5"), ranks=2, steps=6, fsdp2=False, schedule="alternating").built == built
+    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+                     ).save_pretrained(tmp_path / "clip")
+    with pytest.raises(PlanError, match="has none of the heads `check` trains"):
+        meta_model(str(tmp_path / "clip"))
