@@ -434,6 +434,7 @@ def _optimizer_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
 
 def _census(model: nn.Module, optimizer: Optimizer, gauge: MemoryGauge) -> dict[str, int]:
     """What the memory held now is made of: the model's tensors, the optimizer's, other tensors, the rest."""
+    gauge.thaw()  # the census sees every object
     where = gauge.device.type
     level = gauge.level()
     live = live_tensor_bytes(where)
@@ -544,6 +545,7 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
         result.available = _available(acc.device)
     finally:
         handle.remove()
+        gauge.thaw()
     return True
 
 
