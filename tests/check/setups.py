@@ -173,25 +173,15 @@ def killed_by_the_kernel(rank: int) -> CheckSetup:
     return setup
 
 
-def plain_mlp() -> CheckSetup:
-    """Correct: the ``CheckSetup`` docstring's own two-layer MLP, a plain ``nn.Module`` with its own batches.
+def batchnorm_net() -> CheckSetup:
+    """Correct: a small convolutional net with BatchNorm (buffers that change in every forward), alternating.
 
-    Built as the docstring builds it, without a seed: each rank draws other weights, which DDP's
-    constructor replaces with rank 0's.
+    Built without a seed, as the ``CheckSetup`` docstring's own example is: each rank draws other weights,
+    which DDP's constructor replaces with rank 0's.
     """
     from hf_altparams.plan import Alternating, ParamGroups
 
     torch.seed()  # what a fresh process does without a seed: a seed of its own
-    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    return CheckSetup(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]),
-                      batch=lambda step, rank: {"input": torch.randn(8, 4)}, description="two-layer MLP")
-
-
-def batchnorm_net() -> CheckSetup:
-    """Correct: a small convolutional net with BatchNorm (buffers that change in every forward), alternating."""
-    from hf_altparams.plan import Alternating, ParamGroups
-
-    torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
                         nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12 * 12, 10))
     groups = ParamGroups(net, {"conv1": ["0.*", "1.*"], "conv2": ["3.*", "4.*"], "head": "7.*"})

@@ -33,21 +33,20 @@ def test_fsdp2_with_every_default_passes_one_unit_per_group() -> None:
     assert census["other tensors"] < census["weights and buffers"] / 100  # no copy of the weights from before sharding
 
 
-@pytest.mark.parametrize("setup", ["plain_mlp", "batchnorm_net"])
-def test_a_plain_module_passes_with_the_default_flags(setup: str) -> None:
+def test_a_plain_module_passes_with_the_default_flags() -> None:
     """Imports that ``prepare`` and a first step make are not counted as memory held (was 378-1348x the plan).
 
+    One run for both plain modules the user tried (the ``CheckSetup`` docstring's MLP and a BatchNorm net: the
+    same mechanism): a BatchNorm net built unseeded, as the docstring's example is (under DDP a note, not
+    drift; its running statistics, buffers, change in every forward without counting as an idle group changed).
     Every default but ``--steps`` (24 instead of 60, for CI's time; 60 were run by hand, three times each).
-
-    ``plain_mlp`` is also unseeded, as the ``CheckSetup`` docstring's example is: under DDP a note, not drift.
     """
-    code, verdict = check("--setup", f"tests.check.setups:{setup}", steps=24)  # growth per step judged from 22
+    code, verdict = check("--setup", "tests.check.setups:batchnorm_net", steps=24)  # growth per step judged from 22
     assert code == 0 and verdict["passed"], verdict["failures"]
     found = status(verdict)
     assert found["memory held vs plan"] == found["memory per step"] == found["idle groups unchanged"] == "pass"
-    if setup == "plain_mlp":
-        assert found["ranks start from the same weights"] == "info"
-        assert any("builds different weights on each rank" in n for n in verdict["notes"])
+    assert found["ranks start from the same weights"] == "info"
+    assert any("builds different weights on each rank" in n for n in verdict["notes"])
 
 
 def test_an_unseeded_setup_under_fsdp2_fails_before_training_naming_the_fix() -> None:
@@ -55,18 +54,6 @@ def test_an_unseeded_setup_under_fsdp2_fails_before_training_naming_the_fix() ->
     assert code == 1 and verdict["causes"] == ["unseeded_setup"], verdict["failures"]
     assert "nothing makes them equal" in verdict["failures"][0]["detail"]
     assert all(not r["steps"] for r in verdict["ranks"])
-
-
-def test_a_group_changed_while_idle_fails_naming_it() -> None:
-    """An optimizer of one's own that decays every parameter it holds: the ranks stay equal, idle groups change.
-
-    The same reading catches per-step code that writes every weight and an EMA written back
-    (``decays_every_weight_per_step``, ``ema_written_back`` in :mod:`tests.check.setups`; the mechanisms in
-    ``tests/check/test_weights.py``).
-    """
-    code, verdict = check("--setup", "tests.check.setups:optimizer_decays_idle_groups", ranks=1, steps=8)
-    assert code == 1 and verdict["causes"] == ["idle_group_changed"], verdict["failures"]
-    assert "changed while not training" in verdict["failures"][0]["detail"]
 
 
 def test_a_leak_under_the_switch_tolerance_fails_with_the_default_steps() -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import pytest
 import torch
 from torch import nn
 
+from hf_altparams.check import CheckOptions, judge
+from hf_altparams.check.rank import run_rank
 from hf_altparams.check.weights import IdleChange, IdleWatch, differing_at_start
+from hf_altparams.integrations import accelerate_internals
 from hf_altparams.plan import ParamGroups, Phase
+from tests.check import setups
 
 
 def _net() -> tuple[nn.Module, ParamGroups]:
@@ -38,3 +45,22 @@ def test_ungrouped_parameters_never_change() -> None:
 def test_one_process_has_nothing_to_compare_at_the_start() -> None:
     _, groups = _net()
     assert differing_at_start(groups, None) == []
+
+
+@pytest.fixture
+def accelerate_state() -> Iterator[None]:
+    accelerate_internals.fresh_accelerator_state(partial=True)
+    yield
+    accelerate_internals.fresh_accelerator_state(partial=True)
+
+
+@pytest.mark.usefixtures("accelerate_state")
+@pytest.mark.parametrize("setup", ["optimizer_decays_idle_groups", "decays_every_weight_per_step", "ema_written_back"])
+def test_each_way_of_changing_idle_groups_fails_naming_them(setup: str) -> None:
+    """The three set-ups the user tried, each through one rank of the check (``run_rank``, as the launched ranks
+    run it) and its verdict: every rank changes them alike, so only the idle watch sees it."""
+    result = run_rank(getattr(setups, setup), CheckOptions(steps=6), finish=lambda r: r)
+    assert result.failure is None and result.idle_changed > 0
+    verdict = judge([result])
+    assert verdict.causes == ["idle_group_changed"], verdict.failures
+    assert "changed while not training" in verdict.failures[0]["detail"]
