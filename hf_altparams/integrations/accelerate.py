@@ -23,6 +23,11 @@ hooks from ``DistributedDataParallelKwargs``. What it adds, and where:
   set (:class:`~.accelerate_run.LoopGuard`), and a step where ``requires_grad``
   or a gradient does not match the phase (:mod:`hf_altparams.engine.invariants`);
   ``end_training`` frees the reducer before the process group goes.
+* with ``TorchDynamoPlugin(use_regional_compilation=True)``, ``prepare`` compiles
+  the grouped model's regions in place before DDP wraps it
+  (:mod:`.regions`) and keeps Accelerate from compiling the wrapper (it would
+  compile a copy of the wrapper that keeps the reducer of that moment); a
+  whole-model compile is refused (:mod:`.refusals`).
 * ``save_state`` / ``load_state`` also save and restore the schedule position
   (``hf_altparams_state.json``) and switch to the saved phase *before* the
   optimizer state is loaded, so idle groups keep their state policy; a barrier
@@ -130,7 +135,8 @@ class PhasedAccelerator(Accelerator):
 
     Raises:
         PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP1 (FSDP2 is supported),
-            Megatron-LM, XLA, tensor/context parallelism or ``torch.compile``.
+            Megatron-LM, XLA, tensor/context parallelism or a whole-model ``torch.compile``
+            (``dynamo_backend`` without ``use_regional_compilation``).
 
     Example:
         >>> # accelerator = PhasedAccelerator(Alternating(["layer1", "layer2"]), gradient_accumulation_steps=2)

@@ -20,6 +20,10 @@ without any error while the ranks drift apart or a group never trains:
   (gradients enabled, outside ``no_sync``) ran since the previous step, so the
   reducer never saw them. A forward pre-hook on the wrapper counts those
   forwards (in the driver). Raised on every rank (each rank runs the same loop).
+  The same hook refuses, at once, a forward through a *copy* of the wrapper
+  (``accelerate.utils.compile_regions`` of the prepared model): a copy shares
+  the wrapper's hooks but keeps the reducer of the moment it was made, so from
+  the first switch on it would all-reduce the wrong buckets.
 * **an epoch-unit schedule whose epoch is never set**: more optimizer steps
   than one pass over the longest prepared dataloader went by since the last
   ``accelerator.set_epoch(...)`` (or the start) and the schedule's phase for
