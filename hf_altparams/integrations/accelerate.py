@@ -71,7 +71,7 @@ from ..engine.optim import GroupedLRScheduler
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
-from ..engine.strategies import Strategy, is_registered, strategy_named
+from ..engine.strategies import Strategy, is_registered, strategy_for, strategy_named
 from ..engine.switch import PhaseSwitcher
 from ..engine.collective import is_collective_failure
 from ..errors import AltParamsError, Cause, PlanError, SwitchError
@@ -309,9 +309,10 @@ class PhasedAccelerator(Accelerator):
         if run.schedule is None:  # a plain Accelerator so far: a later set_phases must know what it missed
             run.note_unphased(args)
         check_supported(self, self._fsdp_plugin_given)
+        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         regional = dynamo_settings(self).regional and bool(found.models)
         if regional:
-            _check_regions(args, found.models)  # before anything changes
+            _check_regions(call_args, found.models)  # before anything changes
         root_index = next((i for i, part in found.models.items() if part is None), None)
         strategy = self._configured_strategy()
         if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and (
@@ -326,7 +327,6 @@ class PhasedAccelerator(Accelerator):
                                 else dataclasses.replace(handler, find_unused_parameters=wanted))
         elif found.driving is not None:
             run.bind_optimizer(found.driving)  # the model came in an earlier call
-        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         parts = [call_args[i] for i, part in found.models.items() if part is not None]
         compiling = without_compile(self) if regional else contextlib.nullcontext()
         if regional:
@@ -560,7 +560,10 @@ def _whole_compile(acc: Accelerator, fsdp: bool) -> Optional[str]:
 
 
 def _check_regions(args: tuple[Any, ...], models: Mapping[int, Optional[str]]) -> None:
-    """``use_regional_compilation=True``: a grouped model without repeated blocks would be compiled whole."""
+    """``use_regional_compilation=True``: a grouped model without repeated blocks would be compiled whole.
+
+    ``models``: the indexes of the grouped models in ``args`` (``prepare``'s arguments as Accelerate gets them).
+    """
     for i in models:
         model = args[i]
         if is_compiled_module(model) or has_compiled_regions(model) or has_repeated_blocks(model):
@@ -577,11 +580,14 @@ def _compile_regions(args: tuple[Any, ...], acc: Accelerator) -> None:
 
     A model compiled already (whole, or by Accelerate's ``compile_regions``) is
     left as it is, as Accelerate leaves it; one without repeated blocks (not a
-    grouped one: :func:`_check_regions`) is compiled whole, as Accelerate would.
+    grouped one: :func:`_check_regions`) is compiled whole, as Accelerate would;
+    a wrapper built before ``prepare`` (not the grouped model's: refused) is left uncompiled.
     """
     kwargs = dict(dynamo_settings(acc).compile_kwargs)
     for arg in args:
         if not isinstance(arg, nn.Module) or is_compiled_module(arg) or has_compiled_regions(arg):
+            continue
+        if strategy_for(arg).capabilities.wraps_module:
             continue
         if has_repeated_blocks(arg):
             compile_regions_in_place(arg, **kwargs)
