@@ -7,9 +7,10 @@ the whole model. With phases that is what makes compiling work: a compiled
 graph guards on the ``requires_grad`` of the parameters it uses, so a graph
 over the whole model would be recompiled at every switch that changes any
 flag, and under DDP the wrapper's forward would be inside it. A region is
-recompiled only when its own parameters' flags change, at most once per
-distinct trainable state of that region (dynamo keeps each compiled version;
-a switch back reuses it), and DDP's wrapper stays outside every region, so its
+recompiled only when its trainable state changes (which of its parameters
+train, and whether its input needs a gradient), at most once per distinct
+state (dynamo keeps each compiled version; a switch back reuses it), and
+DDP's wrapper stays outside every region, so its
 reducer, rebuilt in place at each switch, reduces the gradients as usual.
 
 :func:`compile_regions_in_place` compiles with ``nn.Module.compile`` (public

@@ -3,8 +3,8 @@
 The launch (``tests/scripts/compile_regions_check.py``) trains a 2-layer Llama
 alternating its layers every step, uncompiled, with
 ``TorchDynamoPlugin(use_regional_compilation=True)`` (backend ``eager``) and
-with its layers compiled in place by hand (``aot_eager``, one counting backend
-per layer); the script's docstring says why not inductor. Every test of the
+with its layers compiled in place by hand (``aot_eager``, each compile counted
+for the layer it compiles); the script's docstring says why not inductor. Every test of the
 launch shares it.
 """
 
@@ -62,12 +62,16 @@ def test_bytes_all_reduced_per_step_equal_the_trainable_bytes_after_every_switch
 
 @pytest.mark.distributed
 def test_a_region_compiles_at_most_once_per_trainable_state(ranks: Any) -> None:
+    # A layer's state is its parameters' flags and whether its input needs a gradient; here the second follows
+    # the first (layer 0's input never needs one, layer 1's does exactly when layer 0 trains), so the layers'
+    # own flags count the states.
     for r in ranks:
         run = r["by_hand"]
         for index, region in enumerate(sorted(run["compiles_per_region"])):
             states = {tuple(step[index]) for step in run["states"]}
             assert len(states) == 2  # trainable, then frozen, and back
-            assert 1 <= run["compiles_per_region"][region] <= len(states), (region, run["compiles_per_region"])
+            assert run["compiles_per_region"][region] <= len(states), (region, run["compiles_per_region"])
+        assert sum(run["compiles_per_region"].values()) >= 1  # compiled at all (the layers may share graphs)
 
 
 @pytest.mark.distributed
@@ -81,9 +85,10 @@ def test_no_recompile_after_the_first_cycle_of_phases(ranks: Any, form: str) -> 
 
 @pytest.mark.distributed
 def test_the_plugin_compiles_every_region_of_the_model_in_place(ranks: Any) -> None:
-    expected = sorted(name for name, _ in regions(_llama()))
-    assert ranks[0]["plugin"]["compiled_regions"] == expected
+    plugin = ranks[0]["plugin"]
+    assert plugin["compiled_regions"] == plugin["regions"] and "model.layers.1" in plugin["regions"]
     assert ranks[0]["by_hand"]["compiled_regions"] == ["model.layers.0", "model.layers.1"]
+    assert ranks[0]["plain"]["compiled_regions"] == []
 
 
 @pytest.mark.distributed

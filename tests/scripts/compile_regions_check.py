@@ -13,9 +13,10 @@ than the training):
 * ``plugin``: ``TorchDynamoPlugin(backend="eager", use_regional_compilation=True)``:
   ``prepare`` compiles every region in place before DDP wraps the model.
 * ``by_hand``: each decoder layer compiled in place by hand before ``prepare``
-  (what ``compile_regions_in_place`` does to them), each with its own counting
-  backend that hands the graph to ``aot_eager``: how often each region was
-  compiled, against the distinct trainable states it went through.
+  (what ``compile_regions_in_place`` does to them) with a counting backend
+  that hands the graph to ``aot_eager``: how often each layer was compiled
+  (a compile counted for the layer whose parameters the graph takes), against
+  the distinct trainable states it went through.
 * ``refusals``: whole-model compile (``dynamo_backend``; ``torch.compile(model)``
   before ``prepare``) refused naming regional compilation; a forward through
   ``accelerate.utils.compile_regions`` of the *prepared* wrapper (a copy that
@@ -51,6 +52,7 @@ from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import accelerate_internals
 from hf_altparams.integrations.accelerate import PhasedAccelerator
+from hf_altparams.integrations.regions import regions
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
 
@@ -118,6 +120,7 @@ def run(name: str, *, dynamo_plugin: Optional[TorchDynamoPlugin] = None,
                                   for s in range(STEPS)],
         prepared_is_ddp_of_model=getattr(model, "module", None) is net,
         compiled_regions=sorted(n for n, m in net.named_modules() if _compiled(m)),
+        regions=sorted(name for name, _ in regions(net)),
     )
     acc.switcher.release_wrappers()  # type: ignore[union-attr]
     acc.free_memory()
@@ -129,21 +132,26 @@ def _compiled(module: nn.Module) -> bool:
 
 
 def by_hand() -> dict[str, Any]:
-    """Each decoder layer compiled in place before ``prepare``, with its own counting backend."""
+    """Each decoder layer compiled in place before ``prepare``; each compile counted for the layer it compiles.
+
+    One backend for every layer (so layers may share a graph, as they do with
+    one backend): it attributes a compile to the layer whose parameters the
+    graph takes as inputs, then hands the graph to ``aot_eager``.
+    """
     compiles: dict[str, int] = {}
 
-    def counting(name: str) -> Callable[..., Any]:
-        compiles[name] = 0
+    def compile_layers(net: nn.Module) -> None:
+        owner = {id(p): f"model.layers.{i}" for i, layer in enumerate(net.model.layers) for p in layer.parameters()}
+        compiles.update({name: 0 for name in owner.values()})
         aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
         def backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-            compiles[name] += 1
+            for name in {owner[id(t)] for t in example_inputs if id(t) in owner}:
+                compiles[name] += 1
             return aot_eager(graph, example_inputs)
-        return backend
 
-    def compile_layers(net: nn.Module) -> None:
-        for index, layer in enumerate(net.model.layers):
-            layer.compile(backend=counting(f"model.layers.{index}"))
+        for layer in net.model.layers:
+            layer.compile(backend=backend)
 
     result = run("by_hand", before_prepare=compile_layers)
     result["compiles_per_region"] = compiles
