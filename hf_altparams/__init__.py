@@ -57,6 +57,7 @@ _LAZY = {
     "PhasedAccelerator": ".integrations.accelerate",
     "AlternatingFreeze": ".integrations.trainer",
     "grouped_optimizer": ".integrations.trainer",
+    "compile_regions_in_place": ".integrations.regions",
     "plan_cost": ".planner",
     "CostPlan": ".planner",
 }
@@ -103,6 +104,7 @@ __all__ = [
     "UnreachedPhaseError",
     "__version__",
     "badam",
+    "compile_regions_in_place",
     "grouped_optimizer",
     "lisa",
     "memory_report",

@@ -23,6 +23,11 @@ hooks from ``DistributedDataParallelKwargs``. What it adds, and where:
   set (:class:`~.accelerate_run.LoopGuard`), and a step where ``requires_grad``
   or a gradient does not match the phase (:mod:`hf_altparams.engine.invariants`);
   ``end_training`` frees the reducer before the process group goes.
+* with ``TorchDynamoPlugin(use_regional_compilation=True)``, ``prepare`` compiles
+  the grouped model's regions in place before DDP wraps it
+  (:mod:`.regions`) and keeps Accelerate from compiling the wrapper (it would
+  compile a copy of the wrapper that keeps the reducer of that moment); a
+  whole-model compile is refused (:mod:`.refusals`).
 * ``save_state`` / ``load_state`` also save and restore the schedule position
   (``hf_altparams_state.json``) and switch to the saved phase *before* the
   optimizer state is loaded, so idle groups keep their state policy; a barrier
@@ -53,7 +58,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, DynamoBackend
+from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType,
+                              has_compiled_regions, is_compiled_module)
 from torch import nn
 from torch.optim import Optimizer
 
@@ -65,7 +71,7 @@ from ..engine.optim import GroupedLRScheduler
 from ..engine.prefix import FrozenPrefix, FrozenPrefixCache, as_frozen_prefix
 from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
-from ..engine.strategies import Strategy, is_registered, strategy_named
+from ..engine.strategies import Strategy, is_registered, strategy_for, strategy_named
 from ..engine.switch import PhaseSwitcher
 from ..engine.collective import is_collective_failure
 from ..errors import AltParamsError, Cause, PlanError, SwitchError
@@ -73,13 +79,14 @@ from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .accelerate_checkpoints import STATE_FILE, Checkpoints
-from .accelerate_internals import (is_prepared, prepared_dataloaders, prepared_optimizers, register_prepared_optimizer,
-                                   register_prepared_scheduler)
+from .accelerate_internals import (dynamo_settings, is_prepared, prepared_dataloaders, prepared_optimizers,
+                                   register_prepared_optimizer, register_prepared_scheduler, without_compile)
 from .accelerate_prepare import OptimizerHandle, checked_phases, find_grouped, unscale_once
 from .accelerate_run import PhasedRun, RunSettings
 from .assembly import comm_metrics
 from .fsdp2 import fsdp2_not_running
 from .refusals import ACCELERATE, Configuration, check
+from .regions import compile_regions_in_place, has_repeated_blocks
 from .unreached import check_loss
 
 __all__ = ["OptimizerHandle", "PhasedAccelerator", "PhasedOptimizer", "PreparedGroupedLRScheduler", "STATE_FILE",
@@ -128,7 +135,8 @@ class PhasedAccelerator(Accelerator):
 
     Raises:
         PlanError: on a bad argument. AltParamsError: with DeepSpeed, FSDP1 (FSDP2 is supported),
-            Megatron-LM, XLA, tensor/context parallelism or ``torch.compile``.
+            Megatron-LM, XLA, tensor/context parallelism or a whole-model ``torch.compile``
+            (``dynamo_backend`` without ``use_regional_compilation``).
 
     Example:
         >>> # accelerator = PhasedAccelerator(Alternating(["layer1", "layer2"]), gradient_accumulation_steps=2)
@@ -301,6 +309,10 @@ class PhasedAccelerator(Accelerator):
         if run.schedule is None:  # a plain Accelerator so far: a later set_phases must know what it missed
             run.note_unphased(args)
         check_supported(self, self._fsdp_plugin_given)
+        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
+        regional = dynamo_settings(self).regional and bool(found.models)
+        if regional:
+            _check_regions(call_args, found.models)  # before anything changes
         root_index = next((i for i, part in found.models.items() if part is None), None)
         strategy = self._configured_strategy()
         if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and (
@@ -315,10 +327,12 @@ class PhasedAccelerator(Accelerator):
                                 else dataclasses.replace(handler, find_unused_parameters=wanted))
         elif found.driving is not None:
             run.bind_optimizer(found.driving)  # the model came in an earlier call
-        call_args, placement = found.arguments(args, device_placement)  # one optimizer per group -> one
         parts = [call_args[i] for i, part in found.models.items() if part is not None]
+        compiling = without_compile(self) if regional else contextlib.nullcontext()
+        if regional:
+            _compile_regions(call_args, self)
         try:
-            with run.wrapping_all(parts):
+            with run.wrapping_all(parts), compiling:
                 result = super().prepare(*call_args, device_placement=placement)
             items = [result] if len(call_args) == 1 else list(result)
         finally:
@@ -521,14 +535,64 @@ def configuration(acc: Accelerator, fsdp_plugin_given: Any = None) -> Configurat
     kind = acc.distributed_type
     plugin = fsdp_plugin_given or getattr(acc.state, "fsdp_plugin", None)
     parallelism = getattr(acc, "parallelism_config", None)
-    dynamo = getattr(getattr(acc.state, "dynamo_plugin", None), "backend", DynamoBackend.NO)
+    fsdp_version = getattr(plugin, "fsdp_version", None)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Configuration(
-        ACCELERATE, deepspeed=kind == DistributedType.DEEPSPEED, fsdp_version=getattr(plugin, "fsdp_version", None),
+        ACCELERATE, deepspeed=kind == DistributedType.DEEPSPEED, fsdp_version=fsdp_version,
         megatron=kind == DistributedType.MEGATRON_LM, xla=kind == DistributedType.XLA,
         tensor_parallel=parallelism is not None and bool(parallelism.tp_enabled or parallelism.cp_enabled),
-        compiled=None if dynamo == DynamoBackend.NO else f"dynamo_backend={getattr(dynamo, 'value', dynamo)!r}",
+        compiled=_whole_compile(acc, fsdp_version is not None or kind == DistributedType.FSDP),
         world_size=world, processes=int(acc.num_processes), distributed_type=str(kind.value))
+
+
+def _whole_compile(acc: Accelerator, fsdp: bool) -> Optional[str]:
+    """How ``acc``'s dynamo plugin asks for a compile the phases refuse, else ``None``.
+
+    Compiled regions (``use_regional_compilation=True``) are driven under DDP
+    and in one process: ``prepare`` compiles them in place before DDP wraps the
+    model. Under FSDP they are not verified; any other backend compiles whole.
+    """
+    dynamo = dynamo_settings(acc)
+    if not dynamo.compiles or (dynamo.regional and not fsdp):
+        return None
+    return f"dynamo_backend={dynamo.backend!r}" + (" with `use_regional_compilation=True` under FSDP"
+                                                   if dynamo.regional else "")
+
+
+def _check_regions(args: tuple[Any, ...], models: Mapping[int, Optional[str]]) -> None:
+    """``use_regional_compilation=True``: a grouped model without repeated blocks would be compiled whole.
+
+    ``models``: the indexes of the grouped models in ``args`` (``prepare``'s arguments as Accelerate gets them).
+    """
+    for i in models:
+        model = args[i]
+        if is_compiled_module(model) or has_compiled_regions(model) or has_repeated_blocks(model):
+            continue
+        raise PlanError(
+            f"`TorchDynamoPlugin(use_regional_compilation=True)`: `prepare` argument #{i + 1} "
+            f"({type(model).__name__}), the grouped model, has no repeated blocks (an nn.ModuleList of modules of "
+            "one class), so compiling it by regions would compile it whole, whose graph guards on `requires_grad` "
+            "and is recompiled at every phase switch. Drop `dynamo_backend`, or keep its blocks in an nn.ModuleList")
+
+
+def _compile_regions(args: tuple[Any, ...], acc: Accelerator) -> None:
+    """Compile the regions of every model ``prepare`` got, in place, as Accelerate's plugin asks (before DDP).
+
+    A model compiled already (whole, or by Accelerate's ``compile_regions``) is
+    left as it is, as Accelerate leaves it; one without repeated blocks (not a
+    grouped one: :func:`_check_regions`) is compiled whole, as Accelerate would;
+    a wrapper built before ``prepare`` (not the grouped model's: refused) is left uncompiled.
+    """
+    kwargs = dict(dynamo_settings(acc).compile_kwargs)
+    for arg in args:
+        if not isinstance(arg, nn.Module) or is_compiled_module(arg) or has_compiled_regions(arg):
+            continue
+        if strategy_for(arg).capabilities.wraps_module:
+            continue
+        if has_repeated_blocks(arg):
+            compile_regions_in_place(arg, **kwargs)
+        else:
+            arg.compile(**kwargs)
 
 
 def check_supported(acc: Accelerator, fsdp_plugin_given: Any = None) -> None:

@@ -36,20 +36,27 @@ The uses:
   with the user's config and must know, before it does, how many processes
   that launch starts; and it must know when it is the one process such a
   launch started (:func:`started_alone_by_accelerate`: the environment
-  variables ``accelerate launch``'s one-process launcher sets).
+  variables ``accelerate launch``'s one-process launcher sets);
+* the dynamo plugin of Accelerate's shared state (``AcceleratorState.dynamo_plugin``,
+  its ``backend`` and ``use_regional_compilation``): with regional compilation
+  ``prepare`` would compile the regions of the *DDP wrapper* into a copy of it
+  that keeps the reducer of the moment it was made; ``PhasedAccelerator``
+  compiles the model's regions in place before DDP wraps it and sets the plugin
+  aside while Accelerate prepares (:func:`dynamo_settings`, :func:`without_compile`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
 
 import accelerate
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 
 from .._compat import check_library_at_import
 from ..errors import AltParamsError
@@ -60,7 +67,9 @@ __all__ = [
     "USES",
     "LaunchConfig",
     "check_accelerate",
+    "DynamoSettings",
     "default_launch_config",
+    "dynamo_settings",
     "fresh_accelerator_state",
     "is_prepared",
     "mark_prepared",
@@ -73,6 +82,7 @@ __all__ = [
     "run_fsdp_state",
     "shared_accelerator_state",
     "started_alone_by_accelerate",
+    "without_compile",
     "without_total_limit",
 ]
 
@@ -92,6 +102,9 @@ USES: dict[str, tuple[str, ...]] = {
     "without_total_limit": ("ProjectConfiguration.total_limit",),
     "default_launch_config": ("config_args.default_config_file",),
     "read_launch_config": ("config_args.load_config_from_file",),
+    "dynamo_settings": ("AcceleratorState.dynamo_plugin", "TorchDynamoPlugin.use_regional_compilation",
+                        "TorchDynamoPlugin.to_kwargs"),
+    "without_compile": ("AcceleratorState.dynamo_plugin",),
 }
 
 _PREPARED_MARK = "_is_accelerate_prepared"
@@ -105,7 +118,7 @@ def missing_names() -> list[str]:
     """
     from accelerate.commands.config import config_args
     from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin
 
     probes: dict[str, Any] = {
         "config_args": config_args,
@@ -114,10 +127,11 @@ def missing_names() -> list[str]:
         "AcceleratorState": AcceleratorState,
         "PartialState": PartialState,
         "ProjectConfiguration": ProjectConfiguration(),
+        "TorchDynamoPlugin": TorchDynamoPlugin(),
     }
     instance_attributes = {"Accelerator._optimizers", "Accelerator._schedulers", "Accelerator._dataloaders",
                            "AcceleratedOptimizer._is_accelerate_prepared", "AcceleratorState.distributed_type",
-                           "AcceleratorState.fsdp_plugin"}
+                           "AcceleratorState.fsdp_plugin", "AcceleratorState.dynamo_plugin"}
     missing = []
     for names in USES.values():
         for name in names:
@@ -220,6 +234,57 @@ def without_total_limit(acc: Accelerator, limit: Optional[int]) -> Iterator[None
         yield
     finally:
         config.total_limit = limit
+
+
+# ------------------------------------------------------------------ the dynamo plugin (torch.compile)
+@dataclass(frozen=True)
+class DynamoSettings:
+    """What an accelerator's dynamo plugin asks for.
+
+    ``backend``: the backend's name (``"NO"``: no compile); ``regional``:
+    ``use_regional_compilation``; ``compile_kwargs``: what Accelerate passes to
+    ``torch.compile`` for it.
+    """
+
+    backend: str = "NO"
+    regional: bool = False
+    compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def compiles(self) -> bool:
+        return self.backend != "NO"
+
+
+def dynamo_settings(acc: Accelerator) -> DynamoSettings:
+    """The dynamo plugin of ``acc``'s state (an Accelerate without regional compilation: never regional)."""
+    plugin = getattr(acc.state, "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    name = str(getattr(backend, "value", backend or "NO")).upper()
+    if plugin is None or name == "NO":
+        return DynamoSettings()
+    return DynamoSettings(name, bool(getattr(plugin, "use_regional_compilation", False)), dict(plugin.to_kwargs()))
+
+
+@contextlib.contextmanager
+def without_compile(acc: Accelerator) -> Iterator[None]:
+    """Within the block ``acc.prepare`` compiles nothing (a copy of the plugin with no backend); restored after.
+
+    ``PhasedAccelerator`` compiled the model's regions in place already; left to
+    itself, Accelerate (1.15) would compile the regions of the DDP wrapper it
+    built into a copy of that wrapper sharing its reducer (``compile_regions``).
+    """
+    state = acc.state
+    plugin = getattr(state, "dynamo_plugin", None)
+    if plugin is None:
+        yield
+        return
+    idle = copy.copy(plugin)
+    idle.backend = DynamoBackend.NO
+    state.dynamo_plugin = idle
+    try:
+        yield
+    finally:
+        state.dynamo_plugin = plugin
 
 
 check_accelerate()

@@ -38,7 +38,7 @@ import warnings
 from typing import Any, Callable, Mapping, Optional, Union
 
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import extract_model_from_parallel, is_compiled_module
+from accelerate.utils import extract_model_from_parallel, has_compiled_regions, is_compiled_module
 from torch import nn
 from torch.optim import Optimizer
 
@@ -206,6 +206,16 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
     if not models and not prepared_models:
         i, opt = mine[0]
         others = [f"{_label(j)} ({type(a).__name__})" for j, a in enumerate(args) if isinstance(a, nn.Module)]
+        copies = [j for j, a in enumerate(args) if isinstance(a, nn.Module) and has_compiled_regions(a)
+                  and extract_model_from_parallel(a, keep_torch_compile=False) is root]
+        if copies:
+            raise AltParamsError(
+                f"{_label(copies[0])} is `accelerate.utils.compile_regions(model)` of the grouped model: a copy of "
+                "its module tree (each block wrapped, its parameter names gaining `._orig_mod`), while the groups "
+                "(and the optimizer's) were built on the model itself. Build the groups on the model "
+                "`compile_regions` returned (`ParamGroups(compiled, ...)`; patterns such as 'model.layers.0.*' "
+                "match either way), or compile in place so nothing is copied: "
+                f"`hf_altparams.compile_regions_in_place(model)`. {FORMS}")
         if others:
             raise AltParamsError(
                 f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, but no argument of this "

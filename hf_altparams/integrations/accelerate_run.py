@@ -20,6 +20,10 @@ without any error while the ranks drift apart or a group never trains:
   (gradients enabled, outside ``no_sync``) ran since the previous step, so the
   reducer never saw them. A forward pre-hook on the wrapper counts those
   forwards (in the driver). Raised on every rank (each rank runs the same loop).
+  The same hook refuses, at once, a forward through a *copy* of the wrapper
+  (``accelerate.utils.compile_regions`` of the prepared model): a copy shares
+  the wrapper's hooks but keeps the reducer of the moment it was made, so from
+  the first switch on it would all-reduce the wrong buckets.
 * **an epoch-unit schedule whose epoch is never set**: more optimizer steps
   than one pass over the longest prepared dataloader went by since the last
   ``accelerator.set_epoch(...)`` (or the start) and the schedule's phase for
@@ -258,6 +262,19 @@ class PhasedRun:
             self._log(self._metrics(record), step=record.step)
 
 
+def _copy_of_wrapper(module: nn.Module) -> AltParamsError:
+    """The forward of a copy of the prepared wrapper ran (it shares the wrapper's hooks, not its future reducers)."""
+    return AltParamsError(
+        f"the training forward ran through a copy of the {type(module).__name__} that `accelerator.prepare` "
+        "returned, not through that object: `accelerate.utils.compile_regions(model)` (or `copy.copy`) applied to "
+        "the prepared model makes such a copy, and it keeps the gradient reducer the wrapper had when it was made, "
+        "while each phase switch rebuilds the wrapper's own: from the first switch on, the new phase's gradients "
+        "would not be all-reduced and the ranks would diverge. Compile by regions before DDP wraps the model: "
+        "`PhasedAccelerator(..., dynamo_plugin=TorchDynamoPlugin(backend=..., use_regional_compilation=True))`, or "
+        "`hf_altparams.compile_regions_in_place(model)` before `prepare`; then train with the object `prepare` "
+        "returned")
+
+
 @contextlib.contextmanager
 def _all_trainable(models: list[nn.Module]) -> Iterator[None]:
     """Every parameter of ``models`` has ``requires_grad=True`` inside the block (restored on exit)."""
@@ -286,6 +303,7 @@ class LoopGuard:
         self.warned_epoch = False
         self.warned_zero_grad = False
         self._handles: list[Any] = []
+        self._wrappers: list[nn.Module] = []
         self._seen_grads: tuple[tuple[int, int], ...] = ()
 
     # ------------------------------------------------------------ wiring
@@ -296,9 +314,12 @@ class LoopGuard:
     def watch_many(self, wrappers: Sequence[nn.Module]) -> None:
         """Count the forwards of every wrapper in ``wrappers`` (one per model) that will all-reduce."""
         self.close()
+        self._wrappers = list(wrappers)
         self._handles = [w.register_forward_pre_hook(self._seen) for w in wrappers]
 
     def _seen(self, module: nn.Module, args: Any) -> None:
+        if not any(module is wrapper for wrapper in self._wrappers):
+            raise _copy_of_wrapper(module)
         if torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True):
             self.driver.note_syncing_forward()
 

@@ -24,9 +24,11 @@ The table (:data:`REFUSALS`):
 ``megatron``                  Megatron-LM builds its own optimizer and reducer.
 ``xla``                       XLA reduces gradients itself.
 ``tensor-parallel``           tensor / context parallelism shards parameters outside the strategies.
-``compiled``                  a whole-model compiled graph (``dynamo_backend``; the Trainer's
-                              ``torch_compile`` with several ranks): it guards on ``requires_grad``
-                              and the bucket layout, which every switch changes.
+``compiled``                  a whole-model compiled graph (``dynamo_backend`` without
+                              ``use_regional_compilation``; the Trainer's ``torch_compile`` with
+                              several ranks): it guards on ``requires_grad`` and the bucket layout,
+                              which every switch changes. Compiled regions (:mod:`.regions`) are
+                              accepted under DDP and in one process.
 ``compiled-model``            a model compiled before ``prepare``, in several processes: the same.
 ``one-process-of-many``       Accelerate chose one process inside a multi-rank job.
 ``unwrapped-of-many``         the Trainer trains the model without a wrapper in several processes.
@@ -168,18 +170,25 @@ REFUSALS: tuple[RefusalRule, ...] = (
             "it shards parameters outside DDP and FSDP2", _FSDP2_OR_DDP),
     RefusalRule(
         "compiled", lambda c: c.compiled is not None, lambda c: f"{c.compiled} (torch.compile)",
-        "a compiled graph guards on `requires_grad` and, under DDP, on the gradient-bucket layout fixed at compile "
-        "time, both of which every phase switch changes",
-        {ACCELERATE: "Drop `dynamo_backend` (compile outside the phased run, if at all)",
-         TRAINER: "Set `torch_compile=False` (a single-process run may compile)"}),
+        "a compiled graph guards on `requires_grad`, which every phase switch changes: a graph over the whole "
+        "model is recompiled at each switch (until dynamo gives up) and, under DDP, also guards on the "
+        "gradient-bucket layout the switch rebuilds; compiled regions are verified under DDP and in one process",
+        {ACCELERATE: ("Compile by regions instead: `TorchDynamoPlugin(backend=..., use_regional_compilation=True)` "
+                      "(each repeated block compiled on its own, DDP outside them; under DDP or in one process), "
+                      "or drop `dynamo_backend`"),
+         TRAINER: ("Set `torch_compile=False` and compile by regions instead: "
+                   "`hf_altparams.compile_regions_in_place(model, backend=...)` before building the Trainer (each "
+                   "repeated block compiled on its own, in place; a single-process run may compile whole)")}),
     RefusalRule(
         "compiled-model", lambda c: c.compiled_model is not None,
         lambda c: f"{c.compiled_model}, the grouped model compiled with `torch.compile` before `prepare`, in several "
                   "processes",
         "a compiled graph guards on `requires_grad`, which every phase switch changes (a recompile per switch "
         "until dynamo gives up), and under DDP on the bucket layout the switch rebuilds",
-        {ACCELERATE: ("Pass the uncompiled model to `prepare` (in one process, a compiled model trains, its groups "
-                      "named either way)")}),
+        {ACCELERATE: ("Pass the uncompiled model to `prepare` and compile by regions: "
+                      "`TorchDynamoPlugin(backend=..., use_regional_compilation=True)`, or "
+                      "`hf_altparams.compile_regions_in_place(model)` before `prepare` (in one process, a compiled "
+                      "model trains, its groups named either way)")}),
     RefusalRule(
         "one-process-of-many", lambda c: c.processes == 1 and c.world_size > 1,
         lambda c: f"distributed_type={c.distributed_type!r}: Accelerate chose one process although this is one of "
