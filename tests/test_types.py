@@ -29,7 +29,10 @@ def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _mypy(target: str, cache: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "setup.cfg"), "--cache-dir", str(cache), target],
-        cwd=ROOT, capture_output=True, text=True)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.timeout(900)
@@ -39,7 +42,7 @@ def test_mypy_passes_on_the_library(mypy_cache: Path) -> None:
 
 
 #: A loop against Accelerate: the lines marked ``# wrong`` misuse it, the others are right.
-ACCELERATE_USE = '''
+ACCELERATE_USE = """
 import torch
 from torch import nn
 from accelerate import Accelerator
@@ -71,7 +74,7 @@ limit: int = acc.project_configuration.total_limit  # wrong: None when unset
 class Mine(Accelerator):  # a subclass's overrides must fit Accelerator's methods
     def backward(self, loss: int) -> None:  # wrong: Accelerator.backward takes a tensor and keywords
         pass
-'''
+"""
 
 
 @pytest.mark.timeout(900)

@@ -30,7 +30,7 @@ import inspect
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -78,15 +78,15 @@ def _signature_problems(where: str, real: Any, node: ast.FunctionDef) -> list[st
     args = node.args
     positional = [a.arg for a in args.posonlyargs + args.args]
     keyword_only = [a.arg for a in args.kwonlyargs]
-    with_default = set(positional[len(positional) - len(args.defaults):]) | {
-        a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+    with_default = set(positional[len(positional) - len(args.defaults) :]) | {
+        a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None
+    }
     problems = []
     for name in positional + keyword_only:
         if name not in params:
             problems.append(f"{where}: parameter {name!r} is not one of {list(params)}")
-    real_positional = [n for n, p in params.items()
-                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if positional != real_positional[:len(positional)]:
+    real_positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if positional != real_positional[: len(positional)]:
         problems.append(f"{where}: positional parameters {positional}, the real ones start {real_positional}")
     for name in positional:
         if name in params and params[name].kind is inspect.Parameter.KEYWORD_ONLY:
@@ -189,7 +189,8 @@ def stub_problems(stubs: Path, live: dict[str, Any]) -> list[str]:
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ImportFrom) and node.level:  # `from .x import y as y`: a re-export (the `as`)
                 source = importlib.import_module(
-                    importlib.util.resolve_name("." * node.level + (node.module or ""), package))
+                    importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                )
                 for alias in node.names:
                     if alias.asname is None:
                         continue  # imported for the stub's own annotations only
@@ -222,9 +223,14 @@ def _live_objects() -> dict[str, Any]:
 
     acc = Accelerator(cpu=True)
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    return {"Accelerator": acc, "AcceleratorState": acc.state, "PartialState": PartialState(),
-            "GradientState": acc.gradient_state, "AcceleratedOptimizer": AcceleratedOptimizer(optimizer),
-            "AcceleratedScheduler": AcceleratedScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1), optimizer)}
+    return {
+        "Accelerator": acc,
+        "AcceleratorState": acc.state,
+        "PartialState": PartialState(),
+        "GradientState": acc.gradient_state,
+        "AcceleratedOptimizer": AcceleratedOptimizer(optimizer),
+        "AcceleratedScheduler": AcceleratedScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1), optimizer),
+    }
 
 
 # ------------------------------------------------------------------ the tests
@@ -232,29 +238,62 @@ def test_every_name_in_the_stub_exists_in_the_installed_accelerate(fresh_acceler
     assert stub_problems(STUBS, _live_objects()) == []
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (("accelerator.pyi", "    def wait_for_everyone(self)", "    def wait_for_everyones(self)"),
-     "accelerate.accelerator.Accelerator.wait_for_everyones: no such method"),
-    (("accelerator.pyi", "def end_training(self)", "def end_training(self, force: bool = False)"),
-     "Accelerator.end_training: parameter 'force' is not one of ['self']"),
-    (("accelerator.pyi", "def register_save_state_pre_hook(self, hook: Callable[..., None])",
-      "def register_save_state_pre_hook(self, hook: Callable[..., None] = ...)"),
-     "Accelerator.register_save_state_pre_hook: Accelerate requires parameter 'hook', the stub gives it a default"),
-    (("accelerator.pyi", "    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,",
-      "    def save_state(self, safe_serialization: bool = True, output_dir: str | None = None,"),
-     "Accelerator.save_state: positional parameters"),
-    (("accelerator.pyi", "    device_placement: bool\n", "    device_placements: bool\n"),
-     "Accelerator.device_placements: no such attribute"),
-    (("utils/__init__.pyi", '    MULTI_CPU = "MULTI_CPU"', '    MULTI_CPU = "multi_cpu"'),
-     "DistributedType.MULTI_CPU: no such member with value 'multi_cpu'"),
-    (("utils/__init__.pyi", "def is_compiled_module(module: nn.Module)", "def is_compiled_module(model: nn.Module)"),
-     "is_compiled_module: parameter 'model' is not one of ['module']"),
-    (("__init__.pyi", "from .state import PartialState as PartialState",
-      "from .state import AcceleratorState as PartialState"),
-     "accelerate.PartialState: not accelerate.state.AcceleratorState"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (
+            ("accelerator.pyi", "    def wait_for_everyone(self)", "    def wait_for_everyones(self)"),
+            "accelerate.accelerator.Accelerator.wait_for_everyones: no such method",
+        ),
+        (
+            ("accelerator.pyi", "def end_training(self)", "def end_training(self, force: bool = False)"),
+            "Accelerator.end_training: parameter 'force' is not one of ['self']",
+        ),
+        (
+            (
+                "accelerator.pyi",
+                "def register_save_state_pre_hook(self, hook: Callable[..., None])",
+                "def register_save_state_pre_hook(self, hook: Callable[..., None] = ...)",
+            ),
+            "Accelerator.register_save_state_pre_hook: Accelerate requires parameter 'hook', the stub gives it a default",
+        ),
+        (
+            (
+                "accelerator.pyi",
+                "    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,",
+                "    def save_state(self, safe_serialization: bool = True, output_dir: str | None = None,",
+            ),
+            "Accelerator.save_state: positional parameters",
+        ),
+        (
+            ("accelerator.pyi", "    device_placement: bool\n", "    device_placements: bool\n"),
+            "Accelerator.device_placements: no such attribute",
+        ),
+        (
+            ("utils/__init__.pyi", '    MULTI_CPU = "MULTI_CPU"', '    MULTI_CPU = "multi_cpu"'),
+            "DistributedType.MULTI_CPU: no such member with value 'multi_cpu'",
+        ),
+        (
+            (
+                "utils/__init__.pyi",
+                "def is_compiled_module(module: nn.Module)",
+                "def is_compiled_module(model: nn.Module)",
+            ),
+            "is_compiled_module: parameter 'model' is not one of ['module']",
+        ),
+        (
+            (
+                "__init__.pyi",
+                "from .state import PartialState as PartialState",
+                "from .state import AcceleratorState as PartialState",
+            ),
+            "accelerate.PartialState: not accelerate.state.AcceleratorState",
+        ),
+    ],
+)
 def test_the_drift_check_catches_a_stub_that_says_more_than_accelerate(
-        fresh_accelerate_state: None, tmp_path: Path, edit: tuple[str, str, str], expected: str) -> None:
+    fresh_accelerate_state: None, tmp_path: Path, edit: tuple[str, str, str], expected: str
+) -> None:
     copy = tmp_path / "typings"
     shutil.copytree(STUBS, copy)
     file, old, new = edit

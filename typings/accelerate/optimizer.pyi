@@ -12,8 +12,9 @@ class AcceleratedOptimizer(Optimizer):
     accelerator_state: AcceleratorState
     gradient_state: GradientState
     device_placement: bool
-    def __init__(self, optimizer: Optimizer, device_placement: bool = True,
-                 scaler: torch.amp.GradScaler | None = None) -> None: ...
+    def __init__(
+        self, optimizer: Optimizer, device_placement: bool = True, scaler: torch.amp.GradScaler | None = None
+    ) -> None: ...
     def zero_grad(self, set_to_none: bool | None = None) -> None: ...
     # Accelerate returns nothing, closure or not (torch's Optimizer.step returns the closure's loss)
     def step(self, closure: Callable[[], Any] | None = None) -> None: ...  # type: ignore[override]
