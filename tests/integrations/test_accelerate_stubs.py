@@ -260,8 +260,8 @@ def test_every_name_in_the_stub_exists_in_the_installed_accelerate(fresh_acceler
         (
             (
                 "accelerator.pyi",
-                "    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,",
-                "    def save_state(self, safe_serialization: bool = True, output_dir: str | None = None,",
+                "self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs",
+                "self, safe_serialization: bool = True, output_dir: str | None = None, **save_model_func_kwargs",
             ),
             "Accelerator.save_state: positional parameters",
         ),
