@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from _machine import machine  # noqa: E402
-from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher  # noqa: E402
 from hf_altparams.engine.ddp import _inputs  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402

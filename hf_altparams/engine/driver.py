@@ -46,7 +46,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 from ..errors import AltParamsError, PlanError
 from ..plan.phase import Phase

@@ -264,8 +264,8 @@ def _live_sizes(groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer
 def _trained(switcher: SwitchedRun, optimizers: Mapping[str, Optional[Optimizer]]) -> set[str]:
     """The groups that have trained: they have optimizer state or fp32 masters now."""
     groups, opt = switcher.groups, _optimizer(switcher)
-    out = {g for g in groups.names if optimizers[g] is not None
-           and any(optimizers[g].state.get(p) for p in groups.params(g))}  # type: ignore[union-attr]
+    out = {g for g in groups.names
+           if (inner := optimizers[g]) is not None and any(inner.state.get(p) for p in groups.params(g))}
     if isinstance(opt, PrecisionOptimizer):
         out |= {g for g, held in opt.masters.items() if held}
     return out

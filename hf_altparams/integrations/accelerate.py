@@ -51,7 +51,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -147,8 +147,6 @@ class PhasedAccelerator(Accelerator):
         >>> # or your own optimizers, one per group (PhasedAccelerator(schedule, groups=groups)):
         >>> # model, opt1, opt2, loader = accelerator.prepare(model, opt1, opt2, loader)
     """
-
-    ddp_handler: Optional[DistributedDataParallelKwargs]  # Accelerate's own attribute, typed for the checker
 
     def __init__(
         self,
@@ -290,7 +288,7 @@ class PhasedAccelerator(Accelerator):
         self.run.set_phases(*checked_phases(schedule, groups))
 
     # ---------------------------------------------------------------- prepare
-    def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
+    def prepare(self, *args: Any, device_placement: Optional[Sequence[Optional[bool]]] = None) -> Any:
         """``Accelerator.prepare``, plus the phase set-up for the grouped model.
 
         The grouped model (``groups.module``) and the optimizer(s) whose steps drive
@@ -356,7 +354,8 @@ class PhasedAccelerator(Accelerator):
                 DistributedType.DEEPSPEED: "deepspeed"}.get(self.distributed_type)
         return strategy_named(name) if name is not None and is_registered(name) else None
 
-    def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None) -> Optimizer:
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None
+                          ) -> AcceleratedOptimizer:
         """As in Accelerate; the optimizer that drives the schedule gets the phase-aware wrapper."""
         if optimizer is not self.run.driving or is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
@@ -442,12 +441,13 @@ class PhasedAccelerator(Accelerator):
         """
         return self._checkpoints.save(output_dir, safe_serialization, **kwargs)
 
-    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict[str, Any]] = None,
+                   **kwargs: Any) -> None:
         """``Accelerator.load_state``; refuses torn or foreign checkpoints, applies the saved phase first.
 
         See :meth:`~._accelerate_checkpoints.Checkpoints.load`.
         """
-        self._checkpoints.load(input_dir, **kwargs)
+        self._checkpoints.load(input_dir, load_kwargs, **kwargs)
 
     def latest_checkpoint(self) -> Optional[str]:
         """The checkpoint ``load_state()`` would resume from, or ``None`` when there is none yet.
@@ -620,7 +620,8 @@ class PhasedOptimizer(AcceleratedOptimizer):
         self._run = run
         self._accumulation_steps = accumulation_steps
 
-    def step(self, closure: Any = None) -> None:
+    # no loss returned, closure or not, as Accelerate's own step (torch's returns the closure's loss)
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         # a strategy whose update runs inside the sync-boundary backward switches there (PhasedAccelerator.backward)
         at_boundary = self.gradient_state.sync_gradients and not self._run.steps_in_backward
         if at_boundary:

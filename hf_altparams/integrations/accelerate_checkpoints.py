@@ -243,11 +243,27 @@ def writes_state_files(acc: Accelerator) -> bool:
     return bool(acc.is_main_process or (on_each_node and acc.is_local_main_process))
 
 
+def checkpoints_folder(acc: Accelerator) -> str:
+    """``project_dir/checkpoints``: where automatic checkpoint naming puts its ``checkpoint_<n>`` folders.
+
+    Raises:
+        AltParamsError: the accelerator has no ``project_dir`` (Accelerate's own
+            ``save_state`` would fail on it with a bare ``TypeError``).
+    """
+    project_dir = acc.project_dir
+    if project_dir is None:
+        raise AltParamsError(
+            "`ProjectConfiguration(automatic_checkpoint_naming=True)` names checkpoints under `project_dir`, and "
+            "the accelerator has none (project_dir None): pass `ProjectConfiguration(project_dir=..., "
+            "automatic_checkpoint_naming=True)`, or give `save_state` / `load_state` a folder without automatic naming")
+    return os.path.join(project_dir, "checkpoints")
+
+
 def save_target(acc: Accelerator, output_dir: Optional[str]) -> Optional[str]:
     """The folder Accelerate's ``save_state(output_dir)`` is about to write."""
     config = acc.project_configuration
     if config.automatic_checkpoint_naming:
-        return os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+        return os.path.join(checkpoints_folder(acc), f"checkpoint_{config.iteration}")
     return None if output_dir is None else os.path.expanduser(str(output_dir))
 
 
@@ -323,7 +339,7 @@ class Checkpoints:
             raise AltParamsError(
                 "`latest_checkpoint()` needs automatic checkpoint naming: pass "
                 "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
-        checkpoints_dir = os.path.join(acc.project_dir, "checkpoints")
+        checkpoints_dir = checkpoints_folder(acc)
         common = _common(_gathered(complete_iterations(checkpoints_dir)))
         return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}") if common else None
 
@@ -337,7 +353,7 @@ class Checkpoints:
             extra["fsdp2_optimizer_groups"] = {str(i): g for i, g in self.fsdp2_saved_groups.items()}
         write_state(output_dir, switcher=switcher.state_dict(), groups=membership(switcher.groups), **extra)
 
-    def load(self, input_dir: Optional[str], **kwargs: Any) -> None:
+    def load(self, input_dir: Optional[str], load_kwargs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
         """``Accelerator.load_state``; the saved phase is applied before the optimizer state loads.
 
         A folder whose save did not complete, a missing or truncated file, or
@@ -350,7 +366,7 @@ class Checkpoints:
         acc, switcher = self.acc, self.run.switcher
         automatic = input_dir is None and acc.project_configuration.automatic_checkpoint_naming
         if switcher is not None:
-            input_dir = agreed_checkpoint(input_dir, os.path.join(acc.project_dir, "checkpoints") if automatic else None)
+            input_dir = agreed_checkpoint(input_dir, checkpoints_folder(acc) if automatic else None)
             if input_dir is not None:
                 check_saved_groups(input_dir, switcher.groups)  # before anything loads
         saved = None
@@ -359,12 +375,12 @@ class Checkpoints:
             self.load_hook([], input_dir)
             saved = {int(i): g for i, g in read_state(input_dir).get("fsdp2_optimizer_groups", {}).items()}
         with self._fsdp2_optimizer_view(saved):
-            Accelerator.load_state(acc, input_dir, **kwargs)
+            Accelerator.load_state(acc, input_dir, load_kwargs, **kwargs)
         if automatic:
             # Accelerate restarts its numbering at 0, so the next save_state() would refuse the
             # existing checkpoint_0: continue after the highest folder, interrupted ones included.
             # The highest folder on ANY rank: with a disk per node, every node numbers the next save alike.
-            numbered = _numbered(os.path.join(acc.project_dir, "checkpoints"))
+            numbered = _numbered(checkpoints_folder(acc))
             acc.project_configuration.iteration = max(_gathered(max((n for n, _ in numbered), default=-1))) + 1
         if switcher is not None:
             switcher.reapply_placement()  # load_state put optimizer state on the device

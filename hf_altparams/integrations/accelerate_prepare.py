@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import extract_model_from_parallel, has_compiled_regions, is_compiled_module
@@ -84,8 +84,8 @@ class Found:
     driving: Optional[Optimizer] = None
     user: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def arguments(self, args: tuple[Any, ...], placement: Optional[list[bool]]
-                  ) -> tuple[tuple[Any, ...], Optional[list[bool]]]:
+    def arguments(self, args: tuple[Any, ...], placement: Optional[Sequence[Optional[bool]]]
+                  ) -> tuple[tuple[Any, ...], Optional[Sequence[Optional[bool]]]]:
         """``prepare``'s arguments with the user's optimizers replaced by the grouped one."""
         if not self.user:
             return args, placement
@@ -391,7 +391,8 @@ class OptimizerHandle(AcceleratedOptimizer):
     def __repr__(self) -> str:
         return f"OptimizerHandle(group={self.group!r}, optimizer={type(self.optimizer).__name__})"
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
+    # no loss returned, closure or not, as Accelerate's own step (torch's returns the closure's loss)
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
         if not self.gradient_state.sync_gradients or not self._arrivals.fresh:
             return
         self.driving.step(closure)

@@ -87,9 +87,11 @@ def rebind_groups(groups: ParamGroups, model: nn.Module) -> ParamGroups:
 
 
 def _unwrapped(optimizer: Optional[Optimizer]) -> Optional[Optimizer]:
-    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer) and isinstance(
-            getattr(optimizer, "optimizer", None), Optimizer):
-        optimizer = getattr(optimizer, "optimizer")  # Accelerate's wrapper
+    while optimizer is not None and not isinstance(optimizer, GroupedOptimizer):
+        inner = getattr(optimizer, "optimizer", None)  # Accelerate's wrapper holds the optimizer it wraps
+        if not isinstance(inner, Optimizer):
+            break
+        optimizer = inner
     return optimizer
 
 

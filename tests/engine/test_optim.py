@@ -193,9 +193,7 @@ def test_offload_policy_moves_idle_state_to_cpu_and_back() -> None:
     model, groups = model_and_groups()
     model.cuda()
     opt = GroupedOptimizer(groups, ADAM, state_policy="offload")
-    backward_cuda = lambda: F.mse_loss(model(torch.randn(5, 4, device="cuda")),  # noqa: E731
-                                       torch.randn(5, 2, device="cuda")).backward()
-    backward_cuda()
+    F.mse_loss(model(torch.randn(5, 4, device="cuda")), torch.randn(5, 2, device="cuda")).backward()
     opt.step()
     opt.zero_grad()
     on_device = opt.state_bytes("b")["cuda"]

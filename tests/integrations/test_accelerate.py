@@ -476,6 +476,39 @@ def test_a_save_killed_at_any_stage_is_refused_and_skipped_by_automatic_resume(
     # The next save goes after the highest folder, torn ones included (plain Accelerate: checkpoint_0, refused).
     assert acc.project_configuration.iteration == 2
     assert os.path.basename(acc.save_state()) == "checkpoint_2"
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_automatic_checkpoint_naming_without_a_project_dir_is_refused_naming_it(tmp_path: Path) -> None:
+    """Accelerate's own save fails there on a bare TypeError (``os.path.join(None, ...)``); nothing is written."""
+    from accelerate.utils import ProjectConfiguration
+
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating({"a": 2, "b": 1}), cpu=True,
+                            project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+    model = _net()
+    model, opt = acc.prepare(model, _grouped_sgd(model))
+    _train_steps(acc, model, opt, 1)
+    for call in (acc.save_state, acc.load_state, acc.latest_checkpoint):
+        with pytest.raises(AltParamsError, match=r"automatic_checkpoint_naming=True.*no.*project_dir"):
+            call()
+    assert acc.schedule_step == 1
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_load_state_takes_accelerates_load_kwargs_positionally(tmp_path: Path) -> None:
+    """``load_state(folder, load_kwargs)`` as on a plain Accelerator (passed on to ``torch.load``)."""
+    from hf_altparams.integrations.accelerate import PhasedAccelerator
+
+    acc = PhasedAccelerator(Alternating({"a": 2, "b": 1}), cpu=True)
+    model = _net()
+    model, opt = acc.prepare(model, _grouped_sgd(model))
+    _train_steps(acc, model, opt, 2)
+    acc.save_state(str(tmp_path / "ckpt"))
+    _train_steps(acc, model, opt, 1)
+    acc.load_state(str(tmp_path / "ckpt"), {"weights_only": True})
+    assert acc.schedule_step == 2
 def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() -> None:
     """A model loaded in bf16 + `mixed_precision="bf16"`: a PrecisionOptimizer goes through `prepare`."""
     from hf_altparams.engine import PhaseSwitcher, PrecisionOptimizer

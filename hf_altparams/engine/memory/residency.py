@@ -99,7 +99,7 @@ def as_device(value: DeviceLike, argument: str) -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index is not None and device.index >= count or count == 0:
             raise PlanError(f"`{argument}` is {value!r} ({device}), but this process sees {count} CUDA "
-                            f"device(s); pass 'cpu'{' or cuda:0..cuda:%d' % (count - 1) if count else ''}")
+                            f"device(s); pass 'cpu'{f' or cuda:0..cuda:{count - 1}' if count else ''}")
     return device
 
 

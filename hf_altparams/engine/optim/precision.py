@@ -74,7 +74,7 @@ from ...plan.groups import ParamGroups
 from ..collective import is_distributed
 from ..comm import CommCounter, register_comm_counter
 from ..ddp import comm_hook_states
-from ..memory import StatePolicy, StatePolicyLike, TensorMover
+from ..memory import StatePolicy, StatePolicyLike
 from ..driver import PhaseSource
 from .grouped import GroupedOptimizer, OptimizerFactory
 from .idle import optional_policies
