@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import weakref
@@ -110,7 +111,28 @@ def configuration(args: TrainingArguments, *, unwrapped: bool = False) -> Config
         getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1) else None
     return Configuration(TRAINER, deepspeed=deepspeed, fsdp_version=(version or 1) if fsdp else None,
                          compiled=compiled, world_size=ranks, processes=ranks, unwrapped=unwrapped,
-                         distributed_type=kind)
+                         distributed_type=kind,
+                         deepspeed_config=deepspeed_config(args, shared.get("deepspeed_plugin")) if deepspeed else {})
+
+
+def deepspeed_config(args: TrainingArguments, plugin: Any = None) -> Mapping[str, Any]:
+    """DeepSpeed's configuration as the Trainer resolved it (``args.hf_deepspeed_config``), else as given.
+
+    ``deepspeed=`` a dict, or a JSON file's path; an Accelerate DeepSpeed plugin's
+    config when that is how it was asked for; empty when none can be read.
+    """
+    resolved = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(resolved, Mapping):
+        return resolved
+    given = getattr(args, "deepspeed", None)
+    if isinstance(given, Mapping):
+        return given
+    if isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
+        with open(given, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+        return loaded if isinstance(loaded, Mapping) else {}
+    config = getattr(plugin, "deepspeed_config", None)
+    return config if isinstance(config, Mapping) else {}
 
 
 def unsupported_backend(args: TrainingArguments) -> Optional[str]:
