@@ -291,7 +291,9 @@ REFUSALS: tuple[RefusalRule, ...] = (
         {ACCELERATE: ("Pass the uncompiled model to `prepare` (in one process, a compiled model trains, its groups "
                       "named either way)")}),
     RefusalRule(
-        "one-process-of-many", lambda c: c.processes == 1 and c.world_size > 1,
+        # DeepSpeed's engine synchronises over the torch.distributed world whatever Accelerate's process count
+        # (on CPU Accelerate gives every rank of a DeepSpeed run a one-process state: its loaders are not sharded)
+        "one-process-of-many", lambda c: c.processes == 1 and c.world_size > 1 and not c.deepspeed,
         lambda c: f"distributed_type={c.distributed_type!r}: Accelerate chose one process although this is one of "
                   f"{c.world_size} ranks of torch.distributed",
         "each rank would train alone, no gradient all-reduced",

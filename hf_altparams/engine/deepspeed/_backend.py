@@ -143,6 +143,13 @@ class ZeroStateOwner:
         if unknown:
             raise PlanError(f"the DeepSpeed optimizer's param groups name group(s) {unknown} that the run's groups "
                             f"{list(groups.names)} do not have; split the optimizer over these groups")
+        covered = {id(p) for i, tag in enumerate(partitions.tags) if tag is not None for p in partitions.params(i)}
+        missing = [f"{name}: {param_name}" for name in sorted({t for t in partitions.tags if t is not None})
+                   for param_name, param in groups.named_params(name) if id(param) not in covered]
+        if missing:
+            raise PlanError(f"DeepSpeed's optimizer leaves out {len(missing)} parameter(s) of the groups it trains "
+                            f"(e.g. {missing[:3]}): they were frozen at `deepspeed.initialize`, so ZeRO never "
+                            "partitions them. Every parameter the schedule trains must be trainable then")
         self.names = tuple(groups.names)
         self._state = {name: StatePolicy.KEEP for name in self.names}
         self._master = dict(self._state)
@@ -194,6 +201,10 @@ class ZeroStateOwner:
         policies = sorted({f"state {self._state[g].value}, fp32 partition {self._master[g].value}" for g in idle})
         return (f"idle groups {idle[:4]}{'...' if len(idle) > 4 else ''} on DeepSpeed ZeRO: "
                 f"{'; '.join(policies)} ({source})")
+
+    def master_partitions(self, group: str) -> list[torch.Tensor]:
+        """This rank's fp32 partitions of ``group`` (while idle under ``drop`` / ``offload``: its bit16 partitions)."""
+        return [self.partitions.fp32(i) for i in self.partitions.indices(group)]
 
     def census(self) -> dict[str, dict[str, int]]:
         """Per library group, this rank's bytes of optimizer state and of fp32 partition held on the device."""

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Any, Optional
 
 import torch
@@ -72,6 +71,14 @@ class ZeroPartitions:
     def indices(self, group: str) -> list[int]:
         """The param groups of library group ``group``."""
         return [i for i, tag in enumerate(self.tags) if tag == group]
+
+    def params(self, index: int) -> list[torch.nn.Parameter]:
+        """The model parameters of param group ``index``."""
+        return group_params(self.zero, index)
+
+    def fp32(self, index: int) -> torch.Tensor:
+        """This rank's fp32 partition of param group ``index`` (the bit16 one while it stands in for it)."""
+        return fp32_partition(self.zero, index)
 
     def flags(self) -> list[Optional[bool]]:
         """Each param group's ``requires_grad`` (``None``: its parameters disagree)."""
@@ -146,7 +153,6 @@ class ZeroPartitions:
     def relink(self) -> None:
         """DeepSpeed's per-parameter views follow the partitions placed; what was let go is referenced no more."""
         relink_views(self.zero)
-        gc.collect()
 
     # ------------------------------------------------------------ reading
     def state_bytes(self, index: int) -> int:
