@@ -223,7 +223,8 @@ REFUSALS: tuple[RefusalRule, ...] = (
          TRAINER: "Set `zero_optimization.stage` to 1 or 2 in the DeepSpeed config, or drop `deepspeed=` and train "
                   "with plain DDP"}),
     RefusalRule(
-        "deepspeed-zero3", lambda c: c.deepspeed and c.zero_stage == 3 and not strategy_named("zero3").capabilities.trains,
+        "deepspeed-zero3",
+        lambda c: c.deepspeed and c.zero_stage == 3 and not strategy_named("zero3").capabilities.trains,
         lambda c: "DeepSpeed ZeRO-3 (`zero_optimization.stage=3`)",
         "ZeRO-3 all-gathers every weight for the forward whether its group trains or not, and keeps a gradient "
         "partition buffer for every parameter for the whole run (measured: 34 of 45 MiB gathered per step and "
@@ -261,7 +262,8 @@ REFUSALS: tuple[RefusalRule, ...] = (
          TRAINER: "Remove the `optimizer` section: the Trainer's own `optim`, `learning_rate`, `weight_decay` and "
                   "`adam_*` arguments build the same AdamW, which AlternatingFreeze has built per group"}),
     RefusalRule(
-        "deepspeed-other-paths", lambda c: c.deepspeed and bool(_other_paths(c)), lambda c: " and ".join(_other_paths(c)),
+        "deepspeed-other-paths", lambda c: c.deepspeed and bool(_other_paths(c)),
+        lambda c: " and ".join(_other_paths(c)),
         "these take other code paths through DeepSpeed's optimizer, not measured with phases",
         {ACCELERATE: "Turn them off (ZeRO-1/2 as DeepSpeed runs it by default)",
          TRAINER: "Turn them off in the DeepSpeed config (ZeRO-1/2 as DeepSpeed runs it by default)"}),

@@ -283,7 +283,8 @@ def split_trainer_optimizer(trainer: Optional[Trainer], args: TrainingArguments,
             "built inside `train()`), so the phases would drive another one. Pass `optimizer_cls_and_kwargs=(cls, "
             "kwargs)` instead, or nothing (the Trainer's `optim` arguments)", cause=Cause.STRATEGY_REFUSED)
     given = trainer.optimizer_cls_and_kwargs
-    cls, kwargs = given if given is not None else Trainer.get_optimizer_cls_and_kwargs(args, model)
+    default = Trainer.get_optimizer_cls_and_kwargs
+    cls, kwargs = given if given is not None else default(args, model)  # type: ignore[arg-type]
     own = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
     if not (isinstance(cls, type) and issubclass(cls, Optimizer)) or own:
         raise AltParamsError(

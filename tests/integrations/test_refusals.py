@@ -81,6 +81,9 @@ def test_a_refusal_at_the_first_forward_is_a_switch_error() -> None:
 
 @pytest.mark.parametrize("config", [Configuration(ACCELERATE), Configuration(ACCELERATE, fsdp_version=2),
                                     Configuration(ACCELERATE, **_ds({"stage": 1})),  # type: ignore[arg-type]
+                                    # DeepSpeed on CPU: Accelerate counts one process per rank, the engine spans them
+                                    Configuration(ACCELERATE, world_size=2, processes=1,
+                                                  **_ds({"stage": 2})),  # type: ignore[arg-type]
                                     Configuration(TRAINER, **_ds({"stage": 2}, bf16={"enabled": True},
                                                                   data_types={"grad_accum_dtype": "fp32"})),
                                     Configuration(TRAINER, world_size=4, processes=4),

@@ -22,14 +22,17 @@ the trainable groups, a digest per group of the weights and of this rank's fp32
 partitions, the optimizer state per group on this rank, the bytes of every
 DeepSpeed collective (``count_comm=True``), the loss:
 
-* Trainer: ``zero{1,2}_{lisa,badam,alternating}`` and ``zero{1,2}_full`` (every
+* Trainer: ``zero{1,2}_{lisa,badam,alternating}`` (alternating: ZeRO-1 with the
+  default idle policy, state kept and fp32 partitions offloaded; ZeRO-2 with
+  ``idle_state="keep"``) and ``zero{1,2}_full`` (every
   group at every step: the bytes and state of full fine-tuning), ``ddp_{lisa,
   badam,alternating}`` (the references), ``zero2_lisa_resumed`` (resumed from
   ``zero2_lisa``'s DeepSpeed checkpoint-3);
-* Accelerate (``PhasedAccelerator`` with a ``DeepSpeedPlugin``): ``acc_zero{1,2}_lisa``,
+* Accelerate (``PhasedAccelerator`` with a ``DeepSpeedPlugin``): ``acc_zero{1,2}_{lisa,badam,alternating}``,
   gradient accumulation 2, ``save_state`` after step 3 of ``acc_zero2_lisa``,
   ``acc_zero2_lisa_resumed`` (``load_state`` in the same process after the run),
-  and ``acc_ddp_lisa`` (the reference).
+  and ``acc_ddp_{lisa,badam,alternating}`` (the references);
+* ``refusals``: what is refused before any step, and the message.
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ EXTRA = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
 GROUP_NAMES = ["emb", *[f"layer{i}" for i in range(LAYERS)], "head"]
 LR, WEIGHT_DECAY, EPS = 1e-3, 0.01, 1e-3
 SCHEDULES: dict[str, tuple[Callable[[], Any], int]] = {  # kind -> (schedule, steps)
-    "lisa": (lambda: lisa([f"layer{i}" for i in range(LAYERS)], k=2, every=3, always=("emb", "head"), seed=3), 9),
-    "badam": (lambda: badam(GROUP_NAMES, steps_per_block=2, order="ascending"), 8),
-    "alternating": (lambda: Alternating([("emb", "layer0", "layer1"), ("layer2", "layer3", "head")], every=2), 8),
-    "full": (lambda: Alternating([tuple(GROUP_NAMES)], every=1), 3),
+    "lisa": (lambda: lisa([f"layer{i}" for i in range(LAYERS)], k=2, every=2, always=("emb", "head"), seed=3), 6),
+    "badam": (lambda: badam(GROUP_NAMES, steps_per_block=1, order="ascending"), 6),
+    "alternating": (lambda: Alternating([("emb", "layer0", "layer1"), ("layer2", "layer3", "head")], every=2), 6),
+    "full": (lambda: Alternating([tuple(GROUP_NAMES)], every=1), 2),
 }
 
 
@@ -193,7 +196,8 @@ def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, s
         AcceleratorState._reset_state(True)
         args = TrainingArguments(use_cpu=True, ddp_find_unused_parameters=False, **common)
         data = RankCopies(base, world())
-    freeze = AlternatingFreeze(groups_of, schedule, count_comm=mode == "ds")
+    options = {"idle_state": "keep"} if (kind, stage) == ("alternating", 2) else None
+    freeze = AlternatingFreeze(groups_of, schedule, count_comm=mode == "ds", switcher_options=options)
     recorder = Recorder(groups_of(model))
     optimizers: Any = (None, None)
     if mode == "ddp":  # the library's DDP path with the same decay split and idle-state policy
@@ -218,7 +222,7 @@ def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, s
 
 
 # ------------------------------------------------------------------------------------------------ Accelerate
-def accelerate_run(name: str, out: Path, mode: str, *, stage: int = 0, save_after: int = 0,
+def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, save_after: int = 0,
                    load: Optional[str] = None) -> dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin
@@ -228,14 +232,19 @@ def accelerate_run(name: str, out: Path, mode: str, *, stage: int = 0, save_afte
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
-    make, steps = SCHEDULES["lisa"]
+    make, steps = SCHEDULES[kind]
     accumulation = 2
     model = model_()
     groups = groups_of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY)
     if mode == "ds":
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=accumulation, gradient_clipping=1.0)
+        # On CPU Accelerate counts one process per DeepSpeed rank (each reads every batch): the global batch
+        # DeepSpeed checks against its world is given, not derived from Accelerate's count.
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
+            "train_batch_size": BATCH * accumulation * world(), "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage}})
         acc = PhasedAccelerator(make(), groups=groups, deepspeed_plugin=plugin, count_comm=True,
                                 gradient_accumulation_steps=accumulation)
         rows = Tokens(steps * BATCH * accumulation)
@@ -268,7 +277,7 @@ def accelerate_run(name: str, out: Path, mode: str, *, stage: int = 0, save_afte
             optimizer.zero_grad()
         if acc.sync_gradients:
             assert acc.switcher is not None
-            recorder.end(acc.schedule_step, acc.switcher.state_owner, acc.comm_counter, float(loss),
+            recorder.end(acc.schedule_step, acc.switcher.state_owner, acc.comm_counter, float(loss.detach()),
                          sorted(acc.phase.trainable) if acc.phase is not None else [])
             if save_after and acc.schedule_step == save_after:
                 acc.save_state(str(out / f"{name}_state_{save_after}"))
@@ -281,7 +290,51 @@ def accelerate_run(name: str, out: Path, mode: str, *, stage: int = 0, save_afte
     return result
 
 
+def refusals(out: Path) -> dict[str, Any]:
+    """What is refused before any step: each case's error type and message (``None``: not refused)."""
+    from hf_altparams.engine import PhaseSwitcher
+    from hf_altparams.errors import AltParamsError
+
+    def trainer_with(config: dict[str, Any], **kwargs: Any) -> None:
+        model = model_()
+        args = TrainingArguments(output_dir=str(out / "refused"), max_steps=1, report_to=[], deepspeed=config,
+                                 per_device_train_batch_size=BATCH)
+        freeze = AlternatingFreeze(groups_of, SCHEDULES["lisa"][0]())
+        Trainer(model=model, args=args, train_dataset=Tokens(4), callbacks=[freeze], **kwargs)
+
+    def unsplit_engine() -> None:  # deepspeed.initialize on an optimizer nobody split, attached by hand
+        import deepspeed
+
+        model = model_()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                          config={"train_micro_batch_size_per_gpu": BATCH,
+                                                  "zero_optimization": {"stage": 2}})
+        switcher = PhaseSwitcher(groups_of(model), SCHEDULES["lisa"][0]())
+        switcher.step_to(0)
+        switcher.attach(engine)
+
+    base = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    cases: dict[str, Callable[[], None]] = {
+        "optimizers_given": lambda: trainer_with(base, optimizers=(torch.optim.AdamW(model_().parameters()), None)),
+        "optimizer_section": lambda: trainer_with({**base, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}),
+        "zero3": lambda: trainer_with({**base, "zero_optimization": {"stage": 3}}),
+        "offload": lambda: trainer_with({**base, "zero_optimization": {"stage": 2,
+                                                                        "offload_optimizer": {"device": "cpu"}}}),
+        "unsplit_engine": unsplit_engine,
+    }
+    found: dict[str, Any] = {}
+    for name, case in cases.items():
+        try:
+            case()
+            found[name] = None
+        except AltParamsError as exc:
+            found[name] = {"type": type(exc).__name__, "message": str(exc)}
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    return found
+
+
 def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     skip_shm_comm_build()
     import deepspeed
 
@@ -297,11 +350,14 @@ def main(out: Path) -> None:
     for kind in ("lisa", "badam", "alternating"):
         runs[f"ddp_{kind}"] = lambda k=kind: trainer_run(f"ddp_{k}", out, k, "ddp")
     for stage in (1, 2):
-        runs[f"acc_zero{stage}_lisa"] = lambda s=stage: accelerate_run(f"acc_zero{s}_lisa", out, "ds", stage=s,
-                                                                        save_after=3 if s == 2 else 0)
-    runs["acc_zero2_lisa_resumed"] = lambda: accelerate_run("acc_zero2_lisa_resumed", out, "ds", stage=2,
+        for kind in ("lisa", "badam", "alternating"):
+            runs[f"acc_zero{stage}_{kind}"] = lambda s=stage, k=kind: accelerate_run(
+                f"acc_zero{s}_{k}", out, k, "ds", stage=s, save_after=3 if (s, k) == (2, "lisa") else 0)
+    runs["acc_zero2_lisa_resumed"] = lambda: accelerate_run("acc_zero2_lisa_resumed", out, "lisa", "ds", stage=2,
                                                             load=str(out / "acc_zero2_lisa_state_3"))
-    runs["acc_ddp_lisa"] = lambda: accelerate_run("acc_ddp_lisa", out, "ddp")
+    for kind in ("lisa", "badam", "alternating"):
+        runs[f"acc_ddp_{kind}"] = lambda k=kind: accelerate_run(f"acc_ddp_{k}", out, k, "ddp")
+    runs["refusals"] = lambda: refusals(out)
     results: dict[str, Any] = {}
     for name, run in runs.items():
         if only and name not in only:

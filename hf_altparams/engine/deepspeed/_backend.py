@@ -69,8 +69,8 @@ class ZeroBackend(Backend):
         if problems or untagged:
             self.partitions.close()
         if problems:
-            raise AltParamsError(f"deepspeed's ZeRO optimizer is not laid out as hf_altparams expects ({problems[:3]}); "
-                                 "install a tested deepspeed (0.19)", cause=Cause.STRATEGY_REFUSED)
+            raise AltParamsError(f"deepspeed's ZeRO optimizer is not laid out as hf_altparams expects "
+                                 f"({problems[:3]}); install a tested deepspeed (0.19)", cause=Cause.STRATEGY_REFUSED)
         if untagged:
             raise AltParamsError(
                 f"{len(untagged)} param group(s) of the DeepSpeed optimizer (e.g. {untagged[:3]}) are not one library "
@@ -100,7 +100,8 @@ class ZeroBackend(Backend):
         mixed = [self.partitions.tags[i] for i, flag in enumerate(flags) if flag is None]
         if mixed:
             raise AltParamsError(f"the parameters of group(s) {mixed[:3]} disagree on `requires_grad`; one group is "
-                                 "one ZeRO param group and trains or idles whole", cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE)
+                                 "one ZeRO param group and trains or idles whole",
+                                 cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE)
         self.partitions.set_active(frozenset(i for i, flag in enumerate(flags) if flag))
 
     def snapshot(self) -> frozenset[int]:

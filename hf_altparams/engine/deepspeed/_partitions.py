@@ -37,6 +37,9 @@ __all__ = ["GROUP_TAG", "ZeroPartitions"]
 #: The key naming the library group in each param group of an optimizer split for ZeRO.
 GROUP_TAG = "altparams_group"
 
+#: The ZeroPartitions driving each ZeRO optimizer now (by id; one per optimizer).
+_LIVE: dict[int, "ZeroPartitions"] = {}
+
 
 class ZeroPartitions:
     """The phase's view of one ``DeepSpeedZeroOptimizer``: active param groups, idle groups' placement.
@@ -58,8 +61,16 @@ class ZeroPartitions:
         self.host_state: dict[int, dict[str, Any]] = {}
         self.active: frozenset[int] = frozenset(range(count))
         self.mover = TensorMover()
-        # DeepSpeed narrows `param_groups` to the one group it steps: the dicts are the ones it built
-        self._index = {id(group): i for i, group in enumerate(self.inner.param_groups)}
+        previous = _LIVE.get(id(zero))
+        if previous is not None and previous.zero is zero:  # a new run on the same engine (the Trainer's next
+            previous.close()                                # train()): what the last one placed is where it is
+            self.aliased, self.host_masters = previous.aliased, previous.host_masters
+            self.host_state = previous.host_state
+            self.master_dtype = previous.master_dtype
+        _LIVE[id(zero)] = self
+        # DeepSpeed narrows `param_groups` to the one group it steps; a group is known by its partition tensor
+        # (the object stays; a checkpoint load replaces the group dicts, and a drop only its `.data`)
+        self._index = {id(fp32_partition(zero, i)): i for i in range(count)}
         self._hook = self.inner.register_step_pre_hook(self._skip_idle)
         AllGatherFilter.install()
 
@@ -97,7 +108,7 @@ class ZeroPartitions:
         """DeepSpeed steps one param group at a time (``param_groups`` narrowed to it): an idle one is skipped."""
         AllGatherFilter.arm(self.zero)
         for group in optimizer.param_groups:
-            index = self._index.get(id(group))
+            index = self._index.get(id(group["params"][0])) if group["params"] else None
             if index is not None and index not in self.active:
                 for tensor in group["params"]:
                     tensor.grad = None
@@ -171,6 +182,8 @@ class ZeroPartitions:
         """Stop skipping and filtering for this optimizer (the engine trains every group again)."""
         self._hook.remove()
         AllGatherFilter.forget(self.zero)
+        if _LIVE.get(id(self.zero)) is self:
+            del _LIVE[id(self.zero)]
 
 
 def _is_tensor(value: Any) -> bool:

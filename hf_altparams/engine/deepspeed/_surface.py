@@ -48,6 +48,7 @@ from ..._compat import check_library_at_import
 from ...errors import AltParamsError, Cause
 
 __all__ = ["TESTED_DEEPSPEED", "USES", "AllGatherFilter", "bit16_partition", "check_deepspeed", "count_collectives",
+           "missing_names",
            "engine_class", "fp32_partition", "group_params", "relink_views", "skip_shm_comm_build",
            "surface_problems", "zero12_class"]
 
@@ -89,7 +90,7 @@ def zero12_class() -> Optional[type]:
     return getattr(module, "DeepSpeedZeroOptimizer", None)
 
 
-def _missing_names() -> list[str]:
+def missing_names() -> list[str]:
     import deepspeed.runtime.zero.stage_1_and_2 as zero12
 
     missing = []
@@ -122,7 +123,7 @@ def check_deepspeed() -> None:
         return
     import deepspeed
 
-    check_library_at_import("deepspeed", str(deepspeed.__version__), TESTED_DEEPSPEED, _missing_names(),
+    check_library_at_import("deepspeed", str(deepspeed.__version__), TESTED_DEEPSPEED, missing_names(),
                             "DeepSpeed ZeRO internals")
     _CHECKED = True
 
