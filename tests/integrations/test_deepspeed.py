@@ -28,7 +28,8 @@ KINDS = ("lisa", "badam", "alternating")
 DROP = ("lisa", "badam")  # their schedules' idle_state: idle groups' state and fp32 partitions dropped
 TRAINER_RUNS = [f"zero{s}_{k}" for s, k in itertools.product(STAGES, KINDS)]
 ACCELERATE_RUNS = [f"acc_zero{s}_{k}" for s, k in itertools.product(STAGES, KINDS)]
-DS_RUNS = TRAINER_RUNS + ACCELERATE_RUNS + ["zero2_lisa_resumed", "acc_zero2_lisa_resumed"]
+BF16 = "acc_zero2_lisa_bf16"  # DeepSpeed's bf16: bf16 weights and gradients, fp32 partitions
+DS_RUNS = TRAINER_RUNS + ACCELERATE_RUNS + [BF16, "zero2_lisa_resumed", "acc_zero2_lisa_resumed"]
 #: fp32 round-off on weights of size ~0.02-1 after a few AdamW steps (eps 1e-3): a few units in the last place
 ROUND_OFF = 1e-6
 
@@ -96,7 +97,7 @@ def test_accelerate_on_zero_equals_its_ddp_run(ranks: list[dict[str, Any]], out_
     assert max_diff(weights(out_dir, f"acc_zero{stage}_{kind}"), weights(out_dir, f"acc_ddp_{kind}")) < ROUND_OFF
 
 
-@pytest.mark.parametrize("name", TRAINER_RUNS + ACCELERATE_RUNS)
+@pytest.mark.parametrize("name", TRAINER_RUNS + ACCELERATE_RUNS + [BF16])
 def test_groups_outside_the_phase_stay_bit_unchanged_weights_and_fp32_partitions(ranks: list[dict[str, Any]],
                                                                                  name: str) -> None:
     for rank in range(NPROC):
@@ -127,7 +128,8 @@ def test_bytes_per_step_scale_with_the_trainable_share(ranks: list[dict[str, Any
         assert step["comm_bytes"] <= share * full["comm_bytes"] * 1.1, step["step"]
 
 
-@pytest.mark.parametrize("name", [f"{i}zero{s}_{k}" for i, s, k in itertools.product(("", "acc_"), STAGES, DROP)])
+@pytest.mark.parametrize("name", [f"{i}zero{s}_{k}" for i, s, k in itertools.product(("", "acc_"), STAGES, DROP)]
+                         + [BF16])
 def test_idle_groups_hold_no_optimizer_state_nor_fp32_partition_under_drop(ranks: list[dict[str, Any]],
                                                                           name: str) -> None:
     for rank in range(NPROC):

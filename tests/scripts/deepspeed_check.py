@@ -28,8 +28,11 @@ DeepSpeed collective (``count_comm=True``), the loss:
   group at every step: the bytes and state of full fine-tuning), ``ddp_{lisa,
   badam,alternating}`` (the references), ``zero2_lisa_resumed`` (resumed from
   ``zero2_lisa``'s DeepSpeed checkpoint-3);
-* Accelerate (``PhasedAccelerator`` with a ``DeepSpeedPlugin``): ``acc_zero{1,2}_{lisa,badam,alternating}``,
-  gradient accumulation 2, ``save_state`` after step 3 of ``acc_zero2_lisa``,
+* Accelerate (``PhasedAccelerator``; ZeRO-1 from a DeepSpeed config file in the
+  environment, as ``accelerate launch`` with a DeepSpeed accelerate config
+  passes it; ZeRO-2 from a ``DeepSpeedPlugin``): ``acc_zero{1,2}_{lisa,badam,alternating}``,
+  gradient accumulation 2, ``acc_zero2_lisa_bf16`` (DeepSpeed's bf16: bf16 weights and
+  gradients, fp32 partitions), ``save_state`` after step 3 of ``acc_zero2_lisa``,
   ``acc_zero2_lisa_resumed`` (``load_state`` in the same process after the run),
   and ``acc_ddp_{lisa,badam,alternating}`` (the references);
 * ``refusals``: what is refused before any step, and the message.
@@ -38,6 +41,7 @@ DeepSpeed collective (``count_comm=True``), the loss:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -60,8 +64,8 @@ GROUP_NAMES = ["emb", *[f"layer{i}" for i in range(LAYERS)], "head"]
 LR, WEIGHT_DECAY, EPS = 1e-3, 0.01, 1e-3
 SCHEDULES: dict[str, tuple[Callable[[], Any], int]] = {  # kind -> (schedule, steps)
     "lisa": (lambda: lisa([f"layer{i}" for i in range(LAYERS)], k=2, every=2, always=("emb", "head"), seed=3), 6),
-    "badam": (lambda: badam(GROUP_NAMES, steps_per_block=1, order="ascending"), 6),
-    "alternating": (lambda: Alternating([("emb", "layer0", "layer1"), ("layer2", "layer3", "head")], every=2), 6),
+    "badam": (lambda: badam(GROUP_NAMES, steps_per_block=1, order="ascending"), 4),
+    "alternating": (lambda: Alternating([("emb", "layer0", "layer1"), ("layer2", "layer3", "head")], every=1), 4),
     "full": (lambda: Alternating([tuple(GROUP_NAMES)], every=1), 2),
 }
 
@@ -223,7 +227,7 @@ def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, s
 
 # ------------------------------------------------------------------------------------------------ Accelerate
 def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, save_after: int = 0,
-                   load: Optional[str] = None) -> dict[str, Any]:
+                   load: Optional[str] = None, bf16: bool = False) -> dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -241,12 +245,18 @@ def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         # On CPU Accelerate counts one process per DeepSpeed rank (each reads every batch): the global batch
         # DeepSpeed checks against its world is given, not derived from Accelerate's count.
-        plugin = DeepSpeedPlugin(hf_ds_config={
-            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
-            "train_batch_size": BATCH * accumulation * world(), "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage}})
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
+                  "train_batch_size": BATCH * accumulation * world(), "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+        plugin: Optional[DeepSpeedPlugin] = DeepSpeedPlugin(hf_ds_config=config)
+        if stage == 1:  # as `accelerate launch` with a DeepSpeed config passes it: the environment, a config file
+            path = out / "ds_config_zero1.json"
+            path.write_text(json.dumps(config))
+            os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(path)
+            plugin = None
         acc = PhasedAccelerator(make(), groups=groups, deepspeed_plugin=plugin, count_comm=True,
-                                gradient_accumulation_steps=accumulation)
+                                gradient_accumulation_steps=accumulation, mixed_precision="bf16" if bf16 else "no")
+        os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
         rows = Tokens(steps * BATCH * accumulation)
     else:
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
@@ -353,6 +363,8 @@ def main(out: Path) -> None:
         for kind in ("lisa", "badam", "alternating"):
             runs[f"acc_zero{stage}_{kind}"] = lambda s=stage, k=kind: accelerate_run(
                 f"acc_zero{s}_{k}", out, k, "ds", stage=s, save_after=3 if (s, k) == (2, "lisa") else 0)
+    runs["acc_zero2_lisa_bf16"] = lambda: accelerate_run("acc_zero2_lisa_bf16", out, "lisa", "ds", stage=2,
+                                                         bf16=True)
     runs["acc_zero2_lisa_resumed"] = lambda: accelerate_run("acc_zero2_lisa_resumed", out, "lisa", "ds", stage=2,
                                                             load=str(out / "acc_zero2_lisa_state_3"))
     for kind in ("lisa", "badam", "alternating"):
