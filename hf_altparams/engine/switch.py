@@ -496,7 +496,7 @@ class PhaseSwitcher:
     def _attach_in_place(self, model: nn.Module, strategy: Strategy) -> None:
         """The grouped module itself: trained as it is, or wrapped in place (FSDP2)."""
         if model is not self.module:
-            names = [s.label for s in registered() if s.capabilities.wraps_module]
+            names = [s.label for s in registered() if s.capabilities.wraps_module and s.capabilities.trains]
             raise SwitchError(
                 f"`model` ({type(model).__name__}) is neither the grouped module nor a wrapper around it "
                 f"({', '.join(names)}); build ParamGroups on the model you train"

@@ -351,7 +351,7 @@ class PhasedAccelerator(Accelerator):
         """The registered strategy Accelerate is configured to run (FSDP2, or DeepSpeed once registered), else
         ``None``: DDP or one process, as the wrapper ``prepare`` returns says."""
         name = {DistributedType.FSDP: "fsdp2" if self.is_fsdp2 else None,
-                DistributedType.DEEPSPEED: "deepspeed"}.get(self.distributed_type)
+                DistributedType.DEEPSPEED: configuration(self).strategy_name}.get(self.distributed_type)
         return strategy_named(name) if name is not None and is_registered(name) else None
 
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None
@@ -542,7 +542,14 @@ def configuration(acc: Accelerator, fsdp_plugin_given: Any = None) -> Configurat
         megatron=kind == DistributedType.MEGATRON_LM, xla=kind == DistributedType.XLA,
         tensor_parallel=parallelism is not None and bool(parallelism.tp_enabled or parallelism.cp_enabled),
         compiled=_whole_compile(acc, fsdp_version is not None or kind == DistributedType.FSDP),
-        world_size=world, processes=int(acc.num_processes), distributed_type=str(kind.value))
+        world_size=world, processes=int(acc.num_processes), distributed_type=str(kind.value),
+        deepspeed_config=_deepspeed_config(acc) if kind == DistributedType.DEEPSPEED else {})
+
+
+def _deepspeed_config(acc: Accelerator) -> Mapping[str, Any]:
+    """The DeepSpeed plugin's configuration (its ``zero_stage`` and the rest), empty without a plugin."""
+    config = getattr(getattr(acc.state, "deepspeed_plugin", None), "deepspeed_config", None)
+    return config if isinstance(config, Mapping) else {}
 
 
 def _whole_compile(acc: Accelerator, fsdp: bool) -> Optional[str]:

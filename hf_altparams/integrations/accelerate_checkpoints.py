@@ -374,6 +374,10 @@ class Checkpoints:
             # Accelerate loads FSDP optimizers before the pre-hooks run: apply the saved phase first.
             self.load_hook([], input_dir)
             saved = {int(i): g for i, g in read_state(input_dir).get("fsdp2_optimizer_groups", {}).items()}
+        elif switcher is not None and input_dir is not None and switcher.strategy.capabilities.owns_optimizer_state:
+            # DeepSpeed's engine loads its module and partitions before the pre-hooks run, and reads the frozen
+            # parameters of the checkpoint by today's `requires_grad`: the saved phase first.
+            self.load_hook([], input_dir)
         with self._fsdp2_optimizer_view(saved):
             Accelerator.load_state(acc, input_dir, load_kwargs, **kwargs)
         if automatic:

@@ -228,10 +228,14 @@ class PhasedRun:
             assert switcher is not None
             self.guard.watch_many(switcher.wrappers if part is not None else [prepared])
 
-    def wrapping_all(self, models: list[nn.Module]) -> Any:
+    @contextlib.contextmanager
+    def wrapping_all(self, models: list[nn.Module]) -> Iterator[None]:
         """Every parameter of ``models`` trainable while DDP wraps them (it refuses a module with nothing to
-        train); their wrappers are re-bucketed for the phase right after (:meth:`attach`)."""
-        return _all_trainable(models)
+        train); their wrappers are re-bucketed for the phase right after (:meth:`attach`). With a strategy built
+        with every scheduled group (DeepSpeed ZeRO), those groups are trainable while it is built too."""
+        with _all_trainable(models), (self.phases.building() if self.phases is not None
+                                      else contextlib.nullcontext()):
+            yield
 
     # ------------------------------------------------------------ the loop
     @property

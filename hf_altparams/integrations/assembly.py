@@ -46,9 +46,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 from torch.optim import Optimizer
@@ -177,6 +178,25 @@ class PhaseRun:
         if first_phase:  # reported at attach, with what the wrapper communicates
             self.driver.move_to(self.driver.step, self.driver.epoch)
         strategy.before_wrap(groups, optimizer)
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """While the framework builds the wrapper: with a strategy that must be built with every group the
+        schedule trains (``builds_with_every_group``: DeepSpeed ZeRO), their parameters are trainable inside the
+        block, and the phase's flags are back after it (the strategy's ``attached`` follows them)."""
+        strategy, groups = self.expected or local_strategy(), self.groups
+        if groups is None or not strategy.capabilities.builds_with_every_group:
+            yield
+            return
+        scheduled = set(self.schedule.group_names())
+        flags = {p: p.requires_grad for name in groups.names if name in scheduled for p in groups.params(name)}
+        for param in flags:
+            param.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for param, flag in flags.items():
+                param.requires_grad_(flag)
 
     def build(self, groups: ParamGroups, optimizer: Optional[Optimizer]) -> PhaseSwitcher:
         """The run's switcher over ``groups``, driven by the run's driver and optimizer (``on_built`` called)."""

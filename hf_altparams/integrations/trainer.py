@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import weakref
@@ -44,6 +45,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import Optimizer
 from transformers import (
+    Trainer,
     TrainerCallback,
     TrainerControl,
     TrainerState,
@@ -53,6 +55,7 @@ from transformers import (
 from ..engine.collective import is_distributed
 from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
+from ..engine.deepspeed import optimizer_chain, split_optimizer_class
 from ..engine.driver import PhaseDriver
 from ..engine.memory import optimizer_of
 from ..engine.optim import uncovered_message
@@ -72,7 +75,7 @@ from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed
                                   mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
                                   saved_driver_state)
 from .trainer_optim import grouped_optimizer
-from .transformers_internals import caller_frame, move_before_reporters
+from .transformers_internals import caller_frame, move_before_reporters, trainer_from_stack
 from .unreached import OutputGuard
 
 __all__ = ["FIND_UNUSED_WARNING", "STATE_KEY", "AlternatingFreeze", "FirstCallCatcher", "GroupsSpec", "TrainerReport",
@@ -110,7 +113,28 @@ def configuration(args: TrainingArguments, *, unwrapped: bool = False) -> Config
         getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1) else None
     return Configuration(TRAINER, deepspeed=deepspeed, fsdp_version=(version or 1) if fsdp else None,
                          compiled=compiled, world_size=ranks, processes=ranks, unwrapped=unwrapped,
-                         distributed_type=kind)
+                         distributed_type=kind,
+                         deepspeed_config=deepspeed_config(args, shared.get("deepspeed_plugin")) if deepspeed else {})
+
+
+def deepspeed_config(args: TrainingArguments, plugin: Any = None) -> Mapping[str, Any]:
+    """DeepSpeed's configuration as the Trainer resolved it (``args.hf_deepspeed_config``), else as given.
+
+    ``deepspeed=`` a dict, or a JSON file's path; an Accelerate DeepSpeed plugin's
+    config when that is how it was asked for; empty when none can be read.
+    """
+    resolved = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(resolved, Mapping):
+        return resolved
+    given = getattr(args, "deepspeed", None)
+    if isinstance(given, Mapping):
+        return given
+    if isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
+        with open(given, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+        return loaded if isinstance(loaded, Mapping) else {}
+    config = getattr(plugin, "deepspeed_config", None)
+    return config if isinstance(config, Mapping) else {}
 
 
 def unsupported_backend(args: TrainingArguments) -> Optional[str]:
@@ -231,6 +255,44 @@ def make_scheduled_trainable(groups: ParamGroups, schedule: Schedule, only: bool
     for name, param in groups.all_named_params():
         if name in wanted or only:  # FSDP2: the rest frozen too (a resume loads no state for them)
             param.requires_grad_(name in wanted)
+
+
+def split_trainer_optimizer(trainer: Optional[Trainer], args: TrainingArguments, model: nn.Module,
+                            groups: ParamGroups) -> None:
+    """Under DeepSpeed: have ``trainer`` build its optimizer with one param group per library group.
+
+    ZeRO partitions each param group of the optimizer it is given; the Trainer
+    builds that optimizer inside ``train()`` (so ``optimizers=`` is ignored
+    under DeepSpeed) from ``optimizer_cls_and_kwargs``, its public attribute,
+    or else its ``optim`` arguments. The class becomes a stand-in that builds
+    the same optimizer split per group (its decay / no-decay split kept).
+
+    Raises:
+        AltParamsError: no Trainer under construction (the callback was not in
+            ``Trainer(callbacks=...)``), ``optimizers=`` given, or an optimizer
+            the Trainer builds another way (a factory, or its own parameter list).
+    """
+    if trainer is None:
+        raise AltParamsError(
+            "AlternatingFreeze under DeepSpeed must be in `Trainer(callbacks=[...])`: it has the Trainer build its "
+            "optimizer with one param group per group (DeepSpeed partitions each param group), which it can only "
+            "do while the Trainer is being built", cause=Cause.STRATEGY_REFUSED)
+    if trainer.optimizer is not None:
+        raise AltParamsError(
+            "`Trainer(optimizers=(optimizer, ...))` with DeepSpeed: the Trainer ignores that optimizer (DeepSpeed's is "
+            "built inside `train()`), so the phases would drive another one. Pass `optimizer_cls_and_kwargs=(cls, "
+            "kwargs)` instead, or nothing (the Trainer's `optim` arguments)", cause=Cause.STRATEGY_REFUSED)
+    given = trainer.optimizer_cls_and_kwargs
+    default = Trainer.get_optimizer_cls_and_kwargs
+    cls, kwargs = given if given is not None else default(args, model)  # type: ignore[arg-type]
+    own = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)) or own:
+        raise AltParamsError(
+            f"the Trainer's optimizer ({getattr(cls, '__name__', cls)!r}{f', with its own {own}' if own else ''}) is "
+            "not built from the Trainer's param groups, so it cannot be split per group for DeepSpeed; use a torch "
+            "optimizer class (`optim='adamw_torch'`, or `optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})`)",
+            cause=Cause.STRATEGY_REFUSED)
+    trainer.optimizer_cls_and_kwargs = (split_optimizer_class(cls, groups), dict(kwargs))
 
 
 def check_optimizer_covers(groups: ParamGroups, schedule: Schedule, optimizer: Optional[Optimizer]) -> None:
@@ -518,13 +580,17 @@ class AlternatingFreeze(TrainerCallback):
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: Optional[nn.Module] = None, **kwargs: Any) -> None:
-        check(configuration(args))
+        config = configuration(args)
+        check(config)
         if model is None:
             raise PlanError("AlternatingFreeze needs the Trainer's `model` (got None at on_init_end)")
         self.groups = self.resolve(model)
         make_scheduled_trainable(self.groups, self.schedule, only=uses_fsdp2(args))
         self.run.attach_prefix(model)
-        move_before_reporters(self, caller_frame())
+        frame = caller_frame()
+        move_before_reporters(self, frame)
+        if config.deepspeed:
+            split_trainer_optimizer(trainer_from_stack(frame), args, model, self.groups)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
@@ -544,14 +610,18 @@ class AlternatingFreeze(TrainerCallback):
             assert model is not None
             self.groups = shard_trainer_groups(self.groups, model, optimizer, args, state, trained)
         self.run.attach_prefix(self.groups.module)
-        check_optimizer_covers(self.groups, self.schedule, optimizer)
+        if not configuration(args).deepspeed:  # DeepSpeed's optimizer holds partitions: the engine checks them
+            check_optimizer_covers(self.groups, self.schedule, optimizer)
         resumed = resumed_checkpoint(caller_frame(), args, state)
         if resumed is not None:
             saved = state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
             check_resumed(resumed, state, saved)
         self._check_saved_state(state)
         self._is_main = state.is_world_process_zero
-        self.run.build(self.groups, optimizer_of(optimizer))  # on_start is called here (_started)
+        driving = optimizer_of(optimizer)
+        if configuration(args).deepspeed:  # the torch optimizer inside DeepSpeed's (its engine steps it per group)
+            driving = next((o for o in reversed(optimizer_chain(optimizer)) if isinstance(o, Optimizer)), driving)
+        self.run.build(self.groups, driving)  # on_start is called here (_started)
         self.run.driver.restore(resumed_from)
         if in_place is not local_strategy():  # no wrapper to catch; the phase is read at the next all-gather
             assert model is not None

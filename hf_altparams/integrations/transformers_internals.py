@@ -9,6 +9,11 @@ in this module and nowhere else:
   ``Trainer._inner_training_loop`` holds it in its local
   ``resume_from_checkpoint``; ``AlternatingFreeze`` refuses a resume from a
   torn checkpoint (one whose save did not complete);
+* **the Trainer under construction** (:func:`trainer_from_stack`): under
+  DeepSpeed, ``AlternatingFreeze`` has the Trainer build its optimizer split
+  per group (its public ``optimizer_cls_and_kwargs``, read inside ``train()``),
+  which a callback can set only on the Trainer whose ``__init__`` calls
+  ``on_init_end``;
 * **the callback handler** (:func:`move_before_reporters`): the Trainer calls
   callbacks in list order with the reporting integrations (TensorBoard, W&B)
   before user callbacks, so the ``altparams/*`` keys added in ``on_log`` would
@@ -35,7 +40,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from .._compat import check_library_at_import
 
 __all__ = ["TESTED_TRANSFORMERS", "USES", "caller_frame", "check_transformers", "missing_names",
-           "move_before_reporters", "resumed_checkpoint_from_stack"]
+           "move_before_reporters", "resumed_checkpoint_from_stack", "trainer_from_stack"]
 
 #: Inclusive range of (major, minor) transformers releases these uses were checked on.
 TESTED_TRANSFORMERS: tuple[tuple[int, int], tuple[int, int]] = ((5, 17), (5, 24))
@@ -47,6 +52,7 @@ TRAINING_LOOP, RESUME_LOCAL = "_inner_training_loop", "resume_from_checkpoint"
 USES: dict[str, tuple[str, ...]] = {
     "resumed_checkpoint_from_stack": (f"Trainer.{TRAINING_LOOP}", f"Trainer.{TRAINING_LOOP}({RESUME_LOCAL}=...)"),
     "move_before_reporters": ("CallbackHandler.callbacks", "DefaultFlowCallback", "sys._getframe"),
+    "trainer_from_stack": ("Trainer.__init__ calling on_init_end", "sys._getframe"),
 }
 
 
@@ -90,6 +96,21 @@ def resumed_checkpoint_from_stack(frame: Optional[FrameType]) -> tuple[bool, Opt
             return True, str(path) if isinstance(path, (str, bytes)) or hasattr(path, "__fspath__") else None
         frame = frame.f_back
     return False, None
+
+
+def trainer_from_stack(frame: Optional[FrameType]) -> Optional[Trainer]:
+    """The Trainer whose ``__init__`` is on the stack above ``frame`` (a callback's ``on_init_end``), or ``None``.
+
+    Looked for within eight frames up, as the ``self`` of a ``Trainer.__init__`` frame.
+    """
+    for _ in range(8):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        found = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__init__" and isinstance(found, Trainer):
+            return found
+    return None
 
 
 def move_before_reporters(callback: TrainerCallback, frame: Optional[FrameType]) -> bool:

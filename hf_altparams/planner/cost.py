@@ -84,7 +84,7 @@ def backends() -> tuple[str, ...]:
 
     Example:
         >>> backends()
-        ('fsdp2', 'ddp', 'local')
+        ('fsdp2', 'ddp', 'zero1', 'zero2', 'zero3', 'local')
     """
     return tuple(s.name for s in registered())
 

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
 from hf_altparams.engine.memory import StatePolicy
 from hf_altparams.engine.optim import PlainOptimizerState
-from hf_altparams.engine.strategies import (Collective, is_registered, local_strategy, register, registered,
-                                            strategy_for, strategy_named, unregister)
+from hf_altparams.engine.strategies import (Collective, Placement, StepBoundary, is_registered, local_strategy,
+                                            register, registered, strategy_for, strategy_named, unregister)
 from hf_altparams.errors import PlanError, SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 from tests.support.fake_strategy import FakeOwner, FakeStrategy, FakeWrapper
@@ -43,16 +43,17 @@ def _net() -> nn.Sequential:
 
 # ---------------------------------------------------------------------------- lookup
 def test_the_registry_lists_every_strategy_the_fallback_last() -> None:
-    assert [s.name for s in registered()] == ["fsdp2", "ddp", "local"]
+    assert [s.name for s in registered()] == ["fsdp2", "ddp", "zero1", "zero2", "zero3", "local"]
     assert registered()[-1] is local_strategy()
     assert strategy_named("ddp").label == "DDP" and strategy_named("FSDP2").name == "fsdp2"
     assert strategy_named("none") is local_strategy()  # an alias
-    assert is_registered("ddp") and not is_registered("deepspeed")
+    assert strategy_named("deepspeed-zero2") is strategy_named("zero2")
+    assert is_registered("ddp") and is_registered("zero1") and not is_registered("deepspeed")
 
 
 def test_an_unknown_name_is_refused_listing_the_registered_ones() -> None:
     with pytest.raises(PlanError, match=r"`backend` must be one of the registered strategies \['fsdp2', 'ddp', "
-                                        r"'local'\].*got 'deepspeed'"):
+                                        r"'zero1', 'zero2', 'zero3', 'local'\].*got 'deepspeed'"):
         strategy_named("deepspeed", argument="`backend`")
 
 
@@ -65,6 +66,20 @@ def test_each_strategy_declares_what_it_supports() -> None:
     assert not local.capabilities.synchronises_gradients and not local.capabilities.counts_comm
     assert fsdp2.pricing.collective is Collective.REDUCE_SCATTER and fsdp2.pricing.sharded
     assert ddp.pricing.buckets and not ddp.pricing.sharded and local.pricing.collective is Collective.NONE
+
+
+def test_each_zero_stage_shards_what_zero_shards_and_only_zero_1_2_train() -> None:
+    sharded = {name: [category for category in ("parameters", "gradients", "optimizer_state", "masters")
+                      if getattr(strategy_named(name).pricing, category) is Placement.SHARDED]
+               for name in ("zero1", "zero2", "zero3")}
+    assert sharded == {"zero1": ["optimizer_state", "masters"], "zero2": ["gradients", "optimizer_state", "masters"],
+                       "zero3": ["parameters", "gradients", "optimizer_state", "masters"]}
+    assert strategy_named("zero3").pricing.collective is Collective.REDUCE_SCATTER
+    assert all(strategy_named(n).pricing.compare_with == "ddp" for n in sharded)
+    assert [strategy_named(n).capabilities.trains for n in sharded] == [True, True, False]
+    caps = strategy_named("zero2").capabilities
+    assert caps.owns_optimizer_state and caps.builds_with_every_group and caps.step_boundary is StepBoundary.BACKWARD
+    assert not strategy_named("zero2").recognises(_net())
 
 
 def test_registering_twice_or_an_alias_clash_is_refused(fake: FakeStrategy) -> None:
@@ -82,7 +97,7 @@ def test_registering_twice_or_an_alias_clash_is_refused(fake: FakeStrategy) -> N
 
 def test_a_registered_strategy_is_found_by_name_and_alias_and_tried_before_the_fallback(fake: FakeStrategy) -> None:
     assert strategy_named("fake-zero") is fake
-    assert [s.name for s in registered()] == ["fsdp2", "ddp", "fake", "local"]
+    assert [s.name for s in registered()] == ["fsdp2", "ddp", "zero1", "zero2", "zero3", "fake", "local"]
     assert strategy_for(FakeWrapper(_net())) is fake
     assert strategy_for(_net()) is local_strategy()
 
@@ -132,7 +147,7 @@ def test_a_wrapper_around_another_module_is_refused_naming_its_strategy(fake: Fa
     switcher = PhaseSwitcher(ParamGroups(_net(), {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]))
     with pytest.raises(SwitchError, match=r"`model` is a FakeWrapper \(Fake\) around a different module"):
         switcher.attach(FakeWrapper(_net()))
-    with pytest.raises(SwitchError, match=r"neither the grouped module nor a wrapper around it \(DDP, Fake\)"):
+    with pytest.raises(SwitchError, match=r"neither the grouped module nor a wrapper around it \(DDP, DeepSpeed ZeRO-1, DeepSpeed ZeRO-2, Fake\)"):
         switcher.attach(_net())
 
 
@@ -225,7 +240,8 @@ def test_a_strategy_registered_before_another_is_tried_first() -> None:
     with registered_fake(FakeStrategy()) as fake:
         shadow = register(Shadow(), before="fake")
         try:
-            assert [s.name for s in registered()] == ["fsdp2", "ddp", "shadow", "fake", "local"]
+            assert [s.name for s in registered()] == ["fsdp2", "ddp", "zero1", "zero2", "zero3", "shadow", "fake",
+                                                      "local"]
             assert strategy_for(FakeWrapper(_net())) is shadow  # both recognise it: the earlier wins
         finally:
             unregister("shadow")

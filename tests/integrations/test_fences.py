@@ -148,9 +148,11 @@ class _Probe(TrainerCallback):
     def __init__(self) -> None:
         self.resumed: Any = "not called"
         self.moved = False
+        self.trainer: Any = None
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.moved = tf_fence.move_before_reporters(self, tf_fence.caller_frame())
+        self.trainer = tf_fence.trainer_from_stack(tf_fence.caller_frame())
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.resumed = tf_fence.resumed_checkpoint_from_stack(tf_fence.caller_frame())
@@ -176,6 +178,13 @@ def test_the_callback_handler_is_found_and_the_callback_moved_before_the_others(
     callbacks = trainer.callback_handler.callbacks
     assert probe.moved
     assert isinstance(callbacks[0], DefaultFlowCallback) and callbacks[1] is probe
+
+
+def test_the_trainer_under_construction_is_found_from_on_init_end(tmp_path: Path) -> None:
+    probe = _Probe()
+    trainer = _trainer(tmp_path, probe, steps=2)
+    assert probe.trainer is trainer
+    assert tf_fence.trainer_from_stack(tf_fence.caller_frame()) is None  # no Trainer being built here
 
 
 def test_the_resumed_checkpoint_is_read_from_the_training_loop(tmp_path: Path) -> None:

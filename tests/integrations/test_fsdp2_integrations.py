@@ -113,8 +113,8 @@ def test_deepspeed_is_refused_at_prepare_naming_fsdp2_and_ddp() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = GroupedOptimizer(ParamGroups(model, {"a": "0.*", "b": "2.*"}), lambda p: torch.optim.SGD(p, lr=0.1))
-    with pytest.raises(AltParamsError, match=r"DeepSpeed.*fsdp_version=2.*--multi_gpu") as info:
-        acc.prepare(model, opt)
+    with pytest.raises(AltParamsError, match=r"DeepSpeed without ZeRO.*zero_stage=1.*--multi_gpu") as info:
+        acc.prepare(model, opt)  # no DeepSpeed plugin: no ZeRO stage
     assert "cannot drive DeepSpeed" in str(info.value)  # the setting named (not a distributed_type value)
     assert info.value.cause is Cause.STRATEGY_REFUSED
     assert all(p.requires_grad for p in model.parameters())  # refused before any phase was applied

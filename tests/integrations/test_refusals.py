@@ -14,8 +14,18 @@ from hf_altparams.integrations.refusals import (ACCELERATE, REFUSALS, TRAINER, C
                                                 check, message, refusal_for)
 
 #: One configuration per row, as each integration would recognise it.
+def _ds(zero: dict, **sections: object) -> dict:
+    return {"deepspeed": True, "deepspeed_config": {"zero_optimization": zero, **sections}}
+
+
 CASES = {
-    "deepspeed": {"deepspeed": True},
+    "deepspeed": _ds({"stage": "auto"}),  # a stage no registered strategy drives
+    "deepspeed-no-zero": {"deepspeed": True},
+    "deepspeed-zero3": _ds({"stage": 3}),
+    "deepspeed-offload": _ds({"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+    "deepspeed-bf16-optimizer": _ds({"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+    "deepspeed-optimizer-section": _ds({"stage": 2}, optimizer={"type": "AdamW", "params": {"lr": 1e-3}}),
+    "deepspeed-other-paths": _ds({"stage": 2}, compile={"deepcompile": True}),
     "fsdp1": {"fsdp_version": 1},
     "megatron": {"megatron": True, "distributed_type": "MEGATRON_LM"},
     "xla": {"xla": True, "distributed_type": "XLA"},
@@ -25,6 +35,10 @@ CASES = {
     "one-process-of-many": {"world_size": 2, "processes": 1},
     "unwrapped-of-many": {"world_size": 2, "processes": 2, "unwrapped": True},
 }
+
+
+#: What the messages say is driven: every registered strategy that trains (ZeRO-3 is priced only).
+DRIVEN = "FSDP2, DDP, DeepSpeed ZeRO-1, DeepSpeed ZeRO-2 and one process"
 
 
 def test_every_row_has_a_case_here() -> None:
@@ -38,8 +52,7 @@ def test_each_row_refuses_its_configuration_naming_the_integration_and_what_is_s
         row = refusal_for(config)
         assert row is not None and row.name == name
         text = message(config)
-        assert text is not None and text.startswith(f"{integration} drives FSDP2, DDP and one process; it cannot "
-                                                    "drive ")
+        assert text is not None and text.startswith(f"{integration} drives {DRIVEN}; it cannot drive ")
         assert row.reason in text
         if integration in row.way_out:
             assert text.endswith(row.way_out[integration])
@@ -50,10 +63,10 @@ def test_each_row_refuses_its_configuration_naming_the_integration_and_what_is_s
 
 
 def test_the_way_out_is_in_each_integrations_terms() -> None:
-    accelerate = message(Configuration(ACCELERATE, deepspeed=True))
-    trainer = message(Configuration(TRAINER, deepspeed=True))
-    assert accelerate is not None and "FullyShardedDataParallelPlugin(fsdp_version=2" in accelerate
-    assert trainer is not None and "drop `deepspeed=` from TrainingArguments" in trainer
+    accelerate = message(Configuration(ACCELERATE, **_ds({"stage": 3})))  # type: ignore[arg-type]
+    trainer = message(Configuration(TRAINER, **_ds({"stage": 3})))  # type: ignore[arg-type]
+    assert accelerate is not None and "`DeepSpeedPlugin(zero_stage=2)`" in accelerate
+    assert trainer is not None and "`zero_optimization.stage=2`" in trainer
 
 
 def test_a_refusal_at_the_first_forward_is_a_switch_error() -> None:
@@ -67,6 +80,12 @@ def test_a_refusal_at_the_first_forward_is_a_switch_error() -> None:
 
 
 @pytest.mark.parametrize("config", [Configuration(ACCELERATE), Configuration(ACCELERATE, fsdp_version=2),
+                                    Configuration(ACCELERATE, **_ds({"stage": 1})),  # type: ignore[arg-type]
+                                    # DeepSpeed on CPU: Accelerate counts one process per rank, the engine spans them
+                                    Configuration(ACCELERATE, world_size=2, processes=1,
+                                                  **_ds({"stage": 2})),  # type: ignore[arg-type]
+                                    Configuration(TRAINER, **_ds({"stage": 2}, bf16={"enabled": True},
+                                                                  data_types={"grad_accum_dtype": "fp32"})),
                                     Configuration(TRAINER, world_size=4, processes=4),
                                     Configuration(ACCELERATE, unwrapped=True)])
 def test_what_the_strategies_drive_passes(config: Configuration) -> None:
@@ -75,14 +94,15 @@ def test_what_the_strategies_drive_passes(config: Configuration) -> None:
 
 
 def test_the_strategy_a_configuration_asks_for() -> None:
-    assert Configuration(ACCELERATE, deepspeed=True).strategy_name == "deepspeed"
+    assert Configuration(ACCELERATE, deepspeed=True).strategy_name == "zero0"  # no ZeRO section: stage 0
+    assert Configuration(ACCELERATE, **_ds({"stage": 2})).strategy_name == "zero2"  # type: ignore[arg-type]
     assert Configuration(ACCELERATE, fsdp_version=2).strategy_name == "fsdp2"
     assert Configuration(ACCELERATE, fsdp_version=1).strategy_name == "fsdp1"
     assert Configuration(ACCELERATE).strategy_name is None
 
 
 class _Zero(Strategy):
-    name, label = "deepspeed", "DeepSpeed ZeRO"
+    name, label = "zero2", "DeepSpeed ZeRO"
     capabilities = Capabilities(wraps_module=True, synchronises_gradients=True, owns_optimizer_state=True,
                                 per_task_residency=False, frozen_prefix=False)
 
@@ -95,17 +115,30 @@ class _Zero(Strategy):
 
 @pytest.fixture
 def zero() -> Iterator[Strategy]:
-    strategy = register(_Zero())
+    """The registered ZeRO-2 strategy replaced by a test-only one of the same name."""
+    real = unregister("zero2")
+    strategy = register(_Zero(), before="zero3")
     try:
         yield strategy
     finally:
-        unregister("deepspeed")
+        unregister("zero2")
+        register(real, before="zero3")
 
 
-def test_deepspeed_is_driven_once_a_strategy_of_that_name_is_registered(zero: Strategy) -> None:
-    assert refusal_for(Configuration(ACCELERATE, deepspeed=True)) is None
+def test_deepspeed_is_driven_at_a_stage_a_strategy_of_that_name_is_registered_for(zero: Strategy) -> None:
+    stage2 = Configuration(ACCELERATE, **_ds({"stage": 2}))  # type: ignore[arg-type]
+    assert refusal_for(stage2) is None
+    unregister("zero2")
+    try:
+        row = refusal_for(stage2)
+        assert row is not None and row.name == "deepspeed"
+        text = message(Configuration(TRAINER, fsdp_version=1))
+        assert text is not None and text.startswith("AlternatingFreeze drives FSDP2, DDP, DeepSpeed ZeRO-1 and one")
+    finally:
+        register(zero, before="zero3")
     text = message(Configuration(TRAINER, fsdp_version=1))
-    assert text is not None and text.startswith("AlternatingFreeze drives FSDP2, DDP, DeepSpeed ZeRO and one process")
+    assert text is not None and text.startswith("AlternatingFreeze drives FSDP2, DDP, DeepSpeed ZeRO-1, DeepSpeed "
+                                                "ZeRO and one process")
 
 
 def test_a_feature_the_strategy_does_not_declare_is_refused(zero: Strategy) -> None:

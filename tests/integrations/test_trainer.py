@@ -268,7 +268,8 @@ def test_resume_with_another_schedule_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"deepspeed": "ds_config.json"}, r"cannot drive DeepSpeed.*plain DDP.*`torchrun`"),
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, r"cannot drive DeepSpeed ZeRO-3.*ZeRO-2.*FSDP2"),
+        ({"deepspeed": {"zero_optimization": {"stage": 0}}}, r"cannot drive DeepSpeed without ZeRO.*plain DDP"),
         ({"fsdp": ["full_shard"]}, r"cannot drive FSDP version 1.*plain DDP"),
     ],
 )

@@ -14,7 +14,8 @@ registry for the strategy and reads it:
   ``python -m hf_altparams check``: :func:`strategy_named` and its pricing.
 
 Registered, in the order they are tried: FSDP2 (a ``fully_shard`` model), DDP
-(a ``DistributedDataParallel``); one process (:class:`~.local.LocalStrategy`)
+(a ``DistributedDataParallel``), DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 (a
+``DeepSpeedEngine`` at that stage; ZeRO-3 priced only, :mod:`.deepspeed`); one process (:class:`~.local.LocalStrategy`)
 takes any model the others do not recognise. Adding a strategy is a module
 with its :class:`Strategy` subclass (and, for private APIs, a fence package
 such as :mod:`hf_altparams.engine.ddp`) plus one line in :data:`_REGISTERED`
@@ -26,7 +27,7 @@ Example:
     >>> strategy_for(torch.nn.Linear(2, 2)).name, strategy_named("fsdp2").label
     ('local', 'FSDP2')
     >>> [s.name for s in registered()]
-    ['fsdp2', 'ddp', 'local']
+    ['fsdp2', 'ddp', 'zero1', 'zero2', 'zero3', 'local']
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from ...errors import PlanError
 from .base import Capabilities, Collective, Placement, Pricing, StepBoundary, Strategy
 from .ddp import DDPStrategy
+from .deepspeed import ZeroStrategy
 from .fsdp2 import FSDP2Strategy
 from .local import LocalStrategy
 
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 #: The strategies tried in order by :func:`strategy_for` (the fallback, one process, is tried last).
-_REGISTERED: list[Strategy] = [FSDP2Strategy(), DDPStrategy()]
+_REGISTERED: list[Strategy] = [FSDP2Strategy(), DDPStrategy(), ZeroStrategy(1), ZeroStrategy(2), ZeroStrategy(3)]
 _FALLBACK: Strategy = LocalStrategy()
 
 
@@ -88,7 +90,7 @@ def strategy_named(name: str, *, argument: str = "`strategy`") -> Strategy:
         >>> strategy_named("fsdp1")
         Traceback (most recent call last):
         ...
-        hf_altparams.errors.PlanError: `strategy` must be one of the registered strategies ['fsdp2', 'ddp', 'local'] (aliases: 'none' for 'local'), got 'fsdp1'
+        hf_altparams.errors.PlanError: `strategy` must be one of the registered strategies ['fsdp2', 'ddp', 'zero1', 'zero2', 'zero3', 'local'] (aliases: 'deepspeed-zero1' for 'zero1', 'deepspeed-zero2' for 'zero2', 'deepspeed-zero3' for 'zero3', 'none' for 'local'), got 'fsdp1'
     """
     for strategy in registered():
         if isinstance(name, str) and name.lower() in _names(strategy):

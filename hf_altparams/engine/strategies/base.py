@@ -123,6 +123,14 @@ class Capabilities:
         kept_reducers: idle phases' gradient-sync state can be kept (``keep_reducers``).
         counts_comm: :meth:`Strategy.count_comm` counts the bytes it communicates.
         step_boundary: where the optimizer step, and the switch after it, happen.
+        builds_with_every_group: the wrapper must be built with every parameter
+            the schedule trains trainable (DeepSpeed ZeRO leaves a parameter
+            frozen at ``initialize`` out of its partitions for good); the
+            integrations turn them on while it is built and the phase's flags
+            back on after (the strategy's :meth:`Strategy.attached` follows them).
+        trains: the library trains with it; ``False``: known to the planner
+            only (priced), refused by :mod:`hf_altparams.integrations.refusals`
+            with its measured reason, and left out of "drives ..." in messages.
     """
 
     wraps_module: bool = False
@@ -137,6 +145,8 @@ class Capabilities:
     kept_reducers: bool = False
     counts_comm: bool = False
     step_boundary: StepBoundary = StepBoundary.OPTIMIZER_STEP
+    builds_with_every_group: bool = False
+    trains: bool = True
 
 
 @dataclass(frozen=True)
