@@ -437,3 +437,36 @@ def test_no_module_reaches_into_another_objects_privates() -> None:
 def test_every_fence_exists(fence: str) -> None:
     assert fence in _modules(), f"{fence} is listed as a fence but is not a module or package"
 
+
+
+# ---------------------------------------------------------------------------- optional libraries behind their fence
+#: Libraries only their fence imports (optional ones: the rest of the package must import without them).
+FENCED_LIBRARIES = {"deepspeed": "hf_altparams.engine.deepspeed"}
+
+
+def library_findings(sources: dict[str, str]) -> list[str]:
+    """Every import of a :data:`FENCED_LIBRARIES` library outside its fence."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for target in targets:
+                library = target.split(".")[0]
+                fence = FENCED_LIBRARIES.get(library)
+                if fence is not None and not _within(name, (fence,)):
+                    found.append(f"{name}: imports {target}, which only {fence} may import")
+    return found
+
+
+def test_the_library_rule_catches_an_import_outside_the_fence() -> None:
+    found = library_findings({
+        "hf_altparams.engine.deepspeed._surface": "import deepspeed.comm.comm as comm\n",
+        "hf_altparams.integrations.x": "def f():\n    from deepspeed.runtime.zero import stage_1_and_2\n",
+        "hf_altparams.engine.switch": "import deepspeed\n",
+    })
+    assert sorted(f.split(":")[0] for f in found) == ["hf_altparams.engine.switch", "hf_altparams.integrations.x"]
+
+
+def test_only_the_fence_imports_deepspeed() -> None:
+    assert library_findings({name: path.read_text() for name, path in _modules().items()}) == []

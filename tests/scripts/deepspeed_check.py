@@ -250,7 +250,7 @@ def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0
                   "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
         plugin: Optional[DeepSpeedPlugin] = DeepSpeedPlugin(hf_ds_config=config)
         if stage == 1:  # as `accelerate launch` with a DeepSpeed config passes it: the environment, a config file
-            path = out / "ds_config_zero1.json"
+            path = out / f"ds_config_zero1_rank{dist.get_rank()}.json"  # one each: no rank reads a half-written one
             path.write_text(json.dumps(config))
             os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(path)
             plugin = None
