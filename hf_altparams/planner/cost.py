@@ -183,7 +183,7 @@ def plan_cost(
     pricing = strategy.pricing
     run_state, run_master, why = run_idle_policies(schedule.idle_state, schedule.kind)
     policy = run_state if state_policy is None else StatePolicy.parse(state_policy, "`state_policy`")
-    masters_policy = run_master if master_policy is None else StatePolicy.parse(
+    masters_given = None if master_policy is None else StatePolicy.parse(
         master_policy, "`master_policy` (--master-policy)")
     source = why if state_policy is None else "given"
     if steps is None:
@@ -196,12 +196,23 @@ def plan_cost(
                       allreduce_dtype=allreduce_dtype)
     params = dict(groups.all_named_params())
     full = _group_sizes(params, groups, state_fn, storage)
-    shards = _shard_sizes(full, params, groups, world_size, state_fn, storage) if _shards_any(strategy) else full
+    shard_params = _shard_params(params, world_size)
+    shards = _shard_sizes(full, shard_params, groups, world_size, state_fn, storage) if _shards_any(strategy) \
+        else full
+
+    def masters_of(priced: Strategy) -> StatePolicy:
+        """Idle masters' policy: given, else the state's for a strategy whose masters go with it, else the run's."""
+        if masters_given is not None:
+            return masters_given
+        return policy if priced.pricing.fp32_masters else run_master
 
     def walk_of(priced: Strategy) -> _Walk:
-        return _Walk(groups, schedule, steps, _priced_sizes(full, shards, priced.pricing), storage,
-                     pricing=priced.pricing, world_size=world_size, bucket_as_view=bucket_as_view,
-                     offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps, masters_policy=masters_policy)
+        fp32 = priced.pricing.fp32_masters
+        sizes = _priced_sizes(_fp32_masters(full, params, groups) if fp32 else full,
+                              _fp32_masters(shards, shard_params, groups) if fp32 else shards, priced.pricing)
+        return _Walk(groups, schedule, steps, sizes, storage, pricing=priced.pricing, world_size=world_size,
+                     bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
+                     masters_policy=masters_of(priced), gathered={k: v.param for k, v in full.items()})
 
     walk = walk_of(strategy)
     size = walk.size
@@ -227,9 +238,9 @@ def plan_cost(
                       "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1])}
                   for p, res in results.items()},
         storage_dtype=_dtype_text(storage_dtype),
-        master_policy=None if storage_dtype is None else masters_policy.value,
+        master_policy=None if storage_dtype is None and not pricing.fp32_masters else masters_of(strategy).value,
         allreduce_dtype=_dtype_text(allreduce_dtype), backend=strategy.name, strategy_label=strategy.label,
-        collective=pricing.collective.value,
+        collective=pricing.collective.value, gathers=pricing.gathers.value, fp32_masters=pricing.fp32_masters,
         compared_with=None if compared is None else compared.label, ddp_device_bytes=ddp_device_bytes,
         # a transient of FSDP2's forward/backward: the largest group (or the ungrouped) unsharded
         unit_bytes=max((entry.param for entry in full.values()), default=0) if pricing.unit_transient else 0,
@@ -254,24 +265,35 @@ class _Walk:
 
     def __init__(self, groups: ParamGroups, schedule: Schedule, steps: int, size: dict[str, Sizes],
                  storage: Storage, *, pricing: Pricing, world_size: int, bucket_as_view: bool,
-                 offload_nonresident: bool, pcie_gbps: float, masters_policy: StatePolicy) -> None:
+                 offload_nonresident: bool, pcie_gbps: float, masters_policy: StatePolicy,
+                 gathered: dict[str, int]) -> None:
         self.groups, self.size, self.pricing, self.world_size = groups, size, pricing, world_size
         self.bucket_as_view, self.offload_nonresident, self.pcie_gbps = bucket_as_view, offload_nonresident, pcie_gbps
         self.segments = schedule.segments(steps)
         self.owners: Owners = buffer_owners(groups.module, groups.group_of, storage)
         self.always = {UNGROUPED} if groups.ungrouped == "trainable" and size[UNGROUPED].numel else set()
         self.masters = dict.fromkeys(size, masters_policy)
+        self.gathered = gathered  # per group: its parameters' bytes, whole (what an all-gather of them outputs)
+        # a strategy that makes fp32 masters when the wrapper is built has them for every optimized group from then
+        self.mastered = set(groups.names) | self.always if pricing.fp32_masters else None
 
     def place(self, phase: Phase, active: set[str], stepped: set[str], idle: StatePolicy) -> Layout:
         """Where everything is in ``phase`` (the groups it keeps resident; state and masters by policy)."""
         off = frozenset(self.groups.names) - phase.resident \
             if phase.resident is not None and self.offload_nonresident else frozenset()
-        return layout(active, off, stepped, dict.fromkeys(self.size, idle), self.masters)
+        where = layout(active, off, stepped, dict.fromkeys(self.size, idle), self.masters)
+        if self.mastered is None:
+            return where
+        return replace(where, masters=layout(active, off, self.mastered, dict.fromkeys(self.size, idle),
+                                             self.masters).masters)
 
     def cost(self, name: str, active: set[str], where: Layout) -> PhaseCost:
         """The row of a phase training ``active`` with everything placed as ``where`` says."""
         used = footprint(self.size, where, self.owners, ddp=self.pricing.buckets, bucket_view=self.bucket_as_view)
-        return _phase_cost(name, active, used, self.size, self.world_size, self.pricing)
+        gathered = self.pricing.gathers.gathered_bytes(
+            trainable=sum(self.gathered[k] for k in active), every=sum(self.gathered[k] for k in set(self.size)
+                                                                     - where.off))
+        return _phase_cost(name, active, used, self.size, self.world_size, self.pricing, gathered)
 
     def run(self, idle: StatePolicy) -> tuple[list[PhaseCost], list[SwitchCost]]:
         """Rows (each phase's largest occurrence, with every range it is active in) and switches, under ``idle``."""
@@ -401,17 +423,37 @@ def _priced_sizes(full: dict[str, Sizes], shards: dict[str, Sizes], pricing: Pri
     return out
 
 
-def _shard_sizes(full: dict[str, Sizes], params: Mapping[str, nn.Parameter], groups: ParamGroups, world_size: int,
+def _shard_params(params: Mapping[str, nn.Parameter], world_size: int) -> dict[str, nn.Parameter]:
+    """One rank's shard of each parameter, on ``meta`` (see the module docstring)."""
+    return {name: nn.Parameter(torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"),
+                               requires_grad=False)
+            for name, p in params.items()}
+
+
+def _fp32_masters(size: dict[str, Sizes], params: Mapping[str, nn.Parameter], groups: ParamGroups) -> dict[str, Sizes]:
+    """``size`` with an fp32 master (4 bytes per element) for every floating parameter, whatever its dtype.
+
+    For a strategy declaring ``fp32_masters`` (DeepSpeed's fp32 partitions); ``params`` are the tensors ``size``
+    was computed from (whole or one rank's shards).
+    """
+    def floating(key: str) -> int:
+        return sum(params[n].numel() for n in _member_names(groups, key) if params[n].is_floating_point())
+
+    return {key: replace(entry, master=4 * floating(key)) for key, entry in size.items()}
+
+
+def _member_names(groups: ParamGroups, key: str) -> tuple[str, ...]:
+    return groups.ungrouped_names() if key == UNGROUPED else groups.param_names(key)
+
+
+def _shard_sizes(full: dict[str, Sizes], shards: Mapping[str, nn.Parameter], groups: ParamGroups, world_size: int,
                  state_fn: StateBytes, storage: Storage) -> dict[str, Sizes]:
-    """Per group: the :class:`Sizes` of one rank's shards of its parameters (see the module docstring).
+    """Per group: the :class:`Sizes` of one rank's shards of its parameters (``shards``, :func:`_shard_params`).
 
     Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
     the bytes a rank feeds to a reduce-scatter (its padded shard times ``world_size``;
     ``reduced`` in the all-reduce dtype if one is set).
     """
-    shards = {name: nn.Parameter(torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"),
-                                 requires_grad=False)
-              for name, p in params.items()}
     size = _group_sizes(shards, groups, state_fn, storage)
     return {key: replace(entry, numel=full[key].numel, bucket=entry.bucket * world_size,
                          bucket_kept=entry.bucket_kept * world_size, reduced=entry.reduced * world_size)
@@ -435,16 +477,17 @@ def _moves(before: Layout, after: Layout, size: dict[str, Sizes], owners: Owners
 
 
 def _phase_cost(name: str, active: set[str], where: Footprint, size: dict[str, Sizes], world_size: int,
-                pricing: Pricing) -> PhaseCost:
-    """A :class:`PhaseCost` row from the model's :class:`Footprint` of the phase."""
+                pricing: Pricing, gathered: int) -> PhaseCost:
+    """A :class:`PhaseCost` row from the model's :class:`Footprint` of the phase and the bytes it all-gathers."""
     reduced = 0 if pricing.collective.value == "none" else where.allreduced
-    sent = pricing.collective.sent_per_rank(reduced, world_size)
+    # an all-gather sends (N-1)/N of its output per rank, as a reduce-scatter of its input does
+    sent = pricing.collective.sent_per_rank(reduced, world_size) + (world_size - 1) * gathered // world_size
     return PhaseCost(
         phase=name, trainable_groups=tuple(sorted(active - {UNGROUPED})), ranges=[],
         trainable_params=sum(size[k].numel for k in active), allreduce_bytes=reduced, wire_bytes=sent,
         param_bytes=where.params, buffer_bytes=where.buffers, grad_bytes=where.grads,
         optimizer_bytes=where.optimizer, bucket_bytes=where.buckets, host_bytes=where.host,
-        master_bytes=where.masters)
+        master_bytes=where.masters, gather_bytes=gathered)
 
 
 def _dtype_text(dtype: Optional[torch.dtype]) -> Optional[str]:

@@ -34,14 +34,16 @@ class PhaseCost:
     ranges: list[tuple[int, int]]  # [start, end) positions where the phase is active
     trainable_params: int
     allreduce_bytes: int  # per optimizer step: what DDP's buckets hold and all-reduce (FSDP2: reduce-scatter input)
-    wire_bytes: int  # per optimizer step and rank: ring all-reduce over `world_size` ranks (FSDP2: reduce-scatter)
+    wire_bytes: int  # per optimizer step and rank: ring all-reduce over `world_size` ranks (FSDP2: reduce-scatter),
+    # plus (N-1)/N of `gather_bytes`
     param_bytes: int  # parameters on the device (all but non-resident groups')
     buffer_bytes: int  # module buffers on the device
     grad_bytes: int
     optimizer_bytes: int  # optimizer state on the device
     bucket_bytes: int  # DDP bucket memory beyond the gradients
     host_bytes: int  # off the device: non-resident parameters and buffers, offloaded optimizer state and masters
-    master_bytes: int = 0  # fp32 master weights on the device (low-precision storage only)
+    master_bytes: int = 0  # fp32 master weights on the device (low-precision storage, or a strategy's fp32 copies)
+    gather_bytes: int = 0  # per optimizer step: parameters all-gathered, whole tensors (DeepSpeed ZeRO; else 0)
 
     @property
     def device_bytes(self) -> int:
@@ -100,6 +102,8 @@ class CostPlan:
     backend: str = "ddp"  # the strategy's name ("fsdp2": bytes per rank of fully_shard shards; "local": one process)
     strategy_label: str = "DDP"  # how the table names the strategy
     collective: str = "all-reduce"  # what carries the gradients ("reduce-scatter", "none")
+    gathers: str = "none"  # parameters all-gathered per step: "updated" (after the step), "every" (for the forward)
+    fp32_masters: bool = False  # the strategy keeps an fp32 master of every optimized parameter, fp32 ones too
     compared_with: Optional[str] = None  # the strategy whose device bytes are shown beside (FSDP2: "DDP")
     ddp_device_bytes: dict[str, int] = field(default_factory=dict)  # each phase's device bytes under `compared_with`
     unit_bytes: int = 0  # fsdp2: the largest group unsharded (a transient of its unit's forward/backward)
@@ -198,14 +202,17 @@ class CostPlan:
     def _compared_table(self) -> str:
         host = any(r.host_bytes for r in self.phases)
         other = self.compared_with
-        head = ["phase", f"{self.unit}s", "trainable params", f"{self.collective}/step", "sent/rank", "params",
-                "buffers", "grads", "optimizer" if self.storage_dtype is None else "optim+master", "device",
-                f"{other} device", f"vs {other}"] + (["host"] if host else [])
+        gathers = self.gathers != "none"
+        masters = self.storage_dtype is not None or self.fp32_masters
+        head = ["phase", f"{self.unit}s", "trainable params", f"{self.collective}/step"] \
+            + (["all-gather/step"] if gathers else []) + ["sent/rank", "params", "buffers", "grads",
+                                                          "optim+master" if masters else "optimizer", "device",
+                                                          f"{other} device", f"vs {other}"] + (["host"] if host else [])
 
         def cells(row: PhaseCost, where: str) -> list[str]:
             ddp = self.ddp_device_bytes.get(row.phase, 0)
-            values = [row.phase, where, self._share_text(row), format_bytes(row.allreduce_bytes),
-                      format_bytes(row.wire_bytes)]
+            values = [row.phase, where, self._share_text(row), format_bytes(row.allreduce_bytes)] \
+                + ([format_bytes(row.gather_bytes)] if gathers else []) + [format_bytes(row.wire_bytes)]
             values += [format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
                                                   row.optimizer_bytes + row.master_bytes, row.device_bytes)]
             values += [format_bytes(ddp), f"{100.0 * row.device_bytes / (ddp or 1):.0f}%"]
@@ -216,11 +223,17 @@ class CostPlan:
                     f"policy: {self.state_policy} | grads: {self.grad_dtype or 'param dtype'}"
                     + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
                     + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
-                       f"(idle: {self.master_policy})"))
+                       f"(idle: {self.master_policy})")
+                    + ("" if not self.fp32_masters or self.storage_dtype is not None else
+                       f" | fp32 masters of every optimized parameter (idle: {self.master_policy})"))
+        gathered = {"updated": "all-gather/step: the trainable parameters, gathered after the optimizer step",
+                    "every": "all-gather/step: every parameter, gathered for the forward (at least once a step)"}
+        sent = f"{self.collective}" + (" and all-gather" if gathers else " only")
         lines = [self._model_line(), settings, *self._grid(head, cells), *self.share_lines(), *self.bf16_lines(),
                  "state policies: " + " | ".join(f"{p}: peak {format_bytes(v['peak_device_bytes'])}"
                                                  for p, v in self.policies.items()),
-                 f"bytes per rank (rank 0's padded shards); sent/rank: {self.collective} only; not in 'device': "
+                 *([gathered[self.gathers]] if gathers else []),
+                 f"bytes per rank (rank 0's padded shards); sent/rank: {sent}; not in 'device': "
                  + (f"one unit unsharded in forward/backward (largest: {format_bytes(self.unit_bytes)} with one "
                     "unit per group, ungrouped parameters in the root's), " if self.unit_bytes else "")
                  + "activations, temporaries, Adam step counters"]

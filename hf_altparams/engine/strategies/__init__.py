@@ -37,7 +37,7 @@ from typing import Optional
 from torch import nn
 
 from ...errors import PlanError
-from .base import Capabilities, Collective, Placement, Pricing, StepBoundary, Strategy
+from .base import Capabilities, Collective, Gather, Placement, Pricing, StepBoundary, Strategy
 from .ddp import DDPStrategy
 from .deepspeed import ZeroStrategy
 from .fsdp2 import FSDP2Strategy
@@ -46,6 +46,7 @@ from .local import LocalStrategy
 __all__ = [
     "Capabilities",
     "Collective",
+    "Gather",
     "Placement",
     "Pricing",
     "StepBoundary",

@@ -24,8 +24,9 @@ object (:mod:`hf_altparams.engine.strategies` lists them) that
   state itself (DeepSpeed ZeRO);
 * **prices itself for the planner** (:class:`Pricing`): what a rank holds per
   category (parameters, gradients, optimizer state, fp32 masters: replicated
-  or sharded over the ranks), whether it holds gradient buckets, and which
-  collective carries the gradients.
+  or sharded over the ranks), whether it holds gradient buckets, which
+  collective carries the gradients, which parameters it all-gathers per step
+  (:class:`Gather`), and whether it keeps fp32 masters of fp32 weights.
 
 Example:
     >>> caps = Capabilities(synchronises_gradients=True, rebuckets_at_switch=True)
@@ -51,7 +52,7 @@ from ..backend import Backend
 from ..comm import CommCounter
 from ..optim import StateOwner, library_state_owner
 
-__all__ = ["Capabilities", "Collective", "Placement", "Pricing", "StepBoundary", "Strategy"]
+__all__ = ["Capabilities", "Collective", "Gather", "Placement", "Pricing", "StepBoundary", "Strategy"]
 
 
 class StepBoundary(str, Enum):
@@ -95,6 +96,31 @@ class Collective(str, Enum):
             return 0
         share = world_size - 1 if self is Collective.REDUCE_SCATTER else 2 * (world_size - 1)
         return share * fed_bytes // world_size
+
+
+class Gather(str, Enum):
+    """Which parameters a strategy all-gathers every step, besides the collective that carries the gradients.
+
+    * ``none``: none (one process, DDP; FSDP2's per-unit gathers are priced
+      as a transient, ``Pricing.unit_transient``).
+    * ``updated``: after the optimizer step, the trainable parameters: each
+      rank stepped its partition of them, and every rank gathers the updated
+      whole (DeepSpeed ZeRO-1/2).
+    * ``every``: every parameter, trainable or not, for the forward: a rank
+      holds a partition of each weight between uses (DeepSpeed ZeRO-3).
+
+    Example:
+        >>> Gather.UPDATED.gathered_bytes(trainable=40, every=100), Gather.EVERY.gathered_bytes(40, 100)
+        (40, 100)
+    """
+
+    NONE = "none"
+    UPDATED = "updated"
+    EVERY = "every"
+
+    def gathered_bytes(self, trainable: int, every: int) -> int:
+        """The bytes gathered per step (the whole tensors), given the trainable and all resident parameters' bytes."""
+        return {"none": 0, "updated": trainable, "every": every}[self.value]
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,12 @@ class Pricing:
             one's (FSDP2: ``"ddp"``), or ``None``.
         unit_transient: one wrapping unit's parameters are unsharded during its
             forward and backward (FSDP2): the plan names the largest.
+        gathers: which parameters are all-gathered every step besides the
+            gradients' collective (:class:`Gather`; DeepSpeed ZeRO).
+        fp32_masters: the wrapper keeps an fp32 copy (master) of every parameter
+            its optimizer was given, made when the wrapper is built, even of a
+            parameter stored in fp32 (DeepSpeed's fp32 partitions); placed as
+            ``masters`` says, kept, offloaded or dropped with the optimizer state.
     """
 
     parameters: Placement = Placement.REPLICATED
@@ -176,6 +208,8 @@ class Pricing:
     collective: Collective = Collective.ALL_REDUCE
     compare_with: Optional[str] = None
     unit_transient: bool = False
+    gathers: Gather = Gather.NONE
+    fp32_masters: bool = False
 
     @property
     def sharded(self) -> bool:
