@@ -382,34 +382,50 @@ def driver(args: argparse.Namespace, job: Job) -> int:
                     failures.setdefault(row, str(err)[-4000:])
                     print(f"  launch failed: {first_line(str(err))}", flush=True)
     wall, load_after = time.perf_counter() - started, loadavg()
-    rows = [summarize(row, rounds, job) for row, rounds in records.items() if rounds]
-    add_ratios(rows)
     any_rank = next(iter(r[0][0] for r in records.values() if r), None)
-    where, revision = machine("cpu", args.nproc), library_revision()
-    versions = any_rank["versions"] if any_rank else {}
-    plans = planned(job, sorted(args.stages), args.nproc)
     payload = {
-        "machine": where, "library_revision": revision, "versions": versions, "threads_per_rank": args.threads,
+        "machine": machine("cpu", args.nproc), "library_revision": library_revision(),
+        "versions": any_rank["versions"] if any_rank else {}, "threads_per_rank": args.threads,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
-        "wall_seconds": wall, "job": asdict(job), "repeats": args.repeats,
-        "layer_draws": any_rank["draws"] if any_rank else None,
+        "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime(time.time() - wall)) + " UTC",
+        "wall_seconds": wall, "job": asdict(job), "stages": sorted(args.stages), "nproc": args.nproc,
+        "repeats": args.repeats, "layer_draws": any_rank["draws"] if any_rank else None,
         "model_bytes": any_rank["model_bytes"] if any_rank else None,
         "group_bytes": any_rank["group_bytes"] if any_rank else None,
-        "rows": rows, "launch_failures": failures, "planned": plans, "records": records,
+        "launch_failures": failures, "records": records,
     }
-    (out / f"{args.name}.json").write_text(json.dumps(payload, default=str))
-    load = (f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores."
-            if load_before and load_after else "")
-    header = (f"{where}, deepspeed {versions.get('deepspeed')}, transformers {versions.get('transformers')}, "
-              f"accelerate {versions.get('accelerate')}, hf_altparams at {revision}; {args.threads} thread(s) per "
-              f"rank; {job.steps} steps, LISA k={job.k} every {job.every}, {job.layers} layers, hidden {job.hidden}, "
-              f"batch {job.batch} x {job.seq} tokens; {args.repeats} round(s); wall {wall / 60:.0f} min; "
-              f"MiB = 2^20 bytes.{load}\n\n")
-    report = header + table(rows) + "\n" + ops_table(rows) + "\n" + planner_table(rows, plans)
+    return render(payload, out, args.name)
+
+
+def render(payload: dict[str, Any], out: Path, name: str) -> int:
+    """Summarise the ranks' records of ``payload``, price the job with the planner, write ``{name}.json`` and ``.md``.
+
+    The planner's figures are those of the library installed now (``--summarize`` re-prices a past run).
+    """
+    job = Job(**payload["job"])
+    records = payload["records"]
+    rows = [summarize(row, rounds, job) for row, rounds in records.items() if rounds]
+    add_ratios(rows)
+    plans = planned(job, payload["stages"], payload["nproc"])
+    payload = {**payload, "rows": rows, "planned": plans, "planner_revision": library_revision()}
+    (out / f"{name}.json").write_text(json.dumps(payload, default=str))
+    before, after, versions = payload["loadavg_before"], payload["loadavg_after"], payload["versions"]
+    load = (f" Load average {before[0]:.1f} before, {after[0]:.1f} after, on {payload['cpu_count']} cores."
+            if before and after else "")
+    header = (f"{payload['machine']}, deepspeed {versions.get('deepspeed')}, transformers "
+              f"{versions.get('transformers')}, accelerate {versions.get('accelerate')}, hf_altparams at "
+              f"{payload['library_revision']}; {payload['threads_per_rank']} thread(s) per rank; {job.steps} steps, "
+              f"LISA k={job.k} every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x "
+              f"{job.seq} tokens; {payload['repeats']} round(s); started {payload['started']}, wall "
+              f"{payload['wall_seconds'] / 60:.0f} min; MiB = 2^20 bytes.{load}\n\n")
+    failures = payload["launch_failures"]
+    report = (header + table(rows) + "\n" + ops_table(rows) + "\n"
+              + f"Planner (`plan --strategy zero<N>`) at {payload['planner_revision']}:\n\n"
+              + planner_table(rows, plans))
     if failures:
         report += "\nLaunches that failed: " + ", ".join(f"`{r}`" for r in failures) + " (tails in the JSON)\n"
-    (out / f"{args.name}.md").write_text(report)
-    print(report + f"wrote {out / args.name}.{{json,md}} ({wall:.0f} s)")
+    (out / f"{name}.md").write_text(report)
+    print(report + f"wrote {out / name}.{{json,md}}")
     return 0
 
 
@@ -431,6 +447,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--name", default="deepspeed_lisa_cpu", help="stem of the output files")
+    p.add_argument("--summarize", metavar="JSON", help="write the tables of a past run's JSON again (to --out, "
+                   "--name), the planner's figures re-priced by the library installed now; nothing is launched")
     p.add_argument("--worker", metavar="RANKS_DIR", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, choices=STAGES, help=argparse.SUPPRESS)  # a rank's row
     p.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
@@ -446,6 +464,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, job = parse(argv)
     if args.worker:
         raise SystemExit(f"--worker is for {RANKS_SCRIPT.name}, which the launch runs on every rank")
+    if args.summarize:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return render(json.loads(Path(args.summarize).read_text()), out, args.name)
     return driver(args, job)
 
 
