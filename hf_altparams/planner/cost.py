@@ -22,8 +22,15 @@ feeds the collective per step is the trainable gradients padded and unsharded
 (the engine's ``SwitchRecord.allreduce_bytes_per_step``); gradient buckets are
 counted only for a strategy that holds them (DDP); sent/rank follows the
 collective (a ring all-reduce ``2 (N-1)/N``, a reduce-scatter ``(N-1)/N``, none
-for one process). A strategy that names another in ``compare_with`` (FSDP2:
-DDP) gets that strategy's device bytes of the same phases beside its own.
+for one process). A strategy that all-gathers parameters every step
+(``Pricing.gathers``: the trainable ones after the step, or every weight for the
+forward; DeepSpeed ZeRO) gets those bytes as ``gather_bytes`` and ``(N-1)/N`` of
+them in sent/rank; one that keeps fp32 masters of fp32 weights
+(``Pricing.fp32_masters``: DeepSpeed's fp32 partitions) gets a 4-byte master per
+element for every optimized group from the first step, placed with the
+optimizer state's policy unless ``master_policy`` is given. A strategy that
+names another in ``compare_with`` (FSDP2, ZeRO: DDP) gets that strategy's
+device bytes of the same phases beside its own.
 
 **FSDP2** (``backend="fsdp2"``, ``--strategy fsdp2`` or ``--fsdp2``) shards
 parameters, gradients, optimizer state and masters: per phase and rank, the

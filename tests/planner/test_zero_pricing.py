@@ -4,9 +4,9 @@
 LISA with 2 layers every 5 steps, embeddings and head always on, 2 ranks, fp32,
 AdamW) under ZeRO-1/2/3: the optimizer state each rank holds, read from the
 DeepSpeed optimizer's tensors, and every ``deepspeed.comm`` collective per
-step (``benchmarks/RESULTS.md``, "DeepSpeed ZeRO"). The figures below are
-derived from the model's parameter counts the way DeepSpeed lays the job out,
-which is what that run measured:
+step (``benchmarks/RESULTS.md``, "LISA under the Trainer with DeepSpeed
+ZeRO-1/2/3"). The figures below are derived from the model's parameter counts
+the way DeepSpeed lays the job out, which is what that run measured:
 
 * state per rank: 1/world of AdamW's two fp32 moments and of the fp32 copy
   (partition) DeepSpeed keeps of every parameter it steps, 12 bytes per
