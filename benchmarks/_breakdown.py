@@ -38,7 +38,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hf_altparams.engine import collective as _collective, switch as switch_module
+from hf_altparams.engine import collective as _collective
+from hf_altparams.engine import switch as switch_module
 from hf_altparams.engine.collective import collective_device, is_distributed
 from hf_altparams.engine.ddp import _surgery as _ddp
 
@@ -65,12 +66,14 @@ DEFAULT_SCENARIOS = ("single", "hf_keep", "hf_offload", "hf_drop")
 #: Tight-loop iterations of each floor measurement (after 20 warm-up ones); the cold one runs a quarter.
 FLOOR_ITERS = 200
 #: The floor measurements: key in the JSON -> label in the table.
-FLOORS = {"allgather_s": "all-gather, 3 x int64 per rank, the `settle` rows (tight loop)",
-          "allreduce_s": "all-reduce MAX, 4 x int64, the settle of before 2026-11-27 (tight loop)",
-          "barrier_s": "barrier (tight loop)",
-          "allgather_after_barrier_s": "that all-gather right after a barrier",
-          "allreduce_after_barrier_s": "that all-reduce right after a barrier",
-          "allgather_cold_s": "that all-gather after writing 64 MiB (caches evicted, as by a step) and a barrier"}
+FLOORS = {
+    "allgather_s": "all-gather, 3 x int64 per rank, the `settle` rows (tight loop)",
+    "allreduce_s": "all-reduce MAX, 4 x int64, the settle of before 2026-11-27 (tight loop)",
+    "barrier_s": "barrier (tight loop)",
+    "allgather_after_barrier_s": "that all-gather right after a barrier",
+    "allreduce_after_barrier_s": "that all-reduce right after a barrier",
+    "allgather_cold_s": "that all-gather after writing 64 MiB (caches evicted, as by a step) and a barrier",
+}
 
 
 class Recorder:
@@ -194,8 +197,9 @@ def activate() -> None:
     switch_module.PhaseSwitcher.attach = attach_and_instrument  # type: ignore[method-assign]
 
 
-def _floor_samples(op: Callable[[], None], device: torch.device, before: Optional[Callable[[], None]] = None,
-                   iters: int = FLOOR_ITERS) -> list[float]:
+def _floor_samples(
+    op: Callable[[], None], device: torch.device, before: Optional[Callable[[], None]] = None, iters: int = FLOOR_ITERS
+) -> list[float]:
     samples = []
     for i in range(20 + iters):
         if before is not None:
@@ -237,11 +241,14 @@ def gloo_floor(group: Optional[dist.ProcessGroup]) -> dict[str, list[float]]:
         dist.barrier(group=group)
 
     barrier()
-    return {"allgather_s": _floor_samples(allgather, device), "allreduce_s": _floor_samples(allreduce, device),
-            "barrier_s": _floor_samples(barrier, device),
-            "allgather_after_barrier_s": _floor_samples(allgather, device, before=barrier),
-            "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier),
-            "allgather_cold_s": _floor_samples(allgather, device, before=cold, iters=FLOOR_ITERS // 4)}
+    return {
+        "allgather_s": _floor_samples(allgather, device),
+        "allreduce_s": _floor_samples(allreduce, device),
+        "barrier_s": _floor_samples(barrier, device),
+        "allgather_after_barrier_s": _floor_samples(allgather, device, before=barrier),
+        "allreduce_after_barrier_s": _floor_samples(allreduce, device, before=barrier),
+        "allgather_cold_s": _floor_samples(allgather, device, before=cold, iters=FLOOR_ITERS // 4),
+    }
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -253,8 +260,10 @@ def worker_result(warmup: int) -> dict[str, Any]:
     """This rank's per-switch parts (warm-up left out; seconds, to 0.1 us) and gloo's floor (its median,
     p90 and min per operation); a collective (the floor)."""
     samples = gloo_floor(RECORDER.group) if is_distributed(RECORDER.group) else {}
-    floor = {key: {"median_s": statistics.median(v), "p90_s": _percentile(v, 0.9), "min_s": min(v), "n": len(v)}
-             for key, v in samples.items()}
+    floor = {
+        key: {"median_s": statistics.median(v), "p90_s": _percentile(v, 0.9), "min_s": min(v), "n": len(v)}
+        for key, v in samples.items()
+    }
     switches = [{part: round(v, 7) for part, v in entry.items()} for entry in RECORDER.switches[warmup:]]
     return {"switches": switches, "floor": floor}
 
@@ -283,12 +292,24 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]], step_s: float) -> dic
         parts["sum_of_parts"] = _stats([sum(e[p] for p in PARTS) for e in entries], step_s)
         parts["switch"] = _stats([e["switch"] for e in entries], step_s)
         world = max(r["rank"] for r in ranks) + 1
-        per_rank = {str(k): {p: 1e3 * statistics.median([e[p] for r in ranks if r["rank"] == k
-                                                         for e in r["breakdown"]["switches"]] or [0.0])
-                             for p in list(PARTS) + ["switch"]} for k in range(world)}
+        per_rank = {
+            str(k): {
+                p: 1e3
+                * statistics.median(
+                    [e[p] for r in ranks if r["rank"] == k for e in r["breakdown"]["switches"]] or [0.0]
+                )
+                for p in list(PARTS) + ["switch"]
+            }
+            for k in range(world)
+        }
         floors = [r["breakdown"]["floor"] for r in ranks if r["breakdown"]["floor"]]
-        floor = {key: {**_stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors]),
-                       "min_ms": 1e3 * min((f[key]["min_s"] for f in floors), default=0.0)} for key in FLOORS}
+        floor = {
+            key: {
+                **_stats([f[key]["median_s"] for f in floors], step_s, [f[key]["p90_s"] for f in floors]),
+                "min_ms": 1e3 * min((f[key]["min_s"] for f in floors), default=0.0),
+            }
+            for key in FLOORS
+        }
         out[scenario] = {"switches": len(entries), "parts": parts, "rank_median_ms": per_rank, "floor": floor}
     return out
 
@@ -298,9 +319,14 @@ def markdown(summary: dict[str, Any], step_s: float, title: str) -> str:
     names = list(summary)
     head = "| part | " + " | ".join(f"{s}: median (p90) | % of step" for s in names) + " |"
     rule = "|---|" + "---|---|" * len(names)
-    lines = [f"### Switch breakdown: {title}", "",
-             f"Median step of `single` {1e3 * step_s:.1f} ms (1 % = {10 * step_s:.2f} ms); both ranks pooled; "
-             "times in ms.", "", head, rule]
+    lines = [
+        f"### Switch breakdown: {title}",
+        "",
+        f"Median step of `single` {1e3 * step_s:.1f} ms (1 % = {10 * step_s:.2f} ms); both ranks pooled; times in ms.",
+        "",
+        head,
+        rule,
+    ]
 
     def cell(s: dict[str, float]) -> str:
         low = f" [min {s['min_ms']:.3f}]" if "min_ms" in s else ""
@@ -309,9 +335,14 @@ def markdown(summary: dict[str, Any], step_s: float, title: str) -> str:
     for part in list(PARTS) + ["sum_of_parts", "switch"]:
         label = {"sum_of_parts": "**sum of parts**", "switch": "**switch (measured)**"}.get(part, f"`{part}`")
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["parts"][part]) for s in names) + " |")
-    lines += ["", f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank, "
-              f"{FLOOR_ITERS // 4} for the cold one; the median over ranks and repeats of each rank's median (p90) [the smallest sample]):",
-              "", head.replace("part", "operation"), rule]
+    lines += [
+        "",
+        f"gloo's floor on the same process group ({FLOOR_ITERS} iterations per rank, "
+        f"{FLOOR_ITERS // 4} for the cold one; the median over ranks and repeats of each rank's median (p90) [the smallest sample]):",
+        "",
+        head.replace("part", "operation"),
+        rule,
+    ]
     for key, label in FLOORS.items():
         lines.append(f"| {label} | " + " | ".join(cell(summary[s]["floor"][key]) for s in names) + " |")
     return "\n".join(lines)

@@ -57,10 +57,30 @@ from deepspeed_lisa import EXTRA_GROUPS, Job, ds_config, lisa_schedule, parse  #
 
 #: The collective methods of DeepSpeed's comm backend (deepspeed 0.19: ``deepspeed/comm/torch.py``). None of them
 #: calls another of them through the backend object, so each call is counted once.
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor",
-               "all_gather_base", "all_gather_coalesced", "all_gather_object", "all_to_all", "all_to_all_single",
-               "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "inference_all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_base",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 def nbytes(value: Any) -> int:
@@ -129,6 +149,7 @@ class CommMeter:
             entry[1] += full_bytes(op, args, kwargs)
             entry[2] += own_bytes(op, args, kwargs)
             return method(*args, **kwargs)
+
         return counted
 
     def take(self) -> dict[str, list[int]]:
@@ -263,8 +284,14 @@ class Meter(TrainerCallback):
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self.zero = zero_optimizer(optimizer)
         self.run.zero_optimizer = type(self.zero).__name__
         self.comm.install()
@@ -272,31 +299,48 @@ class Meter(TrainerCallback):
         self.comm.take()  # what ran before the first step is not a step's
         self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.step = state.global_step + 1
         live = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in live)
         self.trained = {self.group_of[id(p)] for p in live if id(p) in self.group_of}
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         seconds, cpu_seconds = time.perf_counter() - self.clock, time.process_time() - self.cpu_clock
         calls = self.comm.take()
         census = state_census(self.zero, self.model)
         digests = group_digests(self.groups)
         # ZeRO-3: each rank holds other partitions, so only ZeRO-1/2 ranks can be compared
         identical = None if self.run.stage == 3 else len({str(d) for d in self.everyone(digests)}) == 1
-        self.run.steps.append(StepRecord(
-            step=self.step, trainable_bytes=self.trainable_bytes, trained_groups=sorted(self.trained), comm=calls,
-            comm_bytes=sum(c[1] for c in calls.values()), comm_own_bytes=sum(c[2] for c in calls.values()),
-            state=census, digests=digests, ranks_identical=identical, seconds=seconds, cpu_seconds=cpu_seconds))
+        self.run.steps.append(
+            StepRecord(
+                step=self.step,
+                trainable_bytes=self.trainable_bytes,
+                trained_groups=sorted(self.trained),
+                comm=calls,
+                comm_bytes=sum(c[1] for c in calls.values()),
+                comm_own_bytes=sum(c[2] for c in calls.values()),
+                state=census,
+                digests=digests,
+                ranks_identical=identical,
+                seconds=seconds,
+                cpu_seconds=cpu_seconds,
+            )
+        )
         self.run.completed_steps = self.step
         dist.barrier(group=self.group)
         self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
         logs = logs or {}
         if "loss" in logs:
             self.run.losses.append({"step": state.global_step, "loss": float(logs["loss"])})
@@ -312,8 +356,10 @@ def layer_draws(job: Job) -> list[list[int]]:
     """The layer indices LISA trains in each window of ``every`` steps (the ``lisa`` schedule's draws)."""
     schedule = lisa_schedule(job)
     windows = -(-job.steps // job.every)
-    return [sorted(int(g[len("layer"):]) for g in schedule.phase_at(w * job.every).trainable
-                   if g.startswith("layer")) for w in range(windows)]
+    return [
+        sorted(int(g[len("layer") :]) for g in schedule.phase_at(w * job.every).trainable if g.startswith("layer"))
+        for w in range(windows)
+    ]
 
 
 def run_row(job: Job, stage: int, way: str, work: Path) -> RowRun:
@@ -321,9 +367,18 @@ def run_row(job: Job, stage: int, way: str, work: Path) -> RowRun:
     model = build_model(job)  # before the arguments: built whole on every rank, then partitioned by DeepSpeed
     groups = ParamGroups.from_layers(model, "model.layers", extra=EXTRA_GROUPS)
     args = TrainingArguments(
-        output_dir=str(work / f"z{stage}_{way}"), max_steps=job.steps, per_device_train_batch_size=job.batch,
-        learning_rate=job.lr, weight_decay=job.weight_decay, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], seed=job.seed, disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(work / f"z{stage}_{way}"),
+        max_steps=job.steps,
+        per_device_train_batch_size=job.batch,
+        learning_rate=job.lr,
+        weight_decay=job.weight_decay,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=job.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         deepspeed=ds_config(stage),
     )
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))  # the meter's own collectives
@@ -340,8 +395,12 @@ def run_row(job: Job, stage: int, way: str, work: Path) -> RowRun:
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
         trainer.train()
     except Exception as err:  # recorded: a refusal or a failure is one of the outcomes reported
-        run.error = {"type": type(err).__name__, "message": str(err), "step": meter.step,
-                     "traceback": traceback.format_exc(limit=6)}
+        run.error = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "step": meter.step,
+            "traceback": traceback.format_exc(limit=6),
+        }
     return run
 
 
@@ -350,13 +409,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args, job = parse(argv)
     with tempfile.TemporaryDirectory() as work:
         run = run_row(job, args.stage, args.way, Path(work))
-    write_rank_result(args.worker, {
-        "run": asdict(run), "draws": layer_draws(job), "threads": torch.get_num_threads(),
-        "model_bytes": sum(nbytes(p) for p in build_model(job).parameters()),
-        "group_bytes": {g: sum(nbytes(p) for p in ps) for g, ps in group_params(job).items()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "accelerate": accelerate.__version__, "deepspeed": deepspeed.__version__},
-    }, rank=dist.get_rank())
+    write_rank_result(
+        args.worker,
+        {
+            "run": asdict(run),
+            "draws": layer_draws(job),
+            "threads": torch.get_num_threads(),
+            "model_bytes": sum(nbytes(p) for p in build_model(job).parameters()),
+            "group_bytes": {g: sum(nbytes(p) for p in ps) for g, ps in group_params(job).items()},
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "accelerate": accelerate.__version__,
+                "deepspeed": deepspeed.__version__,
+            },
+        },
+        rank=dist.get_rank(),
+    )
     dist.barrier()
     shutdown()
 

@@ -43,8 +43,15 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_altparams import AlternatingFreeze, CommCounter, ParamGroups, Schedule, grouped_optimizer, lisa
-from hf_altparams import register_comm_counter
+from hf_altparams import (
+    AlternatingFreeze,
+    CommCounter,
+    ParamGroups,
+    Schedule,
+    grouped_optimizer,
+    lisa,
+    register_comm_counter,
+)
 from hf_altparams.engine import shutdown
 from hf_altparams.testing import write_rank_result
 
@@ -57,10 +64,16 @@ from tests.support.digests import param_sha  # noqa: E402  (lisa_peers put the r
 
 def build_model(job: Job) -> LlamaForCausalLM:
     """The decoder, random weights from ``job.seed`` (equal on every rank and in every variant)."""
-    config = LlamaConfig(vocab_size=job.vocab, hidden_size=job.hidden, intermediate_size=job.intermediate,
-                         num_hidden_layers=job.layers, num_attention_heads=job.heads,
-                         num_key_value_heads=job.heads, max_position_embeddings=max(job.seq, 64),
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=job.vocab,
+        hidden_size=job.hidden,
+        intermediate_size=job.intermediate,
+        num_hidden_layers=job.layers,
+        num_attention_heads=job.heads,
+        num_key_value_heads=job.heads,
+        max_position_embeddings=max(job.seq, 64),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(job.seed)
     return LlamaForCausalLM(config)
 
@@ -90,8 +103,10 @@ def layer_draws(job: Job) -> list[list[int]]:
     """The layer indices LISA trains in each block of ``every`` steps (from the ``lisa`` schedule)."""
     schedule = lisa_schedule(job)
     blocks = -(-job.steps // job.every)
-    return [sorted(int(g[len("layer"):]) for g in schedule.phase_at(b * job.every).trainable
-                   if g.startswith("layer")) for b in range(blocks)]
+    return [
+        sorted(int(g[len("layer") :]) for g in schedule.phase_at(b * job.every).trainable if g.startswith("layer"))
+        for b in range(blocks)
+    ]
 
 
 # --------------------------------------------------------------------------- the naive callback
@@ -111,13 +126,15 @@ class NaiveLisa(TrainerCallback):
     def __init__(self, layers: nn.ModuleList, draws: Sequence[Sequence[int]], every: int) -> None:
         self.layers, self.draws, self.every = layers, draws, every
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         for layer in self.layers:
             layer.requires_grad_(False)
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if state.global_step % self.every == 0:
             drawn = set(self.draws[state.global_step // self.every])
             for i, layer in enumerate(self.layers):
@@ -203,20 +220,28 @@ class Meter(TrainerCallback):
             self.ddp = module
             self.counter = register_comm_counter(module)  # the wrapper's counter if it has one already
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.handle = register_module_forward_pre_hook(self.catch)
         self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.step = state.global_step + 1
         live = [p for p in self.params if p.requires_grad]
         self.trainable_bytes = sum(tensor_bytes(p) for p in live)
         self.trained = {self.group_of[id(p)] for p in live}
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    optimizer: Optional[torch.optim.Optimizer] = None, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        **kwargs: Any,
+    ) -> None:
         seconds, cpu_seconds = time.perf_counter() - self.clock, time.process_time() - self.cpu_clock
         reduced = self.counter.end_step() if self.counter is not None else None
         by_group: dict[str, int] = {}
@@ -224,17 +249,33 @@ class Meter(TrainerCallback):
             name = self.group_of[id(param)]
             by_group[name] = by_group.get(name, 0) + sum(tensor_bytes(v) for v in values.values())
         digest, identical, diff = compare_ranks(self.model, self.group)
-        self.run.steps.append(StepRecord(
-            step=self.step, trainable_bytes=self.trainable_bytes, trained_groups=sorted(self.trained),
-            allreduce_bytes=reduced, state_bytes=sum(by_group.values()),
-            state_frozen_bytes=sum(b for g, b in by_group.items() if g not in self.trained),
-            state_by_group=by_group, digest=digest, ranks_identical=identical, max_abs_diff=diff,
-            seconds=seconds, cpu_seconds=cpu_seconds))
+        self.run.steps.append(
+            StepRecord(
+                step=self.step,
+                trainable_bytes=self.trainable_bytes,
+                trained_groups=sorted(self.trained),
+                allreduce_bytes=reduced,
+                state_bytes=sum(by_group.values()),
+                state_frozen_bytes=sum(b for g, b in by_group.items() if g not in self.trained),
+                state_by_group=by_group,
+                digest=digest,
+                ranks_identical=identical,
+                max_abs_diff=diff,
+                seconds=seconds,
+                cpu_seconds=cpu_seconds,
+            )
+        )
         self.run.completed_steps = self.step
         self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
         logs = logs or {}
         if "loss" in logs:
             self.run.losses.append({"step": state.global_step, "loss": float(logs["loss"])})
@@ -242,8 +283,9 @@ class Meter(TrainerCallback):
         if kept:
             self.run.altparams_logs.append({"step": state.global_step, **kept})
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.handle is not None:
             self.handle.remove()
 
@@ -251,15 +293,24 @@ class Meter(TrainerCallback):
 # --------------------------------------------------------------------------- one variant on one rank
 
 
-def run_variant(variant: str, job: Job, draws: list[list[int]], work: Path,
-                group: dist.ProcessGroup) -> tuple[VariantRun, torch.Tensor]:
+def run_variant(
+    variant: str, job: Job, draws: list[list[int]], work: Path, group: dist.ProcessGroup
+) -> tuple[VariantRun, torch.Tensor]:
     """Train ``job`` the ``variant`` way on this rank; return its record and its final weights, flat."""
     model = build_model(job)
     groups = ParamGroups.from_layers(model, "model.layers", extra=EXTRA_GROUPS)
     args = TrainingArguments(
-        output_dir=str(work / variant), max_steps=job.steps, per_device_train_batch_size=job.batch,
-        learning_rate=job.lr, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        seed=job.seed, disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(work / variant),
+        max_steps=job.steps,
+        per_device_train_batch_size=job.batch,
+        learning_rate=job.lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=job.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         ddp_find_unused_parameters=(variant == "naive_find_unused"),
     )
     run = VariantRun(variant)
@@ -272,8 +323,10 @@ def run_variant(variant: str, job: Job, draws: list[list[int]], work: Path,
         if variant == "hf_altparams_drop":
             cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # the Trainer's default, per group
             kwargs.pop("weight_decay", None)
-            optimizers = (grouped_optimizer(groups, cls, weight_decay=args.weight_decay,
-                                            state_policy="drop", **kwargs), None)
+            optimizers = (
+                grouped_optimizer(groups, cls, weight_decay=args.weight_decay, state_policy="drop", **kwargs),
+                None,
+            )
     meter = Meter(model, groups, run, group)
     callbacks.append(meter)
     data = CountingTokens(job, job.steps * job.batch * dist.get_world_size())
@@ -281,8 +334,12 @@ def run_variant(variant: str, job: Job, draws: list[list[int]], work: Path,
     try:
         trainer.train()
     except Exception as err:  # recorded: a failure is one of the outcomes compared
-        run.error = {"type": type(err).__name__, "message": str(err), "step": meter.step,
-                     "traceback": traceback.format_exc(limit=4)}
+        run.error = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "step": meter.step,
+            "traceback": traceback.format_exc(limit=4),
+        }
     finally:
         wrappers = {id(w): w for w in (meter.ddp, trainer.model_wrapped) if w is not None}
         shutdown(*wrappers.values(), destroy=False)  # free the reducers; the group stays for the next variant
@@ -313,12 +370,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 finals.setdefault(variant, flat)
     reference = finals.get(REFERENCE)
     vs_reference = {v: None if reference is None else float((f - reference).abs().max()) for v, f in finals.items()}
-    write_rank_result(args.worker, {
-        "runs": runs, "final_vs_reference": vs_reference, "draws": draws, "threads": torch.get_num_threads(),
-        "model_bytes": sum(tensor_bytes(p) for p in build_model(job).parameters()),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "accelerate": accelerate.__version__},
-    }, rank=dist.get_rank())
+    write_rank_result(
+        args.worker,
+        {
+            "runs": runs,
+            "final_vs_reference": vs_reference,
+            "draws": draws,
+            "threads": torch.get_num_threads(),
+            "model_bytes": sum(tensor_bytes(p) for p in build_model(job).parameters()),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "accelerate": accelerate.__version__,
+            },
+        },
+        rank=dist.get_rank(),
+    )
     dist.barrier(group=group)
     shutdown()
 

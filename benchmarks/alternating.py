@@ -74,15 +74,25 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from _machine import machine  # noqa: E402
-from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, mmap_large_host_allocations,  # noqa: E402
-                                 register_comm_counter)
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, mmap_large_host_allocations, register_comm_counter  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 from tests.support.meters import PeakMemory  # noqa: E402
 from tests.support.models import TwoHalves  # noqa: E402
 
-SCENARIOS = ("single", "single_other", "naive", "find_unused", "hf_keep", "hf_offload", "hf_drop",
-             "hf_keep_reducers", "hf_keep_before", "hf_offload_before", "hf_drop_before")
+SCENARIOS = (
+    "single",
+    "single_other",
+    "naive",
+    "find_unused",
+    "hf_keep",
+    "hf_offload",
+    "hf_drop",
+    "hf_keep_reducers",
+    "hf_keep_before",
+    "hf_offload_before",
+    "hf_drop_before",
+)
 #: ``--diagnose`` adds these, to attribute the difference between ``hf_drop`` and
 #: ``hf_drop_before``: the release at every switch alone, the two collectives alone.
 DIAGNOSTIC = ("hf_drop_release", "hf_drop_twocoll")
@@ -163,8 +173,9 @@ def run_worker(args: argparse.Namespace) -> None:
         "switch_s": switch_s[warm:],
         "bytes_per_step": sent[warm:],
         "trainable_bytes_per_step": trainable[warm:],
-        "minor_faults_per_step": [sum(FAULTS[i:i + per_iteration])
-                                  for i in range(warm * per_iteration, len(FAULTS), per_iteration)],
+        "minor_faults_per_step": [
+            sum(FAULTS[i : i + per_iteration]) for i in range(warm * per_iteration, len(FAULTS), per_iteration)
+        ],
         "breakdown": breakdown,
     }
     gathered: list[Any] = [None] * world
@@ -178,8 +189,12 @@ def run_worker(args: argparse.Namespace) -> None:
 Loop = Callable[..., tuple[list[float], list[float], list[int], list[int]]]
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, step: list[torch.optim.Optimizer],
-                zero: Optional[list[torch.optim.Optimizer]] = None) -> None:
+def _train_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    step: list[torch.optim.Optimizer],
+    zero: Optional[list[torch.optim.Optimizer]] = None,
+) -> None:
     model(x).pow(2).mean().backward()
     for opt in step:
         opt.step()
@@ -195,8 +210,15 @@ def _single(half: str) -> Loop:
     stops there. An alternating run does one of each per two steps, so its fair
     baseline is the mean of the two (the ``/ mean single`` column).
     """
-    def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
-             half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+
+    def loop(
+        model: TwoHalves,
+        batches: list[torch.Tensor],
+        steps: int,
+        ddp_kwargs: dict[str, Any],
+        half_bytes: dict[str, int],
+        device: torch.device,
+    ) -> tuple[list[float], list[float], list[int], list[int]]:
         for other in HALVES:
             getattr(model, other).requires_grad_(other == half)
         ddp = DDP(model, **ddp_kwargs)
@@ -213,8 +235,14 @@ def _single(half: str) -> Loop:
     return loop
 
 
-def loop_naive(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
-               half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+def loop_naive(
+    model: TwoHalves,
+    batches: list[torch.Tensor],
+    steps: int,
+    ddp_kwargs: dict[str, Any],
+    half_bytes: dict[str, int],
+    device: torch.device,
+) -> tuple[list[float], list[float], list[int], list[int]]:
     opts = {h: torch.optim.Adam(getattr(model, h).parameters(), lr=1e-4) for h in HALVES}
     state: dict[str, Any] = {"ddp": None}
     step_s, switch_s, sent, trainable = [], [], [], []
@@ -235,12 +263,19 @@ def loop_naive(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kw
     return step_s, switch_s, sent, trainable
 
 
-def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
-                     half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+def loop_find_unused(
+    model: TwoHalves,
+    batches: list[torch.Tensor],
+    steps: int,
+    ddp_kwargs: dict[str, Any],
+    half_bytes: dict[str, int],
+    device: torch.device,
+) -> tuple[list[float], list[float], list[int], list[int]]:
     ddp = DDP(model, find_unused_parameters=True, **ddp_kwargs)
     counter = register_comm_counter(ddp)
     opts = {h: torch.optim.Adam(getattr(model, h).parameters(), lr=1e-4) for h in HALVES}
     step_s, switch_s, sent, trainable = [], [], [], []
+
     def toggle(active: str) -> None:
         for h in HALVES:
             getattr(model, h).requires_grad_(h == active)
@@ -248,20 +283,26 @@ def loop_find_unused(model: TwoHalves, batches: list[torch.Tensor], steps: int, 
     for step in range(steps):
         active = HALVES[step % 2]
         switch_s.append(_timed(device, lambda: toggle(active)))
-        step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opts[active]],
-                                                          list(opts.values()))))
+        step_s.append(_timed(device, lambda: _train_step(ddp, batches[step % 2], [opts[active]], list(opts.values()))))
         sent.append(counter.end_step())
         trainable.append(half_bytes[active])
     return step_s, switch_s, sent, trainable
 
 
 def _hf_loop(policy: str, release: Any = "auto", two_collectives: bool = False, keep_reducers: int = 0) -> Loop:
-    def loop(model: TwoHalves, batches: list[torch.Tensor], steps: int, ddp_kwargs: dict[str, Any],
-             half_bytes: dict[str, int], device: torch.device) -> tuple[list[float], list[float], list[int], list[int]]:
+    def loop(
+        model: TwoHalves,
+        batches: list[torch.Tensor],
+        steps: int,
+        ddp_kwargs: dict[str, Any],
+        half_bytes: dict[str, int],
+        device: torch.device,
+    ) -> tuple[list[float], list[float], list[int], list[int]]:
         groups = ParamGroups(model, {h: f"{h}.*" for h in HALVES})
         opt = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-4), state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(list(HALVES)), optimizer=opt, release=release,
-                                 keep_reducers=keep_reducers)
+        switcher = PhaseSwitcher(
+            groups, Alternating(list(HALVES)), optimizer=opt, release=release, keep_reducers=keep_reducers
+        )
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)
@@ -303,19 +344,51 @@ SCENARIO_LOOPS: dict[str, Loop] = {
 # ============================================================== driver
 def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, result: Path) -> list[dict[str, Any]]:
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": os.pathsep.join(
-        [str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+    )
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           __file__, "--worker", scenario, "--device", device, "--result", str(result),
-           "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--layers", str(args.layers),
-           "--mmap-threshold", str(args.mmap_threshold)] + (["--bucket-view"] if args.bucket_view else []) \
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            "--worker",
+            scenario,
+            "--device",
+            device,
+            "--result",
+            str(result),
+            "--size-mib",
+            str(args.size_mib),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--batch",
+            str(args.batch),
+            "--layers",
+            str(args.layers),
+            "--mmap-threshold",
+            str(args.mmap_threshold),
+        ]
+        + (["--bucket-view"] if args.bucket_view else [])
         + (["--breakdown"] if args.breakdown else [])
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=args.timeout)
+    )
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{scenario} on {device} failed:\n{proc.stdout[-4000:]}")
     return json.loads(result.read_text())
@@ -336,6 +409,7 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
     results. Memory: the larger rank, median over repeats. Times: rank 0's
     samples of every repeat, median.
     """
+
     def med(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
 
@@ -351,40 +425,44 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any
     pair_step = (base_step + med(pooled(runs["single_other"], "step_s"))) / 2 if "single_other" in runs else None
     rows = []
     for scenario, repeats in runs.items():
-        r0 = {key: pooled(repeats, key) for key in
-              ("step_s", "switch_s", "bytes_per_step", "trainable_bytes_per_step")}
+        r0 = {key: pooled(repeats, key) for key in ("step_s", "switch_s", "bytes_per_step", "trainable_bytes_per_step")}
         mem = memory(repeats)
         iteration = med(r0["step_s"]) + med(r0["switch_s"])
         ratio = [s / t for s, t in zip(r0["bytes_per_step"], r0["trainable_bytes_per_step"])]
         # Per repeat, against the `single` run of the same round (side by side in time).
-        per_repeat = [med(ranks[0]["step_s"]) / med(base[0]["step_s"])
-                      for ranks, base in zip(repeats, runs["single"])]
-        rows.append({
-            "scenario": scenario,
-            "peak_growth_mib": mem / MIB,
-            "memory_ratio": mem / base_mem,
-            "bytes_per_step_mib": med(r0["bytes_per_step"]) / MIB,
-            "bytes_ratio_min": min(ratio),
-            "bytes_ratio_max": max(ratio),
-            "step_ms": med(r0["step_s"]) * 1e3,
-            "step_ratio": med(r0["step_s"]) / base_step,
-            "step_ratio_repeats_min": min(per_repeat),
-            "step_ratio_repeats_median": med(per_repeat),
-            "switch_ms": med(r0["switch_s"]) * 1e3,
-            "switch_ratio": med(r0["switch_s"]) / base_step,
-            "iteration_ratio": iteration / base_step,
-            "minor_faults_per_step": med(pooled(repeats, "minor_faults_per_step")) if all(
-                "minor_faults_per_step" in ranks[0] for ranks in repeats) else None,
-            "iteration_ratio_pair": iteration / pair_step if pair_step else None,
-        })
+        per_repeat = [med(ranks[0]["step_s"]) / med(base[0]["step_s"]) for ranks, base in zip(repeats, runs["single"])]
+        rows.append(
+            {
+                "scenario": scenario,
+                "peak_growth_mib": mem / MIB,
+                "memory_ratio": mem / base_mem,
+                "bytes_per_step_mib": med(r0["bytes_per_step"]) / MIB,
+                "bytes_ratio_min": min(ratio),
+                "bytes_ratio_max": max(ratio),
+                "step_ms": med(r0["step_s"]) * 1e3,
+                "step_ratio": med(r0["step_s"]) / base_step,
+                "step_ratio_repeats_min": min(per_repeat),
+                "step_ratio_repeats_median": med(per_repeat),
+                "switch_ms": med(r0["switch_s"]) * 1e3,
+                "switch_ratio": med(r0["switch_s"]) / base_step,
+                "iteration_ratio": iteration / base_step,
+                "minor_faults_per_step": med(pooled(repeats, "minor_faults_per_step"))
+                if all("minor_faults_per_step" in ranks[0] for ranks in repeats)
+                else None,
+                "iteration_ratio_pair": iteration / pair_step if pair_step else None,
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
     pair = all(r.get("iteration_ratio_pair") for r in rows)
-    head = ("| scenario | peak memory growth | memory / single | all-reduced per step | bytes / trainable "
-            "| step | step / single | per round: min, median | switch | switch / single step |"
-            + (" step + switch / mean single |" if pair else "") + " page faults / step |")
+    head = (
+        "| scenario | peak memory growth | memory / single | all-reduced per step | bytes / trainable "
+        "| step | step / single | per round: min, median | switch | switch / single step |"
+        + (" step + switch / mean single |" if pair else "")
+        + " page faults / step |"
+    )
     lines = [f"### {title}", "", head, "|" + "---|" * (12 if pair else 11)]
     for r in rows:
         lo, hi = r["bytes_ratio_min"], r["bytes_ratio_max"]
@@ -395,7 +473,8 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
             f"| {r['step_ratio']:.3f}x | {r['step_ratio_repeats_min']:.3f}x, {r['step_ratio_repeats_median']:.3f}x "
             f"| {r['switch_ms']:.2f} ms | {100 * r['switch_ratio']:.2f} % |"
             + (f" {r['iteration_ratio_pair']:.3f}x |" if pair else "")
-            + (f" {r['minor_faults_per_step']:,.0f} |" if r.get("minor_faults_per_step") is not None else " - |"))
+            + (f" {r['minor_faults_per_step']:,.0f} |" if r.get("minor_faults_per_step") is not None else " - |")
+        )
     return "\n".join(lines)
 
 
@@ -417,22 +496,30 @@ def run_driver(args: argparse.Namespace) -> None:
         load = (load_before[0], os.getloadavg()[0])
         rows = summarize(runs)
         half = runs["single"][0][0]["half_bytes"] / MIB
-        title = (f"{machine(device, nproc)}; two halves of {half:.1f} MiB"
-                 f"{f' ({args.layers} layers each)' if args.layers > 1 else ''}, batch {args.batch}/rank, "
-                 f"gradient_as_bucket_view={args.bucket_view}, "
-                 f"{f'mmap_large_host_allocations({args.mmap_threshold}), ' if args.mmap_threshold else ''}"
-                 f"{args.repeats} x {args.steps - args.warmup} measured steps after {args.warmup} warm-up; "
-                 f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after")
+        title = (
+            f"{machine(device, nproc)}; two halves of {half:.1f} MiB"
+            f"{f' ({args.layers} layers each)' if args.layers > 1 else ''}, batch {args.batch}/rank, "
+            f"gradient_as_bucket_view={args.bucket_view}, "
+            f"{f'mmap_large_host_allocations({args.mmap_threshold}), ' if args.mmap_threshold else ''}"
+            f"{args.repeats} x {args.steps - args.warmup} measured steps after {args.warmup} warm-up; "
+            f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after"
+        )
         table = markdown(rows, title)
         print(table, flush=True)
-        payload = {"machine": machine(device, nproc), "device": device, "world_size": nproc,
-                   "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
-                   "load_average": load, "rows": rows, "runs": runs}
+        payload = {
+            "machine": machine(device, nproc),
+            "device": device,
+            "world_size": nproc,
+            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
+            "load_average": load,
+            "rows": rows,
+            "runs": runs,
+        }
         if args.breakdown:  # its own files: the diagnostic barrier slows every hf_* switch
             step_s = next(r["step_ms"] for r in rows if r["scenario"] == "single") / 1e3
             payload["breakdown"] = _breakdown.summarize(runs, step_s)
             table += "\n\n" + _breakdown.markdown(payload["breakdown"], step_s, title)
-            print(table[table.index("### Switch breakdown"):], flush=True)
+            print(table[table.index("### Switch breakdown") :], flush=True)
         stem = f"alternating_{device}" + ("_breakdown" if args.breakdown else "")
         (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
         (out_dir / f"{stem}.md").write_text(table + "\n")
@@ -445,27 +532,48 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=24, help="steps per scenario, warm-up included")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the statistics")
     parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    parser.add_argument("--bucket-view", action="store_true",
-                        help="build every DDP with gradient_as_bucket_view=True (gradients are bucket views)")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="Linear layers per half (>1: several DDP buckets, to see docs/design.md, fact 3)")
-    parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="bytes: each rank calls mmap_large_host_allocations(N) first (glibc mmaps host "
-                             "blocks >= N); 0: glibc's default heap")
-    parser.add_argument("--devices", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
-                        help="auto: cpu, plus cuda when a GPU is visible")
+    parser.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="build every DDP with gradient_as_bucket_view=True (gradients are bucket views)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="Linear layers per half (>1: several DDP buckets, to see docs/design.md, fact 3)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        help="bytes: each rank calls mmap_large_host_allocations(N) first (glibc mmaps host "
+        "blocks >= N); 0: glibc's default heap",
+    )
+    parser.add_argument(
+        "--devices",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cpu, plus cuda when a GPU is visible",
+    )
     parser.add_argument("--cpu-ranks", type=int, default=2, help="gloo ranks for the CPU run")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs (NCCL ranks) for the CUDA run; 0: all visible")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="fresh launches per scenario, run round robin (medians pool them)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="fresh launches per scenario, run round robin (medians pool them)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS + DIAGNOSTIC)
-    parser.add_argument("--diagnose", action="store_true",
-                        help=f"also run {', '.join(DIAGNOSTIC)} (where the switch time goes)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="time each part of every hf_* switch and gloo's floor (benchmarks/_breakdown.py); "
-                        f"default scenarios then {' '.join(_breakdown.DEFAULT_SCENARIOS)}; writes "
-                        "alternating_<device>_breakdown.json/.md")
+    parser.add_argument(
+        "--diagnose", action="store_true", help=f"also run {', '.join(DIAGNOSTIC)} (where the switch time goes)"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time each part of every hf_* switch and gloo's floor (benchmarks/_breakdown.py); "
+        f"default scenarios then {' '.join(_breakdown.DEFAULT_SCENARIOS)}; writes "
+        "alternating_<device>_breakdown.json/.md",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for JSON and markdown")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per scenario launch")
     parser.add_argument("--worker", choices=SCENARIOS + DIAGNOSTIC, help=argparse.SUPPRESS)

@@ -84,7 +84,7 @@ STAGES = (1, 2, 3)
 WAYS = ("full", "naive", "altparams")
 WAY_LABELS = {"full": "full fine-tuning", "naive": "the usual callback", "altparams": "`AlternatingFreeze`"}
 EXTRA_GROUPS = {"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
-MiB = 2 ** 20
+MiB = 2**20
 RANKS_SCRIPT = Path(__file__).resolve().parent / "_deepspeed_lisa_ranks.py"
 
 
@@ -101,10 +101,16 @@ def meta_model(job: Job) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=job.vocab, hidden_size=job.hidden, intermediate_size=job.intermediate,
-                         num_hidden_layers=job.layers, num_attention_heads=job.heads,
-                         num_key_value_heads=job.heads, max_position_embeddings=max(job.seq, 64),
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=job.vocab,
+        hidden_size=job.hidden,
+        intermediate_size=job.intermediate,
+        num_hidden_layers=job.layers,
+        num_attention_heads=job.heads,
+        num_key_value_heads=job.heads,
+        max_position_embeddings=max(job.seq, 64),
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
@@ -118,8 +124,13 @@ def lisa_schedule(job: Job) -> Any:
 
 def ds_config(stage: int) -> dict[str, Any]:
     """The DeepSpeed config of every row: the ZeRO stage; the rest ``auto`` (from the Trainer's arguments)."""
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": False},
+    }
 
 
 # --------------------------------------------------------------------------- summary
@@ -141,13 +152,19 @@ def frozen_moved(run: list[dict[str, Any]], draws: list[list[int]], job: Job) ->
         for layer in (i for i in range(job.layers) if i not in drawn):
             pairs += 1
             name = f"layer{layer}"
-            before = [rank["initial_digests"] if w == 0 else rank["steps"][w * job.every - 1]["digests"]
-                      for rank in run]
+            before = [
+                rank["initial_digests"] if w == 0 else rank["steps"][w * job.every - 1]["digests"] for rank in run
+            ]
             after = [rank["steps"][last - 1]["digests"] for rank in run]
             if any(b[name] != a[name] for b, a in zip(before, after)):
                 moved_pairs.append([w, name])
-    return {"windows": windows, "windows_moved": len({w for w, _ in moved_pairs}), "layer_windows": pairs,
-            "layer_windows_moved": len(moved_pairs), "moved": moved_pairs}
+    return {
+        "windows": windows,
+        "windows_moved": len({w for w, _ in moved_pairs}),
+        "layer_windows": pairs,
+        "layer_windows_moved": len(moved_pairs),
+        "moved": moved_pairs,
+    }
 
 
 def summarize(row: str, rounds: list[list[dict[str, Any]]], job: Job) -> dict[str, Any]:
@@ -166,11 +183,16 @@ def summarize(row: str, rounds: list[list[dict[str, Any]]], job: Job) -> dict[st
     identical = [s["ranks_identical"] for s in steps]
     completed = min(r["completed_steps"] for rnd in rounds for r in (x["run"] for x in rnd))
     return {
-        "row": row, "stage": first["stage"], "way": first["way"], "zero_optimizer": first["zero_optimizer"],
-        "completed_steps": completed, "error": error,
+        "row": row,
+        "stage": first["stage"],
+        "way": first["way"],
+        "zero_optimizer": first["zero_optimizer"],
+        "completed_steps": completed,
+        "error": error,
         "outcome": outcome(error, completed),
         "frozen_moved": frozen_moved(ranks, rounds[0][0]["draws"], job) if first["way"] != "full" and steps else None,
-        "comm_bytes_per_step": bytes_per_step, "comm_own_bytes_per_step": own_per_step,
+        "comm_bytes_per_step": bytes_per_step,
+        "comm_own_bytes_per_step": own_per_step,
         "comm_bytes_mean": statistics.fmean(bytes_per_step) if bytes_per_step else None,
         "comm_bytes_median": statistics.median(bytes_per_step) if bytes_per_step else None,
         "comm_own_bytes_median": statistics.median(own_per_step) if own_per_step else None,
@@ -188,7 +210,8 @@ def summarize(row: str, rounds: list[list[dict[str, Any]]], job: Job) -> dict[st
         "median_step_seconds": statistics.median(seconds) if seconds else None,
         "median_step_cpu_seconds": statistics.median(cpu) if cpu else None,
         "step_samples": len(seconds),
-        "losses": losses, "loss_last5": statistics.fmean(tail) if tail else None,
+        "losses": losses,
+        "loss_last5": statistics.fmean(tail) if tail else None,
         "final_loss": losses[-1]["loss"] if losses else None,
         "altparams_logs": first["altparams_logs"],
     }
@@ -206,8 +229,12 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     full = {r["stage"]: r for r in rows if r["way"] == "full" and r["error"] is None}
     for r in rows:
         yard = full.get(r["stage"])
-        for key, out in (("comm_bytes_median", "bytes_vs_full"), ("state_max", "state_vs_full"),
-                         ("median_step_seconds", "step_vs_full"), ("median_step_cpu_seconds", "cpu_vs_full")):
+        for key, out in (
+            ("comm_bytes_median", "bytes_vs_full"),
+            ("state_max", "state_vs_full"),
+            ("median_step_seconds", "step_vs_full"),
+            ("median_step_cpu_seconds", "cpu_vs_full"),
+        ):
             mine, theirs = r.get(key), yard.get(key) if yard else None
             r[out] = mine / theirs if mine is not None and theirs else None
 
@@ -227,45 +254,68 @@ def times(r: Optional[float]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The side-by-side table, one row per stage and way."""
-    head = ("| ZeRO | way | frozen layers that moved: windows (layer-windows) | collective bytes / step (median), "
-            "whole tensors (x full FT) | this rank's input / step (median) | optimizer state / rank: AdamW + fp32 partitions "
-            "(x full FT) | ranks identical | median step: wall, CPU (x full FT) | loss (mean of last 5) | outcome |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| ZeRO | way | frozen layers that moved: windows (layer-windows) | collective bytes / step (median), "
+        "whole tensors (x full FT) | this rank's input / step (median) | optimizer state / rank: AdamW + fp32 partitions "
+        "(x full FT) | ranks identical | median step: wall, CPU (x full FT) | loss (mean of last 5) | outcome |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for r in rows:
         fm = r["frozen_moved"]
-        moved = ("- (nothing frozen)" if r["way"] == "full" else "n/a" if fm is None else
-                 f"{fm['windows_moved']} of {fm['windows']} ({fm['layer_windows_moved']} of {fm['layer_windows']})")
+        moved = (
+            "- (nothing frozen)"
+            if r["way"] == "full"
+            else "n/a"
+            if fm is None
+            else f"{fm['windows_moved']} of {fm['windows']} ({fm['layer_windows_moved']} of {fm['layer_windows']})"
+        )
         comm = mib(r["comm_bytes_median"]) + ("" if r["way"] == "full" else times(r["bytes_vs_full"]))
-        state = ("n/a" if r["state_max"] is None else
-                 f"{r['adam_state_max'] / MiB:.2f} + {r['fp32_partitions_max'] / MiB:.2f} MiB = {mib(r['state_max'])}"
-                 + ("" if r["way"] == "full" else times(r["state_vs_full"])))
+        state = (
+            "n/a"
+            if r["state_max"] is None
+            else f"{r['adam_state_max'] / MiB:.2f} + {r['fp32_partitions_max'] / MiB:.2f} MiB = {mib(r['state_max'])}"
+            + ("" if r["way"] == "full" else times(r["state_vs_full"]))
+        )
         if r["ranks_identical"] is None:
             ident = "n/a (ZeRO-3: each rank holds its partitions)" if r["stage"] == 3 else "n/a"
         elif r["ranks_identical"]:
             ident = "yes, every step"
         else:
             ident = f"no: from step {r['first_divergent_step']}"
-        step = "n/a" if r["median_step_seconds"] is None else (
-            f"{r['median_step_seconds']:.2f} s{'' if r['way'] == 'full' else times(r['step_vs_full'])}, "
-            f"{r['median_step_cpu_seconds']:.2f} s{'' if r['way'] == 'full' else times(r['cpu_vs_full'])}")
+        step = (
+            "n/a"
+            if r["median_step_seconds"] is None
+            else (
+                f"{r['median_step_seconds']:.2f} s{'' if r['way'] == 'full' else times(r['step_vs_full'])}, "
+                f"{r['median_step_cpu_seconds']:.2f} s{'' if r['way'] == 'full' else times(r['cpu_vs_full'])}"
+            )
+        )
         loss = "n/a" if r["loss_last5"] is None else f"{r['loss_last5']:.3f}"
         outcome = r["outcome"].replace("|", "\\|")
-        lines.append(f"| {r['stage']} | {WAY_LABELS[r['way']]} | {moved} | {comm} | {mib(r['comm_own_bytes_median'])} "
-                     f"| {state} | {ident} | {step} | {loss} | {outcome} |")
+        lines.append(
+            f"| {r['stage']} | {WAY_LABELS[r['way']]} | {moved} | {comm} | {mib(r['comm_own_bytes_median'])} "
+            f"| {state} | {ident} | {step} | {loss} | {outcome} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
 def ops_table(rows: list[dict[str, Any]]) -> str:
     """What carried the bytes: per row, each collective's calls and whole-tensor MiB in the first and last step."""
+
     def ops(calls: dict[str, list[int]]) -> str:
         return ", ".join(f"{op} {n} x {full / MiB:.2f}" for op, (n, full, _own) in sorted(calls.items()) if n) or "n/a"
 
-    lines = ["| ZeRO | way | DeepSpeed optimizer | collectives in the last step: calls x whole-tensor MiB | in the "
-             "first step | trainable MiB / step (mean) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| ZeRO | way | DeepSpeed optimizer | collectives in the last step: calls x whole-tensor MiB | in the "
+        "first step | trainable MiB / step (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['stage']} | {WAY_LABELS[r['way']]} | {r['zero_optimizer'] or 'n/a'} "
-                     f"| {ops(r['comm_by_op_last'])} | {ops(r['comm_by_op_first'])} | {mib(r['trainable_bytes_mean'])} |")
+        lines.append(
+            f"| {r['stage']} | {WAY_LABELS[r['way']]} | {r['zero_optimizer'] or 'n/a'} "
+            f"| {ops(r['comm_by_op_last'])} | {ops(r['comm_by_op_first'])} | {mib(r['trainable_bytes_mean'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +340,9 @@ def planned(job: Job, stages: Sequence[int], nproc: int) -> dict[str, Any]:
     for stage in stages:
         names = [s.name for s in registered() for n in (s.name, *s.aliases) if n in zero_names(stage)]
         if not names:
-            out[str(stage)] = {"error": f"no registered strategy prices ZeRO-{stage} (looked for "
-                                        f"{list(zero_names(stage))})"}
+            out[str(stage)] = {
+                "error": f"no registered strategy prices ZeRO-{stage} (looked for {list(zero_names(stage))})"
+            }
             continue
         try:
             plan = plan_cost(model, groups, schedule, world_size=nproc, steps=job.steps, backend=names[0])
@@ -310,15 +361,23 @@ def planned(job: Job, stages: Sequence[int], nproc: int) -> dict[str, Any]:
 def priced(row: Any) -> dict[str, int]:
     """A plan row's figures the benchmark measures: state per rank, bytes per step (whole tensors)."""
     gathered = getattr(row, "gather_bytes", 0)
-    return {"optimizer_bytes": row.optimizer_bytes, "master_bytes": row.master_bytes,
-            "state_bytes": row.optimizer_bytes + row.master_bytes, "allreduce_bytes": row.allreduce_bytes,
-            "gather_bytes": gathered, "comm_bytes": row.allreduce_bytes + gathered}
+    return {
+        "optimizer_bytes": row.optimizer_bytes,
+        "master_bytes": row.master_bytes,
+        "state_bytes": row.optimizer_bytes + row.master_bytes,
+        "allreduce_bytes": row.allreduce_bytes,
+        "gather_bytes": gathered,
+        "comm_bytes": row.allreduce_bytes + gathered,
+    }
 
 
 def planner_table(rows: list[dict[str, Any]], plans: dict[str, Any]) -> str:
     """The planner's price (``plan --strategy zeroN``) beside the measurement: full fine-tuning and the library."""
-    lines = ["| ZeRO | way | optimizer state / rank: measured (max), planned (max over phases) | collective bytes / "
-             "step: measured (median), planned (max over phases) |", "|---|---|---|---|"]
+    lines = [
+        "| ZeRO | way | optimizer state / rank: measured (max), planned (max over phases) | collective bytes / "
+        "step: measured (median), planned (max over phases) |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         plan = plans.get(str(r["stage"]), {})
         if r["way"] == "naive":
@@ -329,8 +388,10 @@ def planner_table(rows: list[dict[str, Any]], plans: dict[str, Any]) -> str:
         figures = [plan["everything"]] if r["way"] == "full" else list(plan["phases"].values())
         state = max(f["state_bytes"] for f in figures)
         comm = max(f["comm_bytes"] for f in figures)
-        lines.append(f"| {r['stage']} | {WAY_LABELS[r['way']]} | {mib(r['state_max'])}, {mib(state)} "
-                     f"| {mib(r['comm_bytes_median'])}, {mib(comm)} |")
+        lines.append(
+            f"| {r['stage']} | {WAY_LABELS[r['way']]} | {mib(r['state_max'])}, {mib(state)} "
+            f"| {mib(r['comm_bytes_median'])}, {mib(comm)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -358,7 +419,6 @@ def loadavg() -> list[float]:
 def driver(args: argparse.Namespace, job: Job) -> int:
     """Launch every row's ranks, then write the JSON and the tables; print the tables."""
     from _machine import machine
-
     from hf_altparams.testing import LaunchError, launch, rank_results
 
     out = Path(args.out)
@@ -370,13 +430,22 @@ def driver(args: argparse.Namespace, job: Job) -> int:
     for round_ in range(args.repeats):
         for stage, way in rows_run:
             row = f"z{stage}_{way}"
-            print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.repeats}: ZeRO-{stage}, {way}",
-                  flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.repeats}: ZeRO-{stage}, {way}", flush=True)
             with tempfile.TemporaryDirectory() as ranks_dir:
                 try:
-                    launch(RANKS_SCRIPT, "--worker", ranks_dir, "--stage", str(stage), "--way", way,
-                           *job_args(job), nproc=args.nproc, timeout=args.timeout,
-                           env={"OMP_NUM_THREADS": str(args.threads)})
+                    launch(
+                        RANKS_SCRIPT,
+                        "--worker",
+                        ranks_dir,
+                        "--stage",
+                        str(stage),
+                        "--way",
+                        way,
+                        *job_args(job),
+                        nproc=args.nproc,
+                        timeout=args.timeout,
+                        env={"OMP_NUM_THREADS": str(args.threads)},
+                    )
                     records[row].append(rank_results(ranks_dir, nproc=args.nproc))
                 except LaunchError as err:  # a crashed launch is reported, the other rows still run
                     failures.setdefault(row, str(err)[-4000:])
@@ -384,15 +453,24 @@ def driver(args: argparse.Namespace, job: Job) -> int:
     wall, load_after = time.perf_counter() - started, loadavg()
     any_rank = next(iter(r[0][0] for r in records.values() if r), None)
     payload = {
-        "machine": machine("cpu", args.nproc), "library_revision": library_revision(),
-        "versions": any_rank["versions"] if any_rank else {}, "threads_per_rank": args.threads,
-        "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
+        "machine": machine("cpu", args.nproc),
+        "library_revision": library_revision(),
+        "versions": any_rank["versions"] if any_rank else {},
+        "threads_per_rank": args.threads,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "cpu_count": os.cpu_count(),
         "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime(time.time() - wall)) + " UTC",
-        "wall_seconds": wall, "job": asdict(job), "stages": sorted(args.stages), "nproc": args.nproc,
-        "repeats": args.repeats, "layer_draws": any_rank["draws"] if any_rank else None,
+        "wall_seconds": wall,
+        "job": asdict(job),
+        "stages": sorted(args.stages),
+        "nproc": args.nproc,
+        "repeats": args.repeats,
+        "layer_draws": any_rank["draws"] if any_rank else None,
         "model_bytes": any_rank["model_bytes"] if any_rank else None,
         "group_bytes": any_rank["group_bytes"] if any_rank else None,
-        "launch_failures": failures, "records": records,
+        "launch_failures": failures,
+        "records": records,
     }
     return render(payload, out, args.name)
 
@@ -410,18 +488,29 @@ def render(payload: dict[str, Any], out: Path, name: str) -> int:
     payload = {**payload, "rows": rows, "planned": plans, "planner_revision": library_revision()}
     (out / f"{name}.json").write_text(json.dumps(payload, default=str))
     before, after, versions = payload["loadavg_before"], payload["loadavg_after"], payload["versions"]
-    load = (f" Load average {before[0]:.1f} before, {after[0]:.1f} after, on {payload['cpu_count']} cores."
-            if before and after else "")
-    header = (f"{payload['machine']}, deepspeed {versions.get('deepspeed')}, transformers "
-              f"{versions.get('transformers')}, accelerate {versions.get('accelerate')}, hf_altparams at "
-              f"{payload['library_revision']}; {payload['threads_per_rank']} thread(s) per rank; {job.steps} steps, "
-              f"LISA k={job.k} every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x "
-              f"{job.seq} tokens; {payload['repeats']} round(s); started {payload['started']}, wall "
-              f"{payload['wall_seconds'] / 60:.0f} min; MiB = 2^20 bytes.{load}\n\n")
+    load = (
+        f" Load average {before[0]:.1f} before, {after[0]:.1f} after, on {payload['cpu_count']} cores."
+        if before and after
+        else ""
+    )
+    header = (
+        f"{payload['machine']}, deepspeed {versions.get('deepspeed')}, transformers "
+        f"{versions.get('transformers')}, accelerate {versions.get('accelerate')}, hf_altparams at "
+        f"{payload['library_revision']}; {payload['threads_per_rank']} thread(s) per rank; {job.steps} steps, "
+        f"LISA k={job.k} every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x "
+        f"{job.seq} tokens; {payload['repeats']} round(s); started {payload['started']}, wall "
+        f"{payload['wall_seconds'] / 60:.0f} min; MiB = 2^20 bytes.{load}\n\n"
+    )
     failures = payload["launch_failures"]
-    report = (header + table(rows) + "\n" + ops_table(rows) + "\n"
-              + f"Planner (`plan --strategy zero<N>`) at {payload['planner_revision']}:\n\n"
-              + planner_table(rows, plans))
+    report = (
+        header
+        + table(rows)
+        + "\n"
+        + ops_table(rows)
+        + "\n"
+        + f"Planner (`plan --strategy zero<N>`) at {payload['planner_revision']}:\n\n"
+        + planner_table(rows, plans)
+    )
     if failures:
         report += "\nLaunches that failed: " + ", ".join(f"`{r}`" for r in failures) + " (tails in the JSON)\n"
     (out / f"{name}.md").write_text(report)
@@ -435,8 +524,9 @@ def job_args(job: Job) -> list[str]:
 
 def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job]:
     default = Job()
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name, value in asdict(default).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--stages", type=int, nargs="+", default=list(STAGES), choices=STAGES)
@@ -447,16 +537,22 @@ def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--name", default="deepspeed_lisa_cpu", help="stem of the output files")
-    p.add_argument("--summarize", metavar="JSON", help="write the tables of a past run's JSON again (to --out, "
-                   "--name), the planner's figures re-priced by the library installed now; nothing is launched")
+    p.add_argument(
+        "--summarize",
+        metavar="JSON",
+        help="write the tables of a past run's JSON again (to --out, "
+        "--name), the planner's figures re-priced by the library installed now; nothing is launched",
+    )
     p.add_argument("--worker", metavar="RANKS_DIR", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, choices=STAGES, help=argparse.SUPPRESS)  # a rank's row
     p.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     job = Job(**{k: getattr(args, k) for k in asdict(default)})
     if job.k > job.layers or job.every < 1 or job.steps < 1 or args.repeats < 1:
-        p.error(f"need 1 <= --k <= --layers, --every >= 1, --steps >= 1, --repeats >= 1; got "
-                f"k={job.k}, layers={job.layers}, every={job.every}, steps={job.steps}, repeats={args.repeats}")
+        p.error(
+            f"need 1 <= --k <= --layers, --every >= 1, --steps >= 1, --repeats >= 1; got "
+            f"k={job.k}, layers={job.layers}, every={job.every}, steps={job.steps}, repeats={args.repeats}"
+        )
     return args, job
 
 

@@ -51,14 +51,20 @@ def main() -> None:
     weights.capture([net])
     unchanged = weights.changed([net])
     net.weight.data.copy_(torch.zeros_like(net.weight))
-    print(json.dumps({
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "cpu_equals_cuda": same,
-        "digest_ms_per_gib": round(timed_ms(lambda: tensor_digest(big)), 3),
-        "sum_ms_per_gib": round(timed_ms(lambda: big.sum()), 3),
-        "digest_many_ms_per_gib": round(timed_ms(lambda: digest_values(digest_many(many))) / many_gib, 3),
-        "prefix_weights": {"unchanged": unchanged, "after_data_write": weights.changed([net])},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "torch": torch.__version__,
+                "cpu_equals_cuda": same,
+                "digest_ms_per_gib": round(timed_ms(lambda: tensor_digest(big)), 3),
+                "sum_ms_per_gib": round(timed_ms(lambda: big.sum()), 3),
+                "digest_many_ms_per_gib": round(timed_ms(lambda: digest_values(digest_many(many))) / many_gib, 3),
+                "prefix_weights": {"unchanged": unchanged, "after_data_write": weights.changed([net])},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine  # noqa: E402
-
 from hf_altparams.engine import PhaseSwitcher  # noqa: E402
 from hf_altparams.engine.prefix import FrozenPrefix, FrozenPrefixCache  # noqa: E402
 from hf_altparams.plan import ParamGroups, PhaseSequence  # noqa: E402
@@ -106,8 +105,9 @@ def schedule(args: argparse.Namespace, run: str) -> PhaseSequence:
     every = ["emb", *(f"layer{i}" for i in range(LAYERS)), "head"]
     if run == "full":
         return PhaseSequence([(every, 1)], unit="epoch")
-    return PhaseSequence([(every, args.warm_epochs), (every[3:], args.phase_epochs), (every[5:], args.phase_epochs)],
-                         unit="epoch")
+    return PhaseSequence(
+        [(every, args.warm_epochs), (every[3:], args.phase_epochs), (every[5:], args.phase_epochs)], unit="epoch"
+    )
 
 
 class Run:
@@ -117,16 +117,22 @@ class Run:
         self.name, self.device = name, device
         torch.manual_seed(0)
         self.model = Classifier(classes=4).to(device)
-        groups = {"emb": "bert.embeddings.*", **{f"layer{i}": f"bert.encoder.layer.{i}.*" for i in range(LAYERS)},
-                  "head": ["head.*", "bert.pooler.*"]}
+        groups = {
+            "emb": "bert.embeddings.*",
+            **{f"layer{i}": f"bert.encoder.layer.{i}.*" for i in range(LAYERS)},
+            "head": ["head.*", "bert.pooler.*"],
+        }
         self.groups = ParamGroups(self.model, groups)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.switcher = PhaseSwitcher(self.groups, schedule(args, name), optimizer=self.opt, release=False)
         self.cache = None
         if name != "full":
-            option = FrozenPrefix(embeddings="bert.embeddings", blocks="bert.encoder.layer",
-                                  cache=name.startswith("cache"),
-                                  memory_budget_bytes=0 if name == "cache_disk" else None)
+            option = FrozenPrefix(
+                embeddings="bert.embeddings",
+                blocks="bert.encoder.layer",
+                cache=name.startswith("cache"),
+                memory_budget_bytes=0 if name == "cache_disk" else None,
+            )
             self.cache = FrozenPrefixCache(self.model, option).attach()
         self.step = 0
         torch.manual_seed(1)  # each run its own dropout stream, the same in every run (runs interleave)
@@ -160,7 +166,7 @@ class Run:
             torch.set_rng_state(self.rng)
             self._sync()
             start = time.perf_counter()
-            idx = self.order[b * batch:(b + 1) * batch]
+            idx = self.order[b * batch : (b + 1) * batch]
             inputs = {k: v[idx].to(self.device, non_blocking=True) for k, v in data.items()}
             # the dataset index travels with the batch; the cache's forward takes it off
             loss = self.model(**inputs) if self.cache is None else self.model(**inputs, sample_index=idx)
@@ -214,8 +220,16 @@ def summarise(runs: dict[str, Run], args: argparse.Namespace) -> dict[str, Any]:
     for name, run in runs.items():
         if run.cache is not None and run.cache.config.cache:
             recs = [*run.cache.records, run.cache.record]
-            out["caches"][name] = [{"depth": r.depth, "hit_rate": r.hit_rate, "memory_bytes": r.memory_bytes,
-                                    "disk_bytes": r.disk_bytes, "seconds_saved": r.seconds_saved} for r in recs]
+            out["caches"][name] = [
+                {
+                    "depth": r.depth,
+                    "hit_rate": r.hit_rate,
+                    "memory_bytes": r.memory_bytes,
+                    "disk_bytes": r.disk_bytes,
+                    "seconds_saved": r.seconds_saved,
+                }
+                for r in recs
+            ]
     sd = {k: v for k, v in runs["freeze"].model.state_dict().items()}
     for name in ("cache", "cache_disk"):
         if name in runs:
@@ -275,13 +289,21 @@ def main() -> None:
                 runs[name].train_batch(b, data, args.batch)
         print(f"epoch {epoch}: " + ", ".join(f"{n} {runs[n].epoch_seconds[-1]:.2f}s" for n in names), flush=True)
     summary = summarise(runs, args)
-    summary.update(machine=machine(device.type, 1), args=vars(args),
-                   load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    summary.update(
+        machine=machine(device.type, 1),
+        args=vars(args),
+        load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )
     text = table(summary, names)
-    caches = "\n".join(f"- `{n}`: " + "; ".join(
-        f"depth {c['depth']}: hit rate {c['hit_rate']:.2f}, {c['memory_bytes'] / 2**20:.1f} MiB memory, "
-        f"{c['disk_bytes'] / 2**20:.1f} MiB disk, {c['seconds_saved']:.1f} s saved" for c in recs)
-        for n, recs in summary["caches"].items())
+    caches = "\n".join(
+        f"- `{n}`: "
+        + "; ".join(
+            f"depth {c['depth']}: hit rate {c['hit_rate']:.2f}, {c['memory_bytes'] / 2**20:.1f} MiB memory, "
+            f"{c['disk_bytes'] / 2**20:.1f} MiB disk, {c['seconds_saved']:.1f} s saved"
+            for c in recs
+        )
+        for n, recs in summary["caches"].items()
+    )
     report = f"{summary['machine']}\n\n{text}\n\nCache per prefix:\n{caches}\n"
     report += "".join(f"\n{k}: {v:.2e}" for k, v in summary.items() if k.startswith("max_abs_diff"))
     print(report)

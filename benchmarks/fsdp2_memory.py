@@ -95,8 +95,11 @@ def worker(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-    result = {"rank": rank, "peak_bytes": peak,
-              "param_bytes_per_rank": sum(p.to_local().nbytes for p in model.parameters())}
+    result = {
+        "rank": rank,
+        "peak_bytes": peak,
+        "param_bytes_per_rank": sum(p.to_local().nbytes for p in model.parameters()),
+    }
     Path(args.out, f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
     del model, opt, switcher
     dist.barrier()
@@ -104,12 +107,37 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__,
-           "--worker", scenario, "--out", out, "--device", args.device, "--width", str(args.width),
-           "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        __file__,
+        "--worker",
+        scenario,
+        "--out",
+        out,
+        "--device",
+        args.device,
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
@@ -137,16 +165,22 @@ def main() -> None:
         for scenario in SCENARIOS:
             ranks = launch(scenario, args, tmp)
             peaks[scenario] = max(r["peak_bytes"] for r in ranks)
-            print(f"{scenario:12s} peak per rank {peaks[scenario] / MIB:9.1f} MiB "
-                  f"(parameters per rank {ranks[0]['param_bytes_per_rank'] / MIB:.1f} MiB)", flush=True)
+            print(
+                f"{scenario:12s} peak per rank {peaks[scenario] / MIB:9.1f} MiB "
+                f"(parameters per rank {ranks[0]['param_bytes_per_rank'] / MIB:.1f} MiB)",
+                flush=True,
+            )
     floor = max(peaks["alone_a"], peaks["alone_b"])
     ratios = {s: (peaks[s] / floor if floor else None) for s in SCENARIOS}
     ok = all(ratios[s] is not None and ratios[s] <= 1.02 for s in ("alt_drop", "alt_offload"))  # type: ignore[operator]
-    report = {"machine": machine(args.device, args.nproc), "args": {k: v for k, v in vars(args).items()
-                                                                   if k not in ("worker", "out")},
-              "peak_bytes": peaks, "ratio_to_alone": ratios,
-              "criterion": "alt_drop, alt_offload <= 1.02 x max(alone_a, alone_b)",
-              "passed": ok if args.device == "cuda" else None}
+    report = {
+        "machine": machine(args.device, args.nproc),
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+        "peak_bytes": peaks,
+        "ratio_to_alone": ratios,
+        "criterion": "alt_drop, alt_offload <= 1.02 x max(alone_a, alone_b)",
+        "passed": ok if args.device == "cuda" else None,
+    }
     Path(args.out, f"fsdp2_memory_{args.device}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     if args.device == "cuda" and not ok:

@@ -37,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from hf_altparams.engine import (GroupedOptimizer, PhaseSwitcher, host_heap,  # noqa: E402
-                                 mmap_large_host_allocations, rss_bytes)
+from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, host_heap, mmap_large_host_allocations, rss_bytes  # noqa: E402
 from hf_altparams.engine.memory import malloc_trim  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
@@ -70,8 +69,9 @@ def run_worker(args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         switcher.step_to(step + 1)
         heap = host_heap()
-        samples.append({"step": step, "rss_growth": rss_bytes() - baseline,
-                        **(dataclasses.asdict(heap) if heap else {})})
+        samples.append(
+            {"step": step, "rss_growth": rss_bytes() - baseline, **(dataclasses.asdict(heap) if heap else {})}
+        )
     if dist.get_rank() == 0:
         write_rank_result(args.worker, {"applied": applied, "samples": samples})
     dist.barrier()
@@ -80,11 +80,17 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def table(title: str, samples: list[dict[str, Any]]) -> str:
-    lines = [f"### {title}", "", "| after step | RSS growth | heap in use | free heap held | mmapped |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| after step | RSS growth | heap in use | free heap held | mmapped |",
+        "|---|---|---|---|---|",
+    ]
     for s in samples:
-        lines.append(f"| {s['step']} | {s['rss_growth'] / MIB:.1f} MiB | {s.get('in_use_bytes', 0) / MIB:.1f} MiB "
-                     f"| {s.get('free_bytes', 0) / MIB:.1f} MiB | {s.get('mmapped_bytes', 0) / MIB:.1f} MiB |")
+        lines.append(
+            f"| {s['step']} | {s['rss_growth'] / MIB:.1f} MiB | {s.get('in_use_bytes', 0) / MIB:.1f} MiB "
+            f"| {s.get('free_bytes', 0) / MIB:.1f} MiB | {s.get('mmapped_bytes', 0) / MIB:.1f} MiB |"
+        )
     return "\n".join(lines)
 
 
@@ -95,8 +101,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
     parser.add_argument("--policy", default="drop", choices=["keep", "offload", "drop"])
     parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view=True")
-    parser.add_argument("--threshold", type=int, default=MIB,
-                        help="bytes passed to mmap_large_host_allocations in the second run")
+    parser.add_argument(
+        "--threshold", type=int, default=MIB, help="bytes passed to mmap_large_host_allocations in the second run"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the JSON")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -106,13 +113,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     runs = {}
     for threshold in (0, args.threshold):
         with tempfile.TemporaryDirectory() as tmp:
-            launch(__file__, "--worker", tmp, "--threshold", str(threshold), "--size-mib", str(args.size_mib),
-                   "--steps", str(args.steps), "--batch", str(args.batch), "--policy", args.policy,
-                   *(["--bucket-view"] if args.bucket_view else []), nproc=2, timeout=900)
+            launch(
+                __file__,
+                "--worker",
+                tmp,
+                "--threshold",
+                str(threshold),
+                "--size-mib",
+                str(args.size_mib),
+                "--steps",
+                str(args.steps),
+                "--batch",
+                str(args.batch),
+                "--policy",
+                args.policy,
+                *(["--bucket-view"] if args.bucket_view else []),
+                nproc=2,
+                timeout=900,
+            )
             runs[threshold] = rank_results(tmp, nproc=1)[0]
         name = f"mmap_large_host_allocations({threshold})" if threshold else "glibc's default heap"
-        print(table(f"rank 0 of 2, {args.policy}, two halves of {args.size_mib:g} MiB: {name}",
-                    runs[threshold]["samples"]) + "\n", flush=True)
+        print(
+            table(
+                f"rank 0 of 2, {args.policy}, two halves of {args.size_mib:g} MiB: {name}", runs[threshold]["samples"]
+            )
+            + "\n",
+            flush=True,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "heap_probe_cpu.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))

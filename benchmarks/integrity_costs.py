@@ -36,7 +36,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine  # noqa: E402
 from frozen_prefix import Classifier, dataset  # noqa: E402
-
 from hf_altparams.engine.drift import local_digests  # noqa: E402
 from hf_altparams.engine.prefix import FrozenPrefix, FrozenPrefixCache  # noqa: E402
 from hf_altparams.plan import ParamGroups  # noqa: E402
@@ -58,23 +57,30 @@ def side_by_side(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
         calls[name]()
     seconds: dict[str, list[float]] = {n: [] for n in names}
     for i in range(repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             seconds[name].append(timed(calls[name]))
     return {n: statistics.median(s) for n, s in seconds.items()}
 
 
 def minilm_groups(model: nn.Module) -> ParamGroups:
-    return ParamGroups(model, {"emb": "bert.embeddings.*",
-                               **{f"layer{i}": f"bert.encoder.layer.{i}.*" for i in range(LAYERS)},
-                               "head": ["head.*", "bert.pooler.*"]})
+    return ParamGroups(
+        model,
+        {
+            "emb": "bert.embeddings.*",
+            **{f"layer{i}": f"bert.encoder.layer.{i}.*" for i in range(LAYERS)},
+            "head": ["head.*", "bert.pooler.*"],
+        },
+    )
 
 
-def minilm_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-                **extra: Any) -> Callable[[], None]:
+def minilm_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], **extra: Any
+) -> Callable[[], None]:
     def step() -> None:
         model(**batch, **extra).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -123,10 +129,14 @@ def drift_stack(mib: int, tokens: int, repeats: int) -> dict[str, Any]:
 
 
 def _drift_result(got: dict[str, float], weight_bytes: int, what: str) -> dict[str, Any]:
-    return {"model": what, "weights_mib": round(weight_bytes / (1 << 20), 1),
-            "digest_ms": round(got["digest"] * 1e3, 2), "step_ms": round(got["step"] * 1e3, 1),
-            "digest_ms_per_gib": round(got["digest"] * 1e3 * GIB / weight_bytes, 1),
-            "digest_over_step": round(got["digest"] / got["step"], 4)}
+    return {
+        "model": what,
+        "weights_mib": round(weight_bytes / (1 << 20), 1),
+        "digest_ms": round(got["digest"] * 1e3, 2),
+        "step_ms": round(got["step"] * 1e3, 1),
+        "digest_ms_per_gib": round(got["digest"] * 1e3 * GIB / weight_bytes, 1),
+        "digest_over_step": round(got["digest"] / got["step"], 4),
+    }
 
 
 def prefix_check(data: dict[str, torch.Tensor], batch: int, repeats: int) -> dict[str, Any]:
@@ -154,17 +164,21 @@ def prefix_check(data: dict[str, torch.Tensor], batch: int, repeats: int) -> dic
             weights.changed = check  # type: ignore[method-assign]
 
     prefix_stages = cache.stages[: cache.depth]
-    got = side_by_side({"check": lambda: check(prefix_stages), "hit_step": step, "hit_step_unchecked": unchecked_step},
-                       repeats)
+    got = side_by_side(
+        {"check": lambda: check(prefix_stages), "hit_step": step, "hit_step_unchecked": unchecked_step}, repeats
+    )
     prefix_bytes = sum(p.numel() * p.element_size() for s in prefix_stages for p in s.parameters())
     assert cache.record.miss_batches == 1 and cache.record.hit_batches >= repeats, cache.record
-    return {"model": f"MiniLM-L6, embeddings + layers 0-3 frozen and cached, batch {batch} x "
-                     f"{data['input_ids'].shape[1]}",
-            "prefix_weights_mib": round(prefix_bytes / (1 << 20), 1), "depth": cache.depth,
-            "check_ms": round(got["check"] * 1e3, 2), "hit_step_ms": round(got["hit_step"] * 1e3, 1),
-            "hit_step_unchecked_ms": round(got["hit_step_unchecked"] * 1e3, 1),
-            "check_over_hit_step": round(got["check"] / got["hit_step_unchecked"], 4),
-            "check_ms_per_gib": round(got["check"] * 1e3 * GIB / prefix_bytes, 1)}
+    return {
+        "model": f"MiniLM-L6, embeddings + layers 0-3 frozen and cached, batch {batch} x {data['input_ids'].shape[1]}",
+        "prefix_weights_mib": round(prefix_bytes / (1 << 20), 1),
+        "depth": cache.depth,
+        "check_ms": round(got["check"] * 1e3, 2),
+        "hit_step_ms": round(got["hit_step"] * 1e3, 1),
+        "hit_step_unchecked_ms": round(got["hit_step_unchecked"] * 1e3, 1),
+        "check_over_hit_step": round(got["check"] / got["hit_step_unchecked"], 4),
+        "check_ms_per_gib": round(got["check"] * 1e3 * GIB / prefix_bytes, 1),
+    }
 
 
 def main() -> None:

@@ -80,12 +80,17 @@ def _groups(model: torch.nn.Module) -> Any:
 def _schedule(groups: Any, steps_per_block: int) -> Any:
     from hf_altparams.plan import badam
 
-    return badam([*[n for n in groups.names if n.startswith("layer")], "emb", "head"],
-                 steps_per_block=steps_per_block)
+    return badam([*[n for n in groups.names if n.startswith("layer")], "emb", "head"], steps_per_block=steps_per_block)
 
 
-def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: int = 1,
-             bucket_as_view: bool = False, steps: int | None = None) -> Any:
+def plan_for(
+    scenario: str,
+    shape: dict[str, int],
+    world: int,
+    steps_per_block: int = 1,
+    bucket_as_view: bool = False,
+    steps: int | None = None,
+) -> Any:
     """The planner's view of ``scenario`` for a model of ``shape`` (built on meta)."""
     from hf_altparams.planner import plan_cost
     from tests.support.models import llama_decoder
@@ -94,14 +99,24 @@ def plan_for(scenario: str, shape: dict[str, int], world: int, steps_per_block: 
     groups = _groups(model)
     storage = torch.bfloat16 if scenario.startswith("bf16") else None
     master = scenario.split("_")[1] if storage is not None else "offload"
-    return plan_cost(model, groups, _schedule(groups, steps_per_block), optimizer="adamw", state_policy="drop",
-                     world_size=world, storage_dtype=storage, master_policy=master,
-                     bucket_as_view=bucket_as_view, steps=steps,
-                     allreduce_dtype=torch.float32 if scenario.endswith("fp32wire") else None)
+    return plan_cost(
+        model,
+        groups,
+        _schedule(groups, steps_per_block),
+        optimizer="adamw",
+        state_policy="drop",
+        world_size=world,
+        storage_dtype=storage,
+        master_policy=master,
+        bucket_as_view=bucket_as_view,
+        steps=steps,
+        allreduce_dtype=torch.float32 if scenario.endswith("fp32wire") else None,
+    )
 
 
-def planned_peak(scenario: str, shape: dict[str, int], world: int, steps: int | None = None,
-                 host_too: bool = False) -> int:
+def planned_peak(
+    scenario: str, shape: dict[str, int], world: int, steps: int | None = None, host_too: bool = False
+) -> int:
     """The planner's peak model state per rank; ``host_too``: device + host (on CPU both are RAM)."""
     plan = plan_for(scenario, shape, world, steps=steps)
     if scenario == "ddp_full":
@@ -114,7 +129,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
-
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from hf_altparams.engine import CommCounter, GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer
@@ -144,8 +158,12 @@ def worker(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"scenario": args.scenario, "world_size": world}
     try:
         bf16 = args.scenario.startswith("bf16")
-        model = llama_decoder(**shape, max_positions=max(args.seq, 64), device=str(device),
-                              dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = llama_decoder(
+            **shape,
+            max_positions=max(args.seq, 64),
+            device=str(device),
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
         if args.checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -157,8 +175,13 @@ def worker(args: argparse.Namespace) -> None:
         else:
             if bf16:
                 optimizer = PrecisionOptimizer(
-                    groups, adamw, storage_dtype=torch.bfloat16, master_policy=args.scenario.split("_")[1],
-                    state_policy="drop", allreduce_dtype=torch.float32 if args.scenario.endswith("fp32wire") else None)
+                    groups,
+                    adamw,
+                    storage_dtype=torch.bfloat16,
+                    master_policy=args.scenario.split("_")[1],
+                    state_policy="drop",
+                    allreduce_dtype=torch.float32 if args.scenario.endswith("fp32wire") else None,
+                )
             else:
                 optimizer = GroupedOptimizer(groups, adamw, state_policy="drop")
             switcher = PhaseSwitcher(groups, _schedule(groups, args.steps_per_block), optimizer=optimizer)
@@ -225,17 +248,22 @@ def worker(args: argparse.Namespace) -> None:
             peak_growth_bytes=(rss_peak if not cuda else meter.peak()) - meter.baseline,
             peak_bytes=rss_peak if not cuda else meter.peak(),
             rss_after_bytes=rss_bytes() - meter.baseline if not cuda else None,
-            fwd_bwd_extra_bytes=fwd_bwd_extra, step_extra_bytes=step_extra,
-            model_state=state.peak, model_state_bytes=total_state(state.peak),
+            fwd_bwd_extra_bytes=fwd_bwd_extra,
+            step_extra_bytes=step_extra,
+            model_state=state.peak,
+            model_state_bytes=total_state(state.peak),
             host_state=host_state.peak if host_state is not None else None,
             host_state_bytes=total_state(host_state.peak) if host_state is not None else None,
-            step_seconds=statistics.median(times[1:] or times), allreduce_bytes=max(sent),
-            params=sum(p.numel() for p in model.parameters()), oom=False,
+            step_seconds=statistics.median(times[1:] or times),
+            allreduce_bytes=max(sent),
+            params=sum(p.numel() for p in model.parameters()),
+            oom=False,
         )
         del ddp, switcher
     except torch.cuda.OutOfMemoryError as err:
-        result.update(oom=True, error=str(err).splitlines()[0], peak_bytes=meter.peak(),
-                      peak_growth_bytes=meter.peak_growth())
+        result.update(
+            oom=True, error=str(err).splitlines()[0], peak_bytes=meter.peak(), peak_growth_bytes=meter.peak_growth()
+        )
     write_rank_result(args.out, result, rank=rank)
     dist.barrier()
     dist.destroy_process_group()
@@ -245,22 +273,52 @@ def worker(args: argparse.Namespace) -> None:
 def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc: int) -> list[dict[str, Any]]:
     from hf_altparams.testing.launch import free_port, rank_results
 
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         # glibc's dynamic mmap threshold otherwise serves large tensors from a fragmenting heap
         # (see RESULTS.md, "Reading the CPU figures"): RSS would measure the allocator, not the state
         env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--worker",
-               "--scenario", scenario, "--out", out, "--device", args.device, "--shape", json.dumps(shape),
-               "--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps-per-block", str(args.steps_per_block), "--memory-gb", str(args.memory_gb)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            __file__,
+            "--worker",
+            "--scenario",
+            scenario,
+            "--out",
+            out,
+            "--device",
+            args.device,
+            "--shape",
+            json.dumps(shape),
+            "--steps",
+            str(args.steps),
+            "--seq",
+            str(args.seq),
+            "--batch",
+            str(args.batch),
+            "--steps-per-block",
+            str(args.steps_per_block),
+            "--memory-gb",
+            str(args.memory_gb),
+        ]
         cmd += ["--checkpointing"] if args.checkpointing else []
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{scenario} failed:\n{proc.stdout[-4000:]}")
         return rank_results(out, nproc)
@@ -271,8 +329,13 @@ def largest_fitting(scenario: str, budget: int, world: int) -> tuple[int, int, i
     best = (0, 0, 0)
     for hidden in range(1024, 16385, 512):
         layers = hidden // 128
-        shape = {"layers": layers, "hidden": hidden, "intermediate": int(hidden * 2.6875) // 64 * 64,
-                 "heads": hidden // 128, "vocab": 32000}
+        shape = {
+            "layers": layers,
+            "hidden": hidden,
+            "intermediate": int(hidden * 2.6875) // 64 * 64,
+            "heads": hidden // 128,
+            "vocab": 32000,
+        }
         if planned_peak(scenario, shape, world) > budget:
             break
         best = (layers, hidden, sum(_numel(shape).values()))
@@ -288,8 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", choices=SCENARIOS)
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
-                        help="which scenarios to run (default: all)")
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=SCENARIOS,
+        default=list(SCENARIOS),
+        help="which scenarios to run (default: all)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", help="JSON LlamaConfig shape (default: CPU scaled-down / CUDA 7B)")
@@ -330,53 +398,92 @@ def main(argv: list[str] | None = None) -> int:
         rows[scenario] = worst
         print(f"  {scenario}: {json.dumps({k: v for k, v in worst.items() if k != 'error'})}", flush=True)
 
-    lines = [f"### Large model, {where}", "",
-             f"Llama-style decoder {shape}, {nproc} rank(s), batch {args.batch} x seq {args.seq}, {args.steps} "
-             f"steps, one block at a time (BAdam order, {args.steps_per_block} step(s) per block), AdamW"
-             + (f", {args.memory_gb:g} GB emulated, gradient checkpointing" if cuda
-                else ", foreach=False, glibc MALLOC_MMAP_THRESHOLD_=1048576") + ".",
-             "", "| scenario | model state measured" + (" on the GPU" if cuda else "") + " | planner: model state"
-             + (" (device + host)" if not cuda else " on the GPU")
-             + " | planner / measured | peak " + ("RSS growth" if not cuda else "allocated") + " | beyond model state "
-             "| beyond it in fwd+bwd | beyond it in the step | all-reduced per step | step time | vs ddp_full step |"
-             + (" kept on the host (not in the GPU figures) |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+    lines = [
+        f"### Large model, {where}",
+        "",
+        f"Llama-style decoder {shape}, {nproc} rank(s), batch {args.batch} x seq {args.seq}, {args.steps} "
+        f"steps, one block at a time (BAdam order, {args.steps_per_block} step(s) per block), AdamW"
+        + (
+            f", {args.memory_gb:g} GB emulated, gradient checkpointing"
+            if cuda
+            else ", foreach=False, glibc MALLOC_MMAP_THRESHOLD_=1048576"
+        )
+        + ".",
+        "",
+        "| scenario | model state measured"
+        + (" on the GPU" if cuda else "")
+        + " | planner: model state"
+        + (" (device + host)" if not cuda else " on the GPU")
+        + " | planner / measured | peak "
+        + ("RSS growth" if not cuda else "allocated")
+        + " | beyond model state "
+        "| beyond it in fwd+bwd | beyond it in the step | all-reduced per step | step time | vs ddp_full step |"
+        + (" kept on the host (not in the GPU figures) |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""),
+    ]
     base_time = rows["ddp_full"].get("step_seconds") if "ddp_full" in rows else None
     for name, row in rows.items():
         if row.get("oom"):
-            lines.append(f"| {name} | - | {row['planned_bytes'] / MIB:.0f} MiB | - | out of memory | - | - | - | - | - | - |"
-                         + (" - |" if cuda else ""))
+            lines.append(
+                f"| {name} | - | {row['planned_bytes'] / MIB:.0f} MiB | - | out of memory | - | - | - | - | - | - |"
+                + (" - |" if cuda else "")
+            )
             continue
         growth = row["peak_growth_bytes"] if not cuda else row["peak_bytes"]
         state = row["model_state_bytes"]
         ratio = f"{row['planned_bytes'] / state:.5f}" if state else "-"
         rel = f"{row['step_seconds'] / base_time:.2f}x" if base_time else "-"
-        transients = (f"{row['fwd_bwd_extra_bytes'] / MIB:.1f} MiB | {row['step_extra_bytes'] / MIB:.1f} MiB"
-                      if not cuda else "- | -")
-        lines.append(f"| {name} | {state / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
-                     f"| {growth / MIB:.1f} MiB | {(growth - state) / MIB:.1f} MiB | {transients} "
-                     f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |"
-                     + (f" {row['host_state_bytes'] / MIB:.1f} MiB |" if cuda else ""))
-    lines += ["", "Model state measured at its peak, by kind (MiB" + ("; on the GPU" if cuda else "")
-              + "; Adam's 0-d step counters apart, the planner leaves them out):", "",
-              "| scenario | params | buffers | DDP buckets | grads | optimizer | fp32 masters | step counters |",
-              "|---|---|---|---|---|---|---|---|"]
+        transients = (
+            f"{row['fwd_bwd_extra_bytes'] / MIB:.1f} MiB | {row['step_extra_bytes'] / MIB:.1f} MiB"
+            if not cuda
+            else "- | -"
+        )
+        lines.append(
+            f"| {name} | {state / MIB:.1f} MiB | {row['planned_bytes'] / MIB:.1f} MiB | {ratio} "
+            f"| {growth / MIB:.1f} MiB | {(growth - state) / MIB:.1f} MiB | {transients} "
+            f"| {row['allreduce_bytes'] / MIB:.2f} MiB | {1e3 * row['step_seconds']:.0f} ms | {rel} |"
+            + (f" {row['host_state_bytes'] / MIB:.1f} MiB |" if cuda else "")
+        )
+    lines += [
+        "",
+        "Model state measured at its peak, by kind (MiB"
+        + ("; on the GPU" if cuda else "")
+        + "; Adam's 0-d step counters apart, the planner leaves them out):",
+        "",
+        "| scenario | params | buffers | DDP buckets | grads | optimizer | fp32 masters | step counters |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
         if not row.get("oom"):
             kinds = row["model_state"]
-            lines.append(f"| {name} | " + " | ".join(
-                f"{kinds[k] / MIB:.2f}" for k in ("params", "buffers", "buckets", "grads", "optimizer", "masters",
-                                                    "step_counters")) + " |")
-    lines += ["", "Planner, Llama-2-7B shape, 8 ranks (model state per rank, before activations):", "",
-              "| scenario | model state per rank | all-reduced per step |", "|---|---|---|"]
+            lines.append(
+                f"| {name} | "
+                + " | ".join(
+                    f"{kinds[k] / MIB:.2f}"
+                    for k in ("params", "buffers", "buckets", "grads", "optimizer", "masters", "step_counters")
+                )
+                + " |"
+            )
+    lines += [
+        "",
+        "Planner, Llama-2-7B shape, 8 ranks (model state per rank, before activations):",
+        "",
+        "| scenario | model state per rank | all-reduced per step |",
+        "|---|---|---|",
+    ]
     for name in SCENARIOS:
         plan = plan_for(name, dict(LLAMA_7B), 8)
         row = plan.everything if name == "ddp_full" else max(plan.phases, key=lambda r: r.device_bytes)
         lines.append(f"| {name} | {row.device_bytes / GIB:.1f} GiB | {row.allreduce_bytes / GIB:.2f} GiB |")
     budget = int(args.budget_gib * GIB)
-    lines += ["", f"Largest Llama-style model whose model state fits {args.budget_gib:g} GiB per rank (planner, "
-              "layers = hidden / 128, vocab 32000, 8 ranks):", "", "| scenario | layers x hidden | params |",
-              "|---|---|---|"]
+    lines += [
+        "",
+        f"Largest Llama-style model whose model state fits {args.budget_gib:g} GiB per rank (planner, "
+        "layers = hidden / 128, vocab 32000, 8 ranks):",
+        "",
+        "| scenario | layers x hidden | params |",
+        "|---|---|---|",
+    ]
     for name in SCENARIOS:
         layers, hidden, params = largest_fitting(name, budget, 8)
         lines.append(f"| {name} | {layers} x {hidden} | {params / 1e9:.2f} B |")

@@ -151,8 +151,10 @@ def summarize(variant: str, ranks: list[dict[str, Any]], final_vs_reference: Opt
     has_reference = REFERENCE in ranks[0]["runs"]
 
     def ratios(key: str) -> list[float]:
-        pairs = [(round_median(ranks, variant, i, key), round_median(ranks, REFERENCE, i, key) if has_reference
-                  else None) for i in range(rounds)]
+        pairs = [
+            (round_median(ranks, variant, i, key), round_median(ranks, REFERENCE, i, key) if has_reference else None)
+            for i in range(rounds)
+        ]
         return [a / b for a, b in pairs if a is not None and b]
 
     per_round = [round_median(ranks, variant, i) for i in range(rounds)]
@@ -196,8 +198,10 @@ def summarize(variant: str, ranks: list[dict[str, Any]], final_vs_reference: Opt
         "error": error,
         "outcome": outcome,
         "final_weights_max_abs_diff_vs_reference": final_vs_reference,
-        "final_digest_same_in_every_round": len({run["steps"][-1]["digest"] if run["steps"] else None
-                                                 for run in runs[0]}) == 1,
+        "final_digest_same_in_every_round": len(
+            {run["steps"][-1]["digest"] if run["steps"] else None for run in runs[0]}
+        )
+        == 1,
     }
 
 
@@ -208,9 +212,11 @@ def first_line(message: str, limit: int = 110) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table, one row per variant."""
-    head = ("| variant | ranks identical | all-reduced per step / trainable | optimizer state at the end "
-            "(on frozen layers) | median step: wall, CPU (x `naive_find_unused`) | final loss | outcome |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = (
+        "| variant | ranks identical | all-reduced per step / trainable | optimizer state at the end "
+        "(on frozen layers) | median step: wall, CPU (x `naive_find_unused`) | final loss | outcome |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for row in rows:
         if row["ranks_identical"]:
@@ -224,15 +230,22 @@ def table(rows: list[dict[str, Any]]) -> str:
         if reduced and row["allreduce_over_trainable"]:
             low, high = row["allreduce_over_trainable"]
             ratio = f"{low:.2f}x" if abs(high - low) < 5e-3 else f"{low:.2f}-{high:.2f}x"
-            span = (fmt_mb(reduced[0]) if len(set(reduced)) == 1
-                    else f"{min(reduced) / MB:.2f}-{max(reduced) / MB:.2f} MB")
-            tspan = (fmt_mb(trainable[0]) if len(set(trainable)) == 1
-                     else f"{min(trainable) / MB:.2f}-{max(trainable) / MB:.2f} MB")
+            span = (
+                fmt_mb(reduced[0]) if len(set(reduced)) == 1 else f"{min(reduced) / MB:.2f}-{max(reduced) / MB:.2f} MB"
+            )
+            tspan = (
+                fmt_mb(trainable[0])
+                if len(set(trainable)) == 1
+                else f"{min(trainable) / MB:.2f}-{max(trainable) / MB:.2f} MB"
+            )
             comm = f"{span} / {tspan} ({ratio})"
         else:
             comm = "n/a"
-        state = (f"{fmt_mb(row['optimizer_state_end'])} ({fmt_mb(row['optimizer_state_frozen_end'])})"
-                 if row["optimizer_state_end"] is not None else "n/a")
+        state = (
+            f"{fmt_mb(row['optimizer_state_end'])} ({fmt_mb(row['optimizer_state_frozen_end'])})"
+            if row["optimizer_state_end"] is not None
+            else "n/a"
+        )
         step = step_cell(row)
         loss = f"{row['final_loss']:.3f}" if row["final_loss"] is not None else "n/a"
         if row["final_loss"] is not None and row["error"] is not None:
@@ -248,11 +261,16 @@ def step_cell(row: dict[str, Any]) -> str:
         return "n/a"
 
     def one(seconds: float, ratio: Optional[float]) -> str:
-        return f"{seconds * 1e3:.0f} ms" + (f" ({ratio:.2f}x)" if ratio is not None and row["variant"] != REFERENCE
-                                           and row["completed_steps"] > 1 else "")
+        return f"{seconds * 1e3:.0f} ms" + (
+            f" ({ratio:.2f}x)"
+            if ratio is not None and row["variant"] != REFERENCE and row["completed_steps"] > 1
+            else ""
+        )
 
-    cell = (f"{one(row['median_step_seconds'], row['step_over_reference'])}, "
-            f"{one(row['median_step_cpu_seconds'], row['cpu_over_reference'])}")
+    cell = (
+        f"{one(row['median_step_seconds'], row['step_over_reference'])}, "
+        f"{one(row['median_step_cpu_seconds'], row['cpu_over_reference'])}"
+    )
     return cell + (" (step 1 only, with the start of training)" if row["completed_steps"] == 1 else "")
 
 
@@ -291,10 +309,15 @@ def plot(rows: list[dict[str, Any]], job: Job, path: Path, title: str) -> None:
 def library_revision() -> str:
     """The commit of this checkout, marked when ``hf_altparams/`` has uncommitted changes (the figures depend on it)."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "hf_altparams"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "hf_altparams"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + (" with uncommitted changes to hf_altparams/" if dirty else "")
@@ -310,7 +333,6 @@ def loadavg() -> list[float]:
 def driver(args: argparse.Namespace, job: Job) -> int:
     """Launch the ranks, then write the JSON, the table and the plot; print the table."""
     from _machine import machine
-
     from hf_altparams.testing import launch, rank_results
 
     variants = [v for v in VARIANTS if v in args.variants]
@@ -318,34 +340,67 @@ def driver(args: argparse.Namespace, job: Job) -> int:
     out.mkdir(parents=True, exist_ok=True)
     load_before, started = loadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as ranks_dir:
-        launch(RANKS_SCRIPT, "--worker", ranks_dir, "--variants", *variants, "--repeats", str(args.repeats),
-               *job_args(job), nproc=args.nproc, timeout=args.timeout, env={"OMP_NUM_THREADS": str(args.threads)})
+        launch(
+            RANKS_SCRIPT,
+            "--worker",
+            ranks_dir,
+            "--variants",
+            *variants,
+            "--repeats",
+            str(args.repeats),
+            *job_args(job),
+            nproc=args.nproc,
+            timeout=args.timeout,
+            env={"OMP_NUM_THREADS": str(args.threads)},
+        )
         ranks = rank_results(ranks_dir, nproc=args.nproc)
     wall, load_after = time.perf_counter() - started, loadavg()
     rows = [summarize(v, ranks, ranks[0]["final_vs_reference"].get(v)) for v in variants]
     where, revision, versions = machine("cpu", args.nproc), library_revision(), ranks[0]["versions"]
     payload = {
-        "machine": where, "library_revision": revision, "versions": versions, "threads_per_rank": args.threads,
-        "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
-        "wall_seconds": wall, "job": asdict(job), "variants": variants, "repeats": args.repeats,
-        "reference": REFERENCE, "layer_draws": ranks[0]["draws"], "model_bytes": ranks[0]["model_bytes"],
-        "rows": rows, "ranks": slim(ranks),
+        "machine": where,
+        "library_revision": revision,
+        "versions": versions,
+        "threads_per_rank": args.threads,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "cpu_count": os.cpu_count(),
+        "wall_seconds": wall,
+        "job": asdict(job),
+        "variants": variants,
+        "repeats": args.repeats,
+        "reference": REFERENCE,
+        "layer_draws": ranks[0]["draws"],
+        "model_bytes": ranks[0]["model_bytes"],
+        "rows": rows,
+        "ranks": slim(ranks),
     }
     (out / f"{args.name}.json").write_text(json.dumps(payload, default=str))
-    load = (f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores."
-            if load_before and load_after else "")
-    header = (f"{where}, transformers {versions['transformers']}, accelerate {versions['accelerate']}, "
-              f"hf_altparams at {revision}; {args.threads} thread(s) per rank; {job.steps} steps, LISA k={job.k} "
-              f"every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x {job.seq} tokens "
-              f"per rank; {args.repeats} round(s); MB = 10^6 bytes.{load}\n\n")
-    notes = "".join(f"- `{r['variant']}` final weights vs `{REFERENCE}`: max abs diff "
-                    f"{r['final_weights_max_abs_diff_vs_reference']:.3g}\n"
-                    for r in rows if r["final_weights_max_abs_diff_vs_reference"] is not None
-                    and r["variant"] != REFERENCE)
+    load = (
+        f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores."
+        if load_before and load_after
+        else ""
+    )
+    header = (
+        f"{where}, transformers {versions['transformers']}, accelerate {versions['accelerate']}, "
+        f"hf_altparams at {revision}; {args.threads} thread(s) per rank; {job.steps} steps, LISA k={job.k} "
+        f"every {job.every}, {job.layers} layers, hidden {job.hidden}, batch {job.batch} x {job.seq} tokens "
+        f"per rank; {args.repeats} round(s); MB = 10^6 bytes.{load}\n\n"
+    )
+    notes = "".join(
+        f"- `{r['variant']}` final weights vs `{REFERENCE}`: max abs diff "
+        f"{r['final_weights_max_abs_diff_vs_reference']:.3g}\n"
+        for r in rows
+        if r["final_weights_max_abs_diff_vs_reference"] is not None and r["variant"] != REFERENCE
+    )
     report = header + table(rows) + ("\n" + notes if notes else "")
     (out / f"{args.name}.md").write_text(report)
-    plot(rows, job, out / f"{args.name}.png",
-         f"LISA, {job.layers}-layer Llama, Trainer, {args.nproc} gloo ranks: optimizer state held")
+    plot(
+        rows,
+        job,
+        out / f"{args.name}.png",
+        f"LISA, {job.layers}-layer Llama, Trainer, {args.nproc} gloo ranks: optimizer state held",
+    )
     print(report + f"wrote {out / args.name}.{{json,md,png}} ({wall:.0f} s)")
     return 0
 
@@ -355,10 +410,18 @@ def slim(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     kept = ("step", "digest", "seconds", "cpu_seconds")
     out = []
     for rank in ranks:
-        runs = {v: [runs[0]] + [{**run, "steps": [{k: s[k] for k in kept} for s in run["steps"]],
-                                 "error": run["error"] and {k: run["error"][k] for k in ("type", "step")}}
-                                for run in runs[1:]]
-                for v, runs in rank["runs"].items()}
+        runs = {
+            v: [runs[0]]
+            + [
+                {
+                    **run,
+                    "steps": [{k: s[k] for k in kept} for s in run["steps"]],
+                    "error": run["error"] and {k: run["error"][k] for k in ("type", "step")},
+                }
+                for run in runs[1:]
+            ]
+            for v, runs in rank["runs"].items()
+        }
         out.append({**rank, "runs": runs})
     return out
 
@@ -369,8 +432,9 @@ def job_args(job: Job) -> list[str]:
 
 def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job]:
     default = Job()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name, value in asdict(default).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -384,8 +448,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job
     args = p.parse_args(argv)
     job = Job(**{k: getattr(args, k) for k in asdict(default)})
     if job.k > job.layers or job.every < 1 or job.steps < 1 or args.repeats < 1:
-        p.error(f"need 1 <= --k <= --layers, --every >= 1, --steps >= 1, --repeats >= 1; got "
-                f"k={job.k}, layers={job.layers}, every={job.every}, steps={job.steps}, repeats={args.repeats}")
+        p.error(
+            f"need 1 <= --k <= --layers, --every >= 1, --steps >= 1, --repeats >= 1; got "
+            f"k={job.k}, layers={job.layers}, every={job.every}, steps={job.steps}, repeats={args.repeats}"
+        )
     return args, job
 
 

@@ -84,19 +84,22 @@ def run_worker(args: argparse.Namespace) -> None:
     rss["end"] = settle_rss()
     history = accelerator.switch_history
     assert history is not None
-    after_warmup = {p: sorted(set(v[args.warmup:])) for p, v in allocated.items()}
-    write_rank_result(args.result, {
-        "rank": accelerator.process_index,
-        "switches": history.count,
-        "records_kept": len(accelerator.switch_records),
-        "window": history.window,
-        "switch_seconds_total": history.seconds,
-        "seconds_total": elapsed,
-        "rss_warm": rss["warm"],
-        "rss_end": rss["end"],
-        "rss_growth": rss["end"] - rss["warm"],
-        "cuda_allocated_after_warmup": after_warmup if cuda else None,
-    })
+    after_warmup = {p: sorted(set(v[args.warmup :])) for p, v in allocated.items()}
+    write_rank_result(
+        args.result,
+        {
+            "rank": accelerator.process_index,
+            "switches": history.count,
+            "records_kept": len(accelerator.switch_records),
+            "window": history.window,
+            "switch_seconds_total": history.seconds,
+            "seconds_total": elapsed,
+            "rss_warm": rss["warm"],
+            "rss_end": rss["end"],
+            "rss_growth": rss["end"] - rss["warm"],
+            "cuda_allocated_after_warmup": after_warmup if cuda else None,
+        },
+    )
     del model, optimizer
     accelerator.free_memory()
     if dist.is_initialized():
@@ -114,35 +117,58 @@ def run_driver(args: argparse.Namespace) -> None:
     env = {"CUDA_VISIBLE_DEVICES": visible} if args.device == "cuda" else None
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        launch(__file__, "--worker", "--result", tmp, "--switches", str(args.switches), "--warmup",
-               str(args.warmup), "--device", args.device, nproc=args.ranks, launcher="accelerate"
-               if args.device == "cpu" else "torchrun", env=env, timeout=args.timeout)
+        launch(
+            __file__,
+            "--worker",
+            "--result",
+            tmp,
+            "--switches",
+            str(args.switches),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            nproc=args.ranks,
+            launcher="accelerate" if args.device == "cpu" else "torchrun",
+            env=env,
+            timeout=args.timeout,
+        )
         ranks = rank_results(tmp, nproc=args.ranks)
     load = (load_before, os.getloadavg()[0])
-    lines = [f"### {machine(args.device, args.ranks)}; {args.switches} per-step switches through "
-             f"PhasedAccelerator, warm-up {args.warmup}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after",
-             "", "| rank | switches | records kept | RSS growth after warm-up | mean switch | mean iteration |"
-             + (" memory_allocated values per phase after warm-up |" if args.device == "cuda" else ""),
-             "|---|---|---|---|---|---|" + ("---|" if args.device == "cuda" else "")]
+    lines = [
+        f"### {machine(args.device, args.ranks)}; {args.switches} per-step switches through "
+        f"PhasedAccelerator, warm-up {args.warmup}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after",
+        "",
+        "| rank | switches | records kept | RSS growth after warm-up | mean switch | mean iteration |"
+        + (" memory_allocated values per phase after warm-up |" if args.device == "cuda" else ""),
+        "|---|---|---|---|---|---|" + ("---|" if args.device == "cuda" else ""),
+    ]
     for r in ranks:
-        line = (f"| {r['rank']} | {r['switches']} | {r['records_kept']} | {r['rss_growth'] / MIB:+.3f} MiB "
-                f"| {1e3 * r['switch_seconds_total'] / r['switches']:.3f} ms "
-                f"| {1e3 * r['seconds_total'] / args.switches:.3f} ms |")
+        line = (
+            f"| {r['rank']} | {r['switches']} | {r['records_kept']} | {r['rss_growth'] / MIB:+.3f} MiB "
+            f"| {1e3 * r['switch_seconds_total'] / r['switches']:.3f} ms "
+            f"| {1e3 * r['seconds_total'] / args.switches:.3f} ms |"
+        )
         if args.device == "cuda":
             line += f" {r['cuda_allocated_after_warmup']} |"
         lines.append(line)
     table = "\n".join(lines)
     print(table)
-    (out_dir / f"long_run_{args.device}.json").write_text(json.dumps(
-        {"machine": machine(args.device, args.ranks), "args": vars(args), "load_average": load, "ranks": ranks},
-        indent=1))
+    (out_dir / f"long_run_{args.device}.json").write_text(
+        json.dumps(
+            {"machine": machine(args.device, args.ranks), "args": vars(args), "load_average": load, "ranks": ranks},
+            indent=1,
+        )
+    )
     (out_dir / f"long_run_{args.device}.md").write_text(table + "\n")
     worst = max(r["rss_growth"] for r in ranks)
     ok = worst <= MIB and all(r["records_kept"] <= r["window"] for r in ranks)
     if args.device == "cuda":
         ok = ok and all(len(v) == 1 for r in ranks for v in r["cuda_allocated_after_warmup"].values())
-    print(f"target (RSS growth <= 1 MiB, bounded history{', memory_allocated constant' if args.device == 'cuda' else ''}):"
-          f" {'met' if ok else 'MISSED'}")
+    print(
+        f"target (RSS growth <= 1 MiB, bounded history{', memory_allocated constant' if args.device == 'cuda' else ''}):"
+        f" {'met' if ok else 'MISSED'}"
+    )
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

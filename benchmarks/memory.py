@@ -48,8 +48,16 @@ from tests.scripts import script_path  # noqa: E402
 
 MIB = 2**20
 CPU_HALVES = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop")
-CUDA_HALVES = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop", "alt_offload",
-               "alt_offload_prefetch", "alt_offload_auto")
+CUDA_HALVES = (
+    "alone_a",
+    "alone_b",
+    "naive",
+    "alt_keep",
+    "alt_drop",
+    "alt_offload",
+    "alt_offload_prefetch",
+    "alt_offload_auto",
+)
 
 
 #: Extra environment for the launched ranks (``--malloc-mmap-threshold`` sets glibc's).
@@ -57,55 +65,85 @@ RANK_ENV: dict[str, str] = {}
 
 
 def run_once(scenario: str, device: str, nproc: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     env.update(RANK_ENV)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(script_path("memory_peak.py")), out, "--scenario", scenario, "--device", device, *extra]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script_path("memory_peak.py")),
+            out,
+            "--scenario",
+            scenario,
+            "--device",
+            device,
+            *extra,
+        ]
+        proc = subprocess.run(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{scenario} on {device} failed:\n{proc.stdout[-4000:]}")
         return rank_results(out, nproc)
 
 
-def measure(scenario: str, device: str, nproc: int, extra: list[str], repeat: int,
-            timeout: float) -> dict[str, Any]:
+def measure(scenario: str, device: str, nproc: int, extra: list[str], repeat: int, timeout: float) -> dict[str, Any]:
     """Median over ``repeat`` runs of the larger rank's peak growth and absolute peak."""
     runs = [run_once(scenario, device, nproc, extra, timeout) for _ in range(repeat)]
     growth = [max(r["peak_growth_bytes"] for r in ranks) for ranks in runs]
     peak = [max(r["peak_bytes"] for r in ranks) for ranks in runs]
     print(f"  [{device}] {scenario} {' '.join(extra)}: growth {[round(g / MIB) for g in growth]} MiB", flush=True)
-    return {"scenario": scenario, "growth": statistics.median(growth), "peak": statistics.median(peak),
-            "growth_runs": growth, "rank0": runs[-1][0]}
+    return {
+        "scenario": scenario,
+        "growth": statistics.median(growth),
+        "peak": statistics.median(peak),
+        "growth_runs": growth,
+        "rank0": runs[-1][0],
+    }
 
 
 def halves_table(rows: dict[str, dict[str, Any]], device: str) -> tuple[list[str], dict[str, float]]:
     base = max(rows["alone_a"]["growth"], rows["alone_b"]["growth"])
     base_abs = max(rows["alone_a"]["peak"], rows["alone_b"]["peak"])
     absolute = "max_memory_allocated" if device == "cuda" else "peak RSS"
-    lines = [f"| scenario | peak growth | growth / larger alone | {absolute} | / larger alone | runs (MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| scenario | peak growth | growth / larger alone | {absolute} | / larger alone | runs (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['growth'] / MIB:.1f} MiB | {row['growth'] / base:.3f}x "
-                     f"| {row['peak'] / MIB:.0f} MiB | {row['peak'] / base_abs:.3f}x "
-                     f"| {', '.join(str(round(g / MIB)) for g in row['growth_runs'])} |")
+        lines.append(
+            f"| {name} | {row['growth'] / MIB:.1f} MiB | {row['growth'] / base:.3f}x "
+            f"| {row['peak'] / MIB:.0f} MiB | {row['peak'] / base_abs:.3f}x "
+            f"| {', '.join(str(round(g / MIB)) for g in row['growth_runs'])} |"
+        )
     ratios = {n: r["growth"] / base for n, r in rows.items()}
     ratios.update({f"{n}_abs": r["peak"] / base_abs for n, r in rows.items()})
     return lines, ratios
 
 
 def tasks_table(rows: dict[tuple[str, int], dict[str, Any]], device: str) -> list[str]:
-    lines = ["| scenario | tasks | peak growth | absolute peak | params off the device (report) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| scenario | tasks | peak growth | absolute peak | params off the device (report) |",
+        "|---|---|---|---|---|",
+    ]
     for (name, tasks), row in sorted(rows.items()):
         off = row["rank0"]["report"].get("params_offloaded", 0)
-        lines.append(f"| {name} | {tasks} | {row['growth'] / MIB:.1f} MiB | {row['peak'] / MIB:.0f} MiB "
-                     f"| {off / MIB:.1f} MiB |")
+        lines.append(
+            f"| {name} | {tasks} | {row['growth'] / MIB:.1f} MiB | {row['peak'] / MIB:.0f} MiB | {off / MIB:.1f} MiB |"
+        )
     return lines
 
 
@@ -117,32 +155,49 @@ def run_device(device: str, args: argparse.Namespace) -> tuple[str, dict[str, An
     common = ["--steps", str(args.steps), "--every", str(args.every), "--batch", str(args.batch)]
     scenarios = CPU_HALVES if device == "cpu" else CUDA_HALVES
     print(f"{machine(device, nproc)}", flush=True)
-    halves = {s: measure(s, device, nproc, [*common, "--size-mib", str(size)], args.repeat, args.timeout)
-              for s in scenarios}
+    halves = {
+        s: measure(s, device, nproc, [*common, "--size-mib", str(size)], args.repeat, args.timeout) for s in scenarios
+    }
     tasks: dict[tuple[str, int], dict[str, Any]] = {}
     for count in args.tasks:
         for name in ("tasks", "tasks_resident"):
-            extra = [*common, "--tasks", str(count), "--trunk-mib", str(trunk), "--head-mib", str(head),
-                     "--policy", args.task_policy]
+            extra = [
+                *common,
+                "--tasks",
+                str(count),
+                "--trunk-mib",
+                str(trunk),
+                "--head-mib",
+                str(head),
+                "--policy",
+                args.task_policy,
+            ]
             tasks[(name, count)] = measure(name, device, nproc, extra, args.repeat, args.timeout)
 
     lines, ratios = halves_table(halves, device)
     group_mib = halves["alone_a"]["rank0"]["group_bytes"] / MIB
-    allocator = (f"; glibc `MALLOC_MMAP_THRESHOLD_={RANK_ENV['MALLOC_MMAP_THRESHOLD_']}`"
-                 if device == "cpu" and RANK_ENV else "")
-    title = (f"### {machine(device, nproc)}\n\nTwo halves of {group_mib:.0f} MiB (fp32, AdamW), alternating every "
-             f"{args.every} step(s), {args.steps} steps, batch {args.batch}/rank; median of {args.repeat} "
-             f"fresh runs, larger rank{allocator}.\n")
+    allocator = (
+        f"; glibc `MALLOC_MMAP_THRESHOLD_={RANK_ENV['MALLOC_MMAP_THRESHOLD_']}`" if device == "cpu" and RANK_ENV else ""
+    )
+    title = (
+        f"### {machine(device, nproc)}\n\nTwo halves of {group_mib:.0f} MiB (fp32, AdamW), alternating every "
+        f"{args.every} step(s), {args.steps} steps, batch {args.batch}/rank; median of {args.repeat} "
+        f"fresh runs, larger rank{allocator}.\n"
+    )
     verdict = []
     if device == "cpu":
-        verdict.append(f"- `alt_drop` growth / larger single group: **{ratios['alt_drop']:.3f}x** "
-                       f"(target <= 1.02); naive loop: {ratios['naive']:.3f}x.")
+        verdict.append(
+            f"- `alt_drop` growth / larger single group: **{ratios['alt_drop']:.3f}x** "
+            f"(target <= 1.02); naive loop: {ratios['naive']:.3f}x."
+        )
     else:
-        verdict.append(f"- `alt_offload` max_memory_allocated / larger single group: "
-                       f"**{ratios['alt_offload_abs']:.3f}x** (target <= 1.02; growth ratio "
-                       f"{ratios['alt_offload']:.3f}x); naive loop: {ratios['naive_abs']:.3f}x; "
-                       f"prefetch=True: {ratios['alt_offload_prefetch_abs']:.3f}x; "
-                       f"prefetch='auto': {ratios['alt_offload_auto_abs']:.3f}x.")
+        verdict.append(
+            f"- `alt_offload` max_memory_allocated / larger single group: "
+            f"**{ratios['alt_offload_abs']:.3f}x** (target <= 1.02; growth ratio "
+            f"{ratios['alt_offload']:.3f}x); naive loop: {ratios['naive_abs']:.3f}x; "
+            f"prefetch=True: {ratios['alt_offload_prefetch_abs']:.3f}x; "
+            f"prefetch='auto': {ratios['alt_offload_auto_abs']:.3f}x."
+        )
     if not tasks:
         text = "\n".join([title, *lines, "", *verdict, ""])
         return text, {"machine": machine(device, nproc), "halves": halves, "tasks": {}, "ratios": ratios}
@@ -153,18 +208,37 @@ def run_device(device: str, args: argparse.Namespace) -> tuple[str, dict[str, An
         # Parameters are in the baseline; under "keep" each extra head adds its AdamW state
         # (two moments; the step counters are a few bytes) to RAM.
         expected = (hi - lo) * 2 * head_bytes if args.task_policy == "keep" else 0
-        verdict.append(f"- `tasks`: growth with {hi} tasks minus with {lo}: {grow / MIB:.1f} MiB; the extra "
-                       f"heads' CPU copies account for {expected / MIB:.1f} MiB (their AdamW state); residual "
-                       f"{(grow - expected) / MIB:+.1f} MiB, i.e. {(grow - expected) / head_bytes:+.2f} heads.")
+        verdict.append(
+            f"- `tasks`: growth with {hi} tasks minus with {lo}: {grow / MIB:.1f} MiB; the extra "
+            f"heads' CPU copies account for {expected / MIB:.1f} MiB (their AdamW state); residual "
+            f"{(grow - expected) / MIB:+.1f} MiB, i.e. {(grow - expected) / head_bytes:+.2f} heads."
+        )
     else:
-        verdict.append(f"- `tasks`: max_memory_allocated with {hi} tasks minus with {lo}: {grow / MIB:+.1f} MiB "
-                       f"(one head is {head_bytes / MIB:.0f} MiB); without residency (`tasks_resident`): "
-                       f"{(tasks[('tasks_resident', hi)]['peak'] - tasks[('tasks_resident', lo)]['peak']) / MIB:+.1f} MiB.")
-    text = "\n".join([title, *lines, "", f"Per-task residency: trunk {trunk:.0f} MiB, heads {head_bytes / MIB:.0f} MiB "
-                      f"each, every {args.every} step(s), task optimizer state policy `{args.task_policy}`.", "",
-                      *tasks_table(tasks, device), "", *verdict, ""])
-    payload = {"machine": machine(device, nproc), "halves": halves,
-               "tasks": {f"{n}:{t}": v for (n, t), v in tasks.items()}, "ratios": ratios}
+        verdict.append(
+            f"- `tasks`: max_memory_allocated with {hi} tasks minus with {lo}: {grow / MIB:+.1f} MiB "
+            f"(one head is {head_bytes / MIB:.0f} MiB); without residency (`tasks_resident`): "
+            f"{(tasks[('tasks_resident', hi)]['peak'] - tasks[('tasks_resident', lo)]['peak']) / MIB:+.1f} MiB."
+        )
+    text = "\n".join(
+        [
+            title,
+            *lines,
+            "",
+            f"Per-task residency: trunk {trunk:.0f} MiB, heads {head_bytes / MIB:.0f} MiB "
+            f"each, every {args.every} step(s), task optimizer state policy `{args.task_policy}`.",
+            "",
+            *tasks_table(tasks, device),
+            "",
+            *verdict,
+            "",
+        ]
+    )
+    payload = {
+        "machine": machine(device, nproc),
+        "halves": halves,
+        "tasks": {f"{n}:{t}": v for (n, t), v in tasks.items()},
+        "ratios": ratios,
+    }
     return text, payload
 
 
@@ -204,8 +278,13 @@ def main() -> None:
     parser.add_argument("--size-mib", type=float, default=0, help="per half (default 32 on CPU, 512 on CUDA)")
     parser.add_argument("--trunk-mib", type=float, default=0, help="default 32 on CPU, 512 on CUDA")
     parser.add_argument("--head-mib", type=float, default=0, help="default 16 on CPU, 256 on CUDA")
-    parser.add_argument("--tasks", type=int, nargs="*", default=[2, 8],
-                        help="numbers of tasks for the residency scenarios (none: skip them)")
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        nargs="*",
+        default=[2, 8],
+        help="numbers of tasks for the residency scenarios (none: skip them)",
+    )
     parser.add_argument("--task-policy", default="keep", choices=["keep", "offload", "drop"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=1)
@@ -214,9 +293,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--name", default="memory", help="file name (without suffix) of the outputs")
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
-                        help="CPU: fix glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_=N bytes), "
-                             "so freed large blocks go back to the OS instead of staying in the heap")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=0,
+        help="CPU: fix glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_=N bytes), "
+        "so freed large blocks go back to the OS instead of staying in the heap",
+    )
     args = parser.parse_args()
     if args.malloc_mmap_threshold:
         RANK_ENV["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -234,7 +317,8 @@ def main() -> None:
     if "cuda" not in devices:
         sections.append(NOT_RUN)
     (args.out / f"{args.name}.md").write_text(
-        "## Memory (benchmarks/memory.py)\n\n" + PREAMBLE + "\n" + "\n".join(sections))
+        "## Memory (benchmarks/memory.py)\n\n" + PREAMBLE + "\n" + "\n".join(sections)
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from benchmarks._machine import machine  # noqa: E402
 from hf_altparams.engine import GroupedOptimizer  # noqa: E402
-from hf_altparams.integrations.accelerate_prepare import GradientArrivals  # noqa: E402
 from hf_altparams.integrations.accelerate import PhasedAccelerator  # noqa: E402
+from hf_altparams.integrations.accelerate_prepare import GradientArrivals  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
 
 
@@ -60,8 +60,12 @@ def hook_overhead(args: argparse.Namespace) -> dict[str, float]:
         on.append(seconds(backward, args.iterations))
         arrivals.close()
     params = 2 * args.tiny_layers
-    return {"params": params, "without_ms": min(off) * 1e3, "with_ms": min(on) * 1e3,
-            "per_param_us": (min(on) - min(off)) / params * 1e6}
+    return {
+        "params": params,
+        "without_ms": min(off) * 1e3,
+        "with_ms": min(on) * 1e3,
+        "per_param_us": (min(on) - min(off)) / params * 1e6,
+    }
 
 
 def build(form: str, args: argparse.Namespace) -> tuple[Any, nn.Module, list[Any]]:
@@ -71,8 +75,9 @@ def build(form: str, args: argparse.Namespace) -> tuple[Any, nn.Module, list[Any
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     half = args.layers // 2
-    groups = ParamGroups(model, {"first": [f"{i}.*" for i in range(half)],
-                                 "second": [f"{i}.*" for i in range(half, args.layers)]})
+    groups = ParamGroups(
+        model, {"first": [f"{i}.*" for i in range(half)], "second": [f"{i}.*" for i in range(half, args.layers)]}
+    )
     acc = PhasedAccelerator(Alternating(["first", "second"]), groups=groups, cpu=True, log_switches=False)
     adam = [torch.optim.Adam(groups.params(g), lr=1e-4) for g in groups.names]
     if form == "handles":
@@ -100,8 +105,11 @@ def step_time(args: argparse.Namespace) -> dict[str, float]:
             step()  # the first step allocates Adam state
             best[form] = min(best[form], seconds(step, args.iterations))
             acc.free_memory()
-    return {"handles_ms": best["handles"] * 1e3, "grouped_ms": best["grouped"] * 1e3,
-            "ratio": best["handles"] / best["grouped"]}
+    return {
+        "handles_ms": best["handles"] * 1e3,
+        "grouped_ms": best["grouped"] * 1e3,
+        "ratio": best["handles"] / best["grouped"],
+    }
 
 
 def main() -> None:
@@ -116,12 +124,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {machine('cpu', 1)}, 1 thread")
     hooks = hook_overhead(args)
-    print(f"hooks: forward+backward of {hooks['params']} tiny parameters {hooks['without_ms']:.3f} ms without, "
-          f"{hooks['with_ms']:.3f} ms with: {hooks['per_param_us']:.2f} us per parameter per backward")
+    print(
+        f"hooks: forward+backward of {hooks['params']} tiny parameters {hooks['without_ms']:.3f} ms without, "
+        f"{hooks['with_ms']:.3f} ms with: {hooks['per_param_us']:.2f} us per parameter per backward"
+    )
     steps = step_time(args)
-    print(f"step ({args.layers} x Linear({args.width}), batch {args.batch}, Adam, alternating): handles "
-          f"{steps['handles_ms']:.3f} ms, GroupedOptimizer {steps['grouped_ms']:.3f} ms, "
-          f"ratio {steps['ratio']:.3f}")
+    print(
+        f"step ({args.layers} x Linear({args.width}), batch {args.batch}, Adam, alternating): handles "
+        f"{steps['handles_ms']:.3f} ms, GroupedOptimizer {steps['grouped_ms']:.3f} ms, "
+        f"ratio {steps['ratio']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,21 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        launch(script_path("soak_check.py"), tmp, "--switches", str(args.switches), "--warmup", str(args.warmup),
-               "--sample-every", str(args.sample_every), "--seed", str(args.seed), nproc=args.ranks,
-               launcher="accelerate", timeout=args.timeout)
+        launch(
+            script_path("soak_check.py"),
+            tmp,
+            "--switches",
+            str(args.switches),
+            "--warmup",
+            str(args.warmup),
+            "--sample-every",
+            str(args.sample_every),
+            "--seed",
+            str(args.seed),
+            nproc=args.ranks,
+            launcher="accelerate",
+            timeout=args.timeout,
+        )
         ranks = rank_results(tmp, nproc=args.ranks)
     load = (load_before, os.getloadavg()[0])
     identical = len({r["digest"] for r in ranks}) == 1
@@ -72,7 +84,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     worst = max(r["rss_growth_after_warmup"] for r in ranks)
     lines = [
         f"### {machine('cpu', args.ranks)}; {args.switches} switches of a random schedule (seed {args.seed}), "
-        f"warm-up {args.warmup}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after", "",
+        f"warm-up {args.warmup}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after",
+        "",
         "| rank | steps | switches | records kept (window) | phases: random blocks / per task | digest "
         "| RSS growth after warm-up | RSS readings (KiB from the first) | mean switch | mean iteration |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -85,18 +98,31 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"| {r['rank']} | {r['steps']} | {r['switches']} | {r['records_kept']} ({r['window']}) "
             f"| {kinds.get('random_blocks', 0)} / {kinds.get('per_task', 0)} | `{r['digest'][:12]}` "
             f"| {r['rss_growth_after_warmup'] / KIB:+.0f} KiB | {readings} "
-            f"| {1e3 * r['switch_seconds_total'] / r['switches']:.2f} ms | {1e3 * r['seconds_total'] / r['steps']:.2f} ms |")
-    verdict = (f"ranks bit-identical: {'yes' if identical else 'NO'}; history bounded: {'yes' if bounded else 'NO'}; "
-               f"RSS growth after warm-up <= 1 MiB: {'met' if worst <= MIB else 'MISSED'} "
-               f"(worst {worst / KIB:+.0f} KiB)")
+            f"| {1e3 * r['switch_seconds_total'] / r['switches']:.2f} ms | {1e3 * r['seconds_total'] / r['steps']:.2f} ms |"
+        )
+    verdict = (
+        f"ranks bit-identical: {'yes' if identical else 'NO'}; history bounded: {'yes' if bounded else 'NO'}; "
+        f"RSS growth after warm-up <= 1 MiB: {'met' if worst <= MIB else 'MISSED'} "
+        f"(worst {worst / KIB:+.0f} KiB)"
+    )
     table = "\n".join([*lines, "", verdict])
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak_cpu.json").write_text(json.dumps(
-        {"machine": machine("cpu", args.ranks), "args": vars(args), "load_average": load,
-         "ranks_bit_identical": identical, "history_bounded": bounded, "worst_rss_growth_bytes": worst,
-         "ranks": ranks}, indent=1))
+    (out / "soak_cpu.json").write_text(
+        json.dumps(
+            {
+                "machine": machine("cpu", args.ranks),
+                "args": vars(args),
+                "load_average": load,
+                "ranks_bit_identical": identical,
+                "history_bounded": bounded,
+                "worst_rss_growth_bytes": worst,
+                "ranks": ranks,
+            },
+            indent=1,
+        )
+    )
     if not (identical and bounded):
         sys.exit(1)
 

@@ -69,15 +69,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--sort", default="cumulative", help="pstats sort key")
     parser.add_argument("--top", type=int, default=20)
-    parser.add_argument("--breakdown", action="store_true",
-                        help="time each part of the switches (benchmarks/_breakdown.py) instead of cProfile")
-    parser.add_argument("--compare-inputs", action="store_true",
-                        help="time switches with hf_altparams' reducer inputs and with DDP's own methods")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time each part of the switches (benchmarks/_breakdown.py) instead of cProfile",
+    )
+    parser.add_argument(
+        "--compare-inputs",
+        action="store_true",
+        help="time switches with hf_altparams' reducer inputs and with DDP's own methods",
+    )
     parser.add_argument("--keep-reducers", type=int, default=0, help="PhaseSwitcher(keep_reducers=N)")
-    parser.add_argument("--compare-kept", action="store_true",
-                        help="time switches with keep_reducers=1 and 0 (two copies of the model, interleaved)")
-    parser.add_argument("--check-cost", action="store_true",
-                        help="also time the per-step invariant check (PhaseSwitcher.check_before_step) alone")
+    parser.add_argument(
+        "--compare-kept",
+        action="store_true",
+        help="time switches with keep_reducers=1 and 0 (two copies of the model, interleaved)",
+    )
+    parser.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="also time the per-step invariant check (PhaseSwitcher.check_before_step) alone",
+    )
     args = parser.parse_args(argv)
     if args.compare_inputs and args.compare_kept:
         parser.error("--compare-inputs and --compare-kept are two separate runs")
@@ -149,8 +161,10 @@ def _check_cost(run: tuple[DDP, PhaseSwitcher, Any, Any], rank: int, step_s: flo
     ddp.zero_grad(set_to_none=True)
     if rank == 0:
         median = statistics.median(times)
-        print(f"invariant check before each step: median {median * 1e6:.1f} us over 2000 calls "
-              f"({100 * median / step_s:.2f} % of a step)")
+        print(
+            f"invariant check before each step: median {median * 1e6:.1f} us over 2000 calls "
+            f"({100 * median / step_s:.2f} % of a step)"
+        )
 
 
 def _setup(args: argparse.Namespace, device: torch.device, keep: int) -> tuple[DDP, PhaseSwitcher, Any, Any]:
@@ -164,36 +178,58 @@ def _setup(args: argparse.Namespace, device: torch.device, keep: int) -> tuple[D
     return ddp, switcher, opt, loss
 
 
-def report(args: argparse.Namespace, model: nn.Module, device: torch.device, world: int, steps: list[float],
-           switches: list[float], other_way: list[bool], profile: cProfile.Profile) -> None:
+def report(
+    args: argparse.Namespace,
+    model: nn.Module,
+    device: torch.device,
+    world: int,
+    steps: list[float],
+    switches: list[float],
+    other_way: list[bool],
+    profile: cProfile.Profile,
+) -> None:
     """Print the medians (and the cProfile, the parts or the comparison) on rank 0."""
     print(f"{machine(device.type, world)}; 1-minute load {os.getloadavg()[0]:.2f}")
-    measured = list(zip(switches[args.warmup:], other_way[args.warmup:], steps[args.warmup:]))
+    measured = list(zip(switches[args.warmup :], other_way[args.warmup :], steps[args.warmup :]))
     ours = [t for t, other, _ in measured if not other]
     second_way = [t for t, other, _ in measured if other]
     step_ms = 1e3 * statistics.median(s for _, other, s in measured if not other)
     switch_ms = 1e3 * statistics.median(ours)
-    what = (f"halves of {args.size_mib} MiB in {args.layers} layer(s)" if args.model == "halves" else
-            f"BERT, {args.layers} layers, {sum(1 for _ in model.modules())} modules, "
-            f"{sum(1 for _ in model.parameters())} parameters")
+    what = (
+        f"halves of {args.size_mib} MiB in {args.layers} layer(s)"
+        if args.model == "halves"
+        else f"BERT, {args.layers} layers, {sum(1 for _ in model.modules())} modules, "
+        f"{sum(1 for _ in model.parameters())} parameters"
+    )
     kept = "keep_reducers=0" if args.compare_kept else f"keep_reducers={args.keep_reducers}"
-    print(f"{device.type}, {what}, {args.policy}, {kept}: median step "
-          f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step"
-          + (", parts timed); median per part:" if args.breakdown else
-             ")" if args.compare_inputs or args.compare_kept else "; the profiled switches run slower)"))
+    print(
+        f"{device.type}, {what}, {args.policy}, {kept}: median step "
+        f"{step_ms:.2f} ms, median switch {switch_ms:.3f} ms ({100 * switch_ms / step_ms:.2f} % of a step"
+        + (
+            ", parts timed); median per part:"
+            if args.breakdown
+            else ")"
+            if args.compare_inputs or args.compare_kept
+            else "; the profiled switches run slower)"
+        )
+    )
     if args.compare_kept:
         kept_ms = 1e3 * statistics.median(second_way)
         kept_step = 1e3 * statistics.median(s for _, other, s in measured if other)
-        print(f"  keep_reducers=1: median step {kept_step:.2f} ms, median switch {kept_ms:.3f} ms "
-              f"({100 * kept_ms / kept_step:.2f} % of a step); kept / built: switch {kept_ms / switch_ms:.3f}x, "
-              f"step {kept_step / step_ms:.3f}x ({len(ours)} and {len(second_way)} switches, interleaved)")
+        print(
+            f"  keep_reducers=1: median step {kept_step:.2f} ms, median switch {kept_ms:.3f} ms "
+            f"({100 * kept_ms / kept_step:.2f} % of a step); kept / built: switch {kept_ms / switch_ms:.3f}x, "
+            f"step {kept_step / step_ms:.3f}x ({len(ours)} and {len(second_way)} switches, interleaved)"
+        )
     if args.compare_inputs:
         theirs = 1e3 * statistics.median(second_way)
-        print(f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
-              f"({100 * theirs / step_ms:.2f} % of a step); hf_altparams' / DDP's = {switch_ms / theirs:.3f}x "
-              f"({len(ours)} and {len(second_way)} switches, interleaved)")
+        print(
+            f"  reducer inputs by DDP's own methods: median switch {theirs:.3f} ms "
+            f"({100 * theirs / step_ms:.2f} % of a step); hf_altparams' / DDP's = {switch_ms / theirs:.3f}x "
+            f"({len(ours)} and {len(second_way)} switches, interleaved)"
+        )
     if args.breakdown:
-        switches_ = _breakdown.RECORDER.switches[args.warmup:]
+        switches_ = _breakdown.RECORDER.switches[args.warmup :]
         for part in list(_breakdown.PARTS) + ["switch"]:
             print(f"  {part:17s} {1e3 * statistics.median(e[part] for e in switches_):.3f} ms")
     elif not (args.compare_inputs or args.compare_kept):
@@ -206,19 +242,27 @@ def _model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, P
     if args.model == "halves":
         halves = TwoHalves(args.size_mib, layers=args.layers).to(device)
         x = torch.randn(16, halves.width, device=device)
-        return (halves, ParamGroups(halves, {h: f"{h}.*" for h in ("layer1", "layer2")}),
-                lambda wrapped: wrapped(x).pow(2).mean())
+        return (
+            halves,
+            ParamGroups(halves, {h: f"{h}.*" for h in ("layer1", "layer2")}),
+            lambda wrapped: wrapped(x).pow(2).mean(),
+        )
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=args.layers, num_attention_heads=2,
-                        intermediate_size=256, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=args.layers,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=64,
+    )
     bert = BertModel(config).to(device)
     half = args.layers // 2
     low = [r"re:embeddings\..*"] + [f"encoder.layer.{i}.*" for i in range(half)]
     high = [f"encoder.layer.{i}.*" for i in range(half, args.layers)] + ["pooler.*"]
     ids = torch.randint(0, config.vocab_size, (8, 32), device=device)
-    return (bert, ParamGroups(bert, {"low": low, "high": high}),
-            lambda wrapped: _bert_loss(wrapped(input_ids=ids)))
+    return (bert, ParamGroups(bert, {"low": low, "high": high}), lambda wrapped: _bert_loss(wrapped(input_ids=ids)))
 
 
 def _bert_loss(out: Any) -> torch.Tensor:

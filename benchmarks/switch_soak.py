@@ -130,8 +130,11 @@ def _annotate_hook() -> None:
     import torch
     import torch.distributed as dist
 
-    _waited_hook.__annotations__ = {"state": WaitedAllReduce, "bucket": dist.GradBucket,
-                                    "return": torch.futures.Future[torch.Tensor]}
+    _waited_hook.__annotations__ = {
+        "state": WaitedAllReduce,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
 
 
 class SoakLoop:
@@ -258,9 +261,16 @@ def _phase_summary(values: list[int], phases: list[str], start: int) -> dict[str
         seen = [v for v, p in zip(values[start:], phases[start:]) if p == phase]
         if not seen:
             continue
-        out[phase] = {"first": seen[0], "last": seen[-1], "min": min(seen), "max": max(seen),
-                      "growth": seen[-1] - seen[0], "max_excess": max(seen) - seen[0],
-                      "distinct": len(set(seen)), "values": sorted(set(seen))[:8]}
+        out[phase] = {
+            "first": seen[0],
+            "last": seen[-1],
+            "min": min(seen),
+            "max": max(seen),
+            "growth": seen[-1] - seen[0],
+            "max_excess": max(seen) - seen[0],
+            "distinct": len(set(seen)),
+            "values": sorted(set(seen))[:8],
+        }
     return out
 
 
@@ -338,28 +348,51 @@ def run_variant(variant: str, switches: int, args: argparse.Namespace, device: A
         switch_totals.append((loop.switcher.history.count, loop.switcher.history.seconds))
     census["end"] = list(settled_reading(tensor_census))
     phases = [loop.phase_after(i) for i in range(switches)]
-    transient = {phase: max((p - allocated[i - 1] for i, p in enumerate(peaks)
-                             if i >= warmup and p is not None and loop.trained_at(i) == phase), default=None)
-                 for phase in HALVES}
+    transient = {
+        phase: max(
+            (
+                p - allocated[i - 1]
+                for i, p in enumerate(peaks)
+                if i >= warmup and p is not None and loop.trained_at(i) == phase
+            ),
+            default=None,
+        )
+        for phase in HALVES
+    }
     result: dict[str, Any] = {
-        "variant": variant, "rank": rank, "world_size": dist.get_world_size(), "device": device.type,
-        "backend": dist.get_backend(), "switches": switches, "warmup": warmup, "baseline": baseline,
-        "level_after_warmup": level, "level_at_warmup_switch": allocated[warmup - 1],
-        "allocated": allocated, "reserved": reserved, "peaks": peaks,
+        "variant": variant,
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "switches": switches,
+        "warmup": warmup,
+        "baseline": baseline,
+        "level_after_warmup": level,
+        "level_at_warmup_switch": allocated[warmup - 1],
+        "allocated": allocated,
+        "reserved": reserved,
+        "peaks": peaks,
         "phase_after": "".join(phases),
         # From the first reading after the warm-up census (on CPU the census itself moves RSS).
         "allocated_by_phase": _phase_summary(allocated, phases, warmup),
-        "reserved_by_phase": (_phase_summary([r or 0 for r in reserved], phases, warmup)
-                              if device.type == "cuda" else None),
+        "reserved_by_phase": (
+            _phase_summary([r or 0 for r in reserved], phases, warmup) if device.type == "cuda" else None
+        ),
         "peak_over_level": (max(p for p in peaks[warmup:] if p is not None) - level) if device.type == "cuda" else None,
         "peak_over_baseline": (max(p for p in peaks[warmup:] if p is not None) - baseline)
-        if device.type == "cuda" else None,
+        if device.type == "cuda"
+        else None,
         "transient_by_phase": transient,
         "instrumented_iteration_s": elapsed / max(1, switches - warmup),
         "chunk_iteration_s": chunks,
-        "switch_s": ((switch_totals[1][1] - switch_totals[0][1]) / max(1, switch_totals[1][0] - switch_totals[0][0])
-                     if len(switch_totals) == 2 else None),
-        "settled": settled, "census": census,
+        "switch_s": (
+            (switch_totals[1][1] - switch_totals[0][1]) / max(1, switch_totals[1][0] - switch_totals[0][0])
+            if len(switch_totals) == 2
+            else None
+        ),
+        "settled": settled,
+        "census": census,
         "old_buckets_alive": alive_buckets or None,
     }
     step = switches
@@ -399,8 +432,9 @@ def timed_block(loop: SoakLoop, start: int, count: int, meter: Meter) -> tuple[i
     return step, (time.perf_counter() - started) / count, count
 
 
-def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s: float,
-                    grace_s: float = 0.0) -> dict[str, Any]:
+def diagnostic_tail(
+    loop: SoakLoop, start: int, count: int, meter: Meter, idle_s: float, grace_s: float = 0.0
+) -> dict[str, Any]:
     """``count`` more switches with allocation stacks recorded: where the memory goes.
 
     Snapshots of the CUDA caching allocator (on CPU there are none: a note says
@@ -443,8 +477,11 @@ def diagnostic_tail(loop: SoakLoop, start: int, count: int, meter: Meter, idle_s
         snaps.stop_recording()
     out["old_reducers_alive"] = {"max": max(alive_reducers), "mean": statistics.fmean(alive_reducers)}
     if loop.probe is not None:
-        out["old_buckets_alive"] = {"max": max(alive_buckets), "mean": statistics.fmean(alive_buckets),
-                                    "series": alive_buckets}
+        out["old_buckets_alive"] = {
+            "max": max(alive_buckets),
+            "mean": statistics.fmean(alive_buckets),
+            "series": alive_buckets,
+        }
     out["allocated_after_idle"] = meter.allocated()
     if note is not None:
         out["note"] = note
@@ -485,8 +522,13 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.broadcast_object_list(decision, src=0)  # every rank skips alike (clocks differ a little)
         if decision[0]:
             if rank == 0:
-                _write(out / f"{variant}.skipped.json", {"variant": variant, "skipped": f"the time budget "
-                       f"(about {estimate:.0f} s needed, {max(0.0, left):.0f} s left)"})
+                _write(
+                    out / f"{variant}.skipped.json",
+                    {
+                        "variant": variant,
+                        "skipped": f"the time budget (about {estimate:.0f} s needed, {max(0.0, left):.0f} s left)",
+                    },
+                )
             continue
         if rank == 0:
             print(f"switch_soak: {variant} ({switches} switches)", flush=True)
@@ -494,9 +536,11 @@ def run_worker(args: argparse.Namespace) -> None:
         per_iteration = result["iteration_s"]
         if rank == 0:
             growth = {p: v["growth"] for p, v in result["allocated_by_phase"].items()}
-            print(f"switch_soak: {variant} done: {1e3 * per_iteration:.3f} ms an iteration, growth by phase "
-                  f"{growth} B, held until idle {result['settled']['end'] - result['settled']['after_idle']} B",
-                  flush=True)
+            print(
+                f"switch_soak: {variant} done: {1e3 * per_iteration:.3f} ms an iteration, growth by phase "
+                f"{growth} B, held until idle {result['settled']['end'] - result['settled']['after_idle']} B",
+                flush=True,
+            )
         _write(out / f"{variant}.rank{rank}.json", result)
         dist.barrier()
     shutdown()
@@ -538,20 +582,56 @@ def run_driver(args: argparse.Namespace) -> None:
         if deadline and deadline - time.time() < 45:  # a fresh launch (imports, process group) and a variant
             for spec in remaining:
                 name = spec.partition(":")[0]
-                _write(raw / f"{name}.skipped.json", {"variant": name, "skipped": "the time budget (no time left "
-                       f"for a launch of its own: {max(0.0, deadline - time.time()):.0f} s)"})
+                _write(
+                    raw / f"{name}.skipped.json",
+                    {
+                        "variant": name,
+                        "skipped": "the time budget (no time left "
+                        f"for a launch of its own: {max(0.0, deadline - time.time()):.0f} s)",
+                    },
+                )
             remaining = []
         while remaining:
-            common = ["--worker", "--result", str(raw), "--device", args.device, "--backend", args.backend,
-                      "--size-mib", str(args.size_mib), "--layers", str(args.layers), "--batch", str(args.batch),
-                      "--switches", str(args.switches), "--short-switches", str(args.short_switches),
-                      "--warmup", str(args.warmup), "--tail", str(args.tail), "--chunk", str(args.chunk),
-                      "--idle-s", str(args.idle_s), "--probe-grace-s", str(args.probe_grace_s),
-                      "--timed", str(args.timed),
-                      "--deadline", str(deadline), "--variants", *remaining]
+            common = [
+                "--worker",
+                "--result",
+                str(raw),
+                "--device",
+                args.device,
+                "--backend",
+                args.backend,
+                "--size-mib",
+                str(args.size_mib),
+                "--layers",
+                str(args.layers),
+                "--batch",
+                str(args.batch),
+                "--switches",
+                str(args.switches),
+                "--short-switches",
+                str(args.short_switches),
+                "--warmup",
+                str(args.warmup),
+                "--tail",
+                str(args.tail),
+                "--chunk",
+                str(args.chunk),
+                "--idle-s",
+                str(args.idle_s),
+                "--probe-grace-s",
+                str(args.probe_grace_s),
+                "--timed",
+                str(args.timed),
+                "--deadline",
+                str(deadline),
+                "--variants",
+                *remaining,
+            ]
             try:
                 proc = launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
-                print("\n".join(line for line in (proc.stdout or "").splitlines() if "switch_soak:" in line), flush=True)
+                print(
+                    "\n".join(line for line in (proc.stdout or "").splitlines() if "switch_soak:" in line), flush=True
+                )
                 remaining = []
             except LaunchError as exc:  # a crash: record it, go on with the variants after it
                 done = [s for s in remaining if _finished(raw, s.partition(":")[0], args.ranks)]
@@ -561,13 +641,15 @@ def run_driver(args: argparse.Namespace) -> None:
                 name = crashed.partition(":")[0]
                 _write(raw / f"{name}.crashed.json", {"variant": name, "crashed": str(exc)[-6000:]})
                 print(f"switch_soak: {name} crashed; going on with the rest\n{str(exc)[-2000:]}", flush=True)
-                remaining = remaining[remaining.index(crashed) + 1:]
+                remaining = remaining[remaining.index(crashed) + 1 :]
         summarize(args, quiet=True)  # what finished so far, in case a later launch is cut off
     summarize(args)
 
 
 def _finished(raw: Path, name: str, ranks: int) -> bool:
-    return all((raw / f"{name}.rank{r}.json").is_file() for r in range(ranks)) or (raw / f"{name}.skipped.json").is_file()
+    return (
+        all((raw / f"{name}.rank{r}.json").is_file() for r in range(ranks)) or (raw / f"{name}.skipped.json").is_file()
+    )
 
 
 # ============================================================== summary
@@ -597,43 +679,60 @@ def summary_rows(runs: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per variant (rank 0's memory; every rank's digest), with the ratios to the single halves."""
     singles = [runs[s][0] for s in ("single_a", "single_b") if isinstance(runs.get(s), list)]
     single_step = statistics.fmean(s["iteration_s"] for s in singles) if singles else None
-    single_peak = statistics.fmean(s["peak_over_level"] for s in singles) if singles and all(
-        s["peak_over_level"] is not None for s in singles) else None
+    single_peak = (
+        statistics.fmean(s["peak_over_level"] for s in singles)
+        if singles and all(s["peak_over_level"] is not None for s in singles)
+        else None
+    )
     single_transient = {s["variant"][-1]: s["transient_by_phase"][s["variant"][-1]] for s in singles}
     rows = []
     for name, data in runs.items():
         if not isinstance(data, list):
-            rows.append({"variant": name, "note": data.get("skipped") and f"skipped: {data['skipped']}"
-                         or "crashed (see the JSON)"})
+            rows.append(
+                {
+                    "variant": name,
+                    "note": data.get("skipped") and f"skipped: {data['skipped']}" or "crashed (see the JSON)",
+                }
+            )
             continue
         r0 = data[0]
         by_phase = r0["allocated_by_phase"]
         growth = max((v["growth"] for v in by_phase.values()), default=None)
         excess = max((v["max_excess"] for v in by_phase.values()), default=None)
-        ratios = [r0["transient_by_phase"][p] / single_transient[p] for p in single_transient
-                  if single_transient[p] and r0["transient_by_phase"].get(p) is not None]
+        ratios = [
+            r0["transient_by_phase"][p] / single_transient[p]
+            for p in single_transient
+            if single_transient[p] and r0["transient_by_phase"].get(p) is not None
+        ]
         transient_ratio = max(ratios) if ratios else None
         tail = r0.get("tail") or {}
-        rows.append({
-            "variant": name, "switches": r0["switches"], "warmup": r0["warmup"],
-            "growth_bytes": growth, "max_excess_bytes": excess,
-            "distinct_values": {p: v["distinct"] for p, v in by_phase.items()},
-            "reserved_growth_bytes": max((v["growth"] for v in (r0["reserved_by_phase"] or {}).values()),
-                                         default=None),
-            "held_until_idle_bytes": r0["settled"]["end"] - r0["settled"]["after_idle"],
-            "peak_over_level_bytes": r0["peak_over_level"],
-            "peak_ratio": _ratio(r0["peak_over_level"], single_peak),
-            "transient_ratio": transient_ratio,
-            "iteration_ms": 1e3 * r0["iteration_s"],
-            "iteration_ratio": _ratio(r0["iteration_s"], single_step),
-            "switch_ms": None if r0["switch_s"] is None else 1e3 * r0["switch_s"],
-            "census_equal": r0["census"]["warm"] == r0["census"]["end"],
-            "old_reducers_alive_max": (tail.get("old_reducers_alive") or {}).get("max"),
-            "old_buckets_alive_max": (tail.get("old_buckets_alive") or {}).get(
-                "max", max(r0["old_buckets_alive"]) if r0["old_buckets_alive"] else None),
-            "ranks_identical": len({rank["digest"] for rank in data}) == 1,
-            "ranks": len(data),
-        })
+        rows.append(
+            {
+                "variant": name,
+                "switches": r0["switches"],
+                "warmup": r0["warmup"],
+                "growth_bytes": growth,
+                "max_excess_bytes": excess,
+                "distinct_values": {p: v["distinct"] for p, v in by_phase.items()},
+                "reserved_growth_bytes": max(
+                    (v["growth"] for v in (r0["reserved_by_phase"] or {}).values()), default=None
+                ),
+                "held_until_idle_bytes": r0["settled"]["end"] - r0["settled"]["after_idle"],
+                "peak_over_level_bytes": r0["peak_over_level"],
+                "peak_ratio": _ratio(r0["peak_over_level"], single_peak),
+                "transient_ratio": transient_ratio,
+                "iteration_ms": 1e3 * r0["iteration_s"],
+                "iteration_ratio": _ratio(r0["iteration_s"], single_step),
+                "switch_ms": None if r0["switch_s"] is None else 1e3 * r0["switch_s"],
+                "census_equal": r0["census"]["warm"] == r0["census"]["end"],
+                "old_reducers_alive_max": (tail.get("old_reducers_alive") or {}).get("max"),
+                "old_buckets_alive_max": (tail.get("old_buckets_alive") or {}).get(
+                    "max", max(r0["old_buckets_alive"]) if r0["old_buckets_alive"] else None
+                ),
+                "ranks_identical": len({rank["digest"] for rank in data}) == 1,
+                "ranks": len(data),
+            }
+        )
     return rows
 
 
@@ -642,12 +741,15 @@ def markdown(rows: list[dict[str, Any]], runs: dict[str, Any], title: str, cuda:
         return "-" if value is None else f"{value:{spec}}{suffix}"
 
     memory = "`memory_allocated`" if cuda else "RSS"
-    lines = [f"### {title}", "",
-             f"| variant | switches | {memory} growth after warm-up (worst phase) | max above first | "
-             "values per phase | held until idle | `memory_reserved` growth | peak over warm-up level | "
-             "/ single | transient / single (per phase) | step + switch | / mean single | switch | "
-             "old reducers alive | old buckets alive | gc census equal | ranks identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        f"| variant | switches | {memory} growth after warm-up (worst phase) | max above first | "
+        "values per phase | held until idle | `memory_reserved` growth | peak over warm-up level | "
+        "/ single | transient / single (per phase) | step + switch | / mean single | switch | "
+        "old reducers alive | old buckets alive | gc census equal | ranks identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if "note" in row:
             lines.append(f"| `{row['variant']}` | {row['note']} |" + " |" * 15)
@@ -660,19 +762,26 @@ def markdown(rows: list[dict[str, Any]], runs: dict[str, Any], title: str, cuda:
             f"| {fmt(row['iteration_ms'], '.3f', ' ms')} | {fmt(row['iteration_ratio'], '.3f', 'x')} "
             f"| {fmt(row['switch_ms'], '.3f', ' ms')} | {fmt(row['old_reducers_alive_max'], 'd')} "
             f"| {fmt(row['old_buckets_alive_max'], 'd')} | {'yes' if row['census_equal'] else 'NO'} "
-            f"| {'yes' if row['ranks_identical'] else 'NO'} ({row['ranks']}) |")
+            f"| {'yes' if row['ranks_identical'] else 'NO'} ({row['ranks']}) |"
+        )
     lines += ["", "Variants: " + "; ".join(f"`{name}`: {VARIANTS[name]}" for name in runs), ""]
     for name, data in runs.items():
         tail = data[0].get("tail") if isinstance(data, list) else None
         if not tail:
             continue
-        lines.append(f"**Where the memory goes, `{name}`** ({tail['switches']} more switches, allocation stacks "
-                     f"recorded){': ' + tail['note'] if tail.get('note') else ''}")
-        for key, label in (("B_minus_A", "grew while switching (B - A)"),
-                           ("B_minus_C", "held only until the device idled (B - C)")):
+        lines.append(
+            f"**Where the memory goes, `{name}`** ({tail['switches']} more switches, allocation stacks "
+            f"recorded){': ' + tail['note'] if tail.get('note') else ''}"
+        )
+        for key, label in (
+            ("B_minus_A", "grew while switching (B - A)"),
+            ("B_minus_C", "held only until the device idled (B - C)"),
+        ):
             for entry in tail.get(key, [])[:6]:
-                lines.append(f"* {label}: {entry['bytes'] / MIB:+.2f} MiB in {entry['blocks']:+d} block(s) "
-                             f"from `{entry['site']}`")
+                lines.append(
+                    f"* {label}: {entry['bytes'] / MIB:+.2f} MiB in {entry['blocks']:+d} block(s) "
+                    f"from `{entry['site']}`"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -683,14 +792,21 @@ def targets(rows: list[dict[str, Any]], full: int) -> list[str]:
     for row in rows:
         if "note" in row or row["variant"] not in ALTERNATING:
             continue
+
         def verdict(value: Optional[float], limit: float) -> str:
             return "n/a" if value is None else "met" if value <= limit else "MISSED"
 
-        growth = verdict(row["growth_bytes"], MIB) if row["switches"] >= full else \
-            f"not judged ({row['switches']} switches, the target is over {full})"
-        checks = [("growth <= 1 MiB", growth), ("peak <= 1.10x one half", verdict(row["peak_ratio"], 1.10)),
-                  ("step + switch <= 1.05x", verdict(row["iteration_ratio"], 1.05)),
-                  ("ranks identical", "met" if row["ranks_identical"] else "MISSED")]
+        growth = (
+            verdict(row["growth_bytes"], MIB)
+            if row["switches"] >= full
+            else f"not judged ({row['switches']} switches, the target is over {full})"
+        )
+        checks = [
+            ("growth <= 1 MiB", growth),
+            ("peak <= 1.10x one half", verdict(row["peak_ratio"], 1.10)),
+            ("step + switch <= 1.05x", verdict(row["iteration_ratio"], 1.05)),
+            ("ranks identical", "met" if row["ranks_identical"] else "MISSED"),
+        ]
         out.append(f"{row['variant']}: " + ", ".join(f"{name} {result}" for name, result in checks))
     return out
 
@@ -713,8 +829,14 @@ def plot(runs: dict[str, Any], path: Path, title: str) -> Optional[str]:
         for name, data in runs.items():
             if isinstance(data, list):
                 values = [v / MIB for v in data[0][key] if v is not None]
-                axis.plot(range(1, len(values) + 1), values, label=name, linewidth=0.8,
-                          color=f"C{list(VARIANTS).index(name)}", linestyle="--" if name in DIAGNOSTIC else "-")
+                axis.plot(
+                    range(1, len(values) + 1),
+                    values,
+                    label=name,
+                    linewidth=0.8,
+                    color=f"C{list(VARIANTS).index(name)}",
+                    linestyle="--" if name in DIAGNOSTIC else "-",
+                )
         warm = next((d[0]["warmup"] for d in runs.values() if isinstance(d, list)), None)
         if warm:
             axis.axvline(warm, color="grey", linestyle=":", linewidth=0.8)
@@ -738,19 +860,29 @@ def summarize(args: argparse.Namespace, quiet: bool = False) -> None:
         return
     first = next((d[0] for d in runs.values() if isinstance(d, list)), None)
     where = _machine_line(args, first)
-    title = (f"{where}; two halves of {args.layers} x Linear ({args.size_mib:g} MiB a half), batch {args.batch}; "
-             "per-step alternation under DDP built by hand")
+    title = (
+        f"{where}; two halves of {args.layers} x Linear ({args.size_mib:g} MiB a half), batch {args.batch}; "
+        "per-step alternation under DDP built by hand"
+    )
     rows = summary_rows(runs)
     table = markdown(rows, runs, title, args.device == "cuda")
     goals = targets(rows, args.switches)
     note = plot(runs, out / f"switch_soak_{tag}.png", title)
     text = table + "\n" + "\n".join(f"* target: {line}" for line in goals) + ("\n* " + note if note else "") + "\n"
     (out / f"switch_soak_{tag}.md").write_text(text)
-    (out / f"switch_soak_{tag}.json").write_text(json.dumps({
-        "machine": where, "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
-        "rows": rows, "targets": goals, "plot": None if note else f"switch_soak_{tag}.png",
-        "tails": {name: data[0].get("tail") for name, data in runs.items() if isinstance(data, list)},
-    }, indent=1))
+    (out / f"switch_soak_{tag}.json").write_text(
+        json.dumps(
+            {
+                "machine": where,
+                "args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
+                "rows": rows,
+                "targets": goals,
+                "plot": None if note else f"switch_soak_{tag}.png",
+                "tails": {name: data[0].get("tail") for name, data in runs.items() if isinstance(data, list)},
+            },
+            indent=1,
+        )
+    )
     if not quiet:
         print(text, flush=True)
 
@@ -773,27 +905,50 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ranks", type=int, default=1, help="processes; on CUDA all on one GPU (gloo) when > 1")
-    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                        help="auto: NCCL for one CUDA rank, gloo otherwise")
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="auto: NCCL for one CUDA rank, gloo otherwise",
+    )
     parser.add_argument("--size-mib", type=float, default=128.0, help="MiB of weights per half (the --size option)")
     parser.add_argument("--layers", type=int, default=2, help="square Linear layers per half")
     parser.add_argument("--batch", type=int, default=256, help="rows per rank and step")
     parser.add_argument("--switches", type=int, default=10_000, help="iterations of the long variants")
     parser.add_argument("--short-switches", type=int, default=2_000, help="iterations of the other variants")
     parser.add_argument("--warmup", type=int, default=500, help="switches before the post-warm-up level is taken")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help=f"from {list(VARIANTS)}; name:N sets its switches (default: all that apply)")
-    parser.add_argument("--tail", type=int, default=None,
-                        help="diagnostic tail switches after the measured ones (default 200 on CUDA, 0 on CPU)")
-    parser.add_argument("--probe-grace-s", type=float, default=0.0,
-                        help="probe: count the old buckets alive after waiting up to this long while only buckets "
-                             "survive (0: at once; a gloo worker thread lets go of a bucket a moment late)")
-    parser.add_argument("--idle-s", type=float, default=1.5,
-                        help="seconds the device idles before the last readings (NCCL's watchdog lets go)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help=f"from {list(VARIANTS)}; name:N sets its switches (default: all that apply)",
+    )
+    parser.add_argument(
+        "--tail",
+        type=int,
+        default=None,
+        help="diagnostic tail switches after the measured ones (default 200 on CUDA, 0 on CPU)",
+    )
+    parser.add_argument(
+        "--probe-grace-s",
+        type=float,
+        default=0.0,
+        help="probe: count the old buckets alive after waiting up to this long while only buckets "
+        "survive (0: at once; a gloo worker thread lets go of a bucket a moment late)",
+    )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=1.5,
+        help="seconds the device idles before the last readings (NCCL's watchdog lets go)",
+    )
     parser.add_argument("--chunk", type=int, default=100, help="iterations between synchronised time readings")
-    parser.add_argument("--timed", type=int, default=1000,
-                        help="iterations timed after the readings, with nothing else in them (0: time the "
-                             "readings' window instead)")
+    parser.add_argument(
+        "--timed",
+        type=int,
+        default=1000,
+        help="iterations timed after the readings, with nothing else in them (0: time the readings' window instead)",
+    )
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip variants that would end after this")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -820,8 +975,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for spec in args.variants:
         switches = _parse_variant(spec, args)[1]
         if not 2 < args.warmup + 2 <= switches:
-            parser.error(f"--warmup ({args.warmup}) must be >= 1 and at least 2 below the switches of {spec} "
-                         f"({switches})")
+            parser.error(
+                f"--warmup ({args.warmup}) must be >= 1 and at least 2 below the switches of {spec} ({switches})"
+            )
     return args
 
 

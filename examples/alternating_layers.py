@@ -69,8 +69,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
-from hf_altparams.engine import (CommCounter, GroupedOptimizer, counting_allreduce_hook, mmap_large_host_allocations,
-                                 register_comm_counter)
+from hf_altparams.engine import (
+    CommCounter,
+    GroupedOptimizer,
+    counting_allreduce_hook,
+    mmap_large_host_allocations,
+    register_comm_counter,
+)
 from hf_altparams.engine.memory import malloc_trim, rss_bytes
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.integrations.accelerate import PhasedAccelerator
@@ -83,15 +88,17 @@ LAYERS = ("layer1", "layer2")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=2048,
-                        help="layer width (2048: 16 MiB of fp32 weights per layer)")
+    parser.add_argument("--width", type=int, default=2048, help="layer width (2048: 16 MiB of fp32 weights per layer)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
     parser.add_argument("--max-steps", type=int, default=20, help="optimizer steps of each run")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps of the unreported warm-up run")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--state-policy", choices=["auto", "keep", "offload", "drop"], default="auto",
-                        help="what happens to the idle layer's AdamW state in hf_altparams "
-                             "(auto: keep on CPU, offload on a GPU)")
+    parser.add_argument(
+        "--state-policy",
+        choices=["auto", "keep", "offload", "drop"],
+        default="auto",
+        help="what happens to the idle layer's AdamW state in hf_altparams (auto: keep on CPU, offload on a GPU)",
+    )
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs, in this order")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -151,7 +158,7 @@ class BroadcastSpy:
         self.sent = 0
         self._original: Any = None
 
-    def __enter__(self) -> "BroadcastSpy":
+    def __enter__(self) -> BroadcastSpy:
         self._original = dist._broadcast_coalesced
 
         def spy(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -250,10 +257,17 @@ def run(mode: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     if mode in ("hf_altparams", "hf_drop"):
         idle = next(name for name in LAYERS if name not in accelerator.phase.trainable)  # type: ignore[attr-defined]
         idle_state = grouped.state_bytes(idle)
-    result = {"peak_mib": peak, "memory_kind": kind, "bytes_per_step": history, "losses": losses,
-              "broadcast_bytes": spy.sent, "idle_state_bytes": idle_state,
-              "step_seconds": seconds / max(len(losses), 1), "policy": policy,
-              "switch_ms": [1000 * r.seconds for r in getattr(accelerator, "switch_records", [])[1:]]}
+    result = {
+        "peak_mib": peak,
+        "memory_kind": kind,
+        "bytes_per_step": history,
+        "losses": losses,
+        "broadcast_bytes": spy.sent,
+        "idle_state_bytes": idle_state,
+        "step_seconds": seconds / max(len(losses), 1),
+        "policy": policy,
+        "switch_ms": [1000 * r.seconds for r in getattr(accelerator, "switch_records", [])[1:]],
+    }
     accelerator.free_memory()
     del model, wrapped, optimizers, loader, accelerator
     return result
@@ -279,39 +293,49 @@ def main() -> None:
     policy = results["hf_altparams"]["policy"] if "hf_altparams" in results else args.state_policy
     kind = next(iter(results.values()))["memory_kind"]
     single = results.get("single")
-    state.print(f"\n{state.num_processes} process(es) on {state.device.type}; two layers of {layer_mib:.2f} MiB, "
-                f"one AdamW each, trained in turn; {args.max_steps} steps per run; hf_altparams idle-state "
-                f"policy: {policy}")
-    state.print(f"{'run':<13} {'peak memory (MiB, ' + kind + ')':>30} {'vs single':>9} "
-                f"{'all-reduced/step (MiB)':>23} {'wrap broadcasts (MiB)':>22} {'s/step':>7}   loss first -> last")
+    state.print(
+        f"\n{state.num_processes} process(es) on {state.device.type}; two layers of {layer_mib:.2f} MiB, "
+        f"one AdamW each, trained in turn; {args.max_steps} steps per run; hf_altparams idle-state "
+        f"policy: {policy}"
+    )
+    state.print(
+        f"{'run':<13} {'peak memory (MiB, ' + kind + ')':>30} {'vs single':>9} "
+        f"{'all-reduced/step (MiB)':>23} {'wrap broadcasts (MiB)':>22} {'s/step':>7}   loss first -> last"
+    )
     for mode, res in results.items():
         per_step = mean(res["bytes_per_step"])
         shown = f"{per_step / MiB:.2f}" if per_step is not None else "n/a"
         versus = ratio(res["peak_mib"], single["peak_mib"]) if single else "n/a"
-        state.print(f"{mode:<13} {res['peak_mib']:>30.1f} {versus:>9} {shown:>23} "
-                    f"{res['broadcast_bytes'] / MiB:>22.2f} {res['step_seconds']:>7.3f}   "
-                    f"{res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}")
+        state.print(
+            f"{mode:<13} {res['peak_mib']:>30.1f} {versus:>9} {shown:>23} "
+            f"{res['broadcast_bytes'] / MiB:>22.2f} {res['step_seconds']:>7.3f}   "
+            f"{res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}"
+        )
     hf = results.get("hf_altparams")
     if hf is not None:
         by_layer = {name: mean(hf["bytes_per_step"][i::2]) for i, name in enumerate(LAYERS)}
-        shown = [f"{name} {value / MiB:.2f} MiB" if value is not None else f"{name} n/a"
-                 for name, value in by_layer.items()]
+        shown = [
+            f"{name} {value / MiB:.2f} MiB" if value is not None else f"{name} n/a" for name, value in by_layer.items()
+        ]
         state.print("hf_altparams, all-reduced per step by active layer: " + ", ".join(shown))
         if hf["switch_ms"]:
-            state.print(f"hf_altparams phase switch: median {sorted(hf['switch_ms'])[len(hf['switch_ms']) // 2]:.2f} ms "
-                        f"over {len(hf['switch_ms'])} switches")
+            state.print(
+                f"hf_altparams phase switch: median {sorted(hf['switch_ms'])[len(hf['switch_ms']) // 2]:.2f} ms "
+                f"over {len(hf['switch_ms'])} switches"
+            )
         for other in ("naive", "find_unused", "single"):
             if other in results:
                 res = results[other]
-                state.print(f"hf_altparams / {other}: peak memory {ratio(hf['peak_mib'], res['peak_mib'])}, "
-                            f"bytes all-reduced per step {ratio(mean(hf['bytes_per_step']), mean(res['bytes_per_step']))}, "
-                            f"time per step {ratio(hf['step_seconds'], res['step_seconds'])}")
+                state.print(
+                    f"hf_altparams / {other}: peak memory {ratio(hf['peak_mib'], res['peak_mib'])}, "
+                    f"bytes all-reduced per step {ratio(mean(hf['bytes_per_step']), mean(res['bytes_per_step']))}, "
+                    f"time per step {ratio(hf['step_seconds'], res['step_seconds'])}"
+                )
     for mode in ("hf_altparams", "hf_drop"):
         if mode in results:  # measured: where the idle layer's AdamW state was at the end, and how much
             held = results[mode]["idle_state_bytes"]
             where = ", ".join(f"{b / MiB:.1f} MiB on {device}" for device, b in held.items()) or "none"
-            state.print(f"{mode}: the idle layer's AdamW state at the end (policy {results[mode]['policy']}): "
-                        f"{where}")
+            state.print(f"{mode}: the idle layer's AdamW state at the end (policy {results[mode]['policy']}): {where}")
     if hf is not None and single is not None:
         state.print(f"hf_altparams above single: {hf['peak_mib'] - single['peak_mib']:.1f} MiB (peak memory)")
     assert all(math.isfinite(v) for res in results.values() for v in res["losses"])

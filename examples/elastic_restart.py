@@ -60,8 +60,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--project-dir", required=True, help="checkpoints go to PROJECT_DIR/checkpoints")
     parser.add_argument("--max-steps", type=int, default=12, help="optimizer steps in all")
     parser.add_argument("--save-every", type=int, default=2, help="save_state() every N steps")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="on the first attempt only, --kill-rank SIGKILLs itself after the backward of this step")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="on the first attempt only, --kill-rank SIGKILLs itself after the backward of this step",
+    )
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--group-timeout", type=float, default=60.0, help="process group timeout, seconds")
     parser.add_argument("--seed", type=int, default=0)
@@ -108,15 +112,20 @@ def main() -> None:
     model = Net()
     groups = ParamGroups(model, {"encoder": "encoder.*", "middle": "middle.*", "head": "head.*"})
     # Idle groups' AdamW state lives on the host (offload) or is dropped (drop): a checkpoint holds both kinds.
-    optimizer = GroupedOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
-                                 state_policy={"encoder": "offload", "middle": "drop", "head": "keep"})
+    optimizer = GroupedOptimizer(
+        groups,
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        state_policy={"encoder": "offload", "middle": "drop", "head": "keep"},
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
 
     if accelerator.latest_checkpoint() is not None:
         resumed = accelerator.latest_checkpoint()
         accelerator.load_state()  # the latest complete checkpoint: interrupted saves are skipped
-        accelerator.print(f"attempt {attempt}: resumed from {os.path.basename(str(resumed))} "
-                          f"at step {accelerator.schedule_step} (phase {accelerator.phase.name if accelerator.phase else None})")
+        accelerator.print(
+            f"attempt {attempt}: resumed from {os.path.basename(str(resumed))} "
+            f"at step {accelerator.schedule_step} (phase {accelerator.phase.name if accelerator.phase else None})"
+        )
     else:
         accelerator.print(f"attempt {attempt}: no complete checkpoint, starting at step 0")
 
@@ -126,8 +135,11 @@ def main() -> None:
         x, y = batch_for(step, accelerator.process_index, args.seed)
         accelerator.backward(nn.functional.mse_loss(model(x), y))
         if attempt == 0 and step == args.kill_at_step and accelerator.process_index == args.kill_rank:
-            print(f"rank {args.kill_rank}: SIGKILL at step {step}, mid-phase "
-                  f"{accelerator.phase.name if accelerator.phase else None}", flush=True)
+            print(
+                f"rank {args.kill_rank}: SIGKILL at step {step}, mid-phase "
+                f"{accelerator.phase.name if accelerator.phase else None}",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()  # counts the step; switches phase when the next step starts a new one
         optimizer.zero_grad()

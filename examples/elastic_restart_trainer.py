@@ -55,8 +55,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True, help="the Trainer's output_dir (checkpoints)")
     parser.add_argument("--max-steps", type=int, default=12, help="optimizer steps in all")
     parser.add_argument("--save-every", type=int, default=4, help="a checkpoint every N steps")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="on the first attempt only, --kill-rank SIGKILLs itself after this optimizer step")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="on the first attempt only, --kill-rank SIGKILLs itself after this optimizer step",
+    )
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--group-timeout", type=int, default=60, help="process group timeout, seconds")
     parser.add_argument("--seed", type=int, default=0)
@@ -104,11 +108,20 @@ def main() -> None:
     args = parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(args.seed)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=SEQ_LEN, type_vocab_size=1, num_labels=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    ))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ_LEN,
+            type_vocab_size=1,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -123,22 +136,34 @@ def main() -> None:
         ddp_timeout=args.group_timeout,
         ddp_find_unused_parameters=False,
     )
-    groups = ParamGroups.from_layers(model, "bert.encoder.layer",
-                                     extra={"emb": "bert.embeddings.*", "head": ["bert.pooler.*", "classifier.*"]})
+    groups = ParamGroups.from_layers(
+        model, "bert.encoder.layer", extra={"emb": "bert.embeddings.*", "head": ["bert.pooler.*", "classifier.*"]}
+    )
     # Steps 0-2 train layer0, 3-4 layer1, 5-6 head, 7-9 layer0 again, ...; idle groups' AdamW state
     # lives on the host (offload) or is dropped (drop): a checkpoint holds both kinds.
-    freeze = AlternatingFreeze(groups, Alternating({"layer0": 3, "layer1": 2, "head": 2}),
-                               switcher_options={"collective_timeout": args.group_timeout})
-    optimizer = grouped_optimizer(groups, lr=1e-3,
-                                  state_policy={"emb": "keep", "layer0": "offload", "layer1": "drop", "head": "keep"})
-    trainer = Trainer(model=model, args=training_args, train_dataset=TokenDataset(256, args.seed),
-                      optimizers=(optimizer, None),
-                      callbacks=[freeze, KillOnce(args.kill_at_step, args.kill_rank, freeze)])
+    freeze = AlternatingFreeze(
+        groups,
+        Alternating({"layer0": 3, "layer1": 2, "head": 2}),
+        switcher_options={"collective_timeout": args.group_timeout},
+    )
+    optimizer = grouped_optimizer(
+        groups, lr=1e-3, state_policy={"emb": "keep", "layer0": "offload", "layer1": "drop", "head": "keep"}
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=TokenDataset(256, args.seed),
+        optimizers=(optimizer, None),
+        callbacks=[freeze, KillOnce(args.kill_at_step, args.kill_rank, freeze)],
+    )
 
     resume = last_complete_checkpoint(args.output_dir)  # None: from scratch; torn saves are skipped
     if trainer.is_world_process_zero():
-        print(f"attempt {attempt}: " + (f"resuming from {os.path.basename(resume)}" if resume
-                                        else "no complete checkpoint, starting at step 0"), flush=True)
+        print(
+            f"attempt {attempt}: "
+            + (f"resuming from {os.path.basename(resume)}" if resume else "no complete checkpoint, starting at step 0"),
+            flush=True,
+        )
     trainer.train(resume_from_checkpoint=resume)
 
     if trainer.is_world_process_zero():

@@ -52,10 +52,12 @@ class GAN(nn.Module):
 
     def __init__(self, hidden: int = 64) -> None:
         super().__init__()
-        self.generator = nn.Sequential(nn.Linear(NOISE, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                       nn.Linear(hidden, 2))
-        self.discriminator = nn.Sequential(nn.Linear(2, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden),
-                                           nn.LeakyReLU(0.2), nn.Linear(hidden, 1))
+        self.generator = nn.Sequential(
+            nn.Linear(NOISE, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 2)
+        )
+        self.discriminator = nn.Sequential(
+            nn.Linear(2, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, 1)
+        )
 
     def forward(self, noise: torch.Tensor, real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """Scores of generated points, and of ``real`` points when given (one DDP forward for both)."""
@@ -99,8 +101,13 @@ def main() -> None:
     adam = functools.partial(torch.optim.Adam, lr=args.lr, betas=(0.5, 0.999))
     optimizer = GroupedOptimizer(groups, {"generator": adam, "discriminator": adam})
     real_set = torch.utils.data.TensorDataset(ring_points(20_000, torch.Generator().manual_seed(args.seed)))
-    loader = torch.utils.data.DataLoader(real_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    loader = torch.utils.data.DataLoader(
+        real_set,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     bce = nn.BCEWithLogitsLoss()
@@ -145,8 +152,9 @@ def main() -> None:
     if args.out:
         from hf_altparams.testing.launch import write_rank_result
 
-        write_rank_result(args.out, {"final": digests(groups), "steps": trace, "counts": counts},
-                          rank=accelerator.process_index)
+        write_rank_result(
+            args.out, {"final": digests(groups), "steps": trace, "counts": counts}, rank=accelerator.process_index
+        )
     # Frees the DDP wrapper's reducer, lets the gloo threads finish, then destroys the group.
     accelerator.end_training()
 

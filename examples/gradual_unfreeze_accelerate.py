@@ -36,8 +36,7 @@ from hf_altparams.integrations.accelerate import PhasedAccelerator
 from hf_altparams.plan import GradualUnfreeze, ParamGroups
 
 MiB = 2**20
-SUBJECTS = ["the movie", "this book", "the service", "our trip",
-            "the food", "that song", "the hotel", "this phone"]
+SUBJECTS = ["the movie", "this book", "the service", "our trip", "the food", "that song", "the hotel", "this phone"]
 POSITIVE = ["wonderful", "great", "delightful", "excellent", "fantastic", "lovely"]
 NEGATIVE = ["terrible", "awful", "boring", "disappointing", "dreadful", "poor"]
 FRAMES = ["{s} was {a}.", "honestly, {s} felt {a}.", "i thought {s} was {a}", "everyone said {s} is {a}."]
@@ -62,9 +61,13 @@ def model_folder() -> str:
 
 def sentiment_dataset(seed: int) -> tuple[Dataset, Dataset]:
     """Every (frame, subject, adjective) sentence, labelled 1 for positive; shuffled, split 5:1."""
-    rows = [{"text": frame.format(s=s, a=a), "labels": label}
-            for frame in FRAMES for s in SUBJECTS
-            for label, adjectives in ((1, POSITIVE), (0, NEGATIVE)) for a in adjectives]
+    rows = [
+        {"text": frame.format(s=s, a=a), "labels": label}
+        for frame in FRAMES
+        for s in SUBJECTS
+        for label, adjectives in ((1, POSITIVE), (0, NEGATIVE))
+        for a in adjectives
+    ]
     random.Random(seed).shuffle(rows)
     split = len(rows) * 5 // 6
     return Dataset.from_list(rows[:split]), Dataset.from_list(rows[split:])
@@ -88,8 +91,9 @@ def main() -> None:
 
     train_set = train_set.map(tokenize, batched=True).with_format("torch", columns=columns)
     eval_set = eval_set.map(tokenize, batched=True).with_format("torch", columns=columns)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
-                                               generator=torch.Generator().manual_seed(args.seed))
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(args.seed)
+    )
     eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=args.batch_size)
 
     # Model and plan: one group per encoder layer plus the head; embeddings are in no group (frozen).
@@ -130,16 +134,21 @@ def main() -> None:
     # One row per phase: trainable bytes next to the bytes the comm hook counted per step.
     records = accelerator.switch_records
     history = accelerator.comm_counter.history if accelerator.comm_counter else []
-    accelerator.print(f"\n{'phase':<48} {'from step':>9} {'trainable params':>16} {'trainable MiB':>13} "
-                      f"{'all-reduced MiB/step':>20}")
+    accelerator.print(
+        f"\n{'phase':<48} {'from step':>9} {'trainable params':>16} {'trainable MiB':>13} {'all-reduced MiB/step':>20}"
+    )
     for i, record in enumerate(records):
         end = records[i + 1].step if i + 1 < len(records) else len(history)
-        steps = history[record.step:end]
+        steps = history[record.step : end]
         measured = f"{sum(steps) / len(steps) / MiB:.3f}" if steps else "n/a"
-        accelerator.print(f"{record.phase:<48} {record.step:>9} {record.trainable_params:>16,} "
-                          f"{record.trainable_bytes / MiB:>13.3f} {measured:>20}")
-    accelerator.print(f"eval accuracy: {correct / max(total, 1):.3f} ({total} sentences); "
-                      f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es)")
+        accelerator.print(
+            f"{record.phase:<48} {record.step:>9} {record.trainable_params:>16,} "
+            f"{record.trainable_bytes / MiB:>13.3f} {measured:>20}"
+        )
+    accelerator.print(
+        f"eval accuracy: {correct / max(total, 1):.3f} ({total} sentences); "
+        f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es)"
+    )
     # Frees the DDP wrapper's reducer, lets the gloo threads finish, then destroys the group
     # (a script that skips it is covered by an exit hook; hf_altparams.engine.shutdown).
     accelerator.end_training()

@@ -31,8 +31,8 @@ import os
 import tempfile
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 from trainer_gradual_unfreeze import held_out_accuracy, sentiment_dataset  # the sibling example
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
 from hf_altparams import AlternatingFreeze, ParamGroups, grouped_optimizer, lisa
 
@@ -46,8 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--k", type=int, default=2, help="LISA: encoder layers trained at a time")
     parser.add_argument("--every", type=int, default=10, help="LISA: steps between draws")
-    parser.add_argument("--always", default="emb,head",
-                        help="LISA: groups trained every step, of emb, head (default: LISA's emb,head)")
+    parser.add_argument(
+        "--always", default="emb,head", help="LISA: groups trained every step, of emb, head (default: LISA's emb,head)"
+    )
     parser.add_argument("--storage", choices=["bf16", "fp32", "both"], default="both")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -61,28 +62,44 @@ def run(dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, float, str
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(args.seed)  # the new classifier head: the same initial values in both runs
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2, dtype=dtype)
-    groups = ParamGroups.from_layers(model, "bert.encoder.layer", extra={
-        "emb": "bert.embeddings.*", "head": ["bert.pooler.*", "classifier.*"]})
+    groups = ParamGroups.from_layers(
+        model, "bert.encoder.layer", extra={"emb": "bert.embeddings.*", "head": ["bert.pooler.*", "classifier.*"]}
+    )
     layers = [n for n in groups.names if n.startswith("layer")]
     schedule = lisa(layers, k=args.k, every=args.every, always=[n for n in args.always.split(",") if n])
     if os.environ.get("RANK", "0") == "0":  # before the Trainer starts the process group under torchrun
         print(f"{str(dtype).replace('torch.', '')}: {schedule.trained_share(groups)}")
     # bf16 parameters: a PrecisionOptimizer (fp32 masters + state for the groups that train only)
     # (fp32 parameters: a plain GroupedOptimizer)
-    optimizer = grouped_optimizer(groups, lr=args.lr, state_policy="drop",
-                                  master_policy="drop" if dtype != torch.float32 else None)
+    optimizer = grouped_optimizer(
+        groups, lr=args.lr, state_policy="drop", master_policy="drop" if dtype != torch.float32 else None
+    )
 
     train = sentiment_dataset(args.train_size, seed=args.seed).map(
-        lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True)
+        lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True
+    )
     held_out = sentiment_dataset(args.eval_size, seed=args.seed + 1)
     before = held_out_accuracy(model, tokenizer, held_out)
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="minilm_lisa_"), max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size, logging_steps=20, save_strategy="no", report_to=[],
-        seed=args.seed, disable_tqdm=True, ddp_find_unused_parameters=False, lr_scheduler_type="constant")
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer,
-                      optimizers=(optimizer, None),
-                      callbacks=[AlternatingFreeze(groups, schedule)])
+        output_dir=tempfile.mkdtemp(prefix="minilm_lisa_"),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        logging_steps=20,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        lr_scheduler_type="constant",
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        optimizers=(optimizer, None),
+        callbacks=[AlternatingFreeze(groups, schedule)],
+    )
     trainer.train()
     after = held_out_accuracy(model, tokenizer, held_out)
     del trainer

@@ -78,8 +78,11 @@ def forever(loader: torch.utils.data.DataLoader) -> Iterator[tuple[torch.Tensor,
         yield from loader
 
 
-def evaluate(accelerator: PhasedAccelerator, model: nn.Module, data: dict[str, torch.utils.data.TensorDataset],
-             ) -> dict[str, float]:
+def evaluate(
+    accelerator: PhasedAccelerator,
+    model: nn.Module,
+    data: dict[str, torch.utils.data.TensorDataset],
+) -> dict[str, float]:
     """Each task's loss on its held-out set (every rank computes the same numbers)."""
     net = accelerator.unwrap_model(model)
     losses = {}
@@ -109,9 +112,15 @@ def main() -> None:
     model = MultiTask()
     groups = ParamGroups(model, {"trunk": "trunk.*", **{task: f"heads.{task}.*" for task in TASKS}})
     optimizer = GroupedOptimizer(groups, functools.partial(torch.optim.AdamW, lr=args.lr))
-    loaders = [torch.utils.data.DataLoader(task_dataset(task, 4096, args.seed + i), batch_size=args.batch_size,
-                                           shuffle=True, generator=torch.Generator().manual_seed(args.seed))
-               for i, task in enumerate(TASKS)]
+    loaders = [
+        torch.utils.data.DataLoader(
+            task_dataset(task, 4096, args.seed + i),
+            batch_size=args.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+        for i, task in enumerate(TASKS)
+    ]
     model, optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
     batches = {task: forever(loader) for task, loader in zip(TASKS, loaders)}
     held_out = {task: task_dataset(task, 512, args.seed + 100 + i) for i, task in enumerate(TASKS)}
@@ -134,16 +143,18 @@ def main() -> None:
             trace.append({"task": task, "changed": sorted(g for g in before if before[g] != after[g])})
 
     after_eval = evaluate(accelerator, model, held_out)
-    accelerator.print(f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es), "
-                      f"{args.every} per task in turn")
+    accelerator.print(
+        f"{accelerator.schedule_step} steps on {accelerator.num_processes} process(es), {args.every} per task in turn"
+    )
     accelerator.print(f"{'task':<6} {'steps':>5} {'held-out loss before':>20} {'after':>8}")
     for task in TASKS:
         accelerator.print(f"{task:<6} {steps[task]:>5} {before_eval[task]:>20.4f} {after_eval[task]:>8.4f}")
     if args.out:
         from hf_altparams.testing.launch import write_rank_result
 
-        write_rank_result(args.out, {"final": digests(groups), "steps": trace, "eval": after_eval},
-                          rank=accelerator.process_index)
+        write_rank_result(
+            args.out, {"final": digests(groups), "steps": trace, "eval": after_eval}, rank=accelerator.process_index
+        )
     # Frees the DDP wrapper's reducer, lets the gloo threads finish, then destroys the group.
     accelerator.end_training()
 

@@ -45,10 +45,22 @@ POSITIVE = ["wonderful", "great", "delightful", "excellent", "fantastic", "lovel
 NEGATIVE = ["terrible", "awful", "boring", "disappointing", "dreadful", "poor"]
 REVIEW = ["{s} was {a}.", "honestly, {s} felt {a}.", "i thought {s} was {a}", "everyone said {s} is {a}."]
 PEOPLE = ["my sister", "the old man", "our neighbour", "a student", "the coach", "my friend", "she", "he"]
-SPORT = ["scored a late goal", "ran the marathon", "won the tennis match", "trained at the stadium",
-         "missed the penalty", "swam ten laps"]
-COOKING = ["baked fresh bread", "stirred the soup", "chopped the onions", "roasted the vegetables",
-           "seasoned the sauce", "fried two eggs"]
+SPORT = [
+    "scored a late goal",
+    "ran the marathon",
+    "won the tennis match",
+    "trained at the stadium",
+    "missed the penalty",
+    "swam ten laps",
+]
+COOKING = [
+    "baked fresh bread",
+    "stirred the soup",
+    "chopped the onions",
+    "roasted the vegetables",
+    "seasoned the sauce",
+    "fried two eggs",
+]
 TOPIC = ["{p} {a} today.", "yesterday {p} {a}.", "on sunday {p} {a}", "they say {p} {a} again."]
 
 
@@ -74,21 +86,33 @@ def model_folder() -> str:
 def sentences(task: str, seed: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Every sentence of ``task`` with its label, shuffled, split 5:1 into train and held-out."""
     if task == "sentiment":
-        rows = [(f.format(s=s, a=a), label) for f in REVIEW for s in SUBJECTS
-                for label, words in ((1, POSITIVE), (0, NEGATIVE)) for a in words]
+        rows = [
+            (f.format(s=s, a=a), label)
+            for f in REVIEW
+            for s in SUBJECTS
+            for label, words in ((1, POSITIVE), (0, NEGATIVE))
+            for a in words
+        ]
     else:
-        rows = [(f.format(p=p, a=a), label) for f in TOPIC for p in PEOPLE
-                for label, acts in ((1, SPORT), (0, COOKING)) for a in acts]
+        rows = [
+            (f.format(p=p, a=a), label)
+            for f in TOPIC
+            for p in PEOPLE
+            for label, acts in ((1, SPORT), (0, COOKING))
+            for a in acts
+        ]
     random.Random(seed).shuffle(rows)
     split = len(rows) * 5 // 6
     return rows[:split], rows[split:]
 
 
 def tensors(tokenizer: Any, rows: list[tuple[str, int]]) -> torch.utils.data.TensorDataset:
-    encoded = tokenizer([text for text, _ in rows], padding="max_length", truncation=True, max_length=16,
-                        return_tensors="pt")
-    return torch.utils.data.TensorDataset(encoded["input_ids"], encoded["attention_mask"],
-                                          torch.tensor([label for _, label in rows]))
+    encoded = tokenizer(
+        [text for text, _ in rows], padding="max_length", truncation=True, max_length=16, return_tensors="pt"
+    )
+    return torch.utils.data.TensorDataset(
+        encoded["input_ids"], encoded["attention_mask"], torch.tensor([label for _, label in rows])
+    )
 
 
 def base_model(seed: int) -> Any:
@@ -102,8 +126,13 @@ def lora_model(args: argparse.Namespace) -> Any:
     base = base_model(args.seed)
 
     def config() -> LoraConfig:
-        return LoraConfig(task_type="SEQ_CLS", r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                          target_modules=["query", "value"], modules_to_save=["classifier", "pooler"])
+        return LoraConfig(
+            task_type="SEQ_CLS",
+            r=args.lora_rank,
+            lora_alpha=2 * args.lora_rank,
+            target_modules=["query", "value"],
+            modules_to_save=["classifier", "pooler"],
+        )
 
     model = get_peft_model(base, config(), adapter_name=TASKS[0])
     for task in TASKS[1:]:
@@ -116,8 +145,9 @@ def forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def accuracy(adapters: PeftAdapters, model: Any, task: str, data: torch.utils.data.TensorDataset,
-             device: torch.device) -> float:
+def accuracy(
+    adapters: PeftAdapters, model: Any, task: str, data: torch.utils.data.TensorDataset, device: torch.device
+) -> float:
     """Held-out accuracy of ``task``'s adapter (every rank computes the same number)."""
     ids, mask, labels = (t.to(device) for t in data.tensors)
     model.eval()
@@ -145,16 +175,23 @@ def main() -> None:
 
     model = lora_model(args)
     groups = adapter_groups(model, base="base")  # one group per adapter, the frozen rest in "base"
-    accelerator = PhasedAccelerator(PerTaskCycle(["base"], list(TASKS), every=args.every, train_trunk=False),
-                                    groups=groups, count_comm=True)  # count the bytes DDP all-reduces
+    accelerator = PhasedAccelerator(
+        PerTaskCycle(["base"], list(TASKS), every=args.every, train_trunk=False), groups=groups, count_comm=True
+    )  # count the bytes DDP all-reduces
     accelerator.print(groups.summary())
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder())
     splits = {task: sentences(task, args.seed + i) for i, task in enumerate(TASKS)}
     held_out = {task: tensors(tokenizer, splits[task][1]) for task in TASKS}
-    loaders = [torch.utils.data.DataLoader(tensors(tokenizer, splits[task][0]), batch_size=args.batch_size,
-                                           shuffle=True, generator=torch.Generator().manual_seed(args.seed))
-               for task in TASKS]
+    loaders = [
+        torch.utils.data.DataLoader(
+            tensors(tokenizer, splits[task][0]),
+            batch_size=args.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+        for task in TASKS
+    ]
     # One optimizer over the whole model: frozen parameters get no gradient, hence no AdamW state.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ddp, optimizer, *loaders = accelerator.prepare(model, optimizer, *loaders)
@@ -164,8 +201,9 @@ def main() -> None:
     before = {task: accuracy(adapters, model, task, held_out[task], accelerator.device) for task in TASKS}
     counted = accelerator.comm_counter.history if accelerator.comm_counter else []
     steps: list[dict[str, Any]] = []
-    accelerator.print(f"\n{'step':>4}  {'task':<9}  {'active adapter':<14}  {'all-reduced B':>13}  "
-                      f"{'adapter B':>9}  {'loss':>6}")
+    accelerator.print(
+        f"\n{'step':>4}  {'task':<9}  {'active adapter':<14}  {'all-reduced B':>13}  {'adapter B':>9}  {'loss':>6}"
+    )
     while accelerator.schedule_step < args.max_steps:
         task = accelerator.task  # the task this step trains: its data; its adapter is already active
         active = list(model.active_adapters)
@@ -174,29 +212,42 @@ def main() -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        row = {"task": task, "active": active, "allreduced": counted[-1], "adapter_bytes": groups.nbytes(task),
-               "loss": loss.item()}
+        row = {
+            "task": task,
+            "active": active,
+            "allreduced": counted[-1],
+            "adapter_bytes": groups.nbytes(task),
+            "loss": loss.item(),
+        }
         steps.append(row)
         if len(steps) <= 2 * args.every or accelerator.schedule_step == args.max_steps:
-            accelerator.print(f"{len(steps) - 1:>4}  {task:<9}  {'+'.join(row['active']):<14}  "
-                              f"{row['allreduced']:>13,}  {row['adapter_bytes']:>9,}  {row['loss']:>6.3f}")
+            accelerator.print(
+                f"{len(steps) - 1:>4}  {task:<9}  {'+'.join(row['active']):<14}  "
+                f"{row['allreduced']:>13,}  {row['adapter_bytes']:>9,}  {row['loss']:>6.3f}"
+            )
     after = {task: accuracy(adapters, model, task, held_out[task], accelerator.device) for task in TASKS}
 
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     agree = all(s["allreduced"] == s["adapter_bytes"] and s["active"] == [s["task"]] for s in steps)
-    accelerator.print(f"\n{len(steps)} steps on {accelerator.num_processes} process(es), {args.every} per task in "
-                      f"turn; every step all-reduced exactly its adapter's bytes: {'yes' if agree else 'NO'} "
-                      f"({groups.nbytes(TASKS[0]):,} B per adapter; the whole model is {full:,} B)")
+    accelerator.print(
+        f"\n{len(steps)} steps on {accelerator.num_processes} process(es), {args.every} per task in "
+        f"turn; every step all-reduced exactly its adapter's bytes: {'yes' if agree else 'NO'} "
+        f"({groups.nbytes(TASKS[0]):,} B per adapter; the whole model is {full:,} B)"
+    )
     accelerator.print(f"{'task':<9}  {'steps':>5}  {'held-out accuracy before':>24}  {'after':>5}")
     for task in TASKS:
-        accelerator.print(f"{task:<9}  {sum(s['task'] == task for s in steps):>5}  {before[task]:>24.3f}  "
-                          f"{after[task]:>5.3f}")
+        accelerator.print(
+            f"{task:<9}  {sum(s['task'] == task for s in steps):>5}  {before[task]:>24.3f}  {after[task]:>5.3f}"
+        )
 
     mine = digests(groups)
     every_rank = accelerator.gather_for_metrics([mine], use_gather_object=True)
     identical = all(d == mine for d in every_rank)
-    accelerator.print(f"ranks identical: {'yes' if identical else 'NO'} ({len(every_rank)} ranks; adapter digests "
-                      + ", ".join(f"{t} {mine[t][:12]}" for t in TASKS) + ")")
+    accelerator.print(
+        f"ranks identical: {'yes' if identical else 'NO'} ({len(every_rank)} ranks; adapter digests "
+        + ", ".join(f"{t} {mine[t][:12]}" for t in TASKS)
+        + ")"
+    )
 
     # Each adapter on its own, as peft saves it; reloaded into a fresh model and compared on the main process.
     peft_model = accelerator.unwrap_model(ddp)
@@ -205,20 +256,24 @@ def main() -> None:
         peft_model.save_pretrained(str(save_dir), selected_adapters=[task], is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        reloaded = PeftModel.from_pretrained(base_model(args.seed), str(save_dir / TASKS[0]),
-                                             adapter_name=TASKS[0])
+        reloaded = PeftModel.from_pretrained(base_model(args.seed), str(save_dir / TASKS[0]), adapter_name=TASKS[0])
         for task in TASKS[1:]:
             reloaded.load_adapter(str(save_dir / task), adapter_name=task)
         theirs = dict(reloaded.named_parameters())
         trained = dict(peft_model.named_parameters())
         for task, names in adapter_parameters(peft_model).items():
             same = all(torch.equal(trained[n].cpu(), theirs[n].cpu()) for n in names)
-            accelerator.print(f"saved adapter {task!r} -> {save_dir / task} (reloads identical: {'yes' if same else 'NO'})")
+            accelerator.print(
+                f"saved adapter {task!r} -> {save_dir / task} (reloads identical: {'yes' if same else 'NO'})"
+            )
     if args.out:
         from hf_altparams.testing.launch import write_rank_result
 
-        write_rank_result(args.out, {"final": mine, "steps": steps, "identical": identical,
-                                     "before": before, "after": after}, rank=accelerator.process_index)
+        write_rank_result(
+            args.out,
+            {"final": mine, "steps": steps, "identical": identical, "before": before, "after": after},
+            rank=accelerator.process_index,
+        )
     adapters.close()
     # Frees the DDP wrapper's reducer, lets the gloo threads finish, then destroys the group.
     accelerator.end_training()

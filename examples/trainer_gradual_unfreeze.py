@@ -31,12 +31,46 @@ from hf_altparams.engine import shutdown
 from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan import PhaseSequence
 
-POSITIVE = ["great", "wonderful", "delightful", "excellent", "charming", "superb", "lovely", "brilliant",
-            "enjoyable", "fantastic", "pleasant", "moving"]
-NEGATIVE = ["awful", "terrible", "boring", "dreadful", "dull", "disappointing", "poor", "tedious",
-            "horrible", "weak", "annoying", "clumsy"]
-SUBJECTS = ["the film", "this movie", "the plot", "the acting", "the soundtrack", "the ending",
-            "the script", "the cast", "the story", "the direction"]
+POSITIVE = [
+    "great",
+    "wonderful",
+    "delightful",
+    "excellent",
+    "charming",
+    "superb",
+    "lovely",
+    "brilliant",
+    "enjoyable",
+    "fantastic",
+    "pleasant",
+    "moving",
+]
+NEGATIVE = [
+    "awful",
+    "terrible",
+    "boring",
+    "dreadful",
+    "dull",
+    "disappointing",
+    "poor",
+    "tedious",
+    "horrible",
+    "weak",
+    "annoying",
+    "clumsy",
+]
+SUBJECTS = [
+    "the film",
+    "this movie",
+    "the plot",
+    "the acting",
+    "the soundtrack",
+    "the ending",
+    "the script",
+    "the cast",
+    "the story",
+    "the direction",
+]
 TEMPLATES = [
     "{subject} was {adj}.",
     "honestly, {subject} felt {adj} from start to finish.",
@@ -49,8 +83,12 @@ TEMPLATES = [
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop after this many optimizer steps (smoke runs); default: --epochs")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this many optimizer steps (smoke runs); default: --epochs",
+    )
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--train-size", type=int, default=960)
     parser.add_argument("--eval-size", type=int, default=256)
@@ -140,11 +178,13 @@ def main() -> None:
     steps_per_epoch = -(-len(train) // (args.batch_size * world))
     total_steps = args.max_steps or int(steps_per_epoch * args.epochs)
     stage = max(total_steps // 3, 1)
-    schedule = PhaseSequence([
-        ("head", stage),
-        (["head", "top"], stage),
-        (["head", "top", "bottom", "embeddings"], stage),
-    ])
+    schedule = PhaseSequence(
+        [
+            ("head", stage),
+            (["head", "top"], stage),
+            (["head", "top", "bottom", "embeddings"], stage),
+        ]
+    )
     freeze = AlternatingFreeze(
         {
             "embeddings": "bert.embeddings.*",
@@ -173,8 +213,10 @@ def main() -> None:
         print("phase switches (step: phase, trainable parameters, bytes all-reduced per step):")
         for record in freeze.records:
             if record.rebuilt_ddp:
-                print(f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
-                      f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}")
+                print(
+                    f"  {record.step if record.step is not None else 'first forward'}: {record.phase}, "
+                    f"{record.trainable_params:,}, {record.allreduce_bytes_per_step:,}"
+                )
         print(f"accuracy after: {after:.3f}")
     # Free the Trainer's DDP reducer, let the gloo threads finish, then destroy the group: a
     # gloo thread still freeing the last all-reduce while Python finalizes aborts the process

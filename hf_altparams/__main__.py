@@ -25,7 +25,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Dispatch ``argv[0]`` to its command; print the command list for ``--help`` or none."""
     args = sys.argv[1:] if argv is None else list(argv)
     usage = "usage: python -m hf_altparams COMMAND [ARGS...]\ncommands:\n" + "\n".join(
-        f"  {name:<8}{text}" for name, text in _COMMANDS.items())
+        f"  {name:<8}{text}" for name, text in _COMMANDS.items()
+    )
     if not args or args[0] in ("-h", "--help"):
         print(usage)
         return 0 if args else 2

@@ -57,8 +57,7 @@ def parse_torch_version(version: str) -> tuple[int, int]:
     match = _VERSION_RE.match(version)
     if match is None:
         raise AltParamsError(
-            f"cannot parse torch version {version!r}: expected it to start with "
-            "`MAJOR.MINOR`, e.g. '2.13.0+cpu'"
+            f"cannot parse torch version {version!r}: expected it to start with `MAJOR.MINOR`, e.g. '2.13.0+cpu'"
         )
     return int(match.group(1)), int(match.group(2))
 
@@ -104,8 +103,9 @@ def library_version(version: str) -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
-def check_library_at_import(library: str, version: str, tested: tuple[tuple[int, int], tuple[int, int]],
-                            missing: Sequence[str], what: str) -> None:
+def check_library_at_import(
+    library: str, version: str, tested: tuple[tuple[int, int], tuple[int, int]], missing: Sequence[str], what: str
+) -> None:
     """A fence's check at import: refuse ``library`` lacking ``missing`` names; warn outside the ``tested`` range.
 
     Args:
@@ -122,8 +122,11 @@ def check_library_at_import(library: str, version: str, tested: tuple[tuple[int,
     if missing:
         raise AltParamsError(
             f"hf_altparams relies on {what} {list(missing)} that {library} {version} lacks; install a tested "
-            f"release ({library} {_fmt(low)} to {_fmt(high)})")
+            f"release ({library} {_fmt(low)} to {_fmt(high)})"
+        )
     if not low <= library_version(version) <= high:
         warnings.warn(
             f"hf_altparams: {library} {version} is outside the tested range {_fmt(low)} to {_fmt(high)}; the "
-            f"{what} it uses are present, but run tests/integrations/test_fences.py to be sure", stacklevel=3)
+            f"{what} it uses are present, but run tests/integrations/test_fences.py to be sure",
+            stacklevel=3,
+        )

@@ -24,8 +24,17 @@ from __future__ import annotations
 from enum import Enum
 from typing import Optional, Union
 
-__all__ = ["AltParamsError", "AltParamsWarning", "Cause", "DriftError", "PlanError", "Refusal", "SwitchError",
-           "UnreachedPhaseError", "cause_of"]
+__all__ = [
+    "AltParamsError",
+    "AltParamsWarning",
+    "Cause",
+    "DriftError",
+    "PlanError",
+    "Refusal",
+    "SwitchError",
+    "UnreachedPhaseError",
+    "cause_of",
+]
 
 
 class Cause(str, Enum):
@@ -87,12 +96,12 @@ class Refusal(str):
 
     cause: Cause
 
-    def __new__(cls, text: str, cause: Union[Cause, str]) -> "Refusal":
+    def __new__(cls, text: str, cause: Union[Cause, str]) -> Refusal:
         made = super().__new__(cls, text)
         made.cause = Cause(cause)
         return made
 
-    def __reduce__(self) -> tuple[type["Refusal"], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type[Refusal], tuple[str, str]]:
         return type(self), (str(self), self.cause.value)
 
 
@@ -168,5 +177,5 @@ class AltParamsWarning(UserWarning):
         super().__init__(message)
         self.cause = Cause(cause)
 
-    def __reduce__(self) -> tuple[type["AltParamsWarning"], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type[AltParamsWarning], tuple[str, str]]:
         return type(self), (str(self), self.cause.value)

@@ -33,9 +33,26 @@ def _breakdown_module() -> Any:
 def breakdown_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("breakdown")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(BENCHMARKS / "alternating.py"), "--breakdown", "--devices", "cpu",
-           "--size-mib", "0.05", "--steps", str(STEPS), "--warmup", str(WARMUP), "--timeout", "240",
-           "--out", str(out), "--scenarios", "single", *SCENARIOS]
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "alternating.py"),
+        "--breakdown",
+        "--devices",
+        "cpu",
+        "--size-mib",
+        "0.05",
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        str(WARMUP),
+        "--timeout",
+        "240",
+        "--out",
+        str(out),
+        "--scenarios",
+        "single",
+        *SCENARIOS,
+    ]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out, json.loads((out / "alternating_cpu_breakdown.json").read_text())
@@ -91,6 +108,7 @@ def test_nested_timers_count_exclusive_time(monkeypatch: pytest.MonkeyPatch) -> 
         def run() -> Any:
             clock[0] += seconds
             return inner()
+
         return run
 
     init = recorder.timed("rebuild_init", advancing(3.0))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_altparams import AltParamsError
-from hf_altparams import _compat
+from hf_altparams import AltParamsError, _compat
 
 
 @pytest.mark.parametrize(
@@ -59,11 +58,15 @@ def test_a_fence_refuses_a_library_lacking_its_names_and_warns_outside_the_teste
     import warnings
 
     tested = ((1, 0), (1, 15))
-    with pytest.raises(AltParamsError, match=r"relies on Accelerate internals \['Accelerator._optimizers'\] that "
-                                             r"accelerate 1.16.0 lacks; install a tested release \(accelerate 1.0 "
-                                             r"to 1.15\)"):
-        _compat.check_library_at_import("accelerate", "1.16.0", tested, ["Accelerator._optimizers"],
-                                        "Accelerate internals")
+    with pytest.raises(
+        AltParamsError,
+        match=r"relies on Accelerate internals \['Accelerator._optimizers'\] that "
+        r"accelerate 1.16.0 lacks; install a tested release \(accelerate 1.0 "
+        r"to 1.15\)",
+    ):
+        _compat.check_library_at_import(
+            "accelerate", "1.16.0", tested, ["Accelerator._optimizers"], "Accelerate internals"
+        )
     with pytest.warns(UserWarning, match=r"accelerate 1.16.0 is outside the tested range 1.0 to 1.15"):
         _compat.check_library_at_import("accelerate", "1.16.0", tested, [], "Accelerate internals")
     with warnings.catch_warnings():

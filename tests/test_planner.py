@@ -67,8 +67,9 @@ def test_state_policy_sets_device_state_and_switch_cost(policy: str) -> None:
     else:
         assert b.optimizer_bytes == state["b"]
         assert b.host_bytes == (state["a"] if policy == "offload" else 0)
-    moves = [(s.from_phase, s.to_phase, s.count, s.bytes_to_host, s.bytes_to_device, s.reinit_bytes)
-             for s in plan.switches]
+    moves = [
+        (s.from_phase, s.to_phase, s.count, s.bytes_to_host, s.bytes_to_device, s.reinit_bytes) for s in plan.switches
+    ]
     sa, sb = state["a"], state["b"]
     if policy == "offload":  # the first a->b finds no state of b to bring back
         assert moves == [("a", "b", 1, sa, 0, 0), ("b", "a", 1, sb, sa, 0), ("a", "b", 1, sa, sb, 0)]
@@ -128,8 +129,14 @@ def _multitask() -> tuple[nn.Module, ParamGroups]:
 def test_per_task_residency_moves_other_tasks_off_the_device(offload_nonresident: bool) -> None:
     net, groups = _multitask()
     buffers = sum(b.numel() * b.element_size() for b in net["t1"].buffers())  # BatchNorm running stats
-    plan = plan_cost(net, groups, PerTaskCycle(["trunk"], ["t0", "t1"], every=2), steps=8, state_policy="keep",
-                     offload_nonresident=offload_nonresident)
+    plan = plan_cost(
+        net,
+        groups,
+        PerTaskCycle(["trunk"], ["t0", "t1"], every=2),
+        steps=8,
+        state_policy="keep",
+        offload_nonresident=offload_nonresident,
+    )
     t0, t1 = plan.row("t0"), plan.row("t1")
     state = {g: 2 * groups.nbytes(g) for g in groups.names}
     if not offload_nonresident:  # everything stays; `keep` holds every task's state
@@ -191,8 +198,14 @@ def test_plan_cost_rejects_bad_arguments() -> None:
 def _bert_config(path: Path, **sizes: int) -> Path:
     from transformers import BertConfig
 
-    dims = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=64, max_position_embeddings=32)
+    dims = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     dims.update(sizes)
     BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **dims).to_json_file(str(path))
     return path
@@ -200,8 +213,15 @@ def _bert_config(path: Path, **sizes: int) -> Path:
 
 def test_meta_build_allocates_no_parameter_memory(tmp_path: Path) -> None:
     build_model(str(_bert_config(tmp_path / "tiny.json")))  # imports the model code first
-    big = _bert_config(tmp_path / "big.json", vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
-                       num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512)
+    big = _bert_config(
+        tmp_path / "big.json",
+        vocab_size=30522,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        max_position_embeddings=512,
+    )
     before = rss_bytes()
     model = build_model(str(big))
     grown = rss_bytes() - before
@@ -231,9 +251,27 @@ def test_cli_on_minilm_checkpoint_folder(capsys: pytest.CaptureFixture[str]) -> 
     from safetensors import safe_open
 
     folder = _minilm_dir()
-    argv = ["plan", "--model", str(folder), "--layers", "encoder.layer", "--per", "2",
-            "--group", "emb=embeddings.*", "--group", "head=pooler.*", "--schedule", "gradual",
-            "--every", "100", "--always", "head", "--state-policy", "offload"]
+    argv = [
+        "plan",
+        "--model",
+        str(folder),
+        "--layers",
+        "encoder.layer",
+        "--per",
+        "2",
+        "--group",
+        "emb=embeddings.*",
+        "--group",
+        "head=pooler.*",
+        "--schedule",
+        "gradual",
+        "--every",
+        "100",
+        "--always",
+        "head",
+        "--state-policy",
+        "offload",
+    ]
     assert cli_main(argv) == 0  # what `python -m hf_altparams plan ...` runs
     lines = capsys.readouterr().out.splitlines()
     # Blocks default to every group but --always, in definition order (layers, then emb),
@@ -252,9 +290,21 @@ def test_cli_on_config_json_prints_json(tmp_path: Path, capsys: pytest.CaptureFi
     from transformers import BertConfig, BertModel
 
     config = _bert_config(tmp_path / "tiny.json")
-    argv = ["--model", str(config), "--layers", "encoder.layer", "--group", "emb=embeddings.*",
-            "--schedule", "alternating", "--ratios", "emb=3,layer0+layer1=1", "--ungrouped", "trainable",
-            "--json"]
+    argv = [
+        "--model",
+        str(config),
+        "--layers",
+        "encoder.layer",
+        "--group",
+        "emb=embeddings.*",
+        "--schedule",
+        "alternating",
+        "--ratios",
+        "emb=3,layer0+layer1=1",
+        "--ungrouped",
+        "trainable",
+        "--json",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["phase"] for r in data["phases"]] == ["emb", "layer0+layer1"]
@@ -278,31 +328,52 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("extra,message", BAD_FLAGS, ids=[m[:30] for _, m in BAD_FLAGS])
-def test_cli_bad_flags_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-                                 message: str) -> None:
-    base = ["--model", str(_bert_config(tmp_path / "c.json")), "--layers", "encoder.layer",
-            "--group", "emb=embeddings.*"]
+def test_cli_bad_flags_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    base = [
+        "--model",
+        str(_bert_config(tmp_path / "c.json")),
+        "--layers",
+        "encoder.layer",
+        "--group",
+        "emb=embeddings.*",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         main(base + extra)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "no/such/dir", "--group", "a=*", "--schedule", "alternating"],
-     "`model` (--model) 'no/such/dir' is neither an existing config JSON"),
-    (["--model", "torch.nn:NoSuchThing", "--group", "a=*", "--schedule", "alternating"],
-     "import path 'torch.nn:NoSuchThing' cannot be resolved"),
-    (["--model", "CONFIG", "--model-class", "AutoNothing", "--group", "a=*", "--schedule", "alternating"],
-     "`model_class` (--model-class) 'AutoNothing'"),
-    (["--model", "CONFIG", "--group", "emb", "--schedule", "alternating"],
-     "`--group` must look like NAME=PATTERN[,PATTERN...], got 'emb'"),
-    (["--model", "CONFIG", "--group", "emb=embedding.*", "--schedule", "alternating"],
-     "pattern 'embedding.*' matches no parameter"),
-    (["--model", "CONFIG", "--schedule", "alternating"], "no groups: pass `--group NAME=PATTERN`"),
-])
-def test_cli_bad_model_or_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
-                                 message: str) -> None:
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--model", "no/such/dir", "--group", "a=*", "--schedule", "alternating"],
+            "`model` (--model) 'no/such/dir' is neither an existing config JSON",
+        ),
+        (
+            ["--model", "torch.nn:NoSuchThing", "--group", "a=*", "--schedule", "alternating"],
+            "import path 'torch.nn:NoSuchThing' cannot be resolved",
+        ),
+        (
+            ["--model", "CONFIG", "--model-class", "AutoNothing", "--group", "a=*", "--schedule", "alternating"],
+            "`model_class` (--model-class) 'AutoNothing'",
+        ),
+        (
+            ["--model", "CONFIG", "--group", "emb", "--schedule", "alternating"],
+            "`--group` must look like NAME=PATTERN[,PATTERN...], got 'emb'",
+        ),
+        (
+            ["--model", "CONFIG", "--group", "emb=embedding.*", "--schedule", "alternating"],
+            "pattern 'embedding.*' matches no parameter",
+        ),
+        (["--model", "CONFIG", "--schedule", "alternating"], "no groups: pass `--group NAME=PATTERN`"),
+    ],
+)
+def test_cli_bad_model_or_groups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     config = str(_bert_config(tmp_path / "c.json"))
     with pytest.raises(SystemExit):
         main([config if a == "CONFIG" else a for a in argv])
@@ -318,12 +389,36 @@ def test_module_entry_point_lists_commands(capsys: pytest.CaptureFixture[str]) -
 # -- against a real 2-rank DDP run ----------------------------------------------------------------
 
 SCENARIOS = {
-    "alternating-adamw-keep": ["--schedule", "alternating", "--ratios", "layer0=2,layer1+head=1,emb=1",
-                               "--steps", "8"],
-    "alternating-adamw-drop-views": ["--schedule", "alternating", "--ratios", "emb+layer0,layer1+head",
-                                     "--every", "2", "--steps", "8", "--state-policy", "drop", "--bucket-as-view"],
-    "random-sgd-momentum-keep": ["--schedule", "random-blocks", "--blocks", "emb,layer0,layer1", "--k", "1",
-                                 "--every", "1", "--always", "head", "--steps", "6", "--optimizer", "sgd-momentum"],
+    "alternating-adamw-keep": ["--schedule", "alternating", "--ratios", "layer0=2,layer1+head=1,emb=1", "--steps", "8"],
+    "alternating-adamw-drop-views": [
+        "--schedule",
+        "alternating",
+        "--ratios",
+        "emb+layer0,layer1+head",
+        "--every",
+        "2",
+        "--steps",
+        "8",
+        "--state-policy",
+        "drop",
+        "--bucket-as-view",
+    ],
+    "random-sgd-momentum-keep": [
+        "--schedule",
+        "random-blocks",
+        "--blocks",
+        "emb,layer0,layer1",
+        "--k",
+        "1",
+        "--every",
+        "1",
+        "--always",
+        "head",
+        "--steps",
+        "6",
+        "--optimizer",
+        "sgd-momentum",
+    ],
 }
 
 
@@ -331,13 +426,22 @@ SCENARIOS = {
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[CostPlan, list[list[dict[str, Any]]]]]:
     """Plans (meta) and per-step measurements on both ranks of a real run, per scenario."""
     folder = tmp_path_factory.mktemp("planner")
-    base = ["--model", str(_bert_config(folder / "config.json")), "--layers", "encoder.layer",
-            "--group", "emb=embeddings.*", "--group", "head=pooler.*", "--ungrouped", "error"]
+    base = [
+        "--model",
+        str(_bert_config(folder / "config.json")),
+        "--layers",
+        "encoder.layer",
+        "--group",
+        "emb=embeddings.*",
+        "--group",
+        "head=pooler.*",
+        "--ungrouped",
+        "error",
+    ]
     scenarios = {name: base + extra for name, extra in SCENARIOS.items()}
     launch(script_path("planner_check.py"), str(folder / "out"), json.dumps(scenarios), nproc=2)
     ranks = rank_results(folder / "out", nproc=2)
-    return {name: (plan_from_argv(argv)[1], [r["scenarios"][name] for r in ranks])
-            for name, argv in scenarios.items()}
+    return {name: (plan_from_argv(argv)[1], [r["scenarios"][name] for r in ranks]) for name, argv in scenarios.items()}
 
 
 def _row(plan: CostPlan, phase: str) -> Any:
@@ -376,11 +480,19 @@ def _llama_7b_plan(**kwargs: Any) -> CostPlan:
     from tests.support.models import LLAMA_7B, llama_decoder
 
     model = llama_decoder(**LLAMA_7B, device="meta")
-    groups = ParamGroups.from_layers(model, "model.layers",
-                                     extra={"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]})
+    groups = ParamGroups.from_layers(
+        model, "model.layers", extra={"emb": "model.embed_tokens.*", "head": ["model.norm.*", "lm_head.*"]}
+    )
     blocks = [n for n in groups.names if n.startswith("layer")]
-    return plan_cost(model, groups, Alternating([*blocks, "emb", "head"]), optimizer="adamw",
-                     state_policy="drop", world_size=8, **kwargs)
+    return plan_cost(
+        model,
+        groups,
+        Alternating([*blocks, "emb", "head"]),
+        optimizer="adamw",
+        state_policy="drop",
+        world_size=8,
+        **kwargs,
+    )
 
 
 def test_7b_shape_fits_16_gib_of_model_state_with_bf16_storage_and_fp32_masters_of_one_block() -> None:
@@ -402,16 +514,42 @@ def test_7b_shape_fits_16_gib_of_model_state_with_bf16_storage_and_fp32_masters_
 
 
 def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    args, plan = plan_from_argv(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule",
-                                 "sequence", "--phase", "slope:2", "--storage-dtype", "bfloat16",
-                                 "--master-policy", "drop"])
+    args, plan = plan_from_argv(
+        [
+            "--model",
+            "torch.nn:PReLU",
+            "--group",
+            "slope=weight",
+            "--schedule",
+            "sequence",
+            "--phase",
+            "slope:2",
+            "--storage-dtype",
+            "bfloat16",
+            "--master-policy",
+            "drop",
+        ]
+    )
     row = plan.row("slope")
     assert (row.param_bytes, row.grad_bytes, row.bucket_bytes, row.master_bytes, row.optimizer_bytes) == (2, 4, 2, 4, 8)
     assert row.allreduce_bytes == 2
     assert "storage: bfloat16" in plan.table() and plan.master_policy == "drop"
-    _, fp32_wire = plan_from_argv(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule",
-                                   "sequence", "--phase", "slope:2", "--storage-dtype", "bfloat16",
-                                   "--allreduce-dtype", "float32"])
+    _, fp32_wire = plan_from_argv(
+        [
+            "--model",
+            "torch.nn:PReLU",
+            "--group",
+            "slope=weight",
+            "--schedule",
+            "sequence",
+            "--phase",
+            "slope:2",
+            "--storage-dtype",
+            "bfloat16",
+            "--allreduce-dtype",
+            "float32",
+        ]
+    )
     wire = fp32_wire.row("slope")  # all-reduced in fp32: 4 B per trainable parameter, memory unchanged
     assert (wire.allreduce_bytes, wire.device_bytes) == (4, row.device_bytes)
     assert "all-reduced in float32" in fp32_wire.table()
@@ -422,13 +560,23 @@ def test_cli_storage_dtype_and_master_policy(capsys: pytest.CaptureFixture[str])
         plan_cost(prelu, ParamGroups(prelu, {"s": "weight"}), PhaseSequence([("s", 1)]), master_policy="swap")
 
 
-LLAMA = ["--model", "hf_altparams.check.workload:builtin_model", "--layers", "model.layers",
-         "--group", "emb=model.embed_tokens.*", "--group", "head=lm_head.*"]
+LLAMA = [
+    "--model",
+    "hf_altparams.check.workload:builtin_model",
+    "--layers",
+    "model.layers",
+    "--group",
+    "emb=model.embed_tokens.*",
+    "--group",
+    "head=lm_head.*",
+]
 
 
 def test_lisa_and_badam_plans_default_to_the_run_s_lean_state_and_say_why(capsys: pytest.CaptureFixture[str]) -> None:
     """The planner prices what the run does by default: lisa and badam drop idle optimizer state."""
-    assert main([*LLAMA, "--schedule", "lisa", "--k", "2", "--every", "5", "--always", "emb,head", "--steps", "10"]) == 0
+    assert (
+        main([*LLAMA, "--schedule", "lisa", "--k", "2", "--every", "5", "--always", "emb,head", "--steps", "10"]) == 0
+    )
     out = capsys.readouterr().out
     assert "state policy: drop (the RandomBlocks recipe's assumption)" in out
     args, lean = plan_from_argv([*LLAMA, "--schedule", "badam", "--every", "3", "--order", "random"])
@@ -443,9 +591,14 @@ def test_lisa_and_badam_plans_default_to_the_run_s_lean_state_and_say_why(capsys
 
 def test_badam_orders_are_its_own(capsys: pytest.CaptureFixture[str]) -> None:
     for extra, message in [
-        (["--schedule", "gradual", "--every", "2", "--order", "random"],
-         "`--order` 'random' does not apply to `--schedule gradual`; accepted: last_to_first, first_to_last"),
-        (["--schedule", "badam", "--every", "2", "--order", "first_to_last"], "accepted: ascending, descending, random"),
+        (
+            ["--schedule", "gradual", "--every", "2", "--order", "random"],
+            "`--order` 'random' does not apply to `--schedule gradual`; accepted: last_to_first, first_to_last",
+        ),
+        (
+            ["--schedule", "badam", "--every", "2", "--order", "first_to_last"],
+            "accepted: ascending, descending, random",
+        ),
         (["--schedule", "lisa", "--every", "2"], "`--k` (groups drawn per block) is required for `--schedule lisa`"),
     ]:
         with pytest.raises(SystemExit) as exit_info:

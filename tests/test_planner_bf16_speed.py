@@ -77,8 +77,9 @@ def test_an_injected_probe_decides_and_is_asked_for_both_dtypes() -> None:
 
 
 @pytest.mark.parametrize("value, fast", [("slow", False), ("FAST", True), (" fast ", True)])
-def test_the_environment_variable_forces_the_verdict_without_measuring(monkeypatch: pytest.MonkeyPatch,
-                                                                       value: str, fast: bool) -> None:
+def test_the_environment_variable_forces_the_verdict_without_measuring(
+    monkeypatch: pytest.MonkeyPatch, value: str, fast: bool
+) -> None:
     monkeypatch.setenv(BF16_ENV, value)
 
     def no_probe(dtype: torch.dtype) -> float:
@@ -132,15 +133,15 @@ def test_a_bf16_plan_on_a_slow_cpu_warns_with_the_figures_and_the_way_out() -> N
     assert "leave out `--storage-dtype`" in warning
     data = json.loads(json.dumps(plan.as_dict()))
     assert data["bf16_speed"]["fast"] is False and data["bf16_speed"]["slowdown"] == pytest.approx(100.65, abs=0.01)
-    fsdp2 = plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16, bf16_check=SLOW,
-                      backend="fsdp2")
+    fsdp2 = plan_cost(
+        net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16, bf16_check=SLOW, backend="fsdp2"
+    )
     assert "WARNING: bf16 is slow" in fsdp2.table()
 
 
 def test_a_bf16_plan_on_a_fast_device_says_so_without_a_warning() -> None:
     net, groups = _net()
-    table = plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16,
-                      bf16_check=FAST).table()
+    table = plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16, bf16_check=FAST).table()
     assert "bf16: bf16 is fast on this CPU" in table and "WARNING: bf16" not in table
 
 
@@ -162,14 +163,24 @@ def test_bf16_check_accepts_a_device_and_refuses_other_values(monkeypatch: pytes
     plan = plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16, bf16_check="cpu")
     assert isinstance(plan.bf16_speed, Bf16Speed) and plan.bf16_speed.source == "environment"
     with pytest.raises(PlanError, match="`bf16_check` must be 'auto', a device"):
-        plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16,
-                  bf16_check=3)  # type: ignore[arg-type]
+        plan_cost(net, groups, Alternating(["body", "head"]), storage_dtype=torch.bfloat16, bf16_check=3)  # type: ignore[arg-type]
 
 
 def test_the_command_line_warns_on_a_slow_cpu_and_puts_the_verdict_in_the_json(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule", "sequence", "--phase", "slope:2",
-            "--storage-dtype", "bfloat16"]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--model",
+        "torch.nn:PReLU",
+        "--group",
+        "slope=weight",
+        "--schedule",
+        "sequence",
+        "--phase",
+        "slope:2",
+        "--storage-dtype",
+        "bfloat16",
+    ]
     monkeypatch.setattr("sys.argv", ["plan"])
     monkeypatch.setenv(BF16_ENV, "slow")
     assert main([*argv, "--device", "cpu"]) == 0

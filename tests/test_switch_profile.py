@@ -21,8 +21,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_profile.py
 
 def _run(*args: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
@@ -31,8 +37,11 @@ def _run(*args: str) -> str:
 def test_compare_inputs_times_both_ways_on_equal_halves_of_the_switches(model: list[str]) -> None:
     out = _run(*model, "--switches", "8", "--warmup", "2", "--compare-inputs")
     assert ("BERT, 2 layers" in out) == (model[1] == "bert")
-    match = re.search(r"median switch ([\d.]+) ms .*\n.*DDP's own methods: median switch ([\d.]+) ms.*"
-                      r"= ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)", out)
+    match = re.search(
+        r"median switch ([\d.]+) ms .*\n.*DDP's own methods: median switch ([\d.]+) ms.*"
+        r"= ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)",
+        out,
+    )
     assert match is not None, out
     ours, theirs, ratio = (float(match.group(i)) for i in (1, 2, 3))
     assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=0.01)  # printed values are rounded
@@ -42,28 +51,39 @@ def test_compare_inputs_times_both_ways_on_equal_halves_of_the_switches(model: l
 def test_compare_kept_times_both_reducer_settings_on_equal_halves_of_the_switches() -> None:
     # BERT: its pooler is trained and used (an unused trainable parameter refuses the switch).
     out = _run("--model", "bert", "--layers", "2", "--switches", "8", "--warmup", "4", "--compare-kept")
-    match = re.search(r"keep_reducers=0: median step ([\d.]+) ms, median switch ([\d.]+) ms .*\n"
-                      r"  keep_reducers=1: median step ([\d.]+) ms, median switch ([\d.]+) ms .*"
-                      r"switch ([\d.]+)x, step ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)", out)
+    match = re.search(
+        r"keep_reducers=0: median step ([\d.]+) ms, median switch ([\d.]+) ms .*\n"
+        r"  keep_reducers=1: median step ([\d.]+) ms, median switch ([\d.]+) ms .*"
+        r"switch ([\d.]+)x, step ([\d.]+)x \((\d+) and (\d+) switches, interleaved\)",
+        out,
+    )
     assert match is not None, out
     built_step, built, kept_step, kept, ratio, step_ratio = (float(match.group(i)) for i in range(1, 7))
-    assert ratio == pytest.approx(kept / built, rel=0.01) and step_ratio == pytest.approx(kept_step / built_step,
-                                                                                          rel=0.01)
+    assert ratio == pytest.approx(kept / built, rel=0.01) and step_ratio == pytest.approx(
+        kept_step / built_step, rel=0.01
+    )
     assert match.group(7) == match.group(8) == "4"
 
 
 def test_bert_needs_two_layers_to_alternate() -> None:
     env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "bert", "--layers", "1"], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "bert", "--layers", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--layers >= 2" in proc.stdout and "got 1" in proc.stdout
 
 
 def test_check_cost_times_the_invariant_check_as_a_share_of_the_step() -> None:
     out = _run("--model", "bert", "--layers", "2", "--switches", "4", "--warmup", "2", "--top", "0", "--check-cost")
     step = re.search(r"median step ([\d.]+) ms", out)
-    match = re.search(r"invariant check before each step: median ([\d.]+) us over 2000 calls \(([\d.]+) % of a step\)",
-                      out)
+    match = re.search(
+        r"invariant check before each step: median ([\d.]+) us over 2000 calls \(([\d.]+) % of a step\)", out
+    )
     assert step is not None and match is not None, out
     check_us, share = float(match.group(1)), float(match.group(2))
     assert check_us > 0

@@ -18,21 +18,54 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_soak.py"
-TINY = ["--device", "cpu", "--size-mib", "0.05", "--layers", "1", "--batch", "8", "--warmup", "6", "--idle-s", "0.1",
-        "--timed", "8"]
+TINY = [
+    "--device",
+    "cpu",
+    "--size-mib",
+    "0.05",
+    "--layers",
+    "1",
+    "--batch",
+    "8",
+    "--warmup",
+    "6",
+    "--idle-s",
+    "0.1",
+    "--timed",
+    "8",
+]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.distributed
 def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path: Path) -> None:
     variants = ["default", "single_a", "single_b", "keep_reducers", "find_unused", "release", "probe", "waited"]
-    proc = _run(*TINY, "--switches", "24", "--short-switches", "16", "--tail", "8", "--variants", *variants,
-                "--probe-grace-s", "5", "--out", str(tmp_path))
+    proc = _run(
+        *TINY,
+        "--switches",
+        "24",
+        "--short-switches",
+        "16",
+        "--tail",
+        "8",
+        "--variants",
+        *variants,
+        "--probe-grace-s",
+        "5",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())
     rows = {row["variant"]: row for row in summary["rows"]}
@@ -50,14 +83,22 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
     # The diagnostic tail ran for every hf_altparams variant: old reducers counted (keep_reducers
     # keeps one by design); on CPU there is no CUDA snapshot, and the note says why.
     tails = summary["tails"]
-    assert set(name for name, tail in tails.items() if tail) == {"default", "keep_reducers", "release", "probe",
-                                                                  "waited"}
-    assert tails["default"]["old_reducers_alive"]["max"] == 0 and tails["keep_reducers"]["old_reducers_alive"]["max"] == 1
+    assert set(name for name, tail in tails.items() if tail) == {
+        "default",
+        "keep_reducers",
+        "release",
+        "probe",
+        "waited",
+    }
+    assert (
+        tails["default"]["old_reducers_alive"]["max"] == 0 and tails["keep_reducers"]["old_reducers_alive"]["max"] == 1
+    )
     assert tails["probe"]["old_buckets_alive"]["max"] == 0
     assert "unavailable" in tails["default"]["note"] and "B_minus_A" not in tails["default"]
     assert rows["default"]["iteration_ratio"] == pytest.approx(
         rows["default"]["iteration_ms"] / ((rows["single_a"]["iteration_ms"] + rows["single_b"]["iteration_ms"]) / 2),
-        rel=1e-6)
+        rel=1e-6,
+    )
     table = (tmp_path / "switch_soak_cpu_1r.md").read_text()
     assert "| `default` | 24 (warm-up 6) |" in table and "RSS growth after warm-up" in table
     assert "target: default: growth <= 1 MiB not judged (24 switches, the target is over 24)" not in table
@@ -74,19 +115,34 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
 def test_two_ranks_stay_identical_and_skip_alike_what_the_budget_cannot_hold(tmp_path: Path) -> None:
     # single_a's million switches cannot fit the 120 s budget once default showed the time an
     # iteration takes: both ranks skip it together (rank 0 decides, the others follow).
-    proc = _run(*TINY, "--ranks", "2", "--switches", "12", "--budget-s", "120", "--variants", "default",
-                "single_a:1000000", "--out", str(tmp_path))
+    proc = _run(
+        *TINY,
+        "--ranks",
+        "2",
+        "--switches",
+        "12",
+        "--budget-s",
+        "120",
+        "--variants",
+        "default",
+        "single_a:1000000",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = json.loads((tmp_path / "switch_soak_cpu_2r.json").read_text())["rows"]
     assert [(row["variant"], row.get("ranks"), row.get("ranks_identical")) for row in rows] == [
-        ("default", 2, True), ("single_a", None, None)]
+        ("default", 2, True),
+        ("single_a", None, None),
+    ]
     assert rows[1]["note"].startswith("skipped: the time budget (about ")
 
 
 @pytest.mark.distributed
 def test_a_spent_time_budget_skips_variants_and_says_so(tmp_path: Path) -> None:
-    proc = _run(*TINY, "--switches", "12", "--budget-s", "0.01", "--variants", "default", "single_a",
-                "--out", str(tmp_path))
+    proc = _run(
+        *TINY, "--switches", "12", "--budget-s", "0.01", "--variants", "default", "single_a", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())["rows"]
     assert [row["variant"] for row in rows] == ["default", "single_a"]
@@ -106,21 +162,30 @@ def test_snapshot_sites_name_the_code_that_allocated_and_the_diff_finds_what_gre
     # The CUDA diagnostic's pure half, on a snapshot shaped like torch.cuda.memory._snapshot()'s.
     from tests.support.memory_snapshots import NO_FRAMES, block_groups, diff_groups
 
-    init = [{"name": "_ddp_init_helper", "filename": "/x/torch/nn/parallel/distributed.py", "line": 1},
-            {"name": "rebuild_reducer", "filename": "/repo/hf_altparams/engine/ddp/_surgery.py", "line": 9},
-            {"name": "step_to", "filename": "/repo/hf_altparams/engine/switch.py", "line": 5}]
-    adam = [{"name": "_single_tensor_adam", "filename": "/x/torch/optim/adam.py", "line": 2},
-            {"name": "step", "filename": "/x/torch/optim/adam.py", "line": 3}]
+    init = [
+        {"name": "_ddp_init_helper", "filename": "/x/torch/nn/parallel/distributed.py", "line": 1},
+        {"name": "rebuild_reducer", "filename": "/repo/hf_altparams/engine/ddp/_surgery.py", "line": 9},
+        {"name": "step_to", "filename": "/repo/hf_altparams/engine/switch.py", "line": 5},
+    ]
+    adam = [
+        {"name": "_single_tensor_adam", "filename": "/x/torch/optim/adam.py", "line": 2},
+        {"name": "step", "filename": "/x/torch/optim/adam.py", "line": 3},
+    ]
 
     def snap(buckets: int) -> dict:
         blocks = [{"size": 128, "state": "active_allocated", "frames": init} for _ in range(buckets)]
-        blocks += [{"size": 64, "state": "active_allocated", "frames": adam},
-                   {"size": 32, "state": "active_allocated", "frames": []},
-                   {"size": 999, "state": "inactive", "frames": init}]  # cached, not live: not counted
+        blocks += [
+            {"size": 64, "state": "active_allocated", "frames": adam},
+            {"size": 32, "state": "active_allocated", "frames": []},
+            {"size": 999, "state": "inactive", "frames": init},
+        ]  # cached, not live: not counted
         return {"segments": [{"blocks": blocks}]}
 
     before, after = block_groups(snap(1)), block_groups(snap(4))
-    site = ("_ddp_init_helper (distributed.py:1) < rebuild_reducer (_surgery.py:9)")
-    assert before == {site: {"bytes": 128, "blocks": 1}, "_single_tensor_adam (adam.py:2) < step (adam.py:3)":
-                      {"bytes": 64, "blocks": 1}, NO_FRAMES: {"bytes": 32, "blocks": 1}}
+    site = "_ddp_init_helper (distributed.py:1) < rebuild_reducer (_surgery.py:9)"
+    assert before == {
+        site: {"bytes": 128, "blocks": 1},
+        "_single_tensor_adam (adam.py:2) < step (adam.py:3)": {"bytes": 64, "blocks": 1},
+        NO_FRAMES: {"bytes": 32, "blocks": 1},
+    }
     assert diff_groups(before, after) == [{"site": site, "bytes": 384, "blocks": 3}]

@@ -43,5 +43,16 @@ from .rank import CheckOptions, RankResult, run_rank
 from .verdict import CAUSES, Tolerances, Verdict, judge
 from .workload import CheckSetup, builtin_model, builtin_setup
 
-__all__ = ["CAUSES", "CheckOptions", "CheckSetup", "RankResult", "Tolerances", "Verdict", "builtin_model",
-           "builtin_setup", "judge", "main", "run_rank"]
+__all__ = [
+    "CAUSES",
+    "CheckOptions",
+    "CheckSetup",
+    "RankResult",
+    "Tolerances",
+    "Verdict",
+    "builtin_model",
+    "builtin_setup",
+    "judge",
+    "main",
+    "run_rank",
+]

@@ -20,14 +20,35 @@ from typing import Any, Optional, Sequence
 
 from ..engine.strategies import strategy_named
 from ..errors import AltParamsError, Cause, PlanError
-from .launch import (RESULTS_ENV, Interrupted, LaunchRefused, alone_under_accelerate, deadline_left, decide_on_rank0,
-                     launched, plan_launch, self_launch, signals_interrupt, started_by_check, write_result)
+from .launch import (
+    RESULTS_ENV,
+    Interrupted,
+    LaunchRefused,
+    alone_under_accelerate,
+    deadline_left,
+    decide_on_rank0,
+    launched,
+    plan_launch,
+    self_launch,
+    signals_interrupt,
+    started_by_check,
+    write_result,
+)
 from .preflight import price_check
 from .rank import CheckOptions, RankResult, run_rank
 from .verdict import CAUSES, Tolerances, Verdict, judge
 from .watch import ProgressFile
-from .workload import (CHECK_DEFAULTS, SCHEDULES, TASKS, CheckSetup, builtin_setup, load_setup, model_setup,
-                       model_task, schedule_for)
+from .workload import (
+    CHECK_DEFAULTS,
+    SCHEDULES,
+    TASKS,
+    CheckSetup,
+    builtin_setup,
+    load_setup,
+    model_setup,
+    model_task,
+    schedule_for,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -41,6 +62,7 @@ def _positive(flag: str, kind: type = int):  # type: ignore[no-untyped-def]
         if value <= 0:
             raise argparse.ArgumentTypeError(f"`{flag}` must be positive, got {text!r}")
         return value
+
     return parse
 
 
@@ -49,54 +71,88 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_altparams check",
         description="Train a short phased run on this machine's devices and ranks, then report: ranks "
-                    "bit-identical after each switch, bytes all-reduced = trainable bytes, memory flat over "
-                    "switches and within the plan, switch time. Exits 1 on a failure, naming the cause.",
+        "bit-identical after each switch, bytes all-reduced = trainable bytes, memory flat over "
+        "switches and within the plan, switch time. Exits 1 on a failure, naming the cause.",
         epilog="Without a launcher it starts its ranks itself, once, and says how: --ranks N (torchrun) > an "
-               "Accelerate config (--accelerate-config, else your default one: accelerate launch) > the GPUs > 2 "
-               "CPU ranks (torchrun). A config that would start one process where it asks for several is refused "
-               "(exit 2). Under torchrun or accelerate launch (`accelerate launch -m hf_altparams check ...`) it "
-               "runs as one of the ranks, or as the one process such a launch started. Exit codes: 0 passed, 1 "
-               "failed, 2 bad flags or launch refused, 130 Ctrl-C, 143 SIGTERM.")
+        "Accelerate config (--accelerate-config, else your default one: accelerate launch) > the GPUs > 2 "
+        "CPU ranks (torchrun). A config that would start one process where it asks for several is refused "
+        "(exit 2). Under torchrun or accelerate launch (`accelerate launch -m hf_altparams check ...`) it "
+        "runs as one of the ranks, or as the one process such a launch started. Exit codes: 0 passed, 1 "
+        "failed, 2 bad flags or launch refused, 130 Ctrl-C, 143 SIGTERM.",
+    )
     what = p.add_argument_group("what to train (default: a built-in 8-layer Llama)")
     what.add_argument("--model", help="a transformers config JSON or checkpoint folder (read locally)")
     what.add_argument("--weights", action="store_true", help="load the checkpoint's weights (default: fresh)")
-    what.add_argument("--task", choices=list(TASKS),
-                      help="the head --model trains (default: from the config's architectures, else the first "
-                           "of these it has)")
+    what.add_argument(
+        "--task",
+        choices=list(TASKS),
+        help="the head --model trains (default: from the config's architectures, else the first of these it has)",
+    )
     what.add_argument("--model-class", help="transformers class for --model (default: the task's auto class)")
     what.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast --model to this dtype")
     what.add_argument("--layers", metavar="ATTR.PATH", help="the ModuleList to group (default: the largest)")
     what.add_argument("--per", type=_positive("--per"), default=1, help="layers per group")
-    what.add_argument("--setup", metavar="MODULE:FUNCTION",
-                      help="your own set-up: a function returning a CheckSetup or (groups, schedule)")
-    SCHEDULES.add_flags(p.add_argument_group(
-        "the schedule (with the built-in model or --model)",
-        "the kinds and flags of hf_altparams.plan.SCHEDULES, the same as the planner's, with check's own "
-        "defaults (hf_altparams.check.workload.CHECK_DEFAULTS; docs/check.md)"), CHECK_DEFAULTS)
+    what.add_argument(
+        "--setup",
+        metavar="MODULE:FUNCTION",
+        help="your own set-up: a function returning a CheckSetup or (groups, schedule)",
+    )
+    SCHEDULES.add_flags(
+        p.add_argument_group(
+            "the schedule (with the built-in model or --model)",
+            "the kinds and flags of hf_altparams.plan.SCHEDULES, the same as the planner's, with check's own "
+            "defaults (hf_altparams.check.workload.CHECK_DEFAULTS; docs/check.md)",
+        ),
+        CHECK_DEFAULTS,
+    )
     run = p.add_argument_group("the run")
     run.add_argument("--steps", type=_positive("--steps"), default=60, help="optimizer steps (default 60)")
-    run.add_argument("--ranks", type=_positive("--ranks"),
-                     help="ranks to start with torchrun (with --accelerate-config: accelerate launch's "
-                          "--num_processes); default: your Accelerate config, else the GPUs, else 2 CPU ranks")
-    run.add_argument("--accelerate-config", metavar="FILE",
-                     help="start the ranks with `accelerate launch --config_file FILE` (default: your default "
-                          "Accelerate config, where one exists and --ranks is not given)")
-    run.add_argument("--no-preflight", action="store_true",
-                     help="start the ranks without pricing their memory first (the pre-flight refuses a run "
-                          "that cannot fit in this machine's memory)")
-    run.add_argument("--strategy", metavar="{" + ",".join(CONFIGURABLE) + "}",
-                     help="the registered strategy to run (default: as Accelerate is configured); fsdp2: shard "
-                          "with FSDP2, also on CPU ranks")
+    run.add_argument(
+        "--ranks",
+        type=_positive("--ranks"),
+        help="ranks to start with torchrun (with --accelerate-config: accelerate launch's "
+        "--num_processes); default: your Accelerate config, else the GPUs, else 2 CPU ranks",
+    )
+    run.add_argument(
+        "--accelerate-config",
+        metavar="FILE",
+        help="start the ranks with `accelerate launch --config_file FILE` (default: your default "
+        "Accelerate config, where one exists and --ranks is not given)",
+    )
+    run.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="start the ranks without pricing their memory first (the pre-flight refuses a run "
+        "that cannot fit in this machine's memory)",
+    )
+    run.add_argument(
+        "--strategy",
+        metavar="{" + ",".join(CONFIGURABLE) + "}",
+        help="the registered strategy to run (default: as Accelerate is configured); fsdp2: shard "
+        "with FSDP2, also on CPU ranks",
+    )
     run.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
     run.add_argument("--warmup", type=int, default=2, help="switches left out of the memory judgement")
-    run.add_argument("--run-steps", type=_positive("--run-steps"), default=10_000,
-                     help="optimizer steps of the run you plan: memory growing per step is projected to its end "
-                          "(default 10,000: a fine-tuning run of a few epochs)")
-    run.add_argument("--timeout", type=_positive("--timeout", float), default=120.0,
-                     help="seconds a rank waits for the others before reporting them lost")
-    run.add_argument("--deadline", type=_positive("--deadline", float), default=900.0,
-                     help="seconds the whole check may take (self-launched); past it every process is stopped "
-                          "and the check fails naming how far each rank got")
+    run.add_argument(
+        "--run-steps",
+        type=_positive("--run-steps"),
+        default=10_000,
+        help="optimizer steps of the run you plan: memory growing per step is projected to its end "
+        "(default 10,000: a fine-tuning run of a few epochs)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=_positive("--timeout", float),
+        default=120.0,
+        help="seconds a rank waits for the others before reporting them lost",
+    )
+    run.add_argument(
+        "--deadline",
+        type=_positive("--deadline", float),
+        default=900.0,
+        help="seconds the whole check may take (self-launched); past it every process is stopped "
+        "and the check fails naming how far each rank got",
+    )
     run.add_argument("--json", action="store_true", help="print the verdict as JSON (for CI)")
     run.add_argument("--json-out", metavar="FILE", help="also write the verdict as JSON to FILE")
     return p
@@ -115,12 +171,22 @@ def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             world = dist.get_world_size() if dist.is_initialized() else 1
             return load_setup(args.setup, rank=rank, world=world)
         if args.model:
-            model, groups = model_setup(args.model, weights=args.weights, model_class=args.model_class,
-                                        task=args.task, dtype=args.dtype, layers=args.layers, per=args.per)
-            return CheckSetup(groups, schedule_for(name, groups, **options),
-                              description=f"{args.model} ({type(model).__name__}, "
-                                          f"{model_task(model) or 'no known head'}); {name}")
+            model, groups = model_setup(
+                args.model,
+                weights=args.weights,
+                model_class=args.model_class,
+                task=args.task,
+                dtype=args.dtype,
+                layers=args.layers,
+                per=args.per,
+            )
+            return CheckSetup(
+                groups,
+                schedule_for(name, groups, **options),
+                description=f"{args.model} ({type(model).__name__}, {model_task(model) or 'no known head'}); {name}",
+            )
         return builtin_setup(name, **options)
+
     return make
 
 
@@ -143,8 +209,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.strategy is not None:
         name = strategy_named(args.strategy, argument="`--strategy`").name
         if name not in CONFIGURABLE:
-            raise PlanError(f"`--strategy {args.strategy}`: the check sets up {list(CONFIGURABLE)} through "
-                            f"Accelerate; run {name} under your own launcher and config instead")
+            raise PlanError(
+                f"`--strategy {args.strategy}`: the check sets up {list(CONFIGURABLE)} through "
+                f"Accelerate; run {name} under your own launcher and config instead"
+            )
         if args.fsdp2 and name != "fsdp2":
             raise PlanError(f"`--fsdp2` and `--strategy {args.strategy}` disagree; give one of them")
         args.fsdp2 = name == "fsdp2"  # the one flag the rest of the check reads
@@ -162,9 +230,11 @@ def _header(results: Sequence[Optional[RankResult]], how: str, args: argparse.Na
     switches = len(first.switches)
     model = f"{first.model_class}: " if first.model_class and first.model_class not in first.description else ""
     accumulation = f", {first.accumulation} micro-batches per step" if first.accumulation > 1 else ""
-    return (f"hf_altparams check: {first.world} rank{'s' if first.world > 1 else ''} ({how}), {first.parallel} on "
-            f"{first.device}; {model}{first.description}; {_precision(first)}; {len(first.steps)} of {args.steps} "
-            f"steps{accumulation}, {switches} switches, {max(r.seconds for r in results if r is not None):.0f} s")
+    return (
+        f"hf_altparams check: {first.world} rank{'s' if first.world > 1 else ''} ({how}), {first.parallel} on "
+        f"{first.device}; {model}{first.description}; {_precision(first)}; {len(first.steps)} of {args.steps} "
+        f"steps{accumulation}, {switches} switches, {max(r.seconds for r in results if r is not None):.0f} s"
+    )
 
 
 def _precision(result: RankResult) -> str:
@@ -204,11 +274,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         def write(result: RankResult) -> int:
             write_result(folder, result)
             return 0
+
         return run_rank(_setup_maker(args), options, write, progress=ProgressFile(folder, rank))
     if launched() or alone_under_accelerate():
-        how = "launched" if launched() else (
-            "the one process accelerate launch started: it set no WORLD_SIZE, as it does for a config of "
-            "distributed_type NO or MULTI_CPU; nothing else was started")
+        how = (
+            "launched"
+            if launched()
+            else (
+                "the one process accelerate launch started: it set no WORLD_SIZE, as it does for a config of "
+                "distributed_type NO or MULTI_CPU; nothing else was started"
+            )
+        )
 
         def decide(results: list[Optional[RankResult]]) -> int:
             verdict = judge(results, _tolerances(results, args), header=_header(results, how, args))
@@ -226,23 +302,32 @@ def _launch_and_judge(argv: Sequence[str], args: argparse.Namespace) -> int:
             plan = plan_launch(argv, args.ranks, args.accelerate_config)
             print(plan.line(), file=sys.stderr, flush=True)
             priced = _preflight(args, plan.processes)
-            outcome = self_launch(plan, deadline_left(started, args.deadline), args.steps, priced,
-                                  allowed=args.deadline)
+            outcome = self_launch(
+                plan, deadline_left(started, args.deadline), args.steps, priced, allowed=args.deadline
+            )
     except LaunchRefused as refused:  # the launch (exit 2) or the pre-flight (exit 1) refused it
         return _refuse(args, refused.cause, refused.detail)
     except (PlanError, AltParamsError) as err:
         print(f"python -m hf_altparams check: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
-        print(f"hf_altparams check: interrupted by {stop}: stopped every process it started; no verdict",
-              file=sys.stderr, flush=True)
+        print(
+            f"hf_altparams check: interrupted by {stop}: stopped every process it started; no verdict",
+            file=sys.stderr,
+            flush=True,
+        )
         if args.json:
-            _refuse(args, Cause.INTERRUPTED, f"interrupted by {stop} after {time.monotonic() - started:.0f} s",
-                    header="hf_altparams check: interrupted")
+            _refuse(
+                args,
+                Cause.INTERRUPTED,
+                f"interrupted by {stop} after {time.monotonic() - started:.0f} s",
+                header="hf_altparams check: interrupted",
+            )
         return stop.exit_code
     results = outcome.results
-    verdict = judge(results, _tolerances(results, args), header=_header(results, plan.how, args),
-                    stopped=outcome.stopped)
+    verdict = judge(
+        results, _tolerances(results, args), header=_header(results, plan.how, args), stopped=outcome.stopped
+    )
     return _report(verdict, args, outcome.tail)
 
 
@@ -253,21 +338,36 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
         LaunchRefused: ``wont_fit`` (it cannot fit) or ``setup_refused`` (the flags build no model).
     """
     if args.no_preflight or args.setup:
-        why = "--no-preflight" if args.no_preflight else (
-            "a --setup builds its model in your code, so it cannot be priced before it runs")
+        why = (
+            "--no-preflight"
+            if args.no_preflight
+            else ("a --setup builds its model in your code, so it cannot be priced before it runs")
+        )
         print(f"pre-flight: skipped ({why})", file=sys.stderr, flush=True)
         return None
     kind, options = SCHEDULES.given(args)
     try:
-        price = price_check(args.model, ranks=processes, steps=args.steps, fsdp2=args.fsdp2,
-                            model_class=args.model_class, task=args.task,
-                            dtype=args.dtype if args.model else None,
-                            layers=args.layers, per=args.per, schedule=kind, schedule_options=options)
+        price = price_check(
+            args.model,
+            ranks=processes,
+            steps=args.steps,
+            fsdp2=args.fsdp2,
+            model_class=args.model_class,
+            task=args.task,
+            dtype=args.dtype if args.model else None,
+            layers=args.layers,
+            per=args.per,
+            schedule=kind,
+            schedule_options=options,
+        )
     except PlanError as err:
         raise LaunchRefused(Cause.SETUP_REFUSED, str(err)) from err
     except Exception as err:  # a model the planner cannot price: the ranks will build it and say what fails
-        print(f"pre-flight: this model cannot be priced ({type(err).__name__}: {str(err)[:300]}); skipped",
-              file=sys.stderr, flush=True)
+        print(
+            f"pre-flight: this model cannot be priced ({type(err).__name__}: {str(err)[:300]}); skipped",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     print(price.line(), file=sys.stderr, flush=True)
     if not price.fits:
@@ -275,8 +375,9 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
     return price.summary()
 
 
-def _refuse(args: argparse.Namespace, cause: Cause, detail: str,
-            header: str = "hf_altparams check: stopped before training") -> int:
+def _refuse(
+    args: argparse.Namespace, cause: Cause, detail: str, header: str = "hf_altparams check: stopped before training"
+) -> int:
     """Report a check stopped before the ranks gave a verdict (refused, interrupted); its exit code.
 
     2 for a launch refused (like a bad flag), 1 for what the pre-flight refused
@@ -296,5 +397,8 @@ def _refuse(args: argparse.Namespace, cause: Cause, detail: str,
 
 def _tolerances(results: Sequence[Optional[RankResult]], args: argparse.Namespace) -> Optional[Tolerances]:
     first = next((r for r in results if r is not None), None)
-    return None if first is None else Tolerances.for_source(first.memory_source, warmup=args.warmup,
-                                                            run_steps=args.run_steps)
+    return (
+        None
+        if first is None
+        else Tolerances.for_source(first.memory_source, warmup=args.warmup, run_steps=args.run_steps)
+    )

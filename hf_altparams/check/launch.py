@@ -45,15 +45,33 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from ..errors import Cause, PlanError
-from ..integrations.accelerate_internals import (ONE_PROCESS_TYPES, default_launch_config, read_launch_config,
-                                                 started_alone_by_accelerate)
+from ..integrations.accelerate_internals import (
+    ONE_PROCESS_TYPES,
+    default_launch_config,
+    read_launch_config,
+    started_alone_by_accelerate,
+)
 from ..testing.launch import run_launchers, write_rank_result
 from .rank import RankResult
 from .watch import Watch
 
-__all__ = ["RESULTS_ENV", "Interrupted", "LaunchOutcome", "LaunchPlan", "LaunchRefused", "alone_under_accelerate",
-           "deadline_left", "decide_on_rank0", "launched", "plan_launch", "read_results", "self_launch", "signals_interrupt",
-           "started_by_check", "write_result"]
+__all__ = [
+    "RESULTS_ENV",
+    "Interrupted",
+    "LaunchOutcome",
+    "LaunchPlan",
+    "LaunchRefused",
+    "alone_under_accelerate",
+    "deadline_left",
+    "decide_on_rank0",
+    "launched",
+    "plan_launch",
+    "read_results",
+    "self_launch",
+    "signals_interrupt",
+    "started_by_check",
+    "write_result",
+]
 
 #: The folder a self-launched rank writes its ``rank{r}.json`` and ``progress{r}.json`` to; set in every
 #: process the check starts, it also marks that process as started by the check (it never launches).
@@ -109,6 +127,7 @@ def signals_interrupt() -> Iterator[None]:
     A signal this process ignores stays ignored (``nohup`` ignores SIGHUP; a shell
     ignores SIGINT in a job it starts in the background).
     """
+
     def interrupt(signum: int, frame: Optional[FrameType]) -> None:
         raise Interrupted(signum)
 
@@ -132,8 +151,10 @@ class LaunchPlan:
 
     def line(self) -> str:
         """The one line announcing it."""
-        return (f"hf_altparams check: starting {self.processes} rank{'s' if self.processes > 1 else ''} with "
-                f"{self.launcher} ({self.why})")
+        return (
+            f"hf_altparams check: starting {self.processes} rank{'s' if self.processes > 1 else ''} with "
+            f"{self.launcher} ({self.why})"
+        )
 
     @property
     def how(self) -> str:
@@ -146,8 +167,23 @@ def _cuda_ranks() -> int:
 
 
 def _torchrun(argv: Sequence[str], count: int, why: str) -> LaunchPlan:
-    return LaunchPlan([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
-                       "-m", "hf_altparams", "check", *argv], "torchrun", count, why)
+    return LaunchPlan(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(count),
+            "-m",
+            "hf_altparams",
+            "check",
+            *argv,
+        ],
+        "torchrun",
+        count,
+        why,
+    )
 
 
 def plan_launch(argv: Sequence[str], ranks: Optional[int], config_file: Optional[str]) -> LaunchPlan:
@@ -172,23 +208,30 @@ def plan_launch(argv: Sequence[str], ranks: Optional[int], config_file: Optional
     read = read_launch_config(config)
     elsewhere = read.elsewhere()
     if elsewhere:
-        raise PlanError(f"{where} {str(config)} is not a launch the check can start on this machine alone: "
-                        f"{elsewhere}. Start the check under it yourself on every machine (`accelerate launch "
-                        f"--config_file {config} -m hf_altparams check`), or give `--ranks N` to use torchrun here")
+        raise PlanError(
+            f"{where} {str(config)} is not a launch the check can start on this machine alone: "
+            f"{elsewhere}. Start the check under it yourself on every machine (`accelerate launch "
+            f"--config_file {config} -m hf_altparams check`), or give `--ranks N` to use torchrun here"
+        )
     wanted = ranks or read.num_processes or (1 if read.one_process else None)
     if wanted is None:
-        raise PlanError(f"{where} {str(config)} (distributed_type {read.distributed_type}) names no num_processes; "
-                        "give `--ranks N`")
+        raise PlanError(
+            f"{where} {str(config)} (distributed_type {read.distributed_type}) names no num_processes; give `--ranks N`"
+        )
     started = read.processes(ranks)
     assert started is not None  # wanted is known, so is what starts
     if started < wanted:
-        raise LaunchRefused(Cause.LAUNCH_STARTS_ONE_PROCESS, (
-            f"{where} {config} has distributed_type {read.distributed_type} and num_processes "
-            f"{read.num_processes}{f' (--ranks {ranks})' if ranks else ''}, but `accelerate launch` starts ONE "
-            f"process for distributed_type {' or '.join(ONE_PROCESS_TYPES)}: the check would test one process, not "
-            f"{wanted} ranks, as would your own `accelerate launch` with it. Set `distributed_type: MULTI_GPU` in "
-            f"that file, or give `--ranks {wanted}` (without --accelerate-config) to start {wanted} ranks with "
-            "torchrun"))
+        raise LaunchRefused(
+            Cause.LAUNCH_STARTS_ONE_PROCESS,
+            (
+                f"{where} {config} has distributed_type {read.distributed_type} and num_processes "
+                f"{read.num_processes}{f' (--ranks {ranks})' if ranks else ''}, but `accelerate launch` starts ONE "
+                f"process for distributed_type {' or '.join(ONE_PROCESS_TYPES)}: the check would test one process, not "
+                f"{wanted} ranks, as would your own `accelerate launch` with it. Set `distributed_type: MULTI_GPU` in "
+                f"that file, or give `--ranks {wanted}` (without --accelerate-config) to start {wanted} ranks with "
+                "torchrun"
+            ),
+        )
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     if ranks is not None and not read.one_process:
         command += ["--num_processes", str(ranks)]
@@ -211,8 +254,7 @@ def read_results(folder: Path, world: int) -> list[Optional[RankResult]]:
     return out
 
 
-def decide_on_rank0(result: RankResult, decide: Callable[[list[Optional[RankResult]]], int], timeout: float
-                    ) -> int:
+def decide_on_rank0(result: RankResult, decide: Callable[[list[Optional[RankResult]]], int], timeout: float) -> int:
     """Gather every rank's result on rank 0, let ``decide`` judge and print there; its exit code on every rank.
 
     Runs while the training's process group is still up, on a gloo group of its
@@ -252,8 +294,9 @@ class LaunchOutcome:
     stopped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def self_launch(plan: LaunchPlan, deadline: float, steps: int, priced: Optional[str] = None,
-                allowed: Optional[float] = None) -> LaunchOutcome:
+def self_launch(
+    plan: LaunchPlan, deadline: float, steps: int, priced: Optional[str] = None, allowed: Optional[float] = None
+) -> LaunchOutcome:
     """Start ``plan``, wait for it at most ``deadline`` seconds, and read what the ranks wrote.
 
     ``steps``: the steps each rank trains (to say how far one got); ``priced``: the

@@ -99,42 +99,56 @@ class Price:
 
     def summary(self) -> str:
         """One phrase for the report: ``"2 ranks x 1.20 GiB of host memory (...)"``."""
-        text = (f"{self.ranks} rank{'s' if self.ranks > 1 else ''} x {format_bytes(self.per_rank)} of host memory "
-                f"(process {format_bytes(self.process)}, model as built {format_bytes(self.built)}, plan's worst "
-                f"phase {self.worst_phase!r} {format_bytes(self.worst)})")
+        text = (
+            f"{self.ranks} rank{'s' if self.ranks > 1 else ''} x {format_bytes(self.per_rank)} of host memory "
+            f"(process {format_bytes(self.process)}, model as built {format_bytes(self.built)}, plan's worst "
+            f"phase {self.worst_phase!r} {format_bytes(self.worst)})"
+        )
         if self.device == "cuda":
             text += f", and {format_bytes(self.worst)} on each GPU"
         return text
 
     def line(self) -> str:
         """The pre-flight's line: the price, what is available, and whether it fits."""
-        text = (f"pre-flight: {self.summary()} = {format_bytes(self.host_need)} against "
-                f"{format_bytes(self.host_available)} available of {format_bytes(self.host_total)}")
+        text = (
+            f"pre-flight: {self.summary()} = {format_bytes(self.host_need)} against "
+            f"{format_bytes(self.host_available)} available of {format_bytes(self.host_total)}"
+        )
         if self.device == "cuda":
-            text += ("; GPU free: " + ", ".join(format_bytes(f) for f in self.gpu_free[: self.ranks])
-                     if self.gpu_free else "; GPU free memory unread")
+            text += (
+                "; GPU free: " + ", ".join(format_bytes(f) for f in self.gpu_free[: self.ranks])
+                if self.gpu_free
+                else "; GPU free memory unread"
+            )
         return text + ("; fits (activations come on top)" if self.fits else "; does NOT fit")
 
     def refusal(self, *, dtype: Optional[str], fsdp2: bool) -> str:
         """Why it cannot fit, with the figures and the ways out."""
         reasons = []
         if self.host_need > self.host_available:
-            reasons.append(f"the {self.ranks} rank(s) on this host hold at least {format_bytes(self.host_need)} "
-                           f"({self.summary()}), and {format_bytes(self.host_available)} of "
-                           f"{format_bytes(self.host_total)} host memory is available (swap not counted)")
+            reasons.append(
+                f"the {self.ranks} rank(s) on this host hold at least {format_bytes(self.host_need)} "
+                f"({self.summary()}), and {format_bytes(self.host_available)} of "
+                f"{format_bytes(self.host_total)} host memory is available (swap not counted)"
+            )
         for gpu in self.short_gpus():
-            reasons.append(f"rank {gpu} holds at least {format_bytes(self.worst)} on GPU {gpu} (phase "
-                           f"{self.worst_phase!r}), which has {format_bytes(self.gpu_free[gpu])} free")
+            reasons.append(
+                f"rank {gpu} holds at least {format_bytes(self.worst)} on GPU {gpu} (phase "
+                f"{self.worst_phase!r}), which has {format_bytes(self.gpu_free[gpu])} free"
+            )
         ways = []
         fitting = self.host_available // self.per_rank if self.per_rank else 0
         if self.ranks > 1 and 1 <= fitting < self.ranks and not self.short_gpus():
             ways.append(f"--ranks {fitting}")
         if dtype not in ("bf16", "fp16"):
-            ways.append("--dtype bf16 (halves an fp32 model once built; the build itself is priced at "
-                        f"{format_bytes(self.built)})")
+            ways.append(
+                "--dtype bf16 (halves an fp32 model once built; the build itself is priced at "
+                f"{format_bytes(self.built)})"
+            )
         if not fsdp2 and self.ranks > 1:
-            ways.append("--fsdp2 (shards what each rank holds after prepare; every rank still builds the whole "
-                        "model first)")
+            ways.append(
+                "--fsdp2 (shards what each rank holds after prepare; every rank still builds the whole model first)"
+            )
         ways += ["a smaller model", "--no-preflight to start it anyway"]
         return "; ".join(reasons) + ". Activations come on top. Ways out: " + ", ".join(ways)
 
@@ -147,8 +161,7 @@ def rank_device() -> str:
 
 def gpu_free_bytes() -> tuple[int, ...]:
     """Each visible GPU's free memory, read in a subprocess (this process keeps no CUDA context); ``()`` if unread."""
-    code = ("import torch\n"
-            "print(' '.join(str(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())))")
+    code = "import torch\nprint(' '.join(str(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())))"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         return tuple(int(word) for word in done.stdout.split()) if done.returncode == 0 else ()
@@ -160,8 +173,9 @@ def _tensor_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def meta_model(model: Optional[str], *, model_class: Optional[str] = None, task: Optional[str] = None,
-               dtype: Optional[str] = None) -> tuple[nn.Module, int]:
+def meta_model(
+    model: Optional[str], *, model_class: Optional[str] = None, task: Optional[str] = None, dtype: Optional[str] = None
+) -> tuple[nn.Module, int]:
     """The check's model on ``meta`` as the ranks train it, and the bytes each rank holds once it is built.
 
     ``model``: ``None`` for the built-in Llama, else ``--model`` (a config JSON or checkpoint folder),
@@ -184,8 +198,18 @@ def meta_model(model: Optional[str], *, model_class: Optional[str] = None, task:
     return built, held
 
 
-def price(model: nn.Module, groups: ParamGroups, schedule: Schedule, *, built: int, ranks: int, fsdp2: bool,
-          steps: int, device: str, gpu_free: Sequence[int] = ()) -> Price:
+def price(
+    model: nn.Module,
+    groups: ParamGroups,
+    schedule: Schedule,
+    *,
+    built: int,
+    ranks: int,
+    fsdp2: bool,
+    steps: int,
+    device: str,
+    gpu_free: Sequence[int] = (),
+) -> Price:
     """Price a run of ``ranks`` processes on this host (see the module docstring); ``model`` may be on ``meta``."""
     backend = "local" if ranks == 1 else ("fsdp2" if fsdp2 else "ddp")
     with warnings.catch_warnings():  # the schedule's share warning: the ranks give it, where it is read
@@ -193,14 +217,33 @@ def price(model: nn.Module, groups: ParamGroups, schedule: Schedule, *, built: i
         plan = plan_cost(model, groups, schedule, steps=steps, world_size=ranks, backend=backend, bf16_check=None)
     worst = max(plan.phases, key=lambda row: row.device_bytes)
     memory = psutil.virtual_memory()
-    return Price(ranks=ranks, device=device, built=built, worst=worst.device_bytes, worst_phase=worst.phase,
-                 process=int(psutil.Process().memory_info().rss), host_available=int(memory.available),
-                 host_total=int(memory.total), gpu_free=tuple(gpu_free))
+    return Price(
+        ranks=ranks,
+        device=device,
+        built=built,
+        worst=worst.device_bytes,
+        worst_phase=worst.phase,
+        process=int(psutil.Process().memory_info().rss),
+        host_available=int(memory.available),
+        host_total=int(memory.total),
+        gpu_free=tuple(gpu_free),
+    )
 
 
-def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, model_class: Optional[str] = None,
-                task: Optional[str] = None, dtype: Optional[str] = None, layers: Optional[str] = None, per: int = 1,
-                schedule: Optional[str] = None, schedule_options: Optional[Mapping[str, Any]] = None) -> Price:
+def price_check(
+    model: Optional[str],
+    *,
+    ranks: int,
+    steps: int,
+    fsdp2: bool,
+    model_class: Optional[str] = None,
+    task: Optional[str] = None,
+    dtype: Optional[str] = None,
+    layers: Optional[str] = None,
+    per: int = 1,
+    schedule: Optional[str] = None,
+    schedule_options: Optional[Mapping[str, Any]] = None,
+) -> Price:
     """Price the check the flags describe (the built-in model, or ``--model``), on this machine.
 
     ``schedule`` and ``schedule_options`` are the schedule flags given (``SCHEDULES.given(args)``),
@@ -215,5 +258,14 @@ def price_check(model: Optional[str], *, ranks: int, steps: int, fsdp2: bool, mo
     groups = layer_groups(net) if model is None else layer_groups(net, layers, per)
     plan = schedule_for(schedule, groups, **(schedule_options or {}))
     device = rank_device()
-    return price(net, groups, plan, built=built, ranks=ranks, fsdp2=fsdp2, steps=steps, device=device,
-                 gpu_free=gpu_free_bytes() if device == "cuda" else ())
+    return price(
+        net,
+        groups,
+        plan,
+        built=built,
+        ranks=ranks,
+        fsdp2=fsdp2,
+        steps=steps,
+        device=device,
+        gpu_free=gpu_free_bytes() if device == "cuda" else (),
+    )

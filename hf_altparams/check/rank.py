@@ -134,7 +134,7 @@ class Failure:
     cause: Optional[str] = None
 
     @classmethod
-    def from_error(cls, stage: str, step: Optional[int], err: BaseException) -> "Failure":
+    def from_error(cls, stage: str, step: Optional[int], err: BaseException) -> Failure:
         """The failure ``err`` is, raised at ``stage`` (and ``step``), with its cause.
 
         The cause: the one a library error carries (one of no particular cause,
@@ -148,8 +148,14 @@ class Failure:
         """
         frames = traceback.extract_tb(err.__traceback__)
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        return cls(stage=stage, step=step, kind=type(err).__name__, message=str(err)[:4000], where=where,
-                   cause=_cause(stage, err).value)
+        return cls(
+            stage=stage,
+            step=step,
+            kind=type(err).__name__,
+            message=str(err)[:4000],
+            where=where,
+            cause=_cause(stage, err).value,
+        )
 
 
 @dataclass
@@ -199,7 +205,7 @@ class RankResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RankResult":
+    def from_dict(cls, data: dict[str, Any]) -> RankResult:
         """The inverse of :meth:`as_dict` (results read back from a rank's JSON file)."""
         values = dict(data)
         values["steps"] = [StepRow(**row) for row in data.get("steps", [])]
@@ -229,15 +235,19 @@ def _accelerator(options: CheckOptions) -> Any:
     from ..integrations.accelerate import PhasedAccelerator
     from ..integrations.accelerate_internals import run_fsdp_state
 
-    kwargs: dict[str, Any] = {"kwargs_handlers": [InitProcessGroupKwargs(
-        timeout=datetime.timedelta(seconds=options.timeout))]}
+    kwargs: dict[str, Any] = {
+        "kwargs_handlers": [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=options.timeout))]
+    }
     plugin = None
     if options.fsdp2:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
         kwargs["fsdp_plugin"] = plugin
-    acc = PhasedAccelerator(count_comm=True, log_switches=False,
-                            switcher_options={"drift_check": "switch", "collective_timeout": options.timeout},
-                            **kwargs)
+    acc = PhasedAccelerator(
+        count_comm=True,
+        log_switches=False,
+        switcher_options={"drift_check": "switch", "collective_timeout": options.timeout},
+        **kwargs,
+    )
     if plugin is not None and acc.num_processes > 1 and acc.distributed_type != DistributedType.FSDP:
         run_fsdp_state(acc, plugin)  # CPU ranks: Accelerate chose plain DDP; run its FSDP2 code instead
     return acc
@@ -260,8 +270,10 @@ def _precision(model: nn.Module, acc: Any) -> dict[str, Any]:
         name = str(param.dtype).replace("torch.", "")
         counts[name] = counts.get(name, 0) + param.numel()
     total = sum(counts.values()) or 1
-    return {"mixed_precision": str(acc.mixed_precision),
-            "dtypes": {name: round(n / total, 4) for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}}
+    return {
+        "mixed_precision": str(acc.mixed_precision),
+        "dtypes": {name: round(n / total, 4) for name, n in sorted(counts.items(), key=lambda kv: -kv[1])},
+    }
 
 
 def _bf16(model: nn.Module, device: torch.device, mixed_precision: str) -> Optional[dict[str, Any]]:
@@ -274,10 +286,12 @@ def _bf16(model: nn.Module, device: torch.device, mixed_precision: str) -> Optio
     speed = bf16_speed(device)
     warning = speed.warning()
     if warning and not weights:  # autocast: the weights are not what to change
-        warning = (f"Accelerate's mixed_precision='bf16' runs the forward and backward in bf16 (autocast), and "
-                   f"{speed.reason[0].lower()}{speed.reason[1:]}: each step pays it. The way out here: "
-                   "mixed_precision 'no' (your Accelerate config, or ACCELERATE_MIXED_PRECISION=no), or train where "
-                   "bf16 is native (a CPU with AVX-512 bf16 or AMX, a GPU of compute capability 8.0+).")
+        warning = (
+            f"Accelerate's mixed_precision='bf16' runs the forward and backward in bf16 (autocast), and "
+            f"{speed.reason[0].lower()}{speed.reason[1:]}: each step pays it. The way out here: "
+            "mixed_precision 'no' (your Accelerate config, or ACCELERATE_MIXED_PRECISION=no), or train where "
+            "bf16 is native (a CPU with AVX-512 bf16 or AMX, a GPU of compute capability 8.0+)."
+        )
     return {**speed.as_dict(), "warning": warning, "autocast": mixed_precision == "bf16"}
 
 
@@ -303,8 +317,12 @@ def _cause(stage: str, err: BaseException) -> Cause:
     return Cause.ERROR
 
 
-def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish: Callable[[RankResult], T],
-             progress: Optional[Callable[[str, int], None]] = None) -> T:
+def run_rank(
+    make_setup: Callable[[], CheckSetup],
+    options: CheckOptions,
+    finish: Callable[[RankResult], T],
+    progress: Optional[Callable[[str, int], None]] = None,
+) -> T:
     """Train ``make_setup()`` for ``options.steps`` steps on this rank, record it, return ``finish(result)``.
 
     Every rank of the job calls it; a failure is recorded, not raised, so that
@@ -326,8 +344,13 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
     level = logger.level
     logger.setLevel(logging.INFO)
     acc: Any = None
-    result = RankResult(rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD_SIZE", 1)),
-                        device="?", parallel="?", memory_source="?")
+    result = RankResult(
+        rank=int(os.environ.get("RANK", 0)),
+        world=int(os.environ.get("WORLD_SIZE", 1)),
+        device="?",
+        parallel="?",
+        memory_source="?",
+    )
     stage, step = "accelerator", None
     told = progress or (lambda stage, steps: None)
     try:
@@ -352,8 +375,13 @@ def run_rank(make_setup: Callable[[], CheckSetup], options: CheckOptions, finish
                 stage, step = _stage_of(result, stage)
                 result.failure = Failure.from_error(stage, step, err)
         result.warnings = _unique(f"{w.category.__name__}: {w.message}" for w in caught)
-        result.warning_causes = list(dict.fromkeys(
-            (w.message.cause.value, str(w.message)[:2000]) for w in caught if isinstance(w.message, AltParamsWarning)))
+        result.warning_causes = list(
+            dict.fromkeys(
+                (w.message.cause.value, str(w.message)[:2000])
+                for w in caught
+                if isinstance(w.message, AltParamsWarning)
+            )
+        )
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)
@@ -405,8 +433,9 @@ def _start_equal(acc: Any, setup: CheckSetup, options: CheckOptions, result: Ran
     if not result.start_differs:
         return True
     plugin = getattr(acc.state, "fsdp_plugin", None)
-    broadcast = not acc.is_fsdp2 or (not _own_fsdp2(acc, options) and bool(
-        getattr(plugin, "cpu_ram_efficient_loading", False)))
+    broadcast = not acc.is_fsdp2 or (
+        not _own_fsdp2(acc, options) and bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+    )
     if broadcast:
         copy_rank0(setup.model, group)
     result.start_equalized = broadcast
@@ -438,9 +467,11 @@ def _census(model: nn.Module, optimizer: Optimizer, gauge: MemoryGauge) -> dict[
     where = gauge.device.type
     level = gauge.level()
     live = live_tensor_bytes(where)
-    parts = {"weights and buffers": storage_keys([*model.parameters(), *model.buffers()], where),
-             "gradients": storage_keys([p.grad for p in model.parameters() if p.grad is not None], where),
-             "optimizer state": storage_keys(_optimizer_tensors(optimizer), where)}
+    parts = {
+        "weights and buffers": storage_keys([*model.parameters(), *model.buffers()], where),
+        "gradients": storage_keys([p.grad for p in model.parameters() if p.grad is not None], where),
+        "optimizer state": storage_keys(_optimizer_tensors(optimizer), where),
+    }
     claimed: set[int] = set()
     out: dict[str, int] = {}
     for name, keys in parts.items():
@@ -464,8 +495,14 @@ def _available(device: torch.device) -> Optional[int]:
         return None
 
 
-def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGauge, result: RankResult,
-           told: Callable[[str, int], None]) -> bool:
+def _train(
+    acc: Any,
+    setup: CheckSetup,
+    options: CheckOptions,
+    gauge: MemoryGauge,
+    result: RankResult,
+    told: Callable[[str, int], None],
+) -> bool:
     """The stock loop, with the readings of the module docstring; ``False`` when it stopped before training."""
     model = setup.model
     result.model_class = type(model).__name__
@@ -519,11 +556,26 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
             reduced = counter.history[-1] if counter is not None and counter.history else None
             # what the strategy feeds its collective: a reduce-scatter the padded trainable gradients (the
             # switch's figure), an all-reduce the gradients themselves
-            expected = None if counter is None else (
-                switcher.reduced_bytes(current) if switcher.strategy.pricing.collective is Collective.REDUCE_SCATTER
-                else grad_bytes + unused_bytes)
-            result.steps.append(StepRow(step=step, phase=phase, grad_bytes=grad_bytes, reduced_bytes=reduced,
-                                        expected_reduced=expected, held=held[0], seconds=seconds))
+            expected = (
+                None
+                if counter is None
+                else (
+                    switcher.reduced_bytes(current)
+                    if switcher.strategy.pricing.collective is Collective.REDUCE_SCATTER
+                    else grad_bytes + unused_bytes
+                )
+            )
+            result.steps.append(
+                StepRow(
+                    step=step,
+                    phase=phase,
+                    grad_bytes=grad_bytes,
+                    reduced_bytes=reduced,
+                    expected_reduced=expected,
+                    held=held[0],
+                    seconds=seconds,
+                )
+            )
             told("step", step + 1)
             record = switcher.history.last
             if record is not last:
@@ -531,11 +583,18 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
                 result.peaks.append((phase_started, gauge.peak_since_reset()))
                 _note_idle(result, watch.boundary(step + 1, acc.phase))
                 held_bytes, held_groups, checked = _idle_state_on_device(switcher, raw, acc.device)
-                result.switches.append(SwitchRow(step=step + 1, phase=record.phase, seconds=record.seconds,
-                                                 level=gauge.level(),
-                                                 predicted=switcher.expected_peak(switcher.current),
-                                                 idle_held=held_bytes, idle_held_groups=held_groups,
-                                                 idle_checked=checked))
+                result.switches.append(
+                    SwitchRow(
+                        step=step + 1,
+                        phase=record.phase,
+                        seconds=record.seconds,
+                        level=gauge.level(),
+                        predicted=switcher.expected_peak(switcher.current),
+                        idle_held=held_bytes,
+                        idle_held_groups=held_groups,
+                        idle_checked=checked,
+                    )
+                )
                 result.weights_compared += 1  # the switch compared every rank's weights (drift_check="switch")
                 phase_started = record.phase
                 gauge.reset_peak()
@@ -549,8 +608,9 @@ def _train(acc: Any, setup: CheckSetup, options: CheckOptions, gauge: MemoryGaug
     return True
 
 
-def _micro_batches(acc: Any, setup: CheckSetup, model: nn.Module, optimizer: Optimizer, params: list[nn.Parameter],
-                   step: int) -> tuple[int, int]:
+def _micro_batches(
+    acc: Any, setup: CheckSetup, model: nn.Module, optimizer: Optimizer, params: list[nn.Parameter], step: int
+) -> tuple[int, int]:
     """One optimizer step: ``setup.accumulation`` micro-batches under ``accumulate``.
 
     Returns the bytes of the gradients at the step, and of the trainable
@@ -567,8 +627,9 @@ def _micro_batches(acc: Any, setup: CheckSetup, model: nn.Module, optimizer: Opt
             if acc.sync_gradients:
                 grad_bytes = _grad_bytes(params)
                 if finds_unused:
-                    unused_bytes = sum(p.numel() * p.element_size() for p in params
-                                       if p.requires_grad and p.grad is None)
+                    unused_bytes = sum(
+                        p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None
+                    )
                 if setup.before_step is not None:
                     setup.before_step(model, optimizer, step)
             optimizer.step()
@@ -603,9 +664,12 @@ def _idle_state_on_device(switcher: Any, optimizer: Optimizer, device: torch.dev
         owner = inner.get(group) if isinstance(inner, dict) else optimizer
         if owner is None:
             continue
-        found = sum(t.numel() * t.element_size() for p in switcher.groups.params(group)
-                    for t in (owner.state.get(p) or {}).values()
-                    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device.type == device.type)
+        found = sum(
+            t.numel() * t.element_size()
+            for p in switcher.groups.params(group)
+            for t in (owner.state.get(p) or {}).values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device.type == device.type
+        )
         if found:
             held += found
             names.append(group)

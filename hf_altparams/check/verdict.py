@@ -70,18 +70,22 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.REQUIRES_GRAD_BEHIND_SCHEDULE: (
         "requires_grad changed behind the schedule",
         "code outside the schedule turns requires_grad on or off (a callback, `model.requires_grad_()`, peft's "
-        "`set_adapter`); let the schedule own it: remove that code or put those parameters in the groups"),
+        "`set_adapter`); let the schedule own it: remove that code or put those parameters in the groups",
+    ),
     Cause.OPTIMIZER_MISSES_PARAMETERS: (
         "the optimizer does not hold what the schedule trains",
         "build the optimizer over every parameter the schedule trains, frozen now or not "
-        "(`AdamW(model.parameters())`), on the model that is prepared"),
+        "(`AdamW(model.parameters())`), on the model that is prepared",
+    ),
     Cause.SCHEDULE_DIFFERS_PER_RANK: (
         "the schedule differs between ranks",
-        "build the same schedule on every rank: the same arguments and seed (not one derived from the rank)"),
+        "build the same schedule on every rank: the same arguments and seed (not one derived from the rank)",
+    ),
     Cause.RANKS_DRIFT: (
         "the ranks hold different weights",
         "something updates one rank's weights alone (a gradient DDP never reduced, user code writing weights on "
-        "one rank); the message names the groups and ranks"),
+        "one rank); the message names the groups and ranks",
+    ),
     Cause.TRAINABLE_PARAM_UNUSED: (
         "a trainable parameter got no gradient under DDP",
         "the forward skipped some of the phase's trainable parameters while DDP runs with "
@@ -90,75 +94,89 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "(`PhasedAccelerator(find_unused_parameters=True)`, `TrainingArguments(ddp_find_unused_parameters=True)`, "
         "in the check `CheckSetup(ddp={'find_unused_parameters': True})`); "
         "if the loop ran the wrong branch or task for the phase, fix the loop; if they should not train in that "
-        "phase, move them out of its groups"),
+        "phase, move them out of its groups",
+    ),
     Cause.LOSS_REACHES_NO_TRAINABLE: (
         "the loss depends on no parameter the phase trains",
         "the step's forward skipped the phase's groups (another task or adapter active, the loss computed "
         "without grad, reentrant gradient checkpointing behind frozen layers); the message lists each cause "
-        "with its fix"),
+        "with its fix",
+    ),
     Cause.MEMORY_GROWS: (
         "memory grows from switch to switch",
         "something keeps memory at every switch (user code holding tensors, a leaking reducer); the figure is "
-        "the growth after warm-up beyond what the plan predicts"),
+        "the growth after warm-up beyond what the plan predicts",
+    ),
     Cause.MEMORY_GROWS_PER_STEP: (
         "memory grows from step to step",
         "something keeps memory at every optimizer step (user code holding tensors or losses with their graphs, "
-        "a growing cache); the figures are the growth per step and where it takes the run by its last step"),
+        "a growing cache); the figures are the growth per step and where it takes the run by its last step",
+    ),
     Cause.MEMORY_OVER_PLAN: (
         "memory held beyond the plan",
         "the rank holds more at the end of a step than the model's weights, gradients and optimizer state the "
         "plan counts: the detail says what the reading counts and what held it at the end (tensors of other "
         "code: a cache, a list, a copy of the weights; optimizer state the plan does not expect; the rest, "
-        "memory that is no tensor)"),
+        "memory that is no tensor)",
+    ),
     Cause.IDLE_STATE_HELD: (
         "idle groups' optimizer state stays on the device",
         "the policy says drop (lisa, badam) or offload, but the optimizer still holds that state on the device: "
-        "an optimizer whose state the library cannot see (a wrapper keeping its own), or a library fault"),
+        "an optimizer whose state the library cannot see (a wrapper keeping its own), or a library fault",
+    ),
     Cause.IDLE_GROUP_CHANGED: (
         "a group changed while it was idle",
         "code outside the schedule writes the weights of groups that do not train in the phase (weight decay "
-        "or momentum applied to frozen parameters, an EMA, a load); let only the phase's groups change"),
+        "or momentum applied to frozen parameters, an EMA, a load); let only the phase's groups change",
+    ),
     Cause.BYTES_MISMATCH: (
         "bytes all-reduced differ from the trainable bytes",
-        "DDP reduces other gradients than the phase's: a wrapper built outside the library, or a comm hook"),
+        "DDP reduces other gradients than the phase's: a wrapper built outside the library, or a comm hook",
+    ),
     Cause.UNSEEDED_SETUP: (
         "the set-up builds something different on each rank",
         "seed what the set-up builds (`torch.manual_seed(0)` before the model, the same schedule seed on every "
-        "rank), so that every rank starts from the same weights and phases"),
-    Cause.RANK_LOST: (
-        "a rank stopped or stopped answering",
-        "another rank failed or hangs; read that rank's failure"),
+        "rank), so that every rank starts from the same weights and phases",
+    ),
+    Cause.RANK_LOST: ("a rank stopped or stopped answering", "another rank failed or hangs; read that rank's failure"),
     Cause.SETUP_REFUSED: (
         "the set-up was refused before training",
-        "the message names the argument and what is accepted"),
+        "the message names the argument and what is accepted",
+    ),
     Cause.STRATEGY_REFUSED: (
         "the parallel strategy cannot run phases",
         "DeepSpeed, FSDP1, compiled DDP and the like fix the trainable set when they are built; shard with FSDP2 "
-        "(`FullyShardedDataParallelPlugin(fsdp_version=2)`) or run plain DDP, as the message says"),
+        "(`FullyShardedDataParallelPlugin(fsdp_version=2)`) or run plain DDP, as the message says",
+    ),
     Cause.OUT_OF_MEMORY: (
         "a rank ran out of memory",
         "the run needs more memory than the device (or host) has (the kernel's out-of-memory killer ends a process "
         "with SIGKILL): `python -m hf_altparams plan` shows the peak per phase; train fewer groups at once, offload "
         "idle state, or use a smaller batch; in the check: fewer `--ranks`, `--dtype bf16`, `--fsdp2`, or a "
-        "smaller model"),
+        "smaller model",
+    ),
     Cause.WONT_FIT: (
         "the run would not fit in memory",
         "the plan's peak for some phase (or the model each rank builds) exceeds the memory there is; train fewer "
         "groups at once, offload idle state, or use a smaller batch (`python -m hf_altparams plan`); in the "
-        "check: fewer `--ranks`, `--dtype bf16`, `--fsdp2`, a smaller model, or `--no-preflight` to try anyway"),
+        "check: fewer `--ranks`, `--dtype bf16`, `--fsdp2`, a smaller model, or `--no-preflight` to try anyway",
+    ),
     Cause.DEADLINE: (
         "the check ran past its deadline",
         "a rank hangs (a collective some rank never reached) or the run is slower than `--deadline` allows; "
-        "read each rank's last step, or give more time"),
+        "read each rank's last step, or give more time",
+    ),
     Cause.INTERRUPTED: (
         "the check was interrupted",
-        "it was stopped from outside (Ctrl-C, a signal) before the ranks reported; run it again"),
+        "it was stopped from outside (Ctrl-C, a signal) before the ranks reported; run it again",
+    ),
     Cause.LAUNCH_STARTS_ONE_PROCESS: (
         "the launch starts one process where several ranks are wanted",
         "`accelerate launch` starts ONE process for a config of distributed_type NO or MULTI_CPU, and for "
         "`--cpu --num_processes N`: use distributed_type MULTI_GPU (or `--multi_gpu`) with ACCELERATE_USE_CPU=1 "
         "on a CPU machine, or torchrun (`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N`; `--ranks N` in the "
-        "check)"),
+        "check)",
+    ),
     Cause.ERROR: ("the run raised an error", "see the message"),
 }
 
@@ -196,13 +214,26 @@ class Tolerances:
     run_steps: int = 10_000
 
     @classmethod
-    def for_source(cls, source: str, warmup: int = 2, run_steps: int = 10_000) -> "Tolerances":
+    def for_source(cls, source: str, warmup: int = 2, run_steps: int = 10_000) -> Tolerances:
         """The defaults for ``"torch.cuda.memory_allocated"`` (exact) or ``"RSS"`` (coarse)."""
         if source == "RSS":
-            return cls(warmup=warmup, growth=16 << 20, growth_share=0.02, over_plan_share=0.25, over_plan=64 << 20,
-                       step_growth=64 << 10, run_steps=run_steps)
-        return cls(warmup=warmup, growth=2 << 20, growth_share=0.005, over_plan_share=0.10, over_plan=64 << 20,
-                   run_steps=run_steps)
+            return cls(
+                warmup=warmup,
+                growth=16 << 20,
+                growth_share=0.02,
+                over_plan_share=0.25,
+                over_plan=64 << 20,
+                step_growth=64 << 10,
+                run_steps=run_steps,
+            )
+        return cls(
+            warmup=warmup,
+            growth=2 << 20,
+            growth_share=0.005,
+            over_plan_share=0.10,
+            over_plan=64 << 20,
+            run_steps=run_steps,
+        )
 
     def allowed(self, planned: int) -> float:
         """The most a step may hold against ``planned`` bytes: the share above it plus the slack."""
@@ -238,10 +269,17 @@ class Verdict:
         return list(dict.fromkeys(f["cause"] for f in self.failures))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "header": self.header, "causes": self.causes,
-                "findings": [asdict(f) for f in self.findings], "failures": self.failures,
-                "phases": self.phases, "notes": self.notes, "warnings": self.warnings,
-                "ranks": [None if r is None else r.as_dict() for r in self.ranks]}
+        return {
+            "passed": self.passed,
+            "header": self.header,
+            "causes": self.causes,
+            "findings": [asdict(f) for f in self.findings],
+            "failures": self.failures,
+            "phases": self.phases,
+            "notes": self.notes,
+            "warnings": self.warnings,
+            "ranks": [None if r is None else r.as_dict() for r in self.ranks],
+        }
 
     def json(self) -> str:
         return json.dumps(self.as_dict(), indent=1)
@@ -254,12 +292,17 @@ class Verdict:
         for f in self.findings:
             lines.append(f"  {f.check:<{width}}  {f.status:<6}  {f.detail}")
         if self.phases:
-            lines += ["", "  memory per phase (rank 0; after warm-up where marked *):",
-                      f"  {'phase':<28} {'visits':>6} {'plan':>10} {'held':>10} {'peak':>10}"]
+            lines += [
+                "",
+                "  memory per phase (rank 0; after warm-up where marked *):",
+                f"  {'phase':<28} {'visits':>6} {'plan':>10} {'held':>10} {'peak':>10}",
+            ]
             shown = self.phases[:12]
             for row in shown:
-                lines.append(f"  {row['phase'][:28]:<28} {row['visits']:>6} {_size(row['plan']):>10} "
-                             f"{_size(row['held']):>10}{'*' if row['judged'] else ' '}{_size(row['peak']):>10}")
+                lines.append(
+                    f"  {row['phase'][:28]:<28} {row['visits']:>6} {_size(row['plan']):>10} "
+                    f"{_size(row['held']):>10}{'*' if row['judged'] else ' '}{_size(row['peak']):>10}"
+                )
             if len(self.phases) > len(shown):
                 lines.append(f"  ... {len(self.phases) - len(shown)} more phases (--json lists all)")
         for note in self.notes:
@@ -295,7 +338,7 @@ def _signed(n: float) -> str:
 
 def _clip(text: str, limit: int) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -320,8 +363,10 @@ def classify(failure: Failure) -> Cause:
 
 
 #: What a warning's detail adds, by its cause: the library mended it this time.
-_MENDED = {Cause.REQUIRES_GRAD_BEHIND_SCHEDULE: " (the library put the flags back this time, but this code changes "
-                                                "them at every step)"}
+_MENDED = {
+    Cause.REQUIRES_GRAD_BEHIND_SCHEDULE: " (the library put the flags back this time, but this code changes "
+    "them at every step)"
+}
 
 
 def _warning_causes(result: RankResult) -> list[tuple[str, str]]:
@@ -341,12 +386,16 @@ def _trend(values: Sequence[int]) -> Optional[int]:
     return int(statistics.median(values[-third:]) - statistics.median(values[:third]))
 
 
-def _failures(results: Sequence[Optional[RankResult]], stopped: Sequence[dict[str, Any]] = ()
-              ) -> list[dict[str, Any]]:
+def _failures(results: Sequence[Optional[RankResult]], stopped: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [dict(f) for f in stopped]
     for rank in [i for i, r in enumerate(results) if r is None]:
-        out.append({"cause": "rank_lost", "rank": rank,
-                    "detail": f"rank {rank} wrote no result (it crashed, or was stopped when another rank failed)"})
+        out.append(
+            {
+                "cause": "rank_lost",
+                "rank": rank,
+                "detail": f"rank {rank} wrote no result (it crashed, or was stopped when another rank failed)",
+            }
+        )
     for result in results:
         if result is None:
             continue
@@ -355,8 +404,14 @@ def _failures(results: Sequence[Optional[RankResult]], stopped: Sequence[dict[st
         if result.failure is not None:
             f = result.failure
             where = f"step {f.step}" if f.stage == "step" else {"final": "final weight check"}.get(f.stage, f.stage)
-            out.append({"cause": classify(f), "rank": result.rank, "stage": f.stage,
-                        "detail": f"rank {result.rank}, {where}: {f.kind}: {f.message}"})
+            out.append(
+                {
+                    "cause": classify(f),
+                    "rank": result.rank,
+                    "stage": f.stage,
+                    "detail": f"rank {result.rank}, {where}: {f.kind}: {f.message}",
+                }
+            )
     # A rank that lost its peers reports rank_lost; when another rank names the cause, that is the failure.
     named = [f for f in out if f["cause"] != "rank_lost"]
     return _dedupe(named or out)
@@ -375,8 +430,12 @@ def _dedupe(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def judge(results: Sequence[Optional[RankResult]], tolerances: Optional[Tolerances] = None,
-          header: str = "", stopped: Sequence[dict[str, Any]] = ()) -> Verdict:
+def judge(
+    results: Sequence[Optional[RankResult]],
+    tolerances: Optional[Tolerances] = None,
+    header: str = "",
+    stopped: Sequence[dict[str, Any]] = (),
+) -> Verdict:
     """Judge the ranks' results (``None``: a rank that wrote none) into a :class:`Verdict`.
 
     ``stopped``: failures the launch itself found (``{"cause", "rank", "detail"}``: the
@@ -424,12 +483,14 @@ def _notes(results: Sequence[RankResult]) -> list[str]:
         out.append(str(bf16["warning"]))
     differs = next((r for r in results if r.start_differs and r.start_equalized), None)
     if differs is not None:
-        out.append(f"the set-up builds different weights on each rank ({_groups(differs.start_differs)} differ before "
-                   f"`prepare`: the model's construction is not seeded). {differs.parallel} makes them equal here "
-                   "(DDP's constructor copies rank 0's parameters and buffers to every rank; the check made that "
-                   "copy before its first comparison), so this run trains from rank 0's weights, as yours will. "
-                   "Seed it anyway (`torch.manual_seed(0)` before building the model): FSDP2 shards each rank's own "
-                   "weights, and a drift check before DDP is built (`drift_check='switch'`) would see them differ.")
+        out.append(
+            f"the set-up builds different weights on each rank ({_groups(differs.start_differs)} differ before "
+            f"`prepare`: the model's construction is not seeded). {differs.parallel} makes them equal here "
+            "(DDP's constructor copies rank 0's parameters and buffers to every rank; the check made that "
+            "copy before its first comparison), so this run trains from rank 0's weights, as yours will. "
+            "Seed it anyway (`torch.manual_seed(0)` before building the model): FSDP2 shards each rank's own "
+            "weights, and a drift check before DDP is built (`drift_check='switch'`) would see them differ."
+        )
     return out
 
 
@@ -458,15 +519,24 @@ def _start(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Opt
     if differs is None:
         if not any(r.steps for r in results):
             return Finding(name, "info", "not compared (the run stopped before `prepare`)")
-        return Finding(name, "pass", f"every group's digest equal on the {results[0].world} ranks as the set-up "
-                                     "built them, before `prepare`")
+        return Finding(
+            name,
+            "pass",
+            f"every group's digest equal on the {results[0].world} ranks as the set-up built them, before `prepare`",
+        )
     what = f"{_groups(differs.start_differs)} differ between the ranks as the set-up built them"
     if differs.start_equalized:
-        return Finding(name, "info", f"{what}; {differs.parallel}'s constructor copies rank 0's weights to every "
-                                     "rank, so the run starts equal (see the note)")
-    detail = (f"{what}, before `prepare`, and under {differs.parallel} nothing makes them equal: each rank keeps "
-              "its own shard of its own weights, so the model trained is a mix of the ranks' initialisations; "
-              "the check stopped before training")
+        return Finding(
+            name,
+            "info",
+            f"{what}; {differs.parallel}'s constructor copies rank 0's weights to every "
+            "rank, so the run starts equal (see the note)",
+        )
+    detail = (
+        f"{what}, before `prepare`, and under {differs.parallel} nothing makes them equal: each rank keeps "
+        "its own shard of its own weights, so the model trained is a mix of the ranks' initialisations; "
+        "the check stopped before training"
+    )
     return _judged(name, detail, True, "unseeded_setup", differs.rank, failures)
 
 
@@ -476,17 +546,25 @@ def _idle_changes(results: Sequence[RankResult], failures: list[dict[str, Any]])
         return Finding(name, "info", "no step was trained")
     changed = [r for r in results if r.idle_changed]
     if not changed:
-        return Finding(name, "pass", "every group's weights unchanged on every rank while it did not train (read "
-                                     "at every switch and at the end)")
+        return Finding(
+            name,
+            "pass",
+            "every group's weights unchanged on every rank while it did not train (read "
+            "at every switch and at the end)",
+        )
     r = changed[0]
-    spans = "; ".join(f"{c.group!r} idle in phase {c.phase!r}, changed between steps {c.since} and {c.until}"
-                      for c in r.idle_changes[:4])
+    spans = "; ".join(
+        f"{c.group!r} idle in phase {c.phase!r}, changed between steps {c.since} and {c.until}"
+        for c in r.idle_changes[:4]
+    )
     groups = sorted({c.group for c in r.idle_changes})
-    detail = (f"rank {r.rank}: {_groups(groups)} changed while not training ({r.idle_changed} time(s)): {spans}"
-              f"{'; ...' if r.idle_changed > 4 else ''}. Likely: an optimizer that updates every parameter it holds, "
-              "gradient or not (weight decay or momentum without a gradient; torch's own optimizers skip a "
-              "parameter whose `.grad` is None), per-step code that writes every weight (`p.mul_()`, a weight "
-              "constraint), or an EMA or a checkpoint copied back into the model")
+    detail = (
+        f"rank {r.rank}: {_groups(groups)} changed while not training ({r.idle_changed} time(s)): {spans}"
+        f"{'; ...' if r.idle_changed > 4 else ''}. Likely: an optimizer that updates every parameter it holds, "
+        "gradient or not (weight decay or momentum without a gradient; torch's own optimizers skip a "
+        "parameter whose `.grad` is None), per-step code that writes every weight (`p.mul_()`, a weight "
+        "constraint), or an EMA or a checkpoint copied back into the model"
+    )
     return _judged(name, detail, True, "idle_group_changed", r.rank, failures)
 
 
@@ -500,8 +578,10 @@ def _identical(results: Sequence[RankResult]) -> Finding:
         return Finding(name, "fail", drift[0].failure.message[:300] if drift[0].failure else "", "ranks_drift")
     compared = min(r.weights_compared for r in results)
     ended = all(r.failure is None for r in results)
-    detail = (f"every parameter's digest compared across {world} ranks {compared} times "
-              f"({'after each switch and at the end' if ended else 'until the run stopped'}): all equal")
+    detail = (
+        f"every parameter's digest compared across {world} ranks {compared} times "
+        f"({'after each switch and at the end' if ended else 'until the run stopped'}): all equal"
+    )
     return Finding(name, "pass" if compared else "info", detail if compared else "no comparison was reached")
 
 
@@ -522,27 +602,29 @@ def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Fin
         return Finding(name, "info", "no step was counted")
     if wrong:
         rank, row = wrong[0]
-        detail = (f"{len(wrong)} of {checked} rank-steps differ; e.g. rank {rank} step {row.step} (phase "
-                  f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} for "
-                  f"{format_bytes(row.expected_reduced or 0)} of trainable gradients")
+        detail = (
+            f"{len(wrong)} of {checked} rank-steps differ; e.g. rank {rank} step {row.step} (phase "
+            f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} for "
+            f"{format_bytes(row.expected_reduced or 0)} of trainable gradients"
+        )
         return _judged(name, detail, True, "bytes_mismatch", rank, failures)
     sizes = sorted({row.reduced_bytes or 0 for r in results for row in r.steps if row.reduced_bytes is not None})
     span = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
     everything = results[0].trainable_everything
     share = f" (the whole model: {format_bytes(everything)})" if everything else ""
-    return Finding(name, "pass", f"{checked} rank-steps: {span} {verb} per step, equal to the trainable "
-                                 f"gradients{share}")
+    return Finding(
+        name, "pass", f"{checked} rank-steps: {span} {verb} per step, equal to the trainable gradients{share}"
+    )
 
 
-def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[str, Any]]
-            ) -> tuple[Finding, Finding]:
+def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[str, Any]]) -> tuple[Finding, Finding]:
     flat, plan = "memory flat after warm-up", "memory held vs plan"
     source = results[0].memory_source
     worst_growth: Optional[tuple[int, int, int]] = None  # growth, rank, readings
     worst_over: Optional[tuple[float, RankResult, StepRow, int]] = None  # ratio, rank, step, planned
     limit_growth = 0
     for r in results:
-        after = r.switches[tol.warmup:]
+        after = r.switches[tol.warmup :]
         limit = tol.growth + int(tol.growth_share * max([s.predicted for s in r.switches] + [0]))
         limit_growth = max(limit_growth, limit)
         growth = _trend([s.level - s.predicted for s in after])
@@ -555,21 +637,28 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
             if worst_over is None or ratio > worst_over[0]:
                 worst_over = (ratio, r, row, planned)
     if worst_growth is None:
-        first = Finding(flat, "info", f"fewer than {tol.warmup + 3} switches: too few to judge a trend "
-                                      "(--steps more, or --every fewer)")
+        first = Finding(
+            flat,
+            "info",
+            f"fewer than {tol.warmup + 3} switches: too few to judge a trend (--steps more, or --every fewer)",
+        )
     else:
         growth, rank, count = worst_growth
-        detail = (f"{_signed(growth)} over {count} switches after "
-                  f"{tol.warmup} of warm-up (worst rank {rank}; {source} minus the plan; tolerance "
-                  f"{format_bytes(limit_growth)})")
+        detail = (
+            f"{_signed(growth)} over {count} switches after "
+            f"{tol.warmup} of warm-up (worst rank {rank}; {source} minus the plan; tolerance "
+            f"{format_bytes(limit_growth)})"
+        )
         first = _judged(flat, detail, growth > limit_growth, "memory_grows", rank, failures)
     if worst_over is None:
         return first, Finding(plan, "info", "no step after warm-up was read")
     ratio, r, row, planned = worst_over
     over = row.held is not None and row.held > tol.allowed(planned)
-    detail = (f"worst {ratio:.2f}x: rank {r.rank}, phase {row.phase!r}, step {row.step}: "
-              f"{format_bytes(row.held or 0)} held at the end of the step against {format_bytes(planned)} planned "
-              f"({source}; allowed {1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})")
+    detail = (
+        f"worst {ratio:.2f}x: rank {r.rank}, phase {row.phase!r}, step {row.step}: "
+        f"{format_bytes(row.held or 0)} held at the end of the step against {format_bytes(planned)} planned "
+        f"({source}; allowed {1 + tol.over_plan_share:.2f}x + {format_bytes(tol.over_plan)})"
+    )
     if over:
         detail += f". {_what_is_read(source)}.{_made_of(r)}"
     return first, _judged(plan, detail, over, "memory_over_plan", r.rank, failures)
@@ -577,12 +666,16 @@ def _memory(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[
 
 def _what_is_read(source: str) -> str:
     """What a memory reading counts, and what the plan does (the detail of a ``memory_over_plan``)."""
-    planned = ("Planned: the memory model's weights, gradients, optimizer state and DDP buckets for the phase "
-               "(activations excluded)")
+    planned = (
+        "Planned: the memory model's weights, gradients, optimizer state and DDP buckets for the phase "
+        "(activations excluded)"
+    )
     if source == "RSS":
-        return ("Held: the process's resident memory above its baseline, the memory that is not a tensor once "
-                "the first step has run (imports, kernels, libraries): every tensor the process holds, the "
-                "model's, the optimizer's and any other code's, plus non-tensor memory grown since. " + planned)
+        return (
+            "Held: the process's resident memory above its baseline, the memory that is not a tensor once "
+            "the first step has run (imports, kernels, libraries): every tensor the process holds, the "
+            "model's, the optimizer's and any other code's, plus non-tensor memory grown since. " + planned
+        )
     return f"Held: {source}, every tensor on the device. " + planned
 
 
@@ -590,15 +683,22 @@ def _made_of(result: RankResult) -> str:
     """Rank ``result``'s memory at the end of the run, by what holds it (empty when it was not read)."""
     if not result.census:
         return ""
-    parts = ", ".join(f"{name} {_signed(n) if name == 'rest' else format_bytes(n)}"
-                      for name, n in result.census.items())
+    parts = ", ".join(
+        f"{name} {_signed(n) if name == 'rest' else format_bytes(n)}" for name, n in result.census.items()
+    )
     other = result.census.get("other tensors", 0)
     model = sum(v for k, v in result.census.items() if k not in ("other tensors", "rest"))
-    hint = (" Other tensors are held by code outside the model and its optimizer (a list or cache of user code, "
-            "a second copy of the weights such as parameters from before fully_shard that something still "
-            "references)." if other > model / 10 else "")
-    return (f" At the end of the run rank {result.rank} held: {parts} (the rest: memory no tensor Python holds "
-            f"accounts for: libraries, DDP's buckets, the allocator, graphs kept alive).{hint}")
+    hint = (
+        " Other tensors are held by code outside the model and its optimizer (a list or cache of user code, "
+        "a second copy of the weights such as parameters from before fully_shard that something still "
+        "references)."
+        if other > model / 10
+        else ""
+    )
+    return (
+        f" At the end of the run rank {result.rank} held: {parts} (the rest: memory no tensor Python holds "
+        f"accounts for: libraries, DDP's buckets, the allocator, graphs kept alive).{hint}"
+    )
 
 
 #: The fewest readings after warm-up from which growth per step is judged.
@@ -609,7 +709,7 @@ _SLOPE_Z = 3.0
 
 def _slopes(points: Sequence[tuple[int, int]]) -> list[float]:
     """The slopes between every two points (bytes per step), sorted."""
-    return sorted((b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points) for b in points[i + 1:] if b[0] != a[0])
+    return sorted((b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points) for b in points[i + 1 :] if b[0] != a[0])
 
 
 def _theil_sen(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
@@ -643,31 +743,51 @@ def _growth(result: RankResult, tol: Tolerances) -> Optional[dict[str, Any]]:
     step measured in a correct run), and flattens.
     """
     after = _step_residuals(result, tol)
-    points = after[len(after) // 2:]
+    points = after[len(after) // 2 :]
     if len(points) < _MIN_STEP_READINGS:
         return None
     slope, lower = _theil_sen(points)
     half = len(points) // 2
-    halves = (_theil_sen(points[:half + 1])[0], _theil_sen(points[half:])[0])
+    halves = (_theil_sen(points[: half + 1])[0], _theil_sen(points[half:])[0])
     excess = lower - tol.step_growth
     both = min(halves) >= slope / 3  # both halves grow alike: not a rise once (a cache filled, a first touch)
     steady = excess > 0 and both
-    why = "" if steady else ("within the growth not judged" if excess <= 0 else
-                             "not steady: the two halves of the window do not both grow (a rise once, not per step)")
+    why = (
+        ""
+        if steady
+        else (
+            "within the growth not judged"
+            if excess <= 0
+            else "not steady: the two halves of the window do not both grow (a rise once, not per step)"
+        )
+    )
     remaining = max(0, tol.run_steps - points[-1][0] - 1)
     plans = [planned for _, planned in _planned_steps(result) if planned is not None]
     largest = max(plans, default=0)
-    return {"slope": slope, "lower": lower, "steady": steady, "why": why, "projected": max(0.0, excess) * remaining,
-            "room": tol.allowed(largest) - (points[-1][1] + largest), "available": result.available,
-            "last": points[-1][0], "readings": len(points), "excess": excess}
+    return {
+        "slope": slope,
+        "lower": lower,
+        "steady": steady,
+        "why": why,
+        "projected": max(0.0, excess) * remaining,
+        "room": tol.allowed(largest) - (points[-1][1] + largest),
+        "available": result.available,
+        "last": points[-1][0],
+        "readings": len(points),
+        "excess": excess,
+    }
 
 
 def _per_step(results: Sequence[RankResult], tol: Tolerances, failures: list[dict[str, Any]]) -> Finding:
     name = "memory per step"
     found = [(r, g) for r in results for g in [_growth(r, tol)] if g is not None]
     if not found:
-        return Finding(name, "info", f"fewer than {2 * _MIN_STEP_READINGS} steps read after warm-up: too few to "
-                                     "judge growth per step (--steps more)")
+        return Finding(
+            name,
+            "info",
+            f"fewer than {2 * _MIN_STEP_READINGS} steps read after warm-up: too few to "
+            "judge growth per step (--steps more)",
+        )
 
     def reach(item: tuple[RankResult, dict[str, Any]]) -> float:
         g = item[1]
@@ -677,21 +797,24 @@ def _per_step(results: Sequence[RankResult], tol: Tolerances, failures: list[dic
     r, g = max(found, key=reach)
     over_plan = g["steady"] and g["projected"] > g["room"]
     out_of_memory = g["steady"] and g["available"] is not None and g["projected"] > g["available"]
-    detail = (f"{_signed(g['slope'])} per step, at least {_signed(g['lower'])} (rank {r.rank}; Theil-Sen slope of "
-              f"the memory held minus the plan over the last {g['readings']} steps; growth under "
-              f"{format_bytes(tol.step_growth)} a step is not judged)")
+    detail = (
+        f"{_signed(g['slope'])} per step, at least {_signed(g['lower'])} (rank {r.rank}; Theil-Sen slope of "
+        f"the memory held minus the plan over the last {g['readings']} steps; growth under "
+        f"{format_bytes(tol.step_growth)} a step is not judged)"
+    )
     if not g["steady"]:
         return Finding(name, "pass", f"{detail}: {g['why']}")
-    detail += (f": {_signed(g['projected'])} more by step {tol.run_steps:,} of the run (--run-steps), against "
-               f"{format_bytes(int(max(0, g['room'])))} left before the plan's allowance"
-               + (f" and {format_bytes(g['available'])} available" if g["available"] is not None else ""))
+    detail += (
+        f": {_signed(g['projected'])} more by step {tol.run_steps:,} of the run (--run-steps), against "
+        f"{format_bytes(int(max(0, g['room'])))} left before the plan's allowance"
+        + (f" and {format_bytes(g['available'])} available" if g["available"] is not None else "")
+    )
     if out_of_memory:
         detail += f"; it runs out of memory around step {g['last'] + int(g['available'] / g['excess']):,}"
     return _judged(name, detail, over_plan or out_of_memory, "memory_grows_per_step", r.rank, failures)
 
 
-def _judged(check: str, detail: str, failed: bool, cause: str, rank: int, failures: list[dict[str, Any]]
-            ) -> Finding:
+def _judged(check: str, detail: str, failed: bool, cause: str, rank: int, failures: list[dict[str, Any]]) -> Finding:
     """A pass, or a fail also listed among the failures with its cause and rank."""
     if not failed:
         return Finding(check, "pass", detail)
@@ -721,17 +844,27 @@ def _idle_state(results: Sequence[RankResult], failures: list[dict[str, Any]]) -
     name = "idle optimizer state as its policy says"
     checked = sum(s.idle_checked for r in results for s in r.switches)
     if not checked:
-        return Finding(name, "info", "no idle group's policy sends its state away here (keep; offload on a CPU "
-                                     "stays on the host, which is the device)")
+        return Finding(
+            name,
+            "info",
+            "no idle group's policy sends its state away here (keep; offload on a CPU "
+            "stays on the host, which is the device)",
+        )
     for r in results:
         for s in r.switches:
             if s.idle_held:
-                detail = (f"rank {r.rank}, after the switch to {s.phase!r} at step {s.step}: idle group(s) "
-                          f"{s.idle_held_groups} still hold {format_bytes(s.idle_held)} of optimizer state on "
-                          f"{r.device}, against their policy")
+                detail = (
+                    f"rank {r.rank}, after the switch to {s.phase!r} at step {s.step}: idle group(s) "
+                    f"{s.idle_held_groups} still hold {format_bytes(s.idle_held)} of optimizer state on "
+                    f"{r.device}, against their policy"
+                )
                 return _judged(name, detail, True, "idle_state_held", r.rank, failures)
-    return Finding(name, "pass", f"{checked} idle group-switches checked on every rank: none held state on the "
-                                 "device that its policy sends away")
+    return Finding(
+        name,
+        "pass",
+        f"{checked} idle group-switches checked on every rank: none held state on the "
+        "device that its policy sends away",
+    )
 
 
 def _switch_share(results: Sequence[RankResult]) -> Finding:
@@ -745,16 +878,18 @@ def _switch_share(results: Sequence[RankResult]) -> Finding:
     if worst is None or not worst[2]:
         return Finding(name, "info", "no switch")
     share, rank, count, seconds = worst
-    return Finding(name, "info", f"{share:.1%} of step time (rank {rank}: {count} switches, "
-                                 f"{1000 * seconds / count:.1f} ms each)")
+    return Finding(
+        name, "info", f"{share:.1%} of step time (rank {rank}: {count} switches, {1000 * seconds / count:.1f} ms each)"
+    )
 
 
 def _phase_table(result: RankResult, tol: Tolerances) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     judged = {id(row) for row, _ in _held_vs_plan(result, tol)}
     for row, planned in _planned_steps(result):
-        entry = rows.setdefault(row.phase, {"phase": row.phase, "visits": 0, "plan": planned, "held": None,
-                                            "peak": None, "judged": False})
+        entry = rows.setdefault(
+            row.phase, {"phase": row.phase, "visits": 0, "plan": planned, "held": None, "peak": None, "judged": False}
+        )
         if row.held is not None and id(row) in judged:
             entry["judged"] = True
             entry["held"] = max(entry["held"] or 0, row.held)

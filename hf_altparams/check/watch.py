@@ -40,7 +40,9 @@ _PROGRESS = "progress{rank}.json"
 # torch's elastic launcher (torchrun, and accelerate launch's multi-process launchers, which run it) lists each
 # failed worker in its summary as "rank : R (local_rank: L)" then "exitcode : -S (pid: P)" for signal S
 # (torch 2.13); accelerate launch's one-process launcher raises CalledProcessError "died with <Signals.SIGKILL: 9>".
-_ELASTIC_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*\d+\)")
+_ELASTIC_FAILURE = re.compile(
+    r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*\d+\)"
+)
 _SIMPLE_LAUNCHER_DEATH = re.compile(r"died with <Signals\.SIG\w+:\s*(\d+)>")
 
 
@@ -86,8 +88,11 @@ class RankProgress:
         """``"3 of 12 steps done"``, or the stage it had reached before its first step."""
         if self.steps or self.stage in ("step", "final"):
             return f"{self.steps}{'' if planned is None else f' of {planned}'} steps done"
-        return {"accelerator": "starting (no accelerator yet)", "setup": "building its set-up (no step yet)",
-                "prepare": "preparing (no step yet)"}.get(self.stage, f"stage {self.stage}")
+        return {
+            "accelerator": "starting (no accelerator yet)",
+            "setup": "building its set-up (no step yet)",
+            "prepare": "preparing (no step yet)",
+        }.get(self.stage, f"stage {self.stage}")
 
     def memory(self) -> str:
         if self.rss is None:
@@ -180,12 +185,16 @@ class Watch:
     def deadline_failure(self, deadline: float, planned: int) -> dict[str, Any]:
         """The ``deadline`` failure: the seconds allowed and how far each rank got."""
         self.poll(force=True)
-        return {"cause": Cause.DEADLINE, "rank": None,
-                "detail": f"the check ran past --deadline {deadline:g} s and was stopped, with its launcher and "
-                          f"every rank; how far each got: {self._how_far(planned)}"}
+        return {
+            "cause": Cause.DEADLINE,
+            "rank": None,
+            "detail": f"the check ran past --deadline {deadline:g} s and was stopped, with its launcher and "
+            f"every rank; how far each got: {self._how_far(planned)}",
+        }
 
-    def killed_failures(self, output: str, launcher_code: Optional[int], planned: int, priced: Optional[str]
-                        ) -> list[dict[str, Any]]:
+    def killed_failures(
+        self, output: str, launcher_code: Optional[int], planned: int, priced: Optional[str]
+    ) -> list[dict[str, Any]]:
         """An ``out_of_memory`` failure for each rank (or the launcher) a SIGKILL ended, with the figures known."""
         self.poll(force=True)
         killed = [rank for rank, number in signals_of_ranks(output).items() if number == signal.SIGKILL]
@@ -195,21 +204,32 @@ class Watch:
         if self.oom_kills_at_start is None or now is None:
             kernel = "the kernel's count of out-of-memory kills could not be read (/proc/vmstat)"
         elif now > self.oom_kills_at_start:
-            kernel = (f"the kernel counted {now - self.oom_kills_at_start} out-of-memory kill(s) during the run "
-                      "(/proc/vmstat oom_kill)")
+            kernel = (
+                f"the kernel counted {now - self.oom_kills_at_start} out-of-memory kill(s) during the run "
+                "(/proc/vmstat oom_kill)"
+            )
         else:
-            kernel = ("the kernel counted no out-of-memory kill during the run (/proc/vmstat oom_kill): if this was "
-                      "not the OOM killer (a container's limit, or a person), something else sent it")
-        shared = (f"the pre-flight priced {priced}" if priced else "no pre-flight price (--setup or --no-preflight)")
-        shared += (f"; host memory available at launch {format_bytes(self.available_at_start)} of "
-                   f"{format_bytes(self.total)}; {kernel}")
+            kernel = (
+                "the kernel counted no out-of-memory kill during the run (/proc/vmstat oom_kill): if this was "
+                "not the OOM killer (a container's limit, or a person), something else sent it"
+            )
+        shared = f"the pre-flight priced {priced}" if priced else "no pre-flight price (--setup or --no-preflight)"
+        shared += (
+            f"; host memory available at launch {format_bytes(self.available_at_start)} of "
+            f"{format_bytes(self.total)}; {kernel}"
+        )
         out = []
         who_died: list[Optional[int]] = list(killed) or [None]
         for rank in who_died:
             known = None if rank is None else self._ranks.get(rank)
             who = "the launcher" if rank is None else f"rank {rank}"
             state = "" if known is None else f"; how far: {known.where(planned)}; {known.memory()}"
-            out.append({"cause": Cause.OUT_OF_MEMORY, "rank": rank,
-                        "detail": f"{who} was killed by SIGKILL, what the kernel's out-of-memory killer sends"
-                                  f"{state}; {shared}"})
+            out.append(
+                {
+                    "cause": Cause.OUT_OF_MEMORY,
+                    "rank": rank,
+                    "detail": f"{who} was killed by SIGKILL, what the kernel's out-of-memory killer sends"
+                    f"{state}; {shared}",
+                }
+            )
         return out

@@ -113,9 +113,11 @@ class IdleWatch:
     def boundary(self, step: int, coming: Optional[Phase]) -> list[IdleChange]:
         """The changes of the groups idle since the last boundary; then ``coming`` (``None``: the end) trains."""
         now = self._read()
-        changed = [IdleChange(entry, self.phase.name, self.since, step)
-                   for entry, before, after in zip(self.entries, self.digests, now)
-                   if before != after and self._idle(entry, self.phase)]
+        changed = [
+            IdleChange(entry, self.phase.name, self.since, step)
+            for entry, before, after in zip(self.entries, self.digests, now)
+            if before != after and self._idle(entry, self.phase)
+        ]
         self.digests = now
         if coming is not None:
             self.phase, self.since = coming, step

@@ -36,9 +36,26 @@ from torch.optim import Optimizer
 from ..errors import PlanError
 from ..plan import ANY_KIND, SCHEDULES, CommandDefaults, Derived, ParamGroups, Schedule
 
-__all__ = ["CHECK_DEFAULTS", "SCHEDULES", "TASKS", "Batch", "CheckSetup", "build_user_model", "builtin_model",
-           "builtin_setup", "ddp_kwargs", "find_layer_stacks", "find_layers", "layer_groups", "load_setup",
-           "model_setup", "model_task", "pick_task", "schedule_for", "synthetic_batch"]
+__all__ = [
+    "CHECK_DEFAULTS",
+    "SCHEDULES",
+    "TASKS",
+    "Batch",
+    "CheckSetup",
+    "build_user_model",
+    "builtin_model",
+    "builtin_setup",
+    "ddp_kwargs",
+    "find_layer_stacks",
+    "find_layers",
+    "layer_groups",
+    "load_setup",
+    "model_setup",
+    "model_task",
+    "pick_task",
+    "schedule_for",
+    "synthetic_batch",
+]
 
 #: The groups :func:`layer_groups` adds beside the layers: the input embeddings and the output head.
 _EMBEDDINGS = ("emb", "head")
@@ -47,6 +64,7 @@ _EMBEDDINGS = ("emb", "head")
 def _present(*names: str) -> Derived:
     def derive(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
         return tuple(n for n in names if n in groups.names)
+
     has = "those the model has" if len(names) > 1 else "if the model has one"
     return Derived(f"{','.join(names)} ({has})", derive)
 
@@ -64,15 +82,26 @@ def _layers(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...]:
 #: over layer groups (every forward runs through every layer; its other tasks are off the device):
 #: a ``--setup`` with a model that routes by task checks it.
 CHECK_DEFAULTS = CommandDefaults(
-    "check", schedule="lisa",
-    values={"every": {"alternating": 2, ANY_KIND: 3}, "k": {ANY_KIND: 2},
-            "always": {"lisa": _present("emb", "head"), "gradual": _present("head")},
-            "blocks": {ANY_KIND: Derived("the layer groups (not emb, head) not in --always", _layers)}},
-    refused={"unit": {"epoch": "it counts optimizer steps and runs no epochs, so a schedule in epochs would "
-                               "never switch; give --every in steps"},
-             "schedule": {"per-task": "its groups are layers, and every forward runs through all of them, while "
-                                      "a per-task schedule keeps the other tasks off the device; give a --setup "
-                                      "whose model routes each batch through its own task's groups"}})
+    "check",
+    schedule="lisa",
+    values={
+        "every": {"alternating": 2, ANY_KIND: 3},
+        "k": {ANY_KIND: 2},
+        "always": {"lisa": _present("emb", "head"), "gradual": _present("head")},
+        "blocks": {ANY_KIND: Derived("the layer groups (not emb, head) not in --always", _layers)},
+    },
+    refused={
+        "unit": {
+            "epoch": "it counts optimizer steps and runs no epochs, so a schedule in epochs would "
+            "never switch; give --every in steps"
+        },
+        "schedule": {
+            "per-task": "its groups are layers, and every forward runs through all of them, while "
+            "a per-task schedule keeps the other tasks off the device; give a --setup "
+            "whose model routes each batch through its own task's groups"
+        },
+    },
+)
 
 #: Model inputs of one micro-batch (keyword arguments of the model's forward).
 Batch = Mapping[str, torch.Tensor]
@@ -129,20 +158,25 @@ class CheckSetup:
         if not isinstance(self.groups, ParamGroups):
             raise PlanError(f"CheckSetup `groups` must be a ParamGroups, got {type(self.groups).__name__}")
         if not isinstance(self.schedule, Schedule):
-            raise PlanError(f"CheckSetup `schedule` must be an hf_altparams Schedule, got "
-                            f"{type(self.schedule).__name__}")
+            raise PlanError(
+                f"CheckSetup `schedule` must be an hf_altparams Schedule, got {type(self.schedule).__name__}"
+            )
         for name in ("optimizer", "batch", "loss", "on_step", "before_step"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise PlanError(f"CheckSetup `{name}` must be callable or None, got {type(value).__name__}")
         if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
-            raise PlanError(f"CheckSetup `accumulation` must be a positive integer (micro-batches per optimizer "
-                            f"step), got {self.accumulation!r}")
+            raise PlanError(
+                f"CheckSetup `accumulation` must be a positive integer (micro-batches per optimizer "
+                f"step), got {self.accumulation!r}"
+            )
         self.ddp = ddp_kwargs(self.ddp)
         if self.batch is None and not hasattr(self.model, "config"):
-            raise PlanError(f"CheckSetup has no `batch` and its model ({type(self.model).__name__}) is not a "
-                            "transformers model, whose inputs could be made up; give `batch=lambda step, rank: "
-                            "{...}` (the keyword arguments of its forward)")
+            raise PlanError(
+                f"CheckSetup has no `batch` and its model ({type(self.model).__name__}) is not a "
+                "transformers model, whose inputs could be made up; give `batch=lambda step, rank: "
+                "{...}` (the keyword arguments of its forward)"
+            )
 
     @property
     def model(self) -> nn.Module:
@@ -162,8 +196,10 @@ class CheckSetup:
         """The inputs of ``step`` on ``rank`` (different on each rank, as a sharded loader gives), on ``device``."""
         raw = self.batch(step, rank) if self.batch is not None else synthetic_batch(self.model, step, rank)
         if not isinstance(raw, Mapping):
-            raise PlanError(f"CheckSetup `batch` returned {type(raw).__name__}; return a mapping of the model's "
-                            "forward arguments, e.g. {'input_ids': ...}")
+            raise PlanError(
+                f"CheckSetup `batch` returned {type(raw).__name__}; return a mapping of the model's "
+                "forward arguments, e.g. {'input_ids': ...}"
+            )
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in raw.items()}
 
     def compute_loss(self, outputs: Any) -> torch.Tensor:
@@ -179,8 +215,9 @@ class CheckSetup:
         elif isinstance(outputs, (tuple, list)):
             first = outputs[0]
         if not isinstance(first, torch.Tensor):
-            raise PlanError(f"the model returned {type(outputs).__name__} with no tensor to take a loss of; give "
-                            "CheckSetup `loss=`")
+            raise PlanError(
+                f"the model returned {type(outputs).__name__} with no tensor to take a loss of; give CheckSetup `loss=`"
+            )
         return first.float().pow(2).mean()
 
 
@@ -205,15 +242,21 @@ def ddp_kwargs(value: Any) -> Any:
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(fields))
         if unknown:
-            raise PlanError(f"CheckSetup `ddp` names {unknown}, which DistributedDataParallelKwargs does not take; it "
-                            f"takes {fields}")
+            raise PlanError(
+                f"CheckSetup `ddp` names {unknown}, which DistributedDataParallelKwargs does not take; it "
+                f"takes {fields}"
+            )
         value = DistributedDataParallelKwargs(**value)
     if not isinstance(value, DistributedDataParallelKwargs):
-        raise PlanError(f"CheckSetup `ddp` must be a DistributedDataParallelKwargs or a mapping of its fields "
-                        f"({fields}), got {type(value).__name__}")
+        raise PlanError(
+            f"CheckSetup `ddp` must be a DistributedDataParallelKwargs or a mapping of its fields "
+            f"({fields}), got {type(value).__name__}"
+        )
     if str(value.comm_hook) != "no":
-        raise PlanError(f"CheckSetup `ddp` sets comm_hook={value.comm_hook!r}: the check counts the bytes all-reduced "
-                        "with a comm hook of its own, and DDP takes one; leave comm_hook out")
+        raise PlanError(
+            f"CheckSetup `ddp` sets comm_hook={value.comm_hook!r}: the check counts the bytes all-reduced "
+            "with a comm hook of its own, and DDP takes one; leave comm_hook out"
+        )
     return value
 
 
@@ -230,9 +273,16 @@ def builtin_model(layers: int = 8, hidden: int = 256, vocab: int = 2048) -> nn.M
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=256, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -267,8 +317,10 @@ def find_layer_stacks(model: nn.Module) -> list[str]:
         if isinstance(module, nn.ModuleList) and len(module) > 1 and not inside:
             sizes[name] = sum(p.numel() for p in module.parameters())
     if not sizes:
-        raise PlanError(f"{type(model).__name__} holds no ModuleList of layers to group; name one with "
-                        "`--layers PATH` or give a `--setup module:function` that builds the groups")
+        raise PlanError(
+            f"{type(model).__name__} holds no ModuleList of layers to group; name one with "
+            "`--layers PATH` or give a `--setup module:function` that builds the groups"
+        )
     largest = max(sizes.values())
     return sorted((n for n, size in sizes.items() if size * 4 >= largest), key=lambda n: -sizes[n])
 
@@ -323,8 +375,11 @@ def layer_groups(model: nn.Module, layers: Optional[str] = None, per: int = 1) -
     base = getattr(model, "base_model", None)
     output = getattr(model, "get_output_embeddings", None)
     if callable(output) and output() is None and isinstance(base, nn.Module) and base is not model:  # a classifier
-        heads = [f"{name}.*" for name, child in model.named_children()
-                 if child is not base and any(id(p) not in emb_params for p in child.parameters())]
+        heads = [
+            f"{name}.*"
+            for name, child in model.named_children()
+            if child is not base and any(id(p) not in emb_params for p in child.parameters())
+        ]
         if heads:
             extra["head"] = heads
     specs: dict[str, Any] = {}
@@ -334,10 +389,11 @@ def layer_groups(model: nn.Module, layers: Optional[str] = None, per: int = 1) -
         except AttributeError as err:
             raise PlanError(f"`--layers` {path!r} is not a ModuleList of {type(model).__name__} ({err})") from err
         if not isinstance(stack, nn.ModuleList) or not len(stack):
-            raise PlanError(f"`--layers` {path!r} is a {type(stack).__name__} of {type(model).__name__}, not a "
-                            "ModuleList of layers")
+            raise PlanError(
+                f"`--layers` {path!r} is a {type(stack).__name__} of {type(model).__name__}, not a ModuleList of layers"
+            )
         for i, start in enumerate(range(0, len(stack), per)):
-            specs[f"{name}{i}"] = list(stack[start:start + per])
+            specs[f"{name}{i}"] = list(stack[start : start + per])
     return ParamGroups(model, {**specs, **extra})
 
 
@@ -354,10 +410,12 @@ def _task_mappings() -> dict[str, dict[str, str]]:
     """Per task, transformers' ``{model_type: class name}`` of the auto class (its public name tables)."""
     from transformers.models.auto import modeling_auto as auto
 
-    return {"causal-lm": dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-            "seq2seq-lm": dict(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-            "masked-lm": dict(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
-            "seq-classification": dict(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)}
+    return {
+        "causal-lm": dict(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "seq2seq-lm": dict(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        "masked-lm": dict(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+        "seq-classification": dict(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+    }
 
 
 def _classes(names: object) -> set[str]:
@@ -397,8 +455,10 @@ def pick_task(config: Any, task: Optional[str] = None) -> str:
     supported = [t for t, mapping in mappings.items() if model_type in mapping]
     if task is not None:
         if task not in supported:
-            raise PlanError(f"`--task` {task!r}: transformers has no {TASKS[task]} head for a {type(config).__name__} "
-                            f"(model_type {model_type!r}); this config accepts {supported or 'none of them'}")
+            raise PlanError(
+                f"`--task` {task!r}: transformers has no {TASKS[task]} head for a {type(config).__name__} "
+                f"(model_type {model_type!r}); this config accepts {supported or 'none of them'}"
+            )
         return task
     for arch in getattr(config, "architectures", None) or []:
         for name, mapping in mappings.items():
@@ -406,15 +466,24 @@ def pick_task(config: Any, task: Optional[str] = None) -> str:
                 return name
     if supported:
         return supported[0]
-    raise PlanError(f"a {type(config).__name__} (model_type {model_type!r}, architectures "
-                    f"{getattr(config, 'architectures', None)}) has none of the heads `check` trains: "
-                    f"{', '.join(f'{t} ({c})' for t, c in TASKS.items())}; give a `--setup module:function` "
-                    "that builds the model, its batches and its loss")
+    raise PlanError(
+        f"a {type(config).__name__} (model_type {model_type!r}, architectures "
+        f"{getattr(config, 'architectures', None)}) has none of the heads `check` trains: "
+        f"{', '.join(f'{t} ({c})' for t, c in TASKS.items())}; give a `--setup module:function` "
+        "that builds the model, its batches and its loss"
+    )
 
 
-def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: Optional[str] = None,
-                task: Optional[str] = None, dtype: Optional[str] = None, layers: Optional[str] = None,
-                per: int = 1) -> tuple[nn.Module, ParamGroups]:
+def model_setup(
+    model: Union[str, Path],
+    *,
+    weights: bool = False,
+    model_class: Optional[str] = None,
+    task: Optional[str] = None,
+    dtype: Optional[str] = None,
+    layers: Optional[str] = None,
+    per: int = 1,
+) -> tuple[nn.Module, ParamGroups]:
     """The user's model (``--model``: a config JSON or a checkpoint folder) and its layer groups.
 
     Args:
@@ -442,8 +511,14 @@ def model_setup(model: Union[str, Path], *, weights: bool = False, model_class: 
     return built, layer_groups(built, layers, per)
 
 
-def build_user_model(model: Union[str, Path], *, weights: bool = False, model_class: Optional[str] = None,
-                     task: Optional[str] = None, device: str = "cpu") -> nn.Module:
+def build_user_model(
+    model: Union[str, Path],
+    *,
+    weights: bool = False,
+    model_class: Optional[str] = None,
+    task: Optional[str] = None,
+    device: str = "cpu",
+) -> nn.Module:
     """``--model`` built with the head of its task (see :func:`model_setup`), on ``device``, in its own dtype.
 
     ``device="meta"`` builds it without memory (the pre-flight prices it so);
@@ -459,8 +534,10 @@ def build_user_model(model: Union[str, Path], *, weights: bool = False, model_cl
     if weights and not path.is_dir():
         raise PlanError(f"`--weights` needs `--model` to be a checkpoint folder, got {str(path)!r}")
     if not path.exists():
-        raise PlanError(f"`--model` {str(path)!r} is neither a config JSON nor a checkpoint folder (read locally; "
-                        "hub names are not fetched: save the config first)")
+        raise PlanError(
+            f"`--model` {str(path)!r} is neither a config JSON nor a checkpoint folder (read locally; "
+            "hub names are not fetched: save the config first)"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         raise PlanError(f"`--model` folder {str(path)!r} holds no config.json")
     try:
@@ -470,8 +547,10 @@ def build_user_model(model: Union[str, Path], *, weights: bool = False, model_cl
     name = model_class or TASKS[pick_task(config, task)]
     cls: Any = getattr(transformers, name, None)
     if not hasattr(cls, "from_config"):
-        raise PlanError(f"`--model-class` {name!r} is not a transformers model class; use one of "
-                        f"{list(TASKS.values())} or leave it out")
+        raise PlanError(
+            f"`--model-class` {name!r} is not a transformers model class; use one of "
+            f"{list(TASKS.values())} or leave it out"
+        )
     if name == TASKS["seq-classification"] and getattr(config, "pad_token_id", None) is None:
         eos = getattr(config, "eos_token_id", None)
         config.pad_token_id = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) or 0
@@ -483,8 +562,10 @@ def build_user_model(model: Union[str, Path], *, weights: bool = False, model_cl
             with torch.device(device):
                 built = cls.from_config(config)
     except ValueError as err:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
-        raise PlanError(f"transformers' {name} cannot build a {type(config).__name__}: "
-                        f"{str(err).splitlines()[0][:300]}; leave `--model-class` out, or give `--task`") from err
+        raise PlanError(
+            f"transformers' {name} cannot build a {type(config).__name__}: "
+            f"{str(err).splitlines()[0][:300]}; leave `--model-class` out, or give `--task`"
+        ) from err
     return built
 
 
@@ -498,8 +579,11 @@ def builtin_setup(schedule: str = "lisa", **options: Any) -> CheckSetup:
     """
     model = builtin_model()
     groups = layer_groups(model)
-    return CheckSetup(groups, schedule_for(schedule, groups, **options),
-                      description=f"built-in Llama, 8 layers, 7.5 M parameters; {schedule}")
+    return CheckSetup(
+        groups,
+        schedule_for(schedule, groups, **options),
+        description=f"built-in Llama, 8 layers, 7.5 M parameters; {schedule}",
+    )
 
 
 def schedule_for(name: Optional[str], groups: ParamGroups, **options: Any) -> Schedule:
@@ -552,8 +636,10 @@ def load_setup(spec: str, **context: Any) -> CheckSetup:
         for part in attr.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as err:
-        raise PlanError(f"`--setup` {spec!r} cannot be imported: {type(err).__name__}: {err} (the module must "
-                        "be importable from the working directory or PYTHONPATH)") from err
+        raise PlanError(
+            f"`--setup` {spec!r} cannot be imported: {type(err).__name__}: {err} (the module must "
+            "be importable from the working directory or PYTHONPATH)"
+        ) from err
     if not callable(target):
         raise PlanError(f"`--setup` {spec!r} is a {type(target).__name__}, not a function")
     import inspect
@@ -567,15 +653,17 @@ def load_setup(spec: str, **context: Any) -> CheckSetup:
     if isinstance(built, tuple) and len(built) == 2:
         built = CheckSetup(built[0], built[1], description=spec)
     if not isinstance(built, CheckSetup):
-        raise PlanError(f"`--setup` {spec!r} returned {type(built).__name__}; return a CheckSetup or a "
-                        "(groups, schedule) pair")
+        raise PlanError(
+            f"`--setup` {spec!r} returned {type(built).__name__}; return a CheckSetup or a (groups, schedule) pair"
+        )
     if not built.description:
         built.description = spec
     return built
 
 
-def synthetic_batch(model: nn.Module, step: int, rank: int, batch_size: int = 4, length: int = 64
-                    ) -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    model: nn.Module, step: int, rank: int, batch_size: int = 4, length: int = 64
+) -> dict[str, torch.Tensor]:
     """Random token ids for a transformers model, seeded by ``(step, rank)``, with what its head's loss needs.
 
     By :func:`model_task`: ``labels`` (the ids) for a causal or masked LM;
@@ -592,8 +680,10 @@ def synthetic_batch(model: nn.Module, step: int, rank: int, batch_size: int = 4,
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
-        raise PlanError(f"cannot make up inputs for {type(model).__name__} (no `config.vocab_size`); give a "
-                        "`--setup` whose CheckSetup has `batch=`")
+        raise PlanError(
+            f"cannot make up inputs for {type(model).__name__} (no `config.vocab_size`); give a "
+            "`--setup` whose CheckSetup has `batch=`"
+        )
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int):
         length = min(length, positions)

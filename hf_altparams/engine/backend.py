@@ -163,6 +163,7 @@ class LocalBackend(Backend):
     def __init__(self, module: Optional[nn.Module] = None) -> None:
         self.wrapper = None
 
+
 def model_name_in(root: nn.Module, module: nn.Module) -> Optional[str]:
     """The name of ``module`` among ``root``'s direct children (a root of several models), or ``None``."""
     if not isinstance(root, nn.ModuleDict):
@@ -255,4 +256,4 @@ class ModelsBackend(Backend):
 def _within(name: str, names: set[str]) -> set[str]:
     """The names under model ``name``, relative to it (what its own wrapper calls them)."""
     prefix = f"{name}."
-    return {n[len(prefix):] for n in names if n.startswith(prefix)}
+    return {n[len(prefix) :] for n in names if n.startswith(prefix)}

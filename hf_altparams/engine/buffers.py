@@ -41,12 +41,12 @@ from typing import Iterable, Literal, Optional, Union
 
 import torch
 from torch import nn
-from .torch_internals import NORM_BASE
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import PlanError
 from .memory import nbytes
+from .torch_internals import NORM_BASE
 
 __all__ = [
     "BufferPlan",
@@ -98,16 +98,10 @@ class BufferPlan:
 def _updates_buffers(module: nn.Module, updating_types: tuple[type, ...]) -> bool:
     if updating_types and isinstance(module, updating_types):
         return True
-    return (
-        isinstance(module, NORM_BASE)
-        and bool(module.track_running_stats)
-        and module.running_mean is not None
-    )
+    return isinstance(module, NORM_BASE) and bool(module.track_running_stats) and module.running_mean is not None
 
 
-def buffer_updating_modules(
-    module: nn.Module, updating_types: Iterable[type] = ()
-) -> list[tuple[str, nn.Module]]:
+def buffer_updating_modules(module: nn.Module, updating_types: Iterable[type] = ()) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every submodule that updates buffers in forward when training.
 
     Example:
@@ -124,8 +118,13 @@ def _check(value: object, argument: str, accepted: tuple[str, ...]) -> None:
         raise PlanError(f"`{argument}` is {value!r}; accepted: {list(accepted)}")
 
 
-def check_buffer_sync(policy: object, frozen_norms: object, updating_types: Iterable[object] = (), *,
-                      types_argument: str = "buffer_updating_types") -> None:
+def check_buffer_sync(
+    policy: object,
+    frozen_norms: object,
+    updating_types: Iterable[object] = (),
+    *,
+    types_argument: str = "buffer_updating_types",
+) -> None:
     """Validate the buffer settings: ``buffer_sync``, ``frozen_norms`` and the buffer-updating module types."""
     _check(policy, "buffer_sync", _POLICIES)
     _check(frozen_norms, "frozen_norms", _FROZEN)
@@ -161,8 +160,7 @@ class _Structure:
             buffers.extend(own)
             if _updates_buffers(sub, updating_types):
                 params = tuple(prefix + n for n, _ in sub.named_parameters(recurse=False))
-                updating.append(_Updating(name, sub, tuple(n for n, _, _ in own), params,
-                                          isinstance(sub, NORM_BASE)))
+                updating.append(_Updating(name, sub, tuple(n for n, _, _ in own), params, isinstance(sub, NORM_BASE)))
         return cls(tuple(buffers), tuple(updating), modules)
 
 
@@ -198,8 +196,7 @@ def plan_buffer_sync(
     _check(policy, "buffer_sync", _POLICIES)
     _check(frozen_norms, "frozen_norms", _FROZEN)
     structure = _Structure.of(module, tuple(updating_types))
-    return _plan(structure, frozenset(trainable), set(ignore), set(user_ignore), user_broadcast,
-                 policy, frozen_norms)
+    return _plan(structure, frozenset(trainable), set(ignore), set(user_ignore), user_broadcast, policy, frozen_norms)
 
 
 def _plan(
@@ -211,8 +208,11 @@ def _plan(
     policy: str,
     frozen_norms: str,
 ) -> BufferPlan:
-    sizes = [(name, nbytes(buffer)) for name, owner, attr in structure.buffers
-             if isinstance(buffer := getattr(owner, attr, None), torch.Tensor)]
+    sizes = [
+        (name, nbytes(buffer))
+        for name, owner, attr in structure.buffers
+        if isinstance(buffer := getattr(owner, attr, None), torch.Tensor)
+    ]
     baseline = sum(n for name, n in sizes if name not in user_ignore) if user_broadcast else 0
     live = sum(n for name, n in sizes if name not in ignore)
 
@@ -309,8 +309,15 @@ class BufferSync:
         if self._structure is None or self._structure[0] != id(module):
             self._structure = (id(module), _Structure.of(module, self.updating_types))
         structure = self._structure[1]
-        plan = _plan(structure, frozenset(trainable), set(ignore), set(self.user_ignore),
-                     self.user_broadcast if ddp is not None else True, self.policy, self.frozen_norms)
+        plan = _plan(
+            structure,
+            frozenset(trainable),
+            set(ignore),
+            set(self.user_ignore),
+            self.user_broadcast if ddp is not None else True,
+            self.policy,
+            self.frozen_norms,
+        )
         self._hold_eval(module, plan.eval_modules, structure.modules)
         if ddp is not None and self.policy == "auto":
             ddp.broadcast_buffers = plan.broadcast  # the public setting DDP reads at each forward
@@ -319,8 +326,9 @@ class BufferSync:
         self.plan = plan
         return plan
 
-    def _hold_eval(self, module: nn.Module, names: Iterable[str],
-                   modules: Optional[dict[str, nn.Module]] = None) -> None:
+    def _hold_eval(
+        self, module: nn.Module, names: Iterable[str], modules: Optional[dict[str, nn.Module]] = None
+    ) -> None:
         wanted = set(names)
         if not wanted and not self._hooks:
             return

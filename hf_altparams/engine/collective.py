@@ -29,8 +29,17 @@ import torch.distributed as dist
 from ..errors import Cause, PlanError, Refusal, SwitchError, cause_of
 from ..plan.phase import Phase
 
-__all__ = ["agree", "any_rank_failed", "check_timeout", "collective_device", "collective_errors", "gather_rows",
-           "is_collective_failure", "is_distributed", "settle"]
+__all__ = [
+    "agree",
+    "any_rank_failed",
+    "check_timeout",
+    "collective_device",
+    "collective_errors",
+    "gather_rows",
+    "is_collective_failure",
+    "is_distributed",
+    "settle",
+]
 
 
 def is_distributed(group: Optional[dist.ProcessGroup]) -> bool:
@@ -50,8 +59,10 @@ def check_timeout(timeout: Optional[float]) -> Optional[float]:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise PlanError(f"`collective_timeout` must be None (the process group's timeout) or a positive "
-                        f"number of seconds, got {timeout!r}")
+        raise PlanError(
+            f"`collective_timeout` must be None (the process group's timeout) or a positive "
+            f"number of seconds, got {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -59,8 +70,7 @@ class _TimedOut(RuntimeError):
     """A collective of the switch did not complete within ``collective_timeout``."""
 
 
-def gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
-                 timeout: Optional[float]) -> list[list[int]]:
+def gather_rows(values: list[int], group: Optional[dist.ProcessGroup], timeout: Optional[float]) -> list[list[int]]:
     """Every rank's ``values`` (one row per rank, in rank order): one all-gather of int64.
 
     An all-gather, not an all-reduce: with two gloo ranks it is one exchange
@@ -87,8 +97,13 @@ def gather_rows(values: list[int], group: Optional[dist.ProcessGroup],
 
 
 @contextlib.contextmanager
-def collective_errors(phase: Optional[Phase], step: Optional[int], group: Optional[dist.ProcessGroup],
-                      timeout: Optional[float], what: str = "agreement") -> Iterator[None]:
+def collective_errors(
+    phase: Optional[Phase],
+    step: Optional[int],
+    group: Optional[dist.ProcessGroup],
+    timeout: Optional[float],
+    what: str = "agreement",
+) -> Iterator[None]:
     """Turn a failed or timed-out collective of a switch into a :class:`SwitchError`.
 
     The message names the phase, the step, this rank and what to do; a dead peer
@@ -103,14 +118,20 @@ def collective_errors(phase: Optional[Phase], step: Optional[int], group: Option
         rank, world = _rank_world(group)
         to = f" to {phase.name!r}" if phase is not None else ""
         head = f"phase switch{to} at step {step}: rank {rank} of {world}"
-        tail = ("a rank died, hangs or skipped this switch; the process group is unusable now: stop the job "
-                "and restart it from the latest complete checkpoint (docs/faults.md)")
+        tail = (
+            "a rank died, hangs or skipped this switch; the process group is unusable now: stop the job "
+            "and restart it from the latest complete checkpoint (docs/faults.md)"
+        )
         if isinstance(exc, _TimedOut):
-            message = (f"{head} waited {timeout:g} s (collective_timeout) for the other ranks in the switch's "
-                       f"{what} and got no answer; {tail}")
+            message = (
+                f"{head} waited {timeout:g} s (collective_timeout) for the other ranks in the switch's "
+                f"{what} and got no answer; {tail}"
+            )
         elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            message = (f"{head}: the other ranks did not answer within the process group's timeout in the "
-                       f"switch's {what} ({_short(exc)}); {tail}")
+            message = (
+                f"{head}: the other ranks did not answer within the process group's timeout in the "
+                f"switch's {what} ({_short(exc)}); {tail}"
+            )
         else:
             message = f"{head}: the switch's {what} collective failed ({_short(exc)}); {tail}"
         raise SwitchError(message, cause=Cause.RANK_LOST) from exc
@@ -128,8 +149,18 @@ def is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     text = str(exc).lower()
-    return any(mark in text for mark in ("gloo", "nccl", "timed out", "connection closed", "connection reset",
-                                         "processgroup", "broken pipe"))
+    return any(
+        mark in text
+        for mark in (
+            "gloo",
+            "nccl",
+            "timed out",
+            "connection closed",
+            "connection reset",
+            "processgroup",
+            "broken pipe",
+        )
+    )
 
 
 def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[Any, Any]:
@@ -155,8 +186,13 @@ def _phase_code(phase: Phase) -> int:
     return _digest_int(phase.digest())
 
 
-def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
-          local_error: Optional[str], timeout: Optional[float] = None) -> None:
+def agree(
+    group: Optional[dist.ProcessGroup],
+    phase: Phase,
+    step: Optional[int],
+    local_error: Optional[str],
+    timeout: Optional[float] = None,
+) -> None:
     """Raise the same :class:`SwitchError` on every rank unless all ask for ``phase`` and none refuses.
 
     Single process: raises only for ``local_error``.
@@ -180,17 +216,24 @@ def agree(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     refusals = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
     if refusals:
-        raise SwitchError(f"phase switch at {where} refused; " + "; ".join(refusals),
-                          cause=_first_cause(e for _, e, _ in gathered))
+        raise SwitchError(
+            f"phase switch at {where} refused; " + "; ".join(refusals), cause=_first_cause(e for _, e, _ in gathered)
+        )
     asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s) in enumerate(gathered))
     raise SwitchError(
         f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
-        "switch with the same step, schedule and seed", cause=Cause.SCHEDULE_DIFFERS_PER_RANK
+        "switch with the same step, schedule and seed",
+        cause=Cause.SCHEDULE_DIFFERS_PER_RANK,
     )
 
 
-def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool, phase: Optional[Phase] = None,
-                    step: Optional[int] = None, timeout: Optional[float] = None) -> bool:
+def any_rank_failed(
+    group: Optional[dist.ProcessGroup],
+    failed: bool,
+    phase: Optional[Phase] = None,
+    step: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> bool:
     """Whether ``failed`` is true on any rank (an all-gather; the switch's closing barrier)."""
     if not is_distributed(group):
         return failed
@@ -199,9 +242,14 @@ def any_rank_failed(group: Optional[dist.ProcessGroup], failed: bool, phase: Opt
     return any(row[0] for row in rows)
 
 
-def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int],
-           local_error: Optional[str], failure: Optional[str],
-           timeout: Optional[float] = None) -> tuple[Optional[str], bool]:
+def settle(
+    group: Optional[dist.ProcessGroup],
+    phase: Phase,
+    step: Optional[int],
+    local_error: Optional[str],
+    failure: Optional[str],
+    timeout: Optional[float] = None,
+) -> tuple[Optional[str], bool]:
     """One small all-gather: did every rank ask for ``phase``, none refuse and none fail?
 
     Returns ``(None, False)`` when so, else ``(message, every rank refused)``:
@@ -235,12 +283,16 @@ def settle(group: Optional[dist.ProcessGroup], phase: Phase, step: Optional[int]
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
     refusals = [f"rank {r}: {e}" for r, (_, e, _, _) in enumerate(gathered) if e]
     if refusals:
-        return Refusal(f"phase switch at {where} refused; " + "; ".join(refusals),
-                       _first_cause(e for _, e, _, _ in gathered)), len(refusals) == world
+        return Refusal(
+            f"phase switch at {where} refused; " + "; ".join(refusals), _first_cause(e for _, e, _, _ in gathered)
+        ), len(refusals) == world
     if len({p for p, _, _, _ in gathered}) > 1:
         asked = ", ".join(f"rank {r} -> {p} at step {s}" for r, (p, _, s, _) in enumerate(gathered))
-        return Refusal(f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
-                       "switch with the same step, schedule and seed", Cause.SCHEDULE_DIFFERS_PER_RANK), False
+        return Refusal(
+            f"ranks disagree on the phase at {where} ({asked}); every rank must call the "
+            "switch with the same step, schedule and seed",
+            Cause.SCHEDULE_DIFFERS_PER_RANK,
+        ), False
     return _failure_message(phase, step, [f"rank {r}: {f}" for r, (_, _, _, f) in enumerate(gathered) if f]), False
 
 
@@ -250,5 +302,7 @@ def _first_cause(refusals: Iterator[Optional[str]]) -> Cause:
 
 
 def _failure_message(phase: Phase, step: Optional[int], reasons: list[str]) -> str:
-    return (f"phase switch to {phase.name!r} at step {step} failed ({'; '.join(reasons)}); the previous "
-            "trainable set and DDP reducer were restored on every rank")
+    return (
+        f"phase switch to {phase.name!r} at step {step} failed ({'; '.join(reasons)}); the previous "
+        "trainable set and DDP reducer were restored on every rank"
+    )

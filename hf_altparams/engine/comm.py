@@ -56,9 +56,7 @@ class CommCounter:
         return total
 
 
-def counting_allreduce_hook(
-    state: CommCounter, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def counting_allreduce_hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook: count the bucket's bytes, then all-reduce it as DDP's default does.
 
     DDP's default divides the bucket by the world size and sums it over the ranks.
@@ -90,8 +88,13 @@ def counting_allreduce_hook(
     return dist.all_reduce(send, group=group, async_op=True).get_future().then(written_back)
 
 
-def register_comm_counter(ddp: DistributedDataParallel, *, dtype: Optional[torch.dtype] = None,
-                          grads: Optional[Any] = None, counter: Optional[CommCounter] = None) -> CommCounter:
+def register_comm_counter(
+    ddp: DistributedDataParallel,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    grads: Optional[Any] = None,
+    counter: Optional[CommCounter] = None,
+) -> CommCounter:
     """Register :func:`counting_allreduce_hook` on ``ddp`` and return its counter.
 
     DDP accepts one comm hook per wrapper, so this replaces DDP's default
@@ -138,12 +141,19 @@ class _CountingReduceScatter:
     def __init__(self, counter: CommCounter) -> None:
         self.counter = counter
 
-    def allocate(self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> Any:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
         self.counter.bytes_pending += input_tensor.numel() * input_tensor.element_size()
         self.counter.buckets_pending += 1
         return _REDUCE_SCATTER(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
@@ -173,8 +183,10 @@ def register_reduce_scatter_counter(model: torch.nn.Module, counter: Optional[Co
     counter = counter if counter is not None else CommCounter()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        raise PlanError(f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count; pass the model "
-                        "after `fully_shard` (or `shard_by_groups`)")
+        raise PlanError(
+            f"`model` ({type(model).__name__}) has no fully_shard (FSDP2) unit to count; pass the model "
+            "after `fully_shard` (or `shard_by_groups`)"
+        )
     for unit in units:
         unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))  # type: ignore[arg-type]
     return counter

@@ -28,12 +28,20 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from ..errors import PlanError
-from .collective import check_timeout
 from .buffers import BufferSyncPolicy, FrozenNormPolicy, check_buffer_sync
+from .collective import check_timeout
 from .ddp import check_keep_reducers
 from .drift import DriftSetting, check_drift_setting
-from .memory import (DeviceLike, PrefetchSetting, ReleaseSetting, StatePolicy, StatePolicyLike, as_device,
-                     check_prefetch, check_release)
+from .memory import (
+    DeviceLike,
+    PrefetchSetting,
+    ReleaseSetting,
+    StatePolicy,
+    StatePolicyLike,
+    as_device,
+    check_prefetch,
+    check_release,
+)
 from .records import check_history_window
 
 __all__ = ["SwitchConfig"]
@@ -151,8 +159,13 @@ class SwitchConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def build(cls, options: Union[None, SwitchConfig, Mapping[str, Any]] = None, *,
-              argument: str = "switcher_options", **overrides: Any) -> SwitchConfig:
+    def build(
+        cls,
+        options: Union[None, SwitchConfig, Mapping[str, Any]] = None,
+        *,
+        argument: str = "switcher_options",
+        **overrides: Any,
+    ) -> SwitchConfig:
         """A config from ``options`` (a config, a mapping of setting names, or ``None``) and ``overrides``.
 
         ``argument`` names the user's argument in the error for an unknown name.
@@ -164,8 +177,10 @@ class SwitchConfig:
         elif isinstance(options, Mapping):
             base = dict(options)
         else:
-            raise PlanError(f"`{argument}` must be a SwitchConfig or a mapping of its settings "
-                            f"({cls.names()}), got {type(options).__name__}: {options!r}")
+            raise PlanError(
+                f"`{argument}` must be a SwitchConfig or a mapping of its settings "
+                f"({cls.names()}), got {type(options).__name__}: {options!r}"
+            )
         merged = {**base, **overrides}
         unknown = sorted(set(merged) - set(cls.names()), key=str)
         if unknown:

@@ -56,6 +56,8 @@ def _as_int64(value: int) -> int:
     """``value`` modulo 2**64, as the signed int64 a tensor holds."""
     value &= _MASK
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
 _weights_on: dict[torch.device, torch.Tensor] = {}
 
 
@@ -95,8 +97,11 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     per_chunk = words.numel() // _CHUNKS
     body = per_chunk * _CHUNKS
     # The common case (a parameter of 512 bytes or a multiple): four kernels.
-    digest = ((words[:body].view(_CHUNKS, per_chunk).sum(dim=1) * weights[:_CHUNKS]).sum() if per_chunk
-              else torch.zeros((), dtype=torch.int64, device=raw.device))
+    digest = (
+        (words[:body].view(_CHUNKS, per_chunk).sum(dim=1) * weights[:_CHUNKS]).sum()
+        if per_chunk
+        else torch.zeros((), dtype=torch.int64, device=raw.device)
+    )
     if body < words.numel():
         rest = words[body:]
         digest = digest + (rest * weights[: rest.numel()]).sum() * weights[_CHUNKS]

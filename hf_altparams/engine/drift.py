@@ -48,8 +48,15 @@ from .collective import gather_rows, is_distributed
 from .digest import combine, digest_many, digest_values
 from .fsdp2 import is_dtensor, local_tensor
 
-__all__ = ["UNGROUPED", "DriftCheck", "DriftSetting", "check_drift", "check_drift_setting", "find_drift",
-           "local_digests"]
+__all__ = [
+    "UNGROUPED",
+    "DriftCheck",
+    "DriftSetting",
+    "check_drift",
+    "check_drift_setting",
+    "find_drift",
+    "local_digests",
+]
 
 #: The entry of parameters in no group.
 UNGROUPED = "(ungrouped)"
@@ -62,12 +69,16 @@ _NOTHING = -1  # the shard key of an entry with no sharded parameter
 
 def check_drift_setting(setting: object) -> None:
     """Validate the ``drift_check`` setting: ``"save"``, ``"switch"``, a positive int, or ``False``."""
-    valid = (setting in ("save", "switch") if isinstance(setting, str)
-             else setting is False or (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1))
+    valid = (
+        setting in ("save", "switch")
+        if isinstance(setting, str)
+        else setting is False or (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1)
+    )
     if not valid:
         raise PlanError(
             f"`drift_check` must be 'save' (before every checkpoint, the default), 'switch' (also after every "
-            f"phase switch), a positive int N (also every N optimizer steps) or False (never), got {setting!r}")
+            f"phase switch), a positive int N (also every N optimizer steps) or False (never), got {setting!r}"
+        )
 
 
 class DriftCheck:
@@ -109,8 +120,14 @@ class DriftCheck:
     def due_at_step(self, step: Optional[int]) -> bool:
         """Whether the every-N-steps check is due at optimizer-step boundary ``step`` (once per step)."""
         every = self.setting
-        due = (isinstance(every, int) and not isinstance(every, bool) and step is not None and step > 0
-               and step % every == 0 and step != self._checked_at)
+        due = (
+            isinstance(every, int)
+            and not isinstance(every, bool)
+            and step is not None
+            and step > 0
+            and step % every == 0
+            and step != self._checked_at
+        )
         if due:
             self._checked_at = step
         return due
@@ -208,8 +225,14 @@ def find_drift(entries: Sequence[str], rows: Sequence[Sequence[int]]) -> dict[st
     return out
 
 
-def check_drift(groups: ParamGroups, group: Optional[dist.ProcessGroup] = None, *, when: str,
-                refused: str = "", timeout: Optional[float] = None) -> None:
+def check_drift(
+    groups: ParamGroups,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    when: str,
+    refused: str = "",
+    timeout: Optional[float] = None,
+) -> None:
     """Raise the same :class:`~hf_altparams.errors.DriftError` on every rank unless all hold the same weights.
 
     A collective: call it on every rank of ``group`` (default: the world) at the
@@ -238,7 +261,9 @@ def check_drift(groups: ParamGroups, group: Optional[dist.ProcessGroup] = None, 
             f"the drift check {when}: rank {dist.get_rank()} of {dist.get_world_size(group)} got no answer from the "
             f"other ranks in its all-gather ({type(exc).__name__}: {str(exc).strip()[:300]}); a rank died, hangs or "
             "skipped this point (every rank must reach it: a save, a switch); stop the job and restart it from the "
-            "latest complete checkpoint (docs/faults.md)", cause=Cause.RANK_LOST) from exc
+            "latest complete checkpoint (docs/faults.md)",
+            cause=Cause.RANK_LOST,
+        ) from exc
     drift = find_drift(entries, rows)
     if drift:
         raise DriftError(drift_message(drift, len(rows), when, refused))
@@ -251,8 +276,11 @@ def drift_message(drift: dict[str, list[int]], world: int, when: str, refused: s
         >>> print(drift_message({"b": [1]}, 2, "before save_state at step 4", "nothing was written")[:89])
         the ranks hold different weights before save_state at step 4: group 'b' differs on rank 1
     """
-    parts = [f"{'group ' + repr(e) if e != UNGROUPED else 'the ungrouped parameters'} differs on "
-             f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for e, r in drift.items()]
+    parts = [
+        f"{'group ' + repr(e) if e != UNGROUPED else 'the ungrouped parameters'} differs on "
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+        for e, r in drift.items()
+    ]
     others = sorted(set(range(world)) - {r for ranks in drift.values() for r in ranks})
     against = f" (compared with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
     return (

@@ -101,8 +101,9 @@ class DriverState:
         try:
             return cls(int(data["step"]), int(data["epoch"]), tuple(sorted(data.get("trained_groups", ()))))
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"a saved schedule position must hold integer `step` and `epoch`, got {dict(data)!r}"
-                            ) from exc
+            raise PlanError(
+                f"a saved schedule position must hold integer `step` and `epoch`, got {dict(data)!r}"
+            ) from exc
 
 
 class PhaseDriver:
@@ -121,8 +122,7 @@ class PhaseDriver:
 
     def __init__(self, schedule: Schedule, *, set_epoch_call: str = "set_epoch(epoch)") -> None:
         if not isinstance(schedule, Schedule):
-            raise PlanError(f"`schedule` must be an hf_altparams Schedule, got {type(schedule).__name__}: "
-                            f"{schedule!r}")
+            raise PlanError(f"`schedule` must be an hf_altparams Schedule, got {type(schedule).__name__}: {schedule!r}")
         self._schedule = schedule
         self._set_epoch_call = set_epoch_call
         self._step = 0
@@ -235,8 +235,9 @@ class PhaseDriver:
         self._syncing_forwards = 0
 
     # ------------------------------------------------------------ moving
-    def stepped(self, step: Optional[int] = None, epoch: Optional[int] = None, *,
-                switch: bool = True) -> Optional[SwitchRecord]:
+    def stepped(
+        self, step: Optional[int] = None, epoch: Optional[int] = None, *, switch: bool = True
+    ) -> Optional[SwitchRecord]:
         """One optimizer step was taken: count it (or take ``step``, the caller's count) and switch if due.
 
         ``epoch``: the caller's epoch, when it keeps one (the Trainer). With
@@ -281,8 +282,9 @@ class PhaseDriver:
             self._applier.drop_applied_gradients()  # the last step applied them (a loop that zeroes first)
         return self._advance(due)
 
-    def switch_to(self, phase: Phase, step: Optional[int] = None,
-                  epoch: Optional[int] = None) -> Optional[SwitchRecord]:
+    def switch_to(
+        self, phase: Phase, step: Optional[int] = None, epoch: Optional[int] = None
+    ) -> Optional[SwitchRecord]:
         """Apply ``phase`` now (whatever the schedule says) and make it :attr:`current`."""
         if self._applier is None:
             raise AltParamsError("the phase driver has nothing bound to apply a phase with (bind a switcher first)")
@@ -314,5 +316,6 @@ class PhaseDriver:
                 f"the schedule switches to phase {due.name!r} now (step {self._step}, epoch {self._epoch}), but "
                 "gradients of a backward still wait for `optimizer.step()` (a gradient-accumulation window is "
                 f"open); switching would drop them. Call `{self._set_epoch_call}` at the top of the epoch, before "
-                "its first forward.")
+                "its first forward."
+            )
         return self.switch_to(due, self._step, self._epoch)

@@ -106,7 +106,8 @@ def check_before_step(
             "and DDP, built for the phase's parameters, never all-reduced it; stepping would make the ranks "
             f"diverge. The step was not applied. Usual causes: {_culprits()}. Fix: let the schedule own "
             "`requires_grad` (remove that call, or make it before the run starts), or put those parameters in "
-            "the groups of the phases that should train them.", cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE
+            "the groups of the phases that should train them.",
+            cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE,
         )
     flipped_on = [(n, p) for n, p in idle if p.requires_grad]
     flipped_off = [(n, p) for n, p in trainable if not p.requires_grad]
@@ -119,11 +120,15 @@ def check_before_step(
         if not names <= warned:
             warned.update(names)
             examples = [n for n, _ in flipped_on[:3]] + [n for n, _ in flipped_off[:3]]
-            warnings.warn(AltParamsWarning(
-                f"hf_altparams: `requires_grad` of {len(names)} parameter(s) (e.g. {examples}) no longer matched "
-                f"phase {phase.name!r} at this optimizer step; no gradient had reached them yet, so the phase's "
-                f"flags were put back (nothing un-reduced was applied). Usual causes: {_culprits()}.",
-                Cause.REQUIRES_GRAD_BEHIND_SCHEDULE), stacklevel=4)
+            warnings.warn(
+                AltParamsWarning(
+                    f"hf_altparams: `requires_grad` of {len(names)} parameter(s) (e.g. {examples}) no longer matched "
+                    f"phase {phase.name!r} at this optimizer step; no gradient had reached them yet, so the phase's "
+                    f"flags were put back (nothing un-reduced was applied). Usual causes: {_culprits()}.",
+                    Cause.REQUIRES_GRAD_BEHIND_SCHEDULE,
+                ),
+                stacklevel=4,
+            )
     if ddp_reduces and not find_unused and check_missing:
         missing = [name for name, p in trainable if p.grad is None]
         if missing and len(missing) < len(trainable):  # none at all: a step with nothing to apply
@@ -136,7 +141,8 @@ def check_before_step(
                 "(TrainingArguments); if the loop ran the wrong branch, task or adapter for this phase (read "
                 "`accelerator.phase` / `.task` at the top of the iteration), fix the loop; if they should not "
                 "train in this phase, move them out of its groups. Something that turns `requires_grad` off "
-                f"behind the schedule's back causes it too: {_culprits()}.", cause=Cause.TRAINABLE_PARAM_UNUSED
+                f"behind the schedule's back causes it too: {_culprits()}.",
+                cause=Cause.TRAINABLE_PARAM_UNUSED,
             )
     return len(flipped_on) + len(flipped_off)
 
@@ -163,6 +169,7 @@ def check_each_step(optimizer: Any, owner: Any) -> Any:
 
     return inner.register_step_pre_hook(check)
 
+
 def unattached_error(current: Optional[Phase], attached: bool) -> Optional[str]:
     """The refusal for a switch in a multi-rank run that never attached its wrapper, or ``None``.
 
@@ -173,18 +180,22 @@ def unattached_error(current: Optional[Phase], attached: bool) -> Optional[str]:
         return None  # the first phase comes before DDP is built; a wrapper is attached
     if not is_distributed(None):
         return None
-    return (f"this run has {dist.get_world_size()} ranks but no DDP wrapper was attached to the switcher, "
-            "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "
-            "built with). Call `switcher.attach(ddp)` right after building the wrapper (or "
-            "`switcher.attach(module)` if this run trains the module without a wrapper on purpose)")
+    return (
+        f"this run has {dist.get_world_size()} ranks but no DDP wrapper was attached to the switcher, "
+        "so the new phase's gradients would never be all-reduced (DDP keeps the parameter set it was "
+        "built with). Call `switcher.attach(ddp)` right after building the wrapper (or "
+        "`switcher.attach(module)` if this run trains the module without a wrapper on purpose)"
+    )
 
 
 def pending_grads_error(named_params: Iterable[tuple[str, nn.Parameter]]) -> Optional[str]:
     """The refusal for a switch while parameters hold gradients no optimizer step applied, or ``None``."""
     pending = [n for n, p in named_params if p.grad is not None and _nonzero(p.grad)]
     if pending:
-        return (f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
-                "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching")
+        return (
+            f"{len(pending)} parameters hold pending gradients (e.g. {pending[:3]}): "
+            "call optimizer.step() and optimizer.zero_grad(set_to_none=True) before switching"
+        )
     return None
 
 

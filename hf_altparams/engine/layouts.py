@@ -82,21 +82,35 @@ class PhaseLayouts:
             names = self.groups.trainable_param_names(Phase(trainable_groups).trainable)
             flags = self.flags(names)
             chosen = [p for p, flag in zip(self.params, flags) if flag]
-            layout = remember(self._by_groups, trainable_groups, Layout(
-                trainable=names, flags=flags, groups=tuple(sorted(trainable_groups)),
-                params=sum(p.numel() for p in chosen), nbytes=sum(p.numel() * p.element_size() for p in chosen)))
+            layout = remember(
+                self._by_groups,
+                trainable_groups,
+                Layout(
+                    trainable=names,
+                    flags=flags,
+                    groups=tuple(sorted(trainable_groups)),
+                    params=sum(p.numel() for p in chosen),
+                    nbytes=sum(p.numel() * p.element_size() for p in chosen),
+                ),
+            )
         return layout
 
-    def split(self, trainable_groups: frozenset[str]
-              ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    def split(
+        self, trainable_groups: frozenset[str]
+    ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
         """The phase's trainable ``(name, parameter)`` pairs and the idle ones, in ParamGroups order."""
         split = self._split.get(trainable_groups)
         if split is None:
             flags = self.get(trainable_groups).flags
             named = list(zip(self.names, self.params))
-            split = remember(self._split, trainable_groups, (
-                [pair for pair, flag in zip(named, flags) if flag],
-                [pair for pair, flag in zip(named, flags) if not flag]))
+            split = remember(
+                self._split,
+                trainable_groups,
+                (
+                    [pair for pair, flag in zip(named, flags) if flag],
+                    [pair for pair, flag in zip(named, flags) if not flag],
+                ),
+            )
         return split
 
     def flags(self, trainable_names: frozenset[str]) -> tuple[bool, ...]:

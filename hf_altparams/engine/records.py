@@ -129,8 +129,13 @@ class SwitchHistory:
 
     def totals(self) -> dict[str, Union[int, float]]:
         """Running totals over every switch of the run."""
-        return {"switches": self.count, "switch_seconds": self.seconds, "switch_moved_bytes": self.moved_bytes,
-                "switch_synced_bytes": self.synced_bytes, "switch_releases": self.releases}
+        return {
+            "switches": self.count,
+            "switch_seconds": self.seconds,
+            "switch_moved_bytes": self.moved_bytes,
+            "switch_synced_bytes": self.synced_bytes,
+            "switch_releases": self.releases,
+        }
 
     def as_log(self, prefix: str = "altparams/") -> dict[str, Union[int, float]]:
         """The totals as flat tracker metrics."""
@@ -152,11 +157,16 @@ class SwitchHistory:
         last = self.last
         if last is None:
             return f"SwitchHistory({head}; no switch yet)"
-        totals = (f"{1e3 * self.seconds:.2f} ms in all, {self.moved_bytes:,} B moved, {self.synced_bytes:,} B synced, "
-                  f"{self.releases} release{'' if self.releases == 1 else 's'}")
-        where = ", ".join(f"{name} {value}" for name, value in (("step", last.step), ("epoch", last.epoch))
-                          if value is not None)
-        record = (f"{where + ', ' if where else ''}phase {last.phase!r} ({last.trainable_params:,} params, "
-                  f"{last.allreduce_bytes_per_step:,} B all-reduced/step), "
-                  f"{'DDP rebuilt' if last.rebuilt_ddp else 'no DDP rebuild'}, {1e3 * last.seconds:.2f} ms")
+        totals = (
+            f"{1e3 * self.seconds:.2f} ms in all, {self.moved_bytes:,} B moved, {self.synced_bytes:,} B synced, "
+            f"{self.releases} release{'' if self.releases == 1 else 's'}"
+        )
+        where = ", ".join(
+            f"{name} {value}" for name, value in (("step", last.step), ("epoch", last.epoch)) if value is not None
+        )
+        record = (
+            f"{where + ', ' if where else ''}phase {last.phase!r} ({last.trainable_params:,} params, "
+            f"{last.allreduce_bytes_per_step:,} B all-reduced/step), "
+            f"{'DDP rebuilt' if last.rebuilt_ddp else 'no DDP rebuild'}, {1e3 * last.seconds:.2f} ms"
+        )
         return f"SwitchHistory({head}, {totals}; last: {record})"

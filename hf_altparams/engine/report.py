@@ -60,13 +60,23 @@ from .backend import Backend
 from .ddp import reduced_parameters
 from .fsdp2 import local_tensor
 from .memory import ResidencyManager, StatePolicy, nbytes, optimizer_of
-from .memory.model import (UNGROUPED, Footprint, Sizes, Storage, buffer_owners, everything_layout, footprint, layout,
-                           state_bytes_for, state_tensors, tensor_sizes)
+from .memory.model import (
+    UNGROUPED,
+    Footprint,
+    Sizes,
+    Storage,
+    buffer_owners,
+    everything_layout,
+    footprint,
+    layout,
+    state_bytes_for,
+    state_tensors,
+    tensor_sizes,
+)
 from .optim import GroupedOptimizer, PrecisionOptimizer
 from .records import SwitchHistory
 
-__all__ = ["CATEGORIES", "MemoryReport", "SwitchedRun", "expected_footprint", "expected_peak_bytes",
-           "memory_report"]
+__all__ = ["CATEGORIES", "MemoryReport", "SwitchedRun", "expected_footprint", "expected_peak_bytes", "memory_report"]
 
 CATEGORIES: tuple[str, ...] = (
     "params_trainable",
@@ -81,6 +91,7 @@ CATEGORIES: tuple[str, ...] = (
     "master_grads",
     "ddp_buckets",
 )
+
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
@@ -166,9 +177,11 @@ class MemoryReport:
             f"({self.expected_peak_ratio:.2f}x; activations excluded)"
         )
         if self.switches:
-            rows.append(f"{self.switches.get('switches', 0)} switches so far: "
-                        f"{self.switches.get('switch_seconds', 0.0):.3f} s, "
-                        f"{_gib(self.switches.get('switch_moved_bytes', 0))} moved")
+            rows.append(
+                f"{self.switches.get('switches', 0)} switches so far: "
+                f"{self.switches.get('switch_seconds', 0.0):.3f} s, "
+                f"{_gib(self.switches.get('switch_moved_bytes', 0))} moved"
+            )
         return "\n".join(rows)
 
 
@@ -234,8 +247,9 @@ def _offloaded_state_groups(switcher: SwitchedRun) -> set[str]:
     return out
 
 
-def _measured_or_estimated(opt: Optional[Optimizer], params: Mapping[str, nn.Parameter]
-                           ) -> Callable[[str, torch.Tensor], int]:
+def _measured_or_estimated(
+    opt: Optional[Optimizer], params: Mapping[str, nn.Parameter]
+) -> Callable[[str, torch.Tensor], int]:
     """The model's ``state_bytes``: a parameter's state tensors where they exist, its optimizer's estimate if not."""
     states = state_tensors(opt) if opt is not None else 0
 
@@ -244,11 +258,13 @@ def _measured_or_estimated(opt: Optional[Optimizer], params: Mapping[str, nn.Par
         if entry:  # Adam's 0-d `step` counters are left out, as the planner leaves them out
             return sum(nbytes(v) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         return state_bytes_for(states, like)
+
     return state_bytes
 
 
-def _live_sizes(groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer]], plain: Optional[Optimizer],
-                masters: bool) -> dict[str, Sizes]:
+def _live_sizes(
+    groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer]], plain: Optional[Optimizer], masters: bool
+) -> dict[str, Sizes]:
     """:class:`Sizes` per group (and ``<ungrouped>``) of the live model, per rank (a DTensor's shard)."""
     by_name = dict(groups.all_named_params())
     storage = Storage(masters=masters)
@@ -256,16 +272,20 @@ def _live_sizes(groups: ParamGroups, optimizers: Mapping[str, Optional[Optimizer
     # ungrouped parameters (frozen, in the train-everything reference) as the groups' optimizer would hold them
     first = next((o for o in optimizers.values() if o is not None), None)
     members[UNGROUPED] = (groups.ungrouped_names(), plain if plain is not None else first, storage)
-    return {key: tensor_sizes([(n, local_tensor(by_name[n])) for n in names],
-                              _measured_or_estimated(opt, by_name), storage)
-            for key, (names, opt, storage) in members.items()}
+    return {
+        key: tensor_sizes([(n, local_tensor(by_name[n])) for n in names], _measured_or_estimated(opt, by_name), storage)
+        for key, (names, opt, storage) in members.items()
+    }
 
 
 def _trained(switcher: SwitchedRun, optimizers: Mapping[str, Optional[Optimizer]]) -> set[str]:
     """The groups that have trained: they have optimizer state or fp32 masters now."""
     groups, opt = switcher.groups, _optimizer(switcher)
-    out = {g for g in groups.names
-           if (inner := optimizers[g]) is not None and any(inner.state.get(p) for p in groups.params(g))}
+    out = {
+        g
+        for g in groups.names
+        if (inner := optimizers[g]) is not None and any(inner.state.get(p) for p in groups.params(g))
+    }
     if isinstance(opt, PrecisionOptimizer):
         out |= {g for g, held in opt.masters.items() if held}
     return out
@@ -288,8 +308,9 @@ def expected_footprint(switcher: SwitchedRun, phase: Optional[Phase] = None) -> 
     plain = None if isinstance(opt, GroupedOptimizer) else opt
     sizes = _live_sizes(groups, optimizers, plain, isinstance(opt, PrecisionOptimizer))
     residency = switcher.residency
-    off = residency.non_resident(phase) if residency is not None and residency.offload_device is not None \
-        else frozenset()
+    off = (
+        residency.non_resident(phase) if residency is not None and residency.offload_device is not None else frozenset()
+    )
     active = set(phase.trainable) | ({UNGROUPED} if groups.ungrouped == "trainable" else set())
     state_policy = dict(switcher.idle_state_policies)
     master_policy = opt.master_policies if isinstance(opt, PrecisionOptimizer) else {}
@@ -297,8 +318,10 @@ def expected_footprint(switcher: SwitchedRun, phase: Optional[Phase] = None) -> 
     owners = buffer_owners(groups.module, groups.group_of)
     ddp = switcher.ddp
     view = ddp is not None and ddp.gradient_as_bucket_view
-    return (footprint(sizes, where, owners, ddp=ddp is not None, bucket_view=view),
-            footprint(sizes, everything_layout(sizes), owners, ddp=ddp is not None, bucket_view=view))
+    return (
+        footprint(sizes, where, owners, ddp=ddp is not None, bucket_view=view),
+        footprint(sizes, everything_layout(sizes), owners, ddp=ddp is not None, bucket_view=view),
+    )
 
 
 def expected_peak_bytes(switcher: SwitchedRun, phase: Optional[Phase] = None) -> tuple[int, int]:

@@ -66,8 +66,8 @@ def _runnable_comm_threads() -> Optional[int]:
                 stat = handle.read()
         except OSError:  # the thread exited meanwhile
             continue
-        name = stat[stat.find("(") + 1: stat.rfind(")")]
-        state = stat[stat.rfind(")") + 2: stat.rfind(")") + 3]
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
         if name.startswith(_COMM_THREAD_PREFIXES) and state in ("R", "D"):
             runnable += 1
     return runnable

@@ -57,8 +57,7 @@ from .config import SwitchConfig
 from .drift import DriftCheck, check_drift
 from .driver import DriverState, PhaseDriver
 from .layouts import PhaseLayouts, remember
-from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, release_memory
-from .memory import StatePolicy, run_idle_policies
+from .memory import PhasePrefetch, ReleasePolicy, ResidencyManager, StatePolicy, release_memory, run_idle_policies
 from .optim import GroupedOptimizer, StateOwner, check_groups_argument, grouped_in
 from .records import SwitchHistory, SwitchRecord
 from .report import expected_peak_bytes
@@ -147,10 +146,16 @@ class PhaseSwitcher:
         self.driver.bind(self)
         self.drift = DriftCheck(self.config.drift_check)
         self.history = SwitchHistory(self.config.history_window)
-        self.residency = ResidencyManager(groups, self.driver, offload_device=self.config.offload_device,
-                                          device=self.config.device, guard=self.config.guard_offloaded)
-        self.buffer_sync = BufferSync(self.config.buffer_sync, self.config.frozen_norms,
-                                      self.config.buffer_updating_types)
+        self.residency = ResidencyManager(
+            groups,
+            self.driver,
+            offload_device=self.config.offload_device,
+            device=self.config.device,
+            guard=self.config.guard_offloaded,
+        )
+        self.buffer_sync = BufferSync(
+            self.config.buffer_sync, self.config.frozen_norms, self.config.buffer_updating_types
+        )
         self.backend: Backend = LocalBackend()
         #: the strategy of the attached wrapper (one process until one is attached)
         self.strategy: Strategy = local_strategy()
@@ -334,8 +339,14 @@ class PhaseSwitcher:
             return 0
         trainable, idle = self._layouts.split(phase.trainable)
         return invariants.check_before_step(
-            phase, trainable, idle, ddp_reduces=bool(self.wrappers), find_unused=self.backend.find_unused,
-            warned=self._warned_flags, check_missing=self._refuse_missing)
+            phase,
+            trainable,
+            idle,
+            ddp_reduces=bool(self.wrappers),
+            find_unused=self.backend.find_unused,
+            warned=self._warned_flags,
+            check_missing=self._refuse_missing,
+        )
 
     @contextlib.contextmanager
     def visiting(self, groups: Union[str, Iterable[str]]) -> Iterator[None]:
@@ -354,8 +365,9 @@ class PhaseSwitcher:
             PlanError: a name that is not one of the groups.
         """
         if self.current is None:
-            raise AltParamsError(f"`visiting({groups!r})` before the first phase was applied: every group is where "
-                                 "the model put it")
+            raise AltParamsError(
+                f"`visiting({groups!r})` before the first phase was applied: every group is where the model put it"
+            )
         names = [groups] if isinstance(groups, str) else list(groups)
         if not all(isinstance(n, str) for n in names):
             raise PlanError(f"`groups` must be group names (str), got {groups!r}")
@@ -399,15 +411,19 @@ class PhaseSwitcher:
                 "the models together with ParamGroups.of_models({...}) when each has its own wrapper"
             )
         backend = strategy.backend(model)
-        rebuild = (self._attach_part(part, strategy, backend) if part is not None
-                   else self._attach_wrapper(model, strategy, backend, rebuild))
+        rebuild = (
+            self._attach_part(part, strategy, backend)
+            if part is not None
+            else self._attach_wrapper(model, strategy, backend, rebuild)
+        )
         if not rebuild:
             return None
         if self.current is None:
             raise SwitchError("`attach(..., rebuild=True)` needs a current phase: call step_to() first")
         self._ranks_met = False  # ranks reach the wrapper's first call apart (their data loaders start)
-        local_error = (self.backend.precondition_error(in_accumulation_window=True)
-                       or invariants.pending_grads_error(self.groups.all_named_params()))
+        local_error = self.backend.precondition_error(in_accumulation_window=True) or invariants.pending_grads_error(
+            self.groups.all_named_params()
+        )
         return self._transaction(self.current, None, None, local_error)
 
     def release_wrappers(self) -> None:
@@ -434,8 +450,11 @@ class PhaseSwitcher:
         keep = self.config.keep_reducers
         why_not = backend.keep_reducers(keep)
         if why_not:
-            warnings.warn(f"hf_altparams: keep_reducers={keep} is not used with {which} ({why_not}); every "
-                          "switch builds a new reducer", stacklevel=4)
+            warnings.warn(
+                f"hf_altparams: keep_reducers={keep} is not used with {which} ({why_not}); every "
+                "switch builds a new reducer",
+                stacklevel=4,
+            )
 
     def _attach_wrapper(self, model: nn.Module, strategy: Strategy, backend: Backend, rebuild: bool) -> bool:
         """A wrapper around the whole grouped module; returns whether it must be re-bucketed now."""
@@ -450,7 +469,9 @@ class PhaseSwitcher:
                     f"hf_altparams: the {strategy.label} wrapper passed to `attach` was built before phase "
                     f"{current.name!r} was applied: its reducer {mismatch}, so the ranks would diverge. "
                     "Re-bucketing it now for the current phase; build the wrapper after `switcher.step_to(0)` "
-                    "(or pass `attach(wrapper, rebuild=True)`) to skip this.", stacklevel=3)
+                    "(or pass `attach(wrapper, rebuild=True)`) to skip this.",
+                    stacklevel=3,
+                )
                 rebuild = True
         self.residency.attached(backend.ignored_at_wrap(), backend.device)
         ddp = self.ddp
@@ -463,8 +484,9 @@ class PhaseSwitcher:
             if not rebuild:
                 if backend.ignored_at_wrap() != self.residency.ignore_names():
                     backend.apply(self.residency.ignore_names())
-                self.buffer_sync.apply(self.module, self.trainable_names(current), ddp=ddp,
-                                       ignore=self.residency.ignore_names())
+                self.buffer_sync.apply(
+                    self.module, self.trainable_names(current), ddp=ddp, ignore=self.residency.ignore_names()
+                )
         return rebuild
 
     def _attach_part(self, name: str, strategy: Strategy, backend: Backend) -> bool:
@@ -474,19 +496,27 @@ class PhaseSwitcher:
         module with nothing to train), so it is re-bucketed for the current phase now.
         """
         if not strategy.capabilities.wrapper_per_model:
-            raise SwitchError(f"model {name!r} has its own {strategy.label} wrapper, but {strategy.label} is not "
-                              "supported with one wrapper per model; wrap the root module once")
+            raise SwitchError(
+                f"model {name!r} has its own {strategy.label} wrapper, but {strategy.label} is not "
+                "supported with one wrapper per model; wrap the root module once"
+            )
         if self.config.buffer_sync != "keep":
-            raise SwitchError(f"`buffer_sync={self.config.buffer_sync!r}` is not supported with one wrapper per "
-                              "model; leave it at 'keep'")
+            raise SwitchError(
+                f"`buffer_sync={self.config.buffer_sync!r}` is not supported with one wrapper per "
+                "model; leave it at 'keep'"
+            )
         models = self.backend if isinstance(self.backend, ModelsBackend) else ModelsBackend()
         if self.backend is not models and self.strategy is not local_strategy():
-            raise SwitchError(f"model {name!r} has its own wrapper, but the switcher already drives a "
-                              f"{self.strategy.label} wrapper around the whole module; wrap either the models or "
-                              "the root")
+            raise SwitchError(
+                f"model {name!r} has its own wrapper, but the switcher already drives a "
+                f"{self.strategy.label} wrapper around the whole module; wrap either the models or "
+                "the root"
+            )
         if self.backend is models and strategy is not self.strategy:
-            raise SwitchError(f"model {name!r} comes with a {strategy.label} wrapper, but the other models' "
-                              f"wrappers are {self.strategy.label}; wrap every model the same way")
+            raise SwitchError(
+                f"model {name!r} comes with a {strategy.label} wrapper, but the other models' "
+                f"wrappers are {self.strategy.label}; wrap every model the same way"
+            )
         self._keep_reducers(backend, f"model {name!r}'s wrapper")
         models.add(name, backend)
         self._take_strategy(strategy, models)
@@ -531,10 +561,13 @@ class PhaseSwitcher:
     # The driver's PhaseApplier interface.
     def apply_phase(self, phase: Phase, step: Optional[int], epoch: Optional[int]) -> SwitchRecord:
         """One transaction into ``phase`` (the driver commits it after); called by the driver."""
-        local_error = (self.backend.precondition_error()
-                       or invariants.pending_grads_error(self.groups.all_named_params())
-                       or invariants.unattached_error(
-                           self.current, self._plain_attached or self.strategy.capabilities.synchronises_gradients))
+        local_error = (
+            self.backend.precondition_error()
+            or invariants.pending_grads_error(self.groups.all_named_params())
+            or invariants.unattached_error(
+                self.current, self._plain_attached or self.strategy.capabilities.synchronises_gradients
+            )
+        )
         return self._transaction(phase, step, epoch, local_error)
 
     def position_moved(self) -> None:
@@ -557,8 +590,9 @@ class PhaseSwitcher:
         :class:`~hf_altparams.errors.DriftError` on every rank when they differ.
         The integrations call it before each checkpoint unless ``drift_check=False``.
         """
-        check_drift(self.groups, self.process_group if self.wrappers else None, when=when, refused=refused,
-                    timeout=timeout)
+        check_drift(
+            self.groups, self.process_group if self.wrappers else None, when=when, refused=refused, timeout=timeout
+        )
 
     def _distributed(self) -> bool:
         return is_distributed(self.process_group)
@@ -567,8 +601,9 @@ class PhaseSwitcher:
         """``collective_timeout`` once the ranks have met in a transaction; the group's own before."""
         return self.config.collective_timeout if self._ranks_met else None
 
-    def _transaction(self, phase: Phase, step: Optional[int], epoch: Optional[int],
-                     local_error: Optional[str]) -> SwitchRecord:
+    def _transaction(
+        self, phase: Phase, step: Optional[int], epoch: Optional[int], local_error: Optional[str]
+    ) -> SwitchRecord:
         """One switch into ``phase`` on every rank: apply, settle, roll back or commit the rest, record."""
         started = time.perf_counter()
         timeout = self._timeout()
@@ -585,8 +620,9 @@ class PhaseSwitcher:
         if local_error is None:
             try:
                 applied = True
-                moved = self.residency.apply(self.residency.non_resident(phase),
-                                             keep_state_off=self._state_stays_off(phase))
+                moved = self.residency.apply(
+                    self.residency.non_resident(phase), keep_state_off=self._state_stays_off(phase)
+                )
                 for hook in self._hooks:  # e.g. peft's active adapters; the flags below win
                     hook(phase)
                 self._apply_flags(layout.flags)
@@ -598,8 +634,13 @@ class PhaseSwitcher:
             message, all_refused = settle(group, phase, step, local_error, reason, timeout)
         elif any_rank_failed(group, failure is not None, phase, step, timeout):
             reason = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
-            message, all_refused = (f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
-                                    "previous trainable set and DDP reducer were restored on every rank"), False
+            message, all_refused = (
+                (
+                    f"phase switch to {phase.name!r} at step {step} failed ({reason}); the "
+                    "previous trainable set and DDP reducer were restored on every rank"
+                ),
+                False,
+            )
         else:
             message, all_refused = None, False
         if message is not None:
@@ -618,12 +659,16 @@ class PhaseSwitcher:
             if not self._idle_logged and idle & set(self.driver.trained_groups):
                 self._idle_logged = True  # the first switch that idles a trained group says what its state does
                 logger.info("hf_altparams: %s", self._state.summary(idle, self.idle_policies()[2]))
-        plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp,
-                                      ignore=self.residency.ignore_names())
+        plan = self.buffer_sync.apply(self.module, layout.trainable, ddp=self.ddp, ignore=self.residency.ignore_names())
         previous = self.current
         released, release_reason = self._release.decide(
-            previous, phase, step, self.schedule,
-            held=None if previous is None else self.expected_peak(previous), coming=self.expected_peak(phase))
+            previous,
+            phase,
+            step,
+            self.schedule,
+            held=None if previous is None else self.expected_peak(previous),
+            coming=self.expected_peak(phase),
+        )
         if released:
             # No barrier: the settling all-gather above is one every rank just passed.
             release_memory(barrier=False, full_gc=self.config.full_gc, trim=self.config.trim)
@@ -721,8 +766,9 @@ class PhaseSwitcher:
         upcoming, current = self.driver.upcoming(), self.current
         if upcoming is None or current is None:  # same phase next step, epoch unit, or nothing applied yet
             return 0
-        budget = self._prefetch.budget(self.expected_peak(current), self.expected_peak(upcoming)
-                                       if self._prefetch.setting == "auto" else 0)
+        budget = self._prefetch.budget(
+            self.expected_peak(current), self.expected_peak(upcoming) if self._prefetch.setting == "auto" else 0
+        )
         residency = self.residency
         started = residency.prefetch(residency.offloaded - residency.non_resident(upcoming), budget)
         state = self._state
@@ -752,9 +798,12 @@ class PhaseSwitcher:
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state, the position and the groups trained so far, and the current phase."""
-        return {"format": STATE_FORMAT, "schedule": self.schedule.state_dict(),
-                "driver": self.driver.state().as_dict(),
-                "phase": None if self.current is None else sorted(self.current.trainable)}
+        return {
+            "format": STATE_FORMAT,
+            "schedule": self.schedule.state_dict(),
+            "driver": self.driver.state().as_dict(),
+            "phase": None if self.current is None else sorted(self.current.trainable),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Check the saved schedule matches this one; take the saved position (the phase follows the step).
@@ -766,8 +815,9 @@ class PhaseSwitcher:
         try:
             self.schedule.load_state_dict(state["schedule"])
         except KeyError as exc:
-            raise SwitchError(f"switcher state is missing {exc}; expected keys ['schedule', 'driver', 'phase']"
-                              ) from exc
+            raise SwitchError(
+                f"switcher state is missing {exc}; expected keys ['schedule', 'driver', 'phase']"
+            ) from exc
         if "driver" in state:
             self.driver.restore(DriverState.from_dict(state["driver"]))
 

@@ -45,8 +45,11 @@ PRIVATE_TORCH_NAMES: tuple[tuple[str, str], ...] = (
 
 def missing_private_names() -> list[str]:
     """The names of :data:`PRIVATE_TORCH_NAMES` this torch lacks (empty on a tested torch)."""
-    owners = {"torch.Tensor": torch.zeros(0), "torch.nn.modules.batchnorm": nn.modules.batchnorm,
-              "torch.nn.modules.dropout": nn.modules.dropout}
+    owners = {
+        "torch.Tensor": torch.zeros(0),
+        "torch.nn.modules.batchnorm": nn.modules.batchnorm,
+        "torch.nn.modules.dropout": nn.modules.dropout,
+    }
     return [f"{owner}.{name}" for owner, name in PRIVATE_TORCH_NAMES if not hasattr(owners[owner], name)]
 
 
@@ -54,7 +57,8 @@ _missing = missing_private_names()
 if _missing:  # pragma: no cover - only on an untested torch
     raise AltParamsError(
         f"this torch ({torch.__version__}) lacks {_missing}, which hf_altparams reads; use a torch from the tested "
-        f"range {TESTED_TORCH[0]}..{TESTED_TORCH[1]}")
+        f"range {TESTED_TORCH[0]}..{TESTED_TORCH[1]}"
+    )
 
 #: Norm layers with running statistics (``BatchNorm*``, ``InstanceNorm*``; ``SyncBatchNorm`` too).
 NORM_BASE: type[nn.modules.batchnorm._NormBase] = nn.modules.batchnorm._NormBase

@@ -58,11 +58,17 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType,
-                              has_compiled_regions, is_compiled_module)
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    has_compiled_regions,
+    is_compiled_module,
+)
 from torch import nn
 from torch.optim import Optimizer
 
+from ..engine.collective import is_collective_failure
 from ..engine.comm import CommCounter
 from ..engine.config import SwitchConfig
 from ..engine.driver import PhaseDriver
@@ -73,14 +79,20 @@ from ..engine.records import SwitchHistory, SwitchRecord
 from ..engine.shutdown import quiesce_comm_threads
 from ..engine.strategies import Strategy, is_registered, strategy_for, strategy_named
 from ..engine.switch import PhaseSwitcher
-from ..engine.collective import is_collective_failure
 from ..errors import AltParamsError, Cause, PlanError, SwitchError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
 from .accelerate_checkpoints import STATE_FILE, Checkpoints
-from .accelerate_internals import (dynamo_settings, is_prepared, prepared_dataloaders, prepared_optimizers,
-                                   register_prepared_optimizer, register_prepared_scheduler, without_compile)
+from .accelerate_internals import (
+    dynamo_settings,
+    is_prepared,
+    prepared_dataloaders,
+    prepared_optimizers,
+    register_prepared_optimizer,
+    register_prepared_scheduler,
+    without_compile,
+)
 from .accelerate_prepare import OptimizerHandle, checked_phases, find_grouped, unscale_once
 from .accelerate_run import PhasedRun, RunSettings
 from .assembly import comm_metrics
@@ -89,8 +101,15 @@ from .refusals import ACCELERATE, Configuration, check
 from .regions import compile_regions_in_place, has_repeated_blocks
 from .unreached import check_loss
 
-__all__ = ["OptimizerHandle", "PhasedAccelerator", "PhasedOptimizer", "PreparedGroupedLRScheduler", "STATE_FILE",
-           "check_supported", "configuration"]
+__all__ = [
+    "OptimizerHandle",
+    "PhasedAccelerator",
+    "PhasedOptimizer",
+    "PreparedGroupedLRScheduler",
+    "STATE_FILE",
+    "check_supported",
+    "configuration",
+]
 
 
 class PhasedAccelerator(Accelerator):
@@ -163,15 +182,16 @@ class PhasedAccelerator(Accelerator):
     ) -> None:
         schedule, groups = checked_phases(schedule, groups)
         if find_unused_parameters not in (None, True, False):
-            raise PlanError(
-                f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}"
-            )
+            raise PlanError(f"`find_unused_parameters` must be None, True or False, got {find_unused_parameters!r}")
         if isinstance(switcher_options, Mapping) and "release" in switcher_options:
             raise PlanError("`switcher_options` may not set ['release']: pass `release=` to PhasedAccelerator")
         settings = RunSettings(
             config=SwitchConfig.build(switcher_options, release=release),  # checked before any model
-            find_unused=find_unused_parameters, count_comm=bool(count_comm), log_switches=bool(log_switches),
-            prefix=as_frozen_prefix(frozen_prefix))
+            find_unused=find_unused_parameters,
+            count_comm=bool(count_comm),
+            log_switches=bool(log_switches),
+            prefix=as_frozen_prefix(frozen_prefix),
+        )
         super().__init__(**kwargs)
         self._fsdp_plugin_given = kwargs.get("fsdp_plugin")  # Accelerate drops it on CPU
         check_supported(self, self._fsdp_plugin_given)
@@ -181,11 +201,14 @@ class PhasedAccelerator(Accelerator):
                 f"`count_comm=True` cannot be combined with DistributedDataParallelKwargs(comm_hook={hook!r}): "
                 "DDP runs one comm hook per wrapper and the counter is one; drop one of the two"
             )
-        self.run = PhasedRun(schedule, groups, settings, log=self.log, metrics=self.switch_metrics,
-                             steps_per_epoch=self._steps_per_epoch)
+        self.run = PhasedRun(
+            schedule, groups, settings, log=self.log, metrics=self.switch_metrics, steps_per_epoch=self._steps_per_epoch
+        )
         self._checkpoints = Checkpoints(self, self.run)
-        self._hooks = [self.register_save_state_pre_hook(self._checkpoints.save_hook),
-                       self.register_load_state_pre_hook(self._checkpoints.load_hook)]
+        self._hooks = [
+            self.register_save_state_pre_hook(self._checkpoints.save_hook),
+            self.register_load_state_pre_hook(self._checkpoints.load_hook),
+        ]
 
     # ------------------------------------------------------------------ state (the run's)
     @property
@@ -249,7 +272,8 @@ class PhasedAccelerator(Accelerator):
         if self.switcher is None:
             raise AltParamsError(
                 f"`visiting({groups!r})` was called before `accelerator.prepare(model, optimizer, ...)`: no phase "
-                "is applied yet, so every group is where the model put it; call it after that")
+                "is applied yet, so every group is where the model put it; call it after that"
+            )
         with self.switcher.visiting(groups):
             yield
 
@@ -261,8 +285,9 @@ class PhasedAccelerator(Accelerator):
     def frozen_prefix(self) -> Optional[FrozenPrefixCache]:
         return self.run.frozen_prefix
 
-    def set_phases(self, schedule: Schedule, *, groups: Union[None, ParamGroups, Mapping[str, nn.Module]] = None
-                   ) -> None:
+    def set_phases(
+        self, schedule: Schedule, *, groups: Union[None, ParamGroups, Mapping[str, nn.Module]] = None
+    ) -> None:
         """Give a ``PhasedAccelerator()`` built without a schedule its schedule (and groups), before ``prepare``.
 
         For scripts that build the accelerator before the model: the accelerator
@@ -277,14 +302,17 @@ class PhasedAccelerator(Accelerator):
             >>> # gen, disc, opt_g, opt_d = accelerator.prepare(gen, disc, opt_g, opt_d)
         """
         if self.run.prepared_models or self.run.switcher is not None:
-            raise PlanError("`set_phases` came after `prepare` of the grouped model; call it before, so the first "
-                            "phase is applied before DDP wraps the model")
+            raise PlanError(
+                "`set_phases` came after `prepare` of the grouped model; call it before, so the first "
+                "phase is applied before DDP wraps the model"
+            )
         if self.run.unphased_models:
             raise PlanError(
                 f"`set_phases` came after `prepare` of {self.run.unphased_models}, prepared while the accelerator "
                 "had no schedule: that model is wrapped already (DDP over every parameter, the optimizer a plain "
                 "one) and would train whole at every step, the schedule ignored. Call `set_phases(schedule, "
-                "groups=...)` before `accelerator.prepare(model, optimizer, ...)`")
+                "groups=...)` before `accelerator.prepare(model, optimizer, ...)`"
+            )
         self.run.set_phases(*checked_phases(schedule, groups))
 
     # ---------------------------------------------------------------- prepare
@@ -299,11 +327,19 @@ class PhasedAccelerator(Accelerator):
         before DDP is built. Returned objects should be reassigned, as with Accelerate.
         """
         if device_placement is not None and len(device_placement) != len(args):
-            raise PlanError(f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
-                            "give one bool (or None) per object")
+            raise PlanError(
+                f"`device_placement` has {len(device_placement)} entries for {len(args)} objects; "
+                "give one bool (or None) per object"
+            )
         run = self.run
-        found = find_grouped(args, run.groups, run.schedule, prepared_models=run.prepared_models,
-                             driving_bound=run.driving_bound, multi_process=self.num_processes > 1)
+        found = find_grouped(
+            args,
+            run.groups,
+            run.schedule,
+            prepared_models=run.prepared_models,
+            driving_bound=run.driving_bound,
+            multi_process=self.num_processes > 1,
+        )
         if run.schedule is None:  # a plain Accelerator so far: a later set_phases must know what it missed
             run.note_unphased(args)
         check_supported(self, self._fsdp_plugin_given)
@@ -313,16 +349,26 @@ class PhasedAccelerator(Accelerator):
             _check_regions(call_args, found.models)  # before anything changes
         root_index = next((i for i, part in found.models.items() if part is None), None)
         strategy = self._configured_strategy()
-        if found.models and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2 and (
-                root_index is None or strategy is None or strategy.name != "fsdp2"):
-            warnings.warn(fsdp2_not_running("fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)",
-                                            str(self.distributed_type.value)), stacklevel=2)
+        if (
+            found.models
+            and getattr(self._fsdp_plugin_given, "fsdp_version", None) == 2
+            and (root_index is None or strategy is None or strategy.name != "fsdp2")
+        ):
+            warnings.warn(
+                fsdp2_not_running(
+                    "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)", str(self.distributed_type.value)
+                ),
+                stacklevel=2,
+            )
         if found.models and run.switcher is None and not run.prepared_models:
             run.start(found.groups, found.driving, strategy)  # type: ignore[arg-type]
             handler = self.ddp_handler
             wanted = run.find_unused(handler.find_unused_parameters if handler is not None else False)
-            self.ddp_handler = (DistributedDataParallelKwargs(find_unused_parameters=wanted) if handler is None
-                                else dataclasses.replace(handler, find_unused_parameters=wanted))
+            self.ddp_handler = (
+                DistributedDataParallelKwargs(find_unused_parameters=wanted)
+                if handler is None
+                else dataclasses.replace(handler, find_unused_parameters=wanted)
+            )
         elif found.driving is not None:
             run.bind_optimizer(found.driving)  # the model came in an earlier call
         parts = [call_args[i] for i, part in found.models.items() if part is not None]
@@ -350,18 +396,24 @@ class PhasedAccelerator(Accelerator):
     def _configured_strategy(self) -> Optional[Strategy]:
         """The registered strategy Accelerate is configured to run (FSDP2, or DeepSpeed once registered), else
         ``None``: DDP or one process, as the wrapper ``prepare`` returns says."""
-        name = {DistributedType.FSDP: "fsdp2" if self.is_fsdp2 else None,
-                DistributedType.DEEPSPEED: configuration(self).strategy_name}.get(self.distributed_type)
+        name = {
+            DistributedType.FSDP: "fsdp2" if self.is_fsdp2 else None,
+            DistributedType.DEEPSPEED: configuration(self).strategy_name,
+        }.get(self.distributed_type)
         return strategy_named(name) if name is not None and is_registered(name) else None
 
-    def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None
-                          ) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
         """As in Accelerate; the optimizer that drives the schedule gets the phase-aware wrapper."""
         if optimizer is not self.run.driving or is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         placement = self.device_placement if device_placement is None else device_placement
-        wrapped = PhasedOptimizer(optimizer, self.run, lambda: int(self.gradient_accumulation_steps),
-                                  device_placement=placement, scaler=self.scaler)
+        wrapped = PhasedOptimizer(
+            optimizer,
+            self.run,
+            lambda: int(self.gradient_accumulation_steps),
+            device_placement=placement,
+            scaler=self.scaler,
+        )
         register_prepared_optimizer(self, wrapped)
         return wrapped
 
@@ -369,7 +421,9 @@ class PhasedAccelerator(Accelerator):
         prepared = prepared_optimizers(self)
         optimizer = next((o for o in prepared if o.optimizer is scheduler.optimizer), prepared)
         wrapped = PreparedGroupedLRScheduler(
-            scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+            scheduler,
+            optimizer,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
         register_prepared_scheduler(self, wrapped)
@@ -397,10 +451,16 @@ class PhasedAccelerator(Accelerator):
                 "the grouped model was prepared, but no optimizer over its parameters was passed to `prepare` "
                 "yet: the schedule is driven by that optimizer's steps, so the phases would never advance. "
                 "Pass the optimizer to `accelerator.prepare` (with the model, or in a later call) before training.",
-                cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
+                cause=Cause.OPTIMIZER_MISSES_PARAMETERS,
+            )
         if self.switcher is not None:
-            check_loss(loss, self.switcher.current, self.switcher.groups, "accelerator.backward(loss)",
-                       "`accelerator.task` / `accelerator.phase`")
+            check_loss(
+                loss,
+                self.switcher.current,
+                self.switcher.groups,
+                "accelerator.backward(loss)",
+                "`accelerator.task` / `accelerator.phase`",
+            )
         try:
             super().backward(loss, **kwargs)
         except RuntimeError as exc:
@@ -413,7 +473,9 @@ class PhasedAccelerator(Accelerator):
                 "The ranks are out of step: another rank is in another collective, most likely a phase switch, "
                 "because the ranks did not all call `optimizer.step()` at the same iterations (a step skipped or "
                 "doubled on some rank) or one rank died. Every rank must run the same steps; the process group is "
-                "unusable now: restart from the latest complete checkpoint", cause=Cause.RANK_LOST) from exc
+                "unusable now: restart from the latest complete checkpoint",
+                cause=Cause.RANK_LOST,
+            ) from exc
         if self.run.driver is not None:
             self.run.driver.note_backward()
         if self.run.steps_in_backward and self.sync_gradients:
@@ -441,8 +503,9 @@ class PhasedAccelerator(Accelerator):
         """
         return self._checkpoints.save(output_dir, safe_serialization, **kwargs)
 
-    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict[str, Any]] = None,
-                   **kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: Optional[str] = None, load_kwargs: Optional[dict[str, Any]] = None, **kwargs: Any
+    ) -> None:
         """``Accelerator.load_state``; refuses torn or foreign checkpoints, applies the saved phase first.
 
         See :meth:`~._accelerate_checkpoints.Checkpoints.load`.
@@ -538,12 +601,18 @@ def configuration(acc: Accelerator, fsdp_plugin_given: Any = None) -> Configurat
     fsdp_version = getattr(plugin, "fsdp_version", None)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Configuration(
-        ACCELERATE, deepspeed=kind == DistributedType.DEEPSPEED, fsdp_version=fsdp_version,
-        megatron=kind == DistributedType.MEGATRON_LM, xla=kind == DistributedType.XLA,
+        ACCELERATE,
+        deepspeed=kind == DistributedType.DEEPSPEED,
+        fsdp_version=fsdp_version,
+        megatron=kind == DistributedType.MEGATRON_LM,
+        xla=kind == DistributedType.XLA,
         tensor_parallel=parallelism is not None and bool(parallelism.tp_enabled or parallelism.cp_enabled),
         compiled=_whole_compile(acc, fsdp_version is not None or kind == DistributedType.FSDP),
-        world_size=world, processes=int(acc.num_processes), distributed_type=str(kind.value),
-        deepspeed_config=_deepspeed_config(acc) if kind == DistributedType.DEEPSPEED else {})
+        world_size=world,
+        processes=int(acc.num_processes),
+        distributed_type=str(kind.value),
+        deepspeed_config=_deepspeed_config(acc) if kind == DistributedType.DEEPSPEED else {},
+    )
 
 
 def _deepspeed_config(acc: Accelerator) -> Mapping[str, Any]:
@@ -562,8 +631,9 @@ def _whole_compile(acc: Accelerator, fsdp: bool) -> Optional[str]:
     dynamo = dynamo_settings(acc)
     if not dynamo.compiles or (dynamo.regional and not fsdp):
         return None
-    return f"dynamo_backend={dynamo.backend!r}" + (" with `use_regional_compilation=True` under FSDP"
-                                                   if dynamo.regional else "")
+    return f"dynamo_backend={dynamo.backend!r}" + (
+        " with `use_regional_compilation=True` under FSDP" if dynamo.regional else ""
+    )
 
 
 def _check_regions(args: tuple[Any, ...], models: Mapping[int, Optional[str]]) -> None:
@@ -579,7 +649,8 @@ def _check_regions(args: tuple[Any, ...], models: Mapping[int, Optional[str]]) -
             f"`TorchDynamoPlugin(use_regional_compilation=True)`: `prepare` argument #{i + 1} "
             f"({type(model).__name__}), the grouped model, has no repeated blocks (an nn.ModuleList of modules of "
             "one class), so compiling it by regions would compile it whole, whose graph guards on `requires_grad` "
-            "and is recompiled at every phase switch. Drop `dynamo_backend`, or keep its blocks in an nn.ModuleList")
+            "and is recompiled at every phase switch. Drop `dynamo_backend`, or keep its blocks in an nn.ModuleList"
+        )
 
 
 def _compile_regions(args: tuple[Any, ...], acc: Accelerator) -> None:
@@ -621,8 +692,9 @@ class PhasedOptimizer(AcceleratedOptimizer):
         accumulation_steps: the accelerator's gradient-accumulation steps (read at each call).
     """
 
-    def __init__(self, optimizer: Optimizer, run: StepHooks, accumulation_steps: Callable[[], int],
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer: Optimizer, run: StepHooks, accumulation_steps: Callable[[], int], **kwargs: Any
+    ) -> None:
         super().__init__(optimizer, **kwargs)
         self._run = run
         self._accumulation_steps = accumulation_steps

@@ -46,16 +46,35 @@ from ..engine.driver import DriverState
 from ..engine.switch import PhaseSwitcher
 from ..errors import AltParamsError
 from .accelerate_internals import prepared_optimizers, without_total_limit
-from .checkpoint_files import (COMPLETE_MARKER, manifest, manifest_problem, membership, membership_difference,
-                               numbered_folders, prune, remove_file, write_atomically)
+from .checkpoint_files import (
+    COMPLETE_MARKER,
+    manifest,
+    manifest_problem,
+    membership,
+    membership_difference,
+    numbered_folders,
+    prune,
+    remove_file,
+    write_atomically,
+)
 from .fsdp2 import grouped_checkpoint_view
 
 if TYPE_CHECKING:
     from .accelerate_run import PhasedRun
 
-__all__ = ["COMPLETE_MARKER", "STATE_FILE", "Checkpoints", "agreed_checkpoint", "check_complete",
-           "complete_iterations", "latest_complete_checkpoint", "read_state", "save_target", "write_state",
-           "writes_state_files"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "STATE_FILE",
+    "Checkpoints",
+    "agreed_checkpoint",
+    "check_complete",
+    "complete_iterations",
+    "latest_complete_checkpoint",
+    "read_state",
+    "save_target",
+    "write_state",
+    "writes_state_files",
+]
 
 #: File that ``save_state`` adds to the checkpoint folder (schedule position and state).
 STATE_FILE = "hf_altparams_state.json"
@@ -69,8 +88,10 @@ def write_state(output_dir: str, **state: Any) -> None:
 
 def mark_complete(output_dir: str) -> None:
     """Write the completion marker, listing every file and its size: call after every rank finished writing."""
-    write_atomically(os.path.join(output_dir, COMPLETE_MARKER),
-                      {"format": _STATE_FORMAT, "files": manifest(output_dir, skip=[COMPLETE_MARKER])})
+    write_atomically(
+        os.path.join(output_dir, COMPLETE_MARKER),
+        {"format": _STATE_FORMAT, "files": manifest(output_dir, skip=[COMPLETE_MARKER])},
+    )
 
 
 def folder_problem(input_dir: str) -> Optional[str]:
@@ -79,9 +100,11 @@ def folder_problem(input_dir: str) -> Optional[str]:
     if not os.path.isdir(input_dir):
         return "it does not exist (or is not a folder)"
     if not os.path.isfile(marker):
-        return (f"it has no {COMPLETE_MARKER}, so its save was interrupted (or it was not written by "
-                "PhasedAccelerator.save_state) and it may hold another phase's files or half of the groups' "
-                "optimizer state")
+        return (
+            f"it has no {COMPLETE_MARKER}, so its save was interrupted (or it was not written by "
+            "PhasedAccelerator.save_state) and it may hold another phase's files or half of the groups' "
+            "optimizer state"
+        )
     try:
         with open(marker) as f:
             files = json.load(f).get("files", {})
@@ -190,7 +213,9 @@ def agreed_checkpoint(input_dir: Optional[str], checkpoints_dir: Optional[str]) 
         warnings.warn(
             f"`load_state()`: checkpoint(s) {newer} in {checkpoints_dir!r} are complete on some ranks only "
             f"(their save was interrupted elsewhere); every rank loads checkpoint_{chosen}, the latest complete "
-            "on every rank", stacklevel=3)
+            "on every rank",
+            stacklevel=3,
+        )
     folder = os.path.join(checkpoints_dir, f"checkpoint_{chosen}")
     _refuse_problems(folder, _gathered(folder_problem(folder)))
     return folder
@@ -219,7 +244,8 @@ def check_saved_groups(input_dir: str, groups: Any) -> None:
         raise AltParamsError(
             f"`load_state` refuses {input_dir!r}: it was saved with other groups ({difference}); its optimizer "
             "state and schedule position belong to those groups. Build the groups as the saved run did, or "
-            "start from scratch")
+            "start from scratch"
+        )
 
 
 def read_state(input_dir: str) -> dict[str, Any]:
@@ -255,7 +281,8 @@ def checkpoints_folder(acc: Accelerator) -> str:
         raise AltParamsError(
             "`ProjectConfiguration(automatic_checkpoint_naming=True)` names checkpoints under `project_dir`, and "
             "the accelerator has none (project_dir None): pass `ProjectConfiguration(project_dir=..., "
-            "automatic_checkpoint_naming=True)`, or give `save_state` / `load_state` a folder without automatic naming")
+            "automatic_checkpoint_naming=True)`, or give `save_state` / `load_state` a folder without automatic naming"
+        )
     return os.path.join(project_dir, "checkpoints")
 
 
@@ -270,8 +297,9 @@ def save_target(acc: Accelerator, output_dir: Optional[str]) -> Optional[str]:
 def before_save(acc: Accelerator, switcher: PhaseSwitcher, output_dir: Optional[str]) -> Optional[int]:
     """Steps 1 and 2 of the module docstring, on every rank; returns the ``total_limit`` to set aside (or ``None``)."""
     if switcher.drift.at_save:
-        switcher.check_weights(f"before save_state at step {switcher.driver.step}",
-                               "save_state refused: nothing was written")
+        switcher.check_weights(
+            f"before save_state at step {switcher.driver.step}", "save_state refused: nothing was written"
+        )
     target = save_target(acc, output_dir)
     if target is not None and writes_state_files(acc):
         remove_file(os.path.join(target, COMPLETE_MARKER))
@@ -338,7 +366,8 @@ class Checkpoints:
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise AltParamsError(
                 "`latest_checkpoint()` needs automatic checkpoint naming: pass "
-                "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`")
+                "`project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)`"
+            )
         checkpoints_dir = checkpoints_folder(acc)
         common = _common(_gathered(complete_iterations(checkpoints_dir)))
         return os.path.join(checkpoints_dir, f"checkpoint_{max(common)}") if common else None
@@ -399,7 +428,9 @@ class Checkpoints:
         if "driver" not in state["switcher"]:  # written before the switcher's state held the position
             driver.restore(DriverState(int(state["schedule_step"]), int(state["schedule_epoch"])))
         switcher.drop_applied_gradients()  # loading replaces the run: in-flight gradients are void
-        record = driver.move_to(driver.step, driver.epoch)  # before the optimizer state loads: idle groups keep their policy
+        record = driver.move_to(
+            driver.step, driver.epoch
+        )  # before the optimizer state loads: idle groups keep their policy
         if record is not None:
             self.run.after_switch(record)
 

@@ -97,13 +97,19 @@ USES: dict[str, tuple[str, ...]] = {
     "is_prepared": ("AcceleratedOptimizer._is_accelerate_prepared",),
     "shared_accelerator_state": ("AcceleratorState._shared_state",),
     "fresh_accelerator_state": ("AcceleratorState._reset_state",),
-    "run_fsdp_state": ("PartialState._shared_state", "AcceleratorState.distributed_type",
-                       "AcceleratorState.fsdp_plugin"),
+    "run_fsdp_state": (
+        "PartialState._shared_state",
+        "AcceleratorState.distributed_type",
+        "AcceleratorState.fsdp_plugin",
+    ),
     "without_total_limit": ("ProjectConfiguration.total_limit",),
     "default_launch_config": ("config_args.default_config_file",),
     "read_launch_config": ("config_args.load_config_from_file",),
-    "dynamo_settings": ("AcceleratorState.dynamo_plugin", "TorchDynamoPlugin.use_regional_compilation",
-                        "TorchDynamoPlugin.to_kwargs"),
+    "dynamo_settings": (
+        "AcceleratorState.dynamo_plugin",
+        "TorchDynamoPlugin.use_regional_compilation",
+        "TorchDynamoPlugin.to_kwargs",
+    ),
     "without_compile": ("AcceleratorState.dynamo_plugin",),
 }
 
@@ -129,9 +135,15 @@ def missing_names() -> list[str]:
         "ProjectConfiguration": ProjectConfiguration(),
         "TorchDynamoPlugin": TorchDynamoPlugin(),
     }
-    instance_attributes = {"Accelerator._optimizers", "Accelerator._schedulers", "Accelerator._dataloaders",
-                           "AcceleratedOptimizer._is_accelerate_prepared", "AcceleratorState.distributed_type",
-                           "AcceleratorState.fsdp_plugin", "AcceleratorState.dynamo_plugin"}
+    instance_attributes = {
+        "Accelerator._optimizers",
+        "Accelerator._schedulers",
+        "Accelerator._dataloaders",
+        "AcceleratedOptimizer._is_accelerate_prepared",
+        "AcceleratorState.distributed_type",
+        "AcceleratorState.fsdp_plugin",
+        "AcceleratorState.dynamo_plugin",
+    }
     missing = []
     for names in USES.values():
         for name in names:
@@ -145,7 +157,9 @@ def missing_names() -> list[str]:
 
 def check_accelerate() -> None:
     """At import: refuse an Accelerate that lacks a name the library relies on; warn outside the tested range."""
-    check_library_at_import("accelerate", accelerate.__version__, TESTED_ACCELERATE, missing_names(), "Accelerate internals")
+    check_library_at_import(
+        "accelerate", accelerate.__version__, TESTED_ACCELERATE, missing_names(), "Accelerate internals"
+    )
 
 
 # ------------------------------------------------------------------ what an accelerator prepared
@@ -212,8 +226,10 @@ def run_fsdp_state(accelerator: Accelerator, plugin: Any) -> None:
     state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     if not accelerator.is_fsdp2:
-        raise AltParamsError("the accelerator does not run FSDP2 after its state was set to FSDP; pass a "
-                             "FullyShardedDataParallelPlugin(fsdp_version=2)")
+        raise AltParamsError(
+            "the accelerator does not run FSDP2 after its state was set to FSDP; pass a "
+            "FullyShardedDataParallelPlugin(fsdp_version=2)"
+        )
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -333,8 +349,11 @@ class LaunchConfig:
             return f"it runs under mpirun over the machines of {self.mpirun_hostfile!r} (mpirun_hostfile)"
         if self.num_machines > 1:
             return f"it spans num_machines {self.num_machines}: every machine must start its part"
-        if not self.one_process and not self.distributed_type.startswith("MULTI_") and \
-                self.distributed_type not in _MULTI_PROCESS_TYPES:
+        if (
+            not self.one_process
+            and not self.distributed_type.startswith("MULTI_")
+            and self.distributed_type not in _MULTI_PROCESS_TYPES
+        ):
             return f"distributed_type {self.distributed_type} has a launcher of its own"
         return None
 
@@ -383,17 +402,26 @@ def read_launch_config(path: Union[str, Path]) -> LaunchConfig:
     count = getattr(config, "num_processes", None)
     mpirun = (getattr(config, "mpirun_config", None) or {}).get("mpirun_hostfile")
     environment = getattr(config.compute_environment, "value", config.compute_environment)
-    return LaunchConfig(path=Path(path), distributed_type=str(kind),
-                        num_processes=count if isinstance(count, int) and count > 0 else None,
-                        num_machines=int(getattr(config, "num_machines", 1) or 1),
-                        mpirun_hostfile=mpirun or None, sagemaker=str(environment) == "AMAZON_SAGEMAKER")
+    return LaunchConfig(
+        path=Path(path),
+        distributed_type=str(kind),
+        num_processes=count if isinstance(count, int) and count > 0 else None,
+        num_machines=int(getattr(config, "num_machines", 1) or 1),
+        mpirun_hostfile=mpirun or None,
+        sagemaker=str(environment) == "AMAZON_SAGEMAKER",
+    )
 
 
 #: Variables ``accelerate launch``'s one-process ("simple") launcher sets in its process's environment
 #: (1.15: ``prepare_simple_launcher_cmd_env``), besides ``ACCELERATE_USE_CPU`` and ``ACCELERATE_MIXED_PRECISION``,
 #: which a user may export by hand.
-_SIMPLE_LAUNCHER_ENV = ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH",
-                        "ACCELERATE_DYNAMO_USE_DYNAMIC", "ACCELERATE_MIXED_PRECISION")
+_SIMPLE_LAUNCHER_ENV = (
+    "ACCELERATE_DYNAMO_BACKEND",
+    "ACCELERATE_DYNAMO_MODE",
+    "ACCELERATE_DYNAMO_USE_FULLGRAPH",
+    "ACCELERATE_DYNAMO_USE_DYNAMIC",
+    "ACCELERATE_MIXED_PRECISION",
+)
 
 
 def started_alone_by_accelerate(environ: Mapping[str, str]) -> bool:

@@ -51,8 +51,16 @@ from ..plan.schedules import Schedule
 from .accelerate_internals import is_prepared, mark_prepared
 from .refusals import ACCELERATE, Configuration, check
 
-__all__ = ["FORMS", "Found", "GradientArrivals", "OptimizerHandle", "checked_phases", "find_grouped", "held",
-           "unscale_once"]
+__all__ = [
+    "FORMS",
+    "Found",
+    "GradientArrivals",
+    "OptimizerHandle",
+    "checked_phases",
+    "find_grouped",
+    "held",
+    "unscale_once",
+]
 
 FORMS = (
     "Accepted next to the grouped model (or each model of ParamGroups.of_models), in the same `prepare` call or a "
@@ -84,18 +92,20 @@ class Found:
     driving: Optional[Optimizer] = None
     user: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def arguments(self, args: tuple[Any, ...], placement: Optional[Sequence[Optional[bool]]]
-                  ) -> tuple[tuple[Any, ...], Optional[Sequence[Optional[bool]]]]:
+    def arguments(
+        self, args: tuple[Any, ...], placement: Optional[Sequence[Optional[bool]]]
+    ) -> tuple[tuple[Any, ...], Optional[Sequence[Optional[bool]]]]:
         """``prepare``'s arguments with the user's optimizers replaced by the grouped one."""
         if not self.user:
             return args, placement
         first = min(self.user)
         keep = [i for i in range(len(args)) if i == first or i not in self.user]
-        return (tuple(self.driving if i == first else args[i] for i in keep),
-                None if placement is None else [placement[i] for i in keep])
+        return (
+            tuple(self.driving if i == first else args[i] for i in keep),
+            None if placement is None else [placement[i] for i in keep],
+        )
 
-    def hand_back(self, args: tuple[Any, ...], items: list[Any]
-                  ) -> tuple[list[Any], Optional[GradientArrivals]]:
+    def hand_back(self, args: tuple[Any, ...], items: list[Any]) -> tuple[list[Any], Optional[GradientArrivals]]:
         """What the user gets: ``items`` in the order of ``args``, a handle per optimizer passed.
 
         Also returns the handles' shared :class:`GradientArrivals` (``None`` without handles).
@@ -145,11 +155,19 @@ def _check_coverage(groups: ParamGroups, schedule: Schedule, what: str, opt: Opt
         "whether frozen now or not "
         "(e.g. `torch.optim.AdamW(model.parameters())`, not over the trainable ones only), or pass one "
         f"optimizer per group; ungrouped parameters need a group when ungrouped='trainable'. {FORMS}",
-        cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
+        cause=Cause.OPTIMIZER_MISSES_PARAMETERS,
+    )
 
 
-def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule: Optional[Schedule], *,
-                 prepared_models: set[Optional[str]], driving_bound: bool, multi_process: bool = False) -> Found:
+def find_grouped(
+    args: tuple[Any, ...],
+    groups: Optional[ParamGroups],
+    schedule: Optional[Schedule],
+    *,
+    prepared_models: set[Optional[str]],
+    driving_bound: bool,
+    multi_process: bool = False,
+) -> Found:
     """Find the grouped model(s) and the optimizer(s) that drive the schedule in ``prepare``'s ``args``.
 
     ``groups`` are the accelerator's (``None`` when only a GroupedOptimizer can
@@ -192,7 +210,8 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
             f"`prepare` got the grouped model{'' if twice == [None] else ' ' + repr(twice)} a second time. "
             "Preparing the raw module again would add it to `accelerator._models` twice (two model files in "
             "save_state) and wrap its autocast forward twice; keep using the object the first `prepare` "
-            "returned: switches rebuild it in place.")
+            "returned: switches rebuild it in place."
+        )
     ids = {id(p) for p in root.parameters()}
     mine = [(i, o) for i, o in optimizers if _touches(o, root, ids)]
     found = Found(groups, models)
@@ -202,12 +221,18 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
         i, opt = mine[0]
         raise AltParamsError(
             f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, passed after the model was "
-            f"prepared with the optimizer that drives the schedule: a second one would step outside it. {FORMS}")
+            f"prepared with the optimizer that drives the schedule: a second one would step outside it. {FORMS}"
+        )
     if not models and not prepared_models:
         i, opt = mine[0]
         others = [f"{_label(j)} ({type(a).__name__})" for j, a in enumerate(args) if isinstance(a, nn.Module)]
-        copies = [j for j, a in enumerate(args) if isinstance(a, nn.Module) and has_compiled_regions(a)
-                  and extract_model_from_parallel(a, keep_torch_compile=False) is root]
+        copies = [
+            j
+            for j, a in enumerate(args)
+            if isinstance(a, nn.Module)
+            and has_compiled_regions(a)
+            and extract_model_from_parallel(a, keep_torch_compile=False) is root
+        ]
         if copies:
             raise AltParamsError(
                 f"{_label(copies[0])} is `accelerate.utils.compile_regions(model)` of the grouped model: a copy of "
@@ -215,22 +240,26 @@ def find_grouped(args: tuple[Any, ...], groups: Optional[ParamGroups], schedule:
                 "(and the optimizer's) were built on the model itself. Build the groups on the model "
                 "`compile_regions` returned (`ParamGroups(compiled, ...)`; patterns such as 'model.layers.0.*' "
                 "match either way), or compile in place so nothing is copied: "
-                f"`hf_altparams.compile_regions_in_place(model)`. {FORMS}")
+                f"`hf_altparams.compile_regions_in_place(model)`. {FORMS}"
+            )
         if others:
             raise AltParamsError(
                 f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, but no argument of this "
                 f"`prepare` is that model: the groups were built on a {type(root).__name__}, and {others} is not it "
                 "(nor one of the models of `ParamGroups.of_models`). Build the groups on the model you pass to "
-                f"`prepare` (`ParamGroups(model, ...)`). {FORMS}")
+                f"`prepare` (`ParamGroups(model, ...)`). {FORMS}"
+            )
         raise AltParamsError(
             f"{_label(i)} ({type(opt).__name__}) is an optimizer of the grouped model, passed without the model "
             "(before it); prepare the model first, in the same call or an earlier one: the first phase must be "
-            f"applied before DDP wraps it. {FORMS}")
+            f"applied before DDP wraps it. {FORMS}"
+        )
     if any(isinstance(o, GroupedOptimizer) for _, o in mine) and len(mine) > 1:
         raise AltParamsError(
             f"`prepare` got a GroupedOptimizer and {len(mine) - 1} more optimizer(s) over the grouped model's "
             f"parameters ({[f'{_label(i)} ({type(o).__name__})' for i, o in mine]}); one optimizer (or one "
-            f"per group) drives the schedule: a second would step outside it. {FORMS}")
+            f"per group) drives the schedule: a second would step outside it. {FORMS}"
+        )
     if len(mine) == 1:
         index, found.driving = mine[0]
         _check_coverage(groups, schedule, f"{_label(index)} ({type(found.driving).__name__})", found.driving)
@@ -290,20 +319,25 @@ def _warn_frozen_ungrouped(groups: ParamGroups, optimizer: Optimizer) -> None:
             f"hf_altparams: the optimizer holds {len(frozen)} parameter(s) that no group names (e.g. "
             f"{frozen[:4]}); with ungrouped='frozen' (the default) they stay frozen for the whole run and are "
             "never updated. Put them in a group of the schedule, or pass `ungrouped='trainable'` to ParamGroups "
-            "to train them in every phase.", stacklevel=4)
+            "to train them in every phase.",
+            stacklevel=4,
+        )
 
 
-def checked_phases(schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]
-                    ) -> tuple[Optional[Schedule], Optional[ParamGroups]]:
+def checked_phases(
+    schedule: Optional[Schedule], groups: Union[None, ParamGroups, Mapping[str, nn.Module]]
+) -> tuple[Optional[Schedule], Optional[ParamGroups]]:
     """The constructor's (or ``set_phases``') schedule and groups, checked; a mapping of models becomes groups."""
     if schedule is not None and not isinstance(schedule, Schedule):
-        raise PlanError(f"`schedule` must be an hf_altparams Schedule or None, got {type(schedule).__name__}: "
-                        f"{schedule!r}")
+        raise PlanError(
+            f"`schedule` must be an hf_altparams Schedule or None, got {type(schedule).__name__}: {schedule!r}"
+        )
     if isinstance(groups, Mapping) and all(isinstance(m, nn.Module) for m in groups.values()):
         groups = ParamGroups.of_models(groups)
     if groups is not None and not isinstance(groups, ParamGroups):
-        raise PlanError(f"`groups` must be a ParamGroups, a mapping of names to models, or None; got "
-                        f"{type(groups).__name__}")
+        raise PlanError(
+            f"`groups` must be a ParamGroups, a mapping of names to models, or None; got {type(groups).__name__}"
+        )
     if groups is not None and schedule is None:
         raise PlanError("`groups` was given without a `schedule`; pass both (or neither, for a plain Accelerator)")
     if groups is not None and schedule is not None:
@@ -380,8 +414,9 @@ class OptimizerHandle(AcceleratedOptimizer):
         >>> # accelerator.backward(loss); opt1.step(); opt2.step(); opt1.zero_grad(); opt2.zero_grad()
     """
 
-    def __init__(self, optimizer: Optimizer, group: str, driving: AcceleratedOptimizer,
-                 arrivals: GradientArrivals) -> None:
+    def __init__(
+        self, optimizer: Optimizer, group: str, driving: AcceleratedOptimizer, arrivals: GradientArrivals
+    ) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.group = group
         self.driving = driving
@@ -435,8 +470,13 @@ def unscale_once(optimizer: Any, prepared: list[Any], arrivals: Optional[Gradien
     """
     if arrivals is None:
         return optimizer
-    listed = (list(prepared) if optimizer is None
-              else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+    listed = (
+        list(prepared)
+        if optimizer is None
+        else list(optimizer)
+        if isinstance(optimizer, (list, tuple))
+        else [optimizer]
+    )
     chosen: list[Any] = []
     for opt in listed:
         opt = opt.driving if isinstance(opt, OptimizerHandle) else opt

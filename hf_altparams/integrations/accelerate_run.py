@@ -101,9 +101,16 @@ class PhasedRun:
         steps_per_epoch: optimizer steps in one pass over the longest prepared dataloader.
     """
 
-    def __init__(self, schedule: Optional[Schedule], groups: Optional[ParamGroups], settings: RunSettings, *,
-                 log: Callable[..., Any], metrics: Callable[[SwitchRecord], dict[str, Any]],
-                 steps_per_epoch: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        schedule: Optional[Schedule],
+        groups: Optional[ParamGroups],
+        settings: RunSettings,
+        *,
+        log: Callable[..., Any],
+        metrics: Callable[[SwitchRecord], dict[str, Any]],
+        steps_per_epoch: Callable[[], int],
+    ) -> None:
         self.schedule = schedule
         self.groups_given = groups
         self.settings = settings
@@ -157,10 +164,17 @@ class PhasedRun:
         self.driving = None
         self.prepared_models, self.driving_bound, self.unphased_models = set(), False, []
         settings = self.settings
-        self.phases = None if self.schedule is None else PhaseRun(
-            self.schedule, RunOptions(settings.config, settings.count_comm, settings.prefix),
-            on_switch=self.after_switch, refuse_missing_grads=True,  # a missing gradient is refused at the step
-            set_epoch_call="accelerator.set_epoch(epoch)")
+        self.phases = (
+            None
+            if self.schedule is None
+            else PhaseRun(
+                self.schedule,
+                RunOptions(settings.config, settings.count_comm, settings.prefix),
+                on_switch=self.after_switch,
+                refuse_missing_grads=True,  # a missing gradient is refused at the step
+                set_epoch_call="accelerator.set_epoch(epoch)",
+            )
+        )
         self.guard = None if self.phases is None else LoopGuard(self.phases.driver, self._steps_per_epoch)
 
     def close(self) -> None:
@@ -212,9 +226,14 @@ class PhasedRun:
         strategy = strategy_for(prepared)
         if strategy is local_strategy() and part is None:
             switcher = phases.switcher
-            if switcher is not None and prepared is not switcher.module and not (
+            if (
+                switcher is not None
+                and prepared is not switcher.module
+                and not (
                     is_compiled_module(prepared)
-                    and extract_model_from_parallel(prepared, keep_torch_compile=False) is switcher.module):
+                    and extract_model_from_parallel(prepared, keep_torch_compile=False) is switcher.module
+                )
+            ):
                 raise AltParamsError(
                     f"`prepare` returned a {type(prepared).__name__} around the grouped model; PhasedAccelerator "
                     "supports the wrappers of its strategies (DDP, FSDP2) or the module itself"
@@ -233,8 +252,7 @@ class PhasedRun:
         """Every parameter of ``models`` trainable while DDP wraps them (it refuses a module with nothing to
         train); their wrappers are re-bucketed for the phase right after (:meth:`attach`). With a strategy built
         with every scheduled group (DeepSpeed ZeRO), those groups are trainable while it is built too."""
-        with _all_trainable(models), (self.phases.building() if self.phases is not None
-                                      else contextlib.nullcontext()):
+        with _all_trainable(models), self.phases.building() if self.phases is not None else contextlib.nullcontext():
             yield
 
     # ------------------------------------------------------------ the loop
@@ -242,8 +260,7 @@ class PhasedRun:
     def steps_in_backward(self) -> bool:
         """The run's strategy applies the update inside the sync-boundary backward (its declared step boundary):
         the schedule is driven from ``accelerator.backward`` then, not from ``optimizer.step()``."""
-        return self.phases is not None and (
-            self.phases.strategy.capabilities.step_boundary is StepBoundary.BACKWARD)
+        return self.phases is not None and (self.phases.strategy.capabilities.step_boundary is StepBoundary.BACKWARD)
 
     def before_step(self) -> None:
         """Before a sync-boundary step: the loop checks (the phase's invariants run in the optimizer's own hook)."""
@@ -276,7 +293,8 @@ def _copy_of_wrapper(module: nn.Module) -> AltParamsError:
         "would not be all-reduced and the ranks would diverge. Compile by regions before DDP wraps the model: "
         "`PhasedAccelerator(..., dynamo_plugin=TorchDynamoPlugin(backend=..., use_regional_compilation=True))`, or "
         "`hf_altparams.compile_regions_in_place(model)` before `prepare`; then train with the object `prepare` "
-        "returned")
+        "returned"
+    )
 
 
 @contextlib.contextmanager
@@ -341,7 +359,9 @@ class LoopGuard:
                 "gradients no `optimizer.step()` applied yet: they are dropped. Inside `accelerator.accumulate()` "
                 "this is `zero_grad()` called at the top of the iteration, which wipes the window's earlier "
                 "micro-batches (plain Accelerate does the same); call it after `optimizer.step()` there. If you "
-                "skipped the step on purpose (e.g. a non-finite loss), ignore this.", stacklevel=4)
+                "skipped the step on purpose (e.g. a non-finite loss), ignore this.",
+                stacklevel=4,
+            )
         self.driver.gradients_dropped()  # nothing is pending any more
 
     # ------------------------------------------------------------ checks
@@ -393,15 +413,19 @@ class LoopGuard:
         due = driver.phase_at(driver.step, implied)
         if due == driver.current:
             return
-        what = (f"{driver.step - driver.epoch_set_at} optimizer steps went by since "
-                f"{'the last `accelerator.set_epoch(...)`' if driver.epoch_calls else 'the start'}, more "
-                f"than one pass over the prepared dataloader ({per_epoch} steps), but the epoch-unit "
-                f"schedule is still at epoch {driver.epoch} (phase {driver.current.name!r}); at "
-                f"epoch {implied} it trains {due.name!r}.")
+        what = (
+            f"{driver.step - driver.epoch_set_at} optimizer steps went by since "
+            f"{'the last `accelerator.set_epoch(...)`' if driver.epoch_calls else 'the start'}, more "
+            f"than one pass over the prepared dataloader ({per_epoch} steps), but the epoch-unit "
+            f"schedule is still at epoch {driver.epoch} (phase {driver.current.name!r}); at "
+            f"epoch {implied} it trains {due.name!r}."
+        )
         fix = "Call `accelerator.set_epoch(epoch)` at the top of every epoch, on every rank."
         if driver.epoch_calls == 0:
             raise AltParamsError(f"{what} {fix}")
         if not self.warned_epoch:
             self.warned_epoch = True
-            warnings.warn(f"hf_altparams: {what} If an epoch is meant to span several passes, ignore "
-                          f"this; otherwise: {fix}", stacklevel=5)
+            warnings.warn(
+                f"hf_altparams: {what} If an epoch is meant to span several passes, ignore this; otherwise: {fix}",
+                stacklevel=5,
+            )

@@ -85,8 +85,9 @@ class RunOptions:
     prefix: Optional[FrozenPrefix] = None
 
 
-def comm_metrics(switcher: Optional[PhaseSwitcher], counter: Optional[CommCounter], record: SwitchRecord,
-                 prefix: str) -> dict[str, int]:
+def comm_metrics(
+    switcher: Optional[PhaseSwitcher], counter: Optional[CommCounter], record: SwitchRecord, prefix: str
+) -> dict[str, int]:
     """A switch log's figures for a strategy whose collective is not an all-reduce (FSDP2: reduce-scatter).
 
     ``<collective>_bytes_per_step`` (what the record says each rank feeds it) and, when counted,
@@ -124,10 +125,16 @@ class PhaseRun:
         set_epoch_call: how the loop sets the epoch (for the driver's messages).
     """
 
-    def __init__(self, schedule: Schedule, options: RunOptions, *,
-                 on_switch: Optional[Callable[[SwitchRecord], Any]] = None,
-                 on_built: Optional[Callable[[PhaseSwitcher], Any]] = None,
-                 refuse_missing_grads: bool = False, set_epoch_call: str = "set_epoch(epoch)") -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        options: RunOptions,
+        *,
+        on_switch: Optional[Callable[[SwitchRecord], Any]] = None,
+        on_built: Optional[Callable[[PhaseSwitcher], Any]] = None,
+        refuse_missing_grads: bool = False,
+        set_epoch_call: str = "set_epoch(epoch)",
+    ) -> None:
         self.schedule = schedule
         self.options = options
         self._on_switch, self._on_built = on_switch, on_built
@@ -203,8 +210,14 @@ class PhaseRun:
         self.groups, self.optimizer = groups, optimizer
         if self.switcher is not None:
             self.switcher.close()
-        self.switcher = PhaseSwitcher(groups, self.schedule, optimizer=optimizer, config=self.options.config,
-                                      driver=self.driver, refuse_missing_grads=self._refuse_missing)
+        self.switcher = PhaseSwitcher(
+            groups,
+            self.schedule,
+            optimizer=optimizer,
+            config=self.options.config,
+            driver=self.driver,
+            refuse_missing_grads=self._refuse_missing,
+        )
         if self._on_built is not None:
             self._on_built(self.switcher)
         return self.switcher
@@ -220,8 +233,9 @@ class PhaseRun:
         return self._report(self.driver.move_to(step, epoch))
 
     # ------------------------------------------------------------ the wrapper
-    def attach(self, wrapper: nn.Module, *, part: Optional[str] = None, rebuild: bool = False
-               ) -> Optional[SwitchRecord]:
+    def attach(
+        self, wrapper: nn.Module, *, part: Optional[str] = None, rebuild: bool = False
+    ) -> Optional[SwitchRecord]:
         """After the wrapper is built: drive it, count it, put state back, report the phase now trained.
 
         Args:
@@ -245,7 +259,9 @@ class PhaseRun:
             raise AltParamsError(
                 f"the run is configured for {expected.label}, but the framework returned a {type(wrapper).__name__}, "
                 f"which {expected.label} does not drive ({strategy.label} does); pass the model {expected.label} "
-                "wrapped itself", cause=Cause.STRATEGY_REFUSED)
+                "wrapped itself",
+                cause=Cause.STRATEGY_REFUSED,
+            )
         self._refuse_features(strategy)
         if self.switcher is None and strategy.capabilities.rebinds_parameters:
             return self._start_rebound(wrapper, strategy)
@@ -282,8 +298,9 @@ class PhaseRun:
         first = history.last
         if first is None:
             return None
-        history.replace_last(dataclasses.replace(
-            first, allreduce_bytes_per_step=switcher.allreduce_bytes_per_step(), rebuilt_ddp=False))
+        history.replace_last(
+            dataclasses.replace(first, allreduce_bytes_per_step=switcher.allreduce_bytes_per_step(), rebuilt_ddp=False)
+        )
         self._attach_prefix_once(switcher.module)
         return self._report(history.last)
 
@@ -295,12 +312,17 @@ class PhaseRun:
         except RuntimeError as err:
             raise SwitchError(
                 f"`count_comm=True` could not register its counter on the {strategy.label} wrapper ({err}); "
-                f"{strategy.label} takes one comm hook: drop the other one, or pass `count_comm=False`") from err
+                f"{strategy.label} takes one comm hook: drop the other one, or pass `count_comm=False`"
+            ) from err
 
     def _refuse_features(self, strategy: Strategy) -> None:
         resident = self.options.config.offload_device is not None and _keeps_groups_off(self.schedule)
-        reason = capability_refusal(strategy, frozen_prefix=self.options.prefix is not None,
-                                    count_comm=self.options.count_comm, per_task_residency=resident)
+        reason = capability_refusal(
+            strategy,
+            frozen_prefix=self.options.prefix is not None,
+            count_comm=self.options.count_comm,
+            per_task_residency=resident,
+        )
         if reason is not None:
             raise AltParamsError(reason, cause=Cause.STRATEGY_REFUSED)
 
@@ -323,8 +345,9 @@ class PhaseRun:
             self.attach_prefix(model)
 
     # ------------------------------------------------------------ the loop
-    def stepped(self, step: Optional[int] = None, epoch: Optional[int] = None, *, switch: bool = True
-                ) -> Optional[SwitchRecord]:
+    def stepped(
+        self, step: Optional[int] = None, epoch: Optional[int] = None, *, switch: bool = True
+    ) -> Optional[SwitchRecord]:
         """An optimizer step was taken: the comm counter closes it, the driver counts it and switches if due."""
         if self.switcher is None:
             return None

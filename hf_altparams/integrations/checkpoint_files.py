@@ -42,8 +42,17 @@ from typing import Any, Iterable, Mapping, Optional
 from ..plan.groups import ParamGroups
 from .fsdp2 import canonical_name
 
-__all__ = ["COMPLETE_MARKER", "manifest", "manifest_problem", "membership", "membership_difference",
-           "numbered_folders", "prune", "remove_file", "write_atomically"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "manifest",
+    "manifest_problem",
+    "membership",
+    "membership_difference",
+    "numbered_folders",
+    "prune",
+    "remove_file",
+    "write_atomically",
+]
 
 #: File written last by a save (both integrations), once every rank has written its part.
 COMPLETE_MARKER = "hf_altparams_complete.json"
@@ -104,12 +113,17 @@ def manifest_problem(folder: str, files: Mapping[str, int]) -> Optional[str]:
         if not os.path.isfile(path):
             problems.append(f"{relative!r} is missing")
         elif os.path.getsize(path) != size:
-            problems.append(f"{relative!r} has {os.path.getsize(path)} bytes where the save wrote {size} "
-                            "(truncated or replaced since)")
+            problems.append(
+                f"{relative!r} has {os.path.getsize(path)} bytes where the save wrote {size} "
+                "(truncated or replaced since)"
+            )
     if not problems:
         return None
-    return f"its file {problems[0]}" + "".join(f", and {p}" for p in problems[1:3]) + (
-        f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+    return (
+        f"its file {problems[0]}"
+        + "".join(f", and {p}" for p in problems[1:3])
+        + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+    )
 
 
 def remove_file(path: str) -> None:
@@ -160,7 +174,6 @@ def prune(numbered: Iterable[tuple[int, str]], complete: Iterable[int], newest: 
     return deleted
 
 
-
 def membership(groups: ParamGroups) -> dict[str, list[str]]:
     """``{group: [parameter names]}`` in definition order (what a checkpoint records).
 
@@ -201,6 +214,7 @@ def membership_difference(saved: Mapping[str, Any], groups: ParamGroups) -> Opti
             lost = [n for n in before if canonical_name(n) not in set(now)]
             gained = [n for n in now if n not in {canonical_name(m) for m in before}]
             bits = ([f"held {_preview(lost)} in the checkpoint only"] if lost else []) + (
-                [f"holds {_preview(gained)} now only"] if gained else [])
+                [f"holds {_preview(gained)} now only"] if gained else []
+            )
             parts.append(f"group {group!r} " + (" and ".join(bits) or "holds the same parameters in another order"))
     return "; ".join(parts) or None

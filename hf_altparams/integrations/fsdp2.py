@@ -44,8 +44,15 @@ from ..plan.groups import ParamGroups
 from .accelerate_internals import shared_accelerator_state
 
 __all__ = [
-    "InnerOptimizers", "forget_untrained_state", "fsdp2_not_running", "grouped_checkpoint_view",
-    "groups_with_state", "rebind_groups", "rebind_optimizer", "shard_trainer_groups", "trainer_fsdp_version",
+    "InnerOptimizers",
+    "forget_untrained_state",
+    "fsdp2_not_running",
+    "grouped_checkpoint_view",
+    "groups_with_state",
+    "rebind_groups",
+    "rebind_optimizer",
+    "shard_trainer_groups",
+    "trainer_fsdp_version",
     "uses_fsdp2",
 ]
 
@@ -148,8 +155,9 @@ def _init_state(optimizer: Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def grouped_checkpoint_view(optimizers: list[Any], names_by_index: Optional[dict[int, list[str]]] = None
-                            ) -> Iterator[dict[int, list[str]]]:
+def grouped_checkpoint_view(
+    optimizers: list[Any], names_by_index: Optional[dict[int, list[str]]] = None
+) -> Iterator[dict[int, list[str]]]:
     """Within the block, each prepared GroupedOptimizer in ``optimizers`` is its inner optimizers.
 
     Accelerate's FSDP2 ``save_state`` / ``load_state`` pass each entry of
@@ -228,21 +236,25 @@ def forget_untrained_state(optimizer: Optional[Optimizer], groups: ParamGroups, 
 
 def fsdp2_not_running(asked: str, running: str) -> str:
     """The warning for a run that asked for FSDP2 and trains with plain DDP (Accelerate on CPU or one process)."""
-    return (f"hf_altparams: FSDP2 was asked for ({asked}), but Accelerate runs {running} here: it ignores an FSDP "
-            "plugin on CPU ranks and with one process, so this run trains with plain DDP (correct, not sharded). "
-            "To run Accelerate's FSDP2 code on CPU ranks, call `hf_altparams.testing.use_accelerate_fsdp2(...)` "
-            "before `prepare` / `train()` (docs/testing.md); on several GPUs nothing is needed.")
+    return (
+        f"hf_altparams: FSDP2 was asked for ({asked}), but Accelerate runs {running} here: it ignores an FSDP "
+        "plugin on CPU ranks and with one process, so this run trains with plain DDP (correct, not sharded). "
+        "To run Accelerate's FSDP2 code on CPU ranks, call `hf_altparams.testing.use_accelerate_fsdp2(...)` "
+        "before `prepare` / `train()` (docs/testing.md); on several GPUs nothing is needed."
+    )
 
 
 def uses_fsdp2(args: Any) -> bool:
     """True when a Trainer run with ``args`` shards with FSDP2 (Accelerate's shared plugin or the arguments)."""
     shared = shared_accelerator_state()
     return trainer_fsdp_version(args, shared.get("fsdp_plugin")) == 2 and bool(
-        getattr(args, "fsdp", None) or shared.get("fsdp_plugin") is not None)
+        getattr(args, "fsdp", None) or shared.get("fsdp_plugin") is not None
+    )
 
 
-def shard_trainer_groups(groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer], args: Any,
-                         state: Any, trained: set[str]) -> ParamGroups:
+def shard_trainer_groups(
+    groups: ParamGroups, model: nn.Module, optimizer: Optional[Optimizer], args: Any, state: Any, trained: set[str]
+) -> ParamGroups:
     """For the Trainer's FSDP2 run (at ``on_train_begin``): the groups on the sharded parameters.
 
     The Trainer's ``accelerator.prepare`` ran ``fully_shard`` on the model in

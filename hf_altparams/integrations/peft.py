@@ -90,8 +90,14 @@ except ImportError as _missing:  # pragma: no cover - exercised only without pef
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["PeftAdapters", "adapter_groups", "adapter_parameters", "as_peft_model", "check_adapter_names",
-           "follow_phases"]
+__all__ = [
+    "PeftAdapters",
+    "adapter_groups",
+    "adapter_parameters",
+    "as_peft_model",
+    "check_adapter_names",
+    "follow_phases",
+]
 
 
 def _require_peft() -> None:
@@ -187,8 +193,10 @@ def check_adapter_names(names: Any, known: Sequence[str], *, argument: str) -> t
     """
     values = [names] if isinstance(names, str) else names
     if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) for v in values):
-        raise PlanError(f"`{argument}` must be an adapter name or a non-empty list of them, got {names!r}; "
-                        f"the model's adapters are {list(known)}")
+        raise PlanError(
+            f"`{argument}` must be an adapter name or a non-empty list of them, got {names!r}; "
+            f"the model's adapters are {list(known)}"
+        )
     unknown = [v for v in values if v not in known]
     if unknown:
         raise PlanError(f"`{argument}` names unknown adapter(s) {unknown}; the model's adapters are {list(known)}")
@@ -277,8 +285,9 @@ class PeftAdapters:
         >>> # ('sst',)
     """
 
-    def __init__(self, model: nn.Module, groups: ParamGroups, *,
-                 fallback: Union[None, str, Sequence[str]] = None) -> None:
+    def __init__(
+        self, model: nn.Module, groups: ParamGroups, *, fallback: Union[None, str, Sequence[str]] = None
+    ) -> None:
         self.model: Any = as_peft_model(model)
         self._order = list(self.model.peft_config)
         if not isinstance(groups, ParamGroups):
@@ -416,8 +425,9 @@ class PeftAdapters:
             >>> #     logits = accelerator.unwrap_model(model)(**batch).logits
         """
         names = check_adapter_names(adapters, self._order, argument="adapters")
-        holding = [g for g in self.groups.names
-                   if any(self._adapter_of.get(n) in names for n in self.groups.param_names(g))]
+        holding = [
+            g for g in self.groups.names if any(self._adapter_of.get(n) in names for n in self.groups.param_names(g))
+        ]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             if self.switcher is not None and self.switcher.current is not None and holding:
@@ -451,7 +461,8 @@ class PeftAdapters:
             "pick the adapter (remove the call); to evaluate another adapter use "
             f"`with adapters.visiting({(current or ['name'])[0]!r}): ...` (from hf_altparams.integrations.peft.follow_phases), or "
             "call `set_adapter` under `torch.no_grad()` and then `adapters.restore()`.",
-            cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE)
+            cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE,
+        )
 
 
 def follow_phases(run: Any, *, fallback: Union[None, str, Sequence[str]] = None) -> PeftAdapters:

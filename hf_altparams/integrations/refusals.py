@@ -64,8 +64,17 @@ from typing import Any, Callable, Mapping, Optional
 from ..engine.strategies import Strategy, is_registered, registered, strategy_named
 from ..errors import AltParamsError, Cause, SwitchError
 
-__all__ = ["ACCELERATE", "REFUSALS", "TRAINER", "Configuration", "RefusalRule", "capability_refusal", "check",
-           "message", "refusal_for"]
+__all__ = [
+    "ACCELERATE",
+    "REFUSALS",
+    "TRAINER",
+    "Configuration",
+    "RefusalRule",
+    "capability_refusal",
+    "check",
+    "message",
+    "refusal_for",
+]
 
 #: The integrations' names, as messages give them.
 ACCELERATE = "PhasedAccelerator"
@@ -142,8 +151,9 @@ class RefusalRule:
     def message(self, config: Configuration) -> str:
         """The refusal as the integration raises it."""
         way_out = self.way_out.get(config.integration, "")
-        return (f"{config.integration} drives {_supported()}; it cannot drive {self.what(config)}: {self.reason}"
-                + (f". {way_out}" if way_out else ""))
+        return f"{config.integration} drives {_supported()}; it cannot drive {self.what(config)}: {self.reason}" + (
+            f". {way_out}" if way_out else ""
+        )
 
     def error(self, config: Configuration) -> AltParamsError:
         """The exception raised for ``config``."""
@@ -194,36 +204,52 @@ def _supported() -> str:
 
 
 _FSDP2_OR_DDP = {
-    ACCELERATE: ("Use FSDP2: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or plain DDP (`accelerate "
-                 "launch --multi_gpu`)"),
-    TRAINER: ("Use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}` (in an Accelerate config: "
-              "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)`), or plain DDP (launch with `torchrun` or "
-              "`accelerate launch --multi_gpu`)"),
+    ACCELERATE: (
+        "Use FSDP2: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or plain DDP (`accelerate "
+        "launch --multi_gpu`)"
+    ),
+    TRAINER: (
+        "Use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}` (in an Accelerate config: "
+        "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)`), or plain DDP (launch with `torchrun` or "
+        "`accelerate launch --multi_gpu`)"
+    ),
 }
 
 #: The refused configurations, in the order they are tested.
 REFUSALS: tuple[RefusalRule, ...] = (
     RefusalRule(
-        "deepspeed", lambda c: c.deepspeed and c.zero_stage != 0 and not is_registered(c.strategy_name or ""),
+        "deepspeed",
+        lambda c: c.deepspeed and c.zero_stage != 0 and not is_registered(c.strategy_name or ""),
         lambda c: f"DeepSpeed ({_stage(c)})",
         "DeepSpeed fixes the trainable set, its gradient partitions and optimizer state at `deepspeed.initialize`, "
         "and no registered strategy drives its phases at this stage (`zero_optimization.stage` 1 or 2 are)",
-        {ACCELERATE: ("Shard with FSDP2 instead: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or train "
-                      "with plain DDP (`accelerate launch --multi_gpu`)"),
-         TRAINER: ("Train with plain DDP instead: drop `deepspeed=` from TrainingArguments (and any DeepSpeed "
-                   "accelerate config) and launch with `torchrun` or `accelerate launch --multi_gpu`; "
-                   "AlternatingFreeze then all-reduces only the phase's parameters, and "
-                   "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
-                   "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}`")}),
+        {
+            ACCELERATE: (
+                "Shard with FSDP2 instead: `FullyShardedDataParallelPlugin(fsdp_version=2, ...)`, or train "
+                "with plain DDP (`accelerate launch --multi_gpu`)"
+            ),
+            TRAINER: (
+                "Train with plain DDP instead: drop `deepspeed=` from TrainingArguments (and any DeepSpeed "
+                "accelerate config) and launch with `torchrun` or `accelerate launch --multi_gpu`; "
+                "AlternatingFreeze then all-reduces only the phase's parameters, and "
+                "`grouped_optimizer(..., state_policy='offload')` keeps idle groups' optimizer state on the CPU. "
+                "To shard the model, use FSDP2: `fsdp='full_shard'` with `fsdp_config={'fsdp_version': 2}`"
+            ),
+        },
+    ),
     RefusalRule(
-        "deepspeed-no-zero", lambda c: c.deepspeed and c.zero_stage == 0,
+        "deepspeed-no-zero",
+        lambda c: c.deepspeed and c.zero_stage == 0,
         lambda c: "DeepSpeed without ZeRO (`zero_optimization.stage` 0 or absent)",
         "its engine steps the optimizer through DeepSpeed's own fp16/bf16 wrappers, which skip nothing for idle "
         "groups, and partitions nothing: it gains nothing over DDP",
-        {ACCELERATE: "Set `zero_stage=1` or `2` in the DeepSpeedPlugin (or `zero_optimization.stage`), or train with "
-                     "plain DDP (`accelerate launch --multi_gpu`)",
-         TRAINER: "Set `zero_optimization.stage` to 1 or 2 in the DeepSpeed config, or drop `deepspeed=` and train "
-                  "with plain DDP"}),
+        {
+            ACCELERATE: "Set `zero_stage=1` or `2` in the DeepSpeedPlugin (or `zero_optimization.stage`), or train with "
+            "plain DDP (`accelerate launch --multi_gpu`)",
+            TRAINER: "Set `zero_optimization.stage` to 1 or 2 in the DeepSpeed config, or drop `deepspeed=` and train "
+            "with plain DDP",
+        },
+    ),
     RefusalRule(
         "deepspeed-zero3",
         lambda c: c.deepspeed and c.zero_stage == 3 and not strategy_named("zero3").capabilities.trains,
@@ -232,96 +258,172 @@ REFUSALS: tuple[RefusalRule, ...] = (
         "partition buffer for every parameter for the whole run (measured: 34 of 45 MiB gathered per step and "
         "12 MiB of idle groups' gradient buffers per rank on an 8.9M-parameter Llama with LISA, where ZeRO-2 moves "
         "and holds only the phase's): the idle groups' bytes and memory do not go away",
-        {ACCELERATE: ("Use ZeRO-2 (`DeepSpeedPlugin(zero_stage=2)`): it shards gradients, optimizer state and fp32 "
-                      "masters and moves only the phase's bytes; to shard the parameters too, use FSDP2: "
-                      "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)`"),
-         TRAINER: ("Use ZeRO-2 (`zero_optimization.stage=2`): it shards gradients, optimizer state and fp32 masters "
-                   "and moves only the phase's bytes; to shard the parameters too, use FSDP2: `fsdp='full_shard'` "
-                   "with `fsdp_config={'fsdp_version': 2}`")}),
+        {
+            ACCELERATE: (
+                "Use ZeRO-2 (`DeepSpeedPlugin(zero_stage=2)`): it shards gradients, optimizer state and fp32 "
+                "masters and moves only the phase's bytes; to shard the parameters too, use FSDP2: "
+                "`FullyShardedDataParallelPlugin(fsdp_version=2, ...)`"
+            ),
+            TRAINER: (
+                "Use ZeRO-2 (`zero_optimization.stage=2`): it shards gradients, optimizer state and fp32 masters "
+                "and moves only the phase's bytes; to shard the parameters too, use FSDP2: `fsdp='full_shard'` "
+                "with `fsdp_config={'fsdp_version': 2}`"
+            ),
+        },
+    ),
     RefusalRule(
-        "deepspeed-offload", lambda c: c.deepspeed and bool(_offloads(c)), lambda c: " and ".join(_offloads(c)),
+        "deepspeed-offload",
+        lambda c: c.deepspeed and bool(_offloads(c)),
+        lambda c: " and ".join(_offloads(c)),
         "the offloaded optimizer steps DeepSpeed's CPU partitions through another path (its own buffers and "
         "gradient copies), which the phases have not been measured on",
-        {ACCELERATE: "Leave offload out (`offload_optimizer_device='none'`, `offload_param_device='none'`); "
-                     "hf_altparams drops idle groups' optimizer state and fp32 partitions itself (`idle_state='drop'`)",
-         TRAINER: "Leave `offload_optimizer` / `offload_param` out of the DeepSpeed config; hf_altparams drops idle "
-                  "groups' optimizer state and fp32 partitions itself (`idle_state='drop'`, lisa's and badam's "
-                  "default)"}),
+        {
+            ACCELERATE: "Leave offload out (`offload_optimizer_device='none'`, `offload_param_device='none'`); "
+            "hf_altparams drops idle groups' optimizer state and fp32 partitions itself (`idle_state='drop'`)",
+            TRAINER: "Leave `offload_optimizer` / `offload_param` out of the DeepSpeed config; hf_altparams drops idle "
+            "groups' optimizer state and fp32 partitions itself (`idle_state='drop'`, lisa's and badam's "
+            "default)",
+        },
+    ),
     RefusalRule(
-        "deepspeed-bf16-optimizer", lambda c: c.deepspeed and c.zero_stage == 1 and _bf16_fp32_accumulation(c),
+        "deepspeed-bf16-optimizer",
+        lambda c: c.deepspeed and c.zero_stage == 1 and _bf16_fp32_accumulation(c),
         lambda c: "DeepSpeed ZeRO-1 with bf16 and `data_types.grad_accum_dtype='fp32'`",
         "DeepSpeed then trains with its BF16_Optimizer, another class with its own flat groups, not measured with "
         "phases",
-        {ACCELERATE: "Drop `grad_accum_dtype` (DeepSpeed then accumulates in bf16) or use ZeRO-2",
-         TRAINER: "Drop `data_types.grad_accum_dtype` from the DeepSpeed config or use ZeRO-2"}),
+        {
+            ACCELERATE: "Drop `grad_accum_dtype` (DeepSpeed then accumulates in bf16) or use ZeRO-2",
+            TRAINER: "Drop `data_types.grad_accum_dtype` from the DeepSpeed config or use ZeRO-2",
+        },
+    ),
     RefusalRule(
-        "deepspeed-optimizer-section", lambda c: c.deepspeed and "optimizer" in c.deepspeed_config,
+        "deepspeed-optimizer-section",
+        lambda c: c.deepspeed and "optimizer" in c.deepspeed_config,
         lambda c: "a DeepSpeed config with an `optimizer` section",
         "DeepSpeed then builds its optimizer over one param group of every parameter, so a rank's partition mixes "
         "the groups and an idle group can be neither skipped nor freed",
-        {ACCELERATE: "Remove the `optimizer` section and pass a torch optimizer (e.g. `torch.optim.AdamW(model."
-                     "parameters(), ...)`) to `prepare` with the model: PhasedAccelerator splits it per group",
-         TRAINER: "Remove the `optimizer` section: the Trainer's own `optim`, `learning_rate`, `weight_decay` and "
-                  "`adam_*` arguments build the same AdamW, which AlternatingFreeze has built per group"}),
+        {
+            ACCELERATE: "Remove the `optimizer` section and pass a torch optimizer (e.g. `torch.optim.AdamW(model."
+            "parameters(), ...)`) to `prepare` with the model: PhasedAccelerator splits it per group",
+            TRAINER: "Remove the `optimizer` section: the Trainer's own `optim`, `learning_rate`, `weight_decay` and "
+            "`adam_*` arguments build the same AdamW, which AlternatingFreeze has built per group",
+        },
+    ),
     RefusalRule(
-        "deepspeed-other-paths", lambda c: c.deepspeed and bool(_other_paths(c)),
+        "deepspeed-other-paths",
+        lambda c: c.deepspeed and bool(_other_paths(c)),
         lambda c: " and ".join(_other_paths(c)),
         "these take other code paths through DeepSpeed's optimizer, not measured with phases",
-        {ACCELERATE: "Turn them off (ZeRO-1/2 as DeepSpeed runs it by default)",
-         TRAINER: "Turn them off in the DeepSpeed config (ZeRO-1/2 as DeepSpeed runs it by default)"}),
+        {
+            ACCELERATE: "Turn them off (ZeRO-1/2 as DeepSpeed runs it by default)",
+            TRAINER: "Turn them off in the DeepSpeed config (ZeRO-1/2 as DeepSpeed runs it by default)",
+        },
+    ),
     RefusalRule(
-        "fsdp1", lambda c: c.fsdp_version is not None and int(c.fsdp_version) != 2,
+        "fsdp1",
+        lambda c: c.fsdp_version is not None and int(c.fsdp_version) != 2,
         lambda c: f"FSDP version {c.fsdp_version}",
         "FSDP1 keeps whole flat parameters and reduce-scatters them in full (zeros for frozen parts), so freezing "
-        "a group saves no communication", _FSDP2_OR_DDP),
-    RefusalRule("megatron", lambda c: c.megatron, lambda c: f"distributed_type={c.distributed_type!r}",
-            "Megatron-LM builds its own optimizer and reducer", _FSDP2_OR_DDP),
-    RefusalRule("xla", lambda c: c.xla, lambda c: f"distributed_type={c.distributed_type!r}",
-            "XLA reduces gradients itself, without a DDP reducer", _FSDP2_OR_DDP),
-    RefusalRule("tensor-parallel", lambda c: c.tensor_parallel, lambda c: "tensor/context parallelism",
-            "it shards parameters outside DDP and FSDP2", _FSDP2_OR_DDP),
+        "a group saves no communication",
+        _FSDP2_OR_DDP,
+    ),
     RefusalRule(
-        "compiled", lambda c: c.compiled is not None, lambda c: f"{c.compiled} (torch.compile)",
+        "megatron",
+        lambda c: c.megatron,
+        lambda c: f"distributed_type={c.distributed_type!r}",
+        "Megatron-LM builds its own optimizer and reducer",
+        _FSDP2_OR_DDP,
+    ),
+    RefusalRule(
+        "xla",
+        lambda c: c.xla,
+        lambda c: f"distributed_type={c.distributed_type!r}",
+        "XLA reduces gradients itself, without a DDP reducer",
+        _FSDP2_OR_DDP,
+    ),
+    RefusalRule(
+        "tensor-parallel",
+        lambda c: c.tensor_parallel,
+        lambda c: "tensor/context parallelism",
+        "it shards parameters outside DDP and FSDP2",
+        _FSDP2_OR_DDP,
+    ),
+    RefusalRule(
+        "compiled",
+        lambda c: c.compiled is not None,
+        lambda c: f"{c.compiled} (torch.compile)",
         "a compiled graph guards on `requires_grad`, which every phase switch changes: a graph over the whole "
         "model is recompiled at each switch (until dynamo gives up) and, under DDP, also guards on the "
         "gradient-bucket layout the switch rebuilds; compiled regions are verified under DDP and in one process",
-        {ACCELERATE: ("Compile by regions instead: `TorchDynamoPlugin(backend=..., use_regional_compilation=True)` "
-                      "(each repeated block compiled on its own, DDP outside them; under DDP or in one process), "
-                      "or drop `dynamo_backend`"),
-         TRAINER: ("Set `torch_compile=False` and compile by regions instead: "
-                   "`hf_altparams.compile_regions_in_place(model, backend=...)` before building the Trainer (each "
-                   "repeated block compiled on its own, in place; a single-process run may compile whole)")}),
+        {
+            ACCELERATE: (
+                "Compile by regions instead: `TorchDynamoPlugin(backend=..., use_regional_compilation=True)` "
+                "(each repeated block compiled on its own, DDP outside them; under DDP or in one process), "
+                "or drop `dynamo_backend`"
+            ),
+            TRAINER: (
+                "Set `torch_compile=False` and compile by regions instead: "
+                "`hf_altparams.compile_regions_in_place(model, backend=...)` before building the Trainer (each "
+                "repeated block compiled on its own, in place; a single-process run may compile whole)"
+            ),
+        },
+    ),
     RefusalRule(
-        "compiled-model", lambda c: c.compiled_model is not None,
-        lambda c: f"{c.compiled_model}, the grouped model compiled with `torch.compile` before `prepare`, in several "
-                  "processes",
+        "compiled-model",
+        lambda c: c.compiled_model is not None,
+        lambda c: (
+            f"{c.compiled_model}, the grouped model compiled with `torch.compile` before `prepare`, in several "
+            "processes"
+        ),
         "a compiled graph guards on `requires_grad`, which every phase switch changes (a recompile per switch "
         "until dynamo gives up), and under DDP on the bucket layout the switch rebuilds",
-        {ACCELERATE: ("Pass the uncompiled model to `prepare` and compile by regions: "
-                      "`TorchDynamoPlugin(backend=..., use_regional_compilation=True)`, or "
-                      "`hf_altparams.compile_regions_in_place(model)` before `prepare` (in one process, a compiled "
-                      "model trains, its groups named either way)")}),
+        {
+            ACCELERATE: (
+                "Pass the uncompiled model to `prepare` and compile by regions: "
+                "`TorchDynamoPlugin(backend=..., use_regional_compilation=True)`, or "
+                "`hf_altparams.compile_regions_in_place(model)` before `prepare` (in one process, a compiled "
+                "model trains, its groups named either way)"
+            )
+        },
+    ),
     RefusalRule(
         # DeepSpeed's engine synchronises over the torch.distributed world whatever Accelerate's process count
         # (on CPU Accelerate gives every rank of a DeepSpeed run a one-process state: its loaders are not sharded)
-        "one-process-of-many", lambda c: c.processes == 1 and c.world_size > 1 and not c.deepspeed,
-        lambda c: f"distributed_type={c.distributed_type!r}: Accelerate chose one process although this is one of "
-                  f"{c.world_size} ranks of torch.distributed",
+        "one-process-of-many",
+        lambda c: c.processes == 1 and c.world_size > 1 and not c.deepspeed,
+        lambda c: (
+            f"distributed_type={c.distributed_type!r}: Accelerate chose one process although this is one of "
+            f"{c.world_size} ranks of torch.distributed"
+        ),
         "each rank would train alone, no gradient all-reduced",
-        {ACCELERATE: ("On CPU ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use "
-                      "`accelerate launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate "
-                      "launch --cpu` runs one process)")},
-        cause=Cause.SETUP_REFUSED),
+        {
+            ACCELERATE: (
+                "On CPU ranks Accelerate needs to be told: set ACCELERATE_USE_CPU=1 for `torchrun`, or use "
+                "`accelerate launch --multi_gpu --num_processes N` with ACCELERATE_USE_CPU=1 (`accelerate "
+                "launch --cpu` runs one process)"
+            )
+        },
+        cause=Cause.SETUP_REFUSED,
+    ),
     RefusalRule(
-        "unwrapped-of-many", lambda c: c.unwrapped and c.world_size > 1,
-        lambda c: f"the model as the Trainer left it: it trains in {c.world_size} processes, but the Trainer did "
-                  "not wrap it in DistributedDataParallel",
+        "unwrapped-of-many",
+        lambda c: c.unwrapped and c.world_size > 1,
+        lambda c: (
+            f"the model as the Trainer left it: it trains in {c.world_size} processes, but the Trainer did "
+            "not wrap it in DistributedDataParallel"
+        ),
         "no gradient would be synchronised",
-        {TRAINER: ("A known cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
-                   "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` skips the "
-                   "DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before training outside the Trainer, "
-                   "or only after `train()`. Otherwise: use the Trainer's default DDP for multi-process runs")},
-        SwitchError, Cause.SETUP_REFUSED),
+        {
+            TRAINER: (
+                "A known cause: `trainer.evaluate()` or `trainer.predict()` ran before the first "
+                "`trainer.train()` (Accelerate then marks the bare model as prepared and `train()` skips the "
+                "DDP wrapper; transformers 5.23, accelerate 1.15). Evaluate before training outside the Trainer, "
+                "or only after `train()`. Otherwise: use the Trainer's default DDP for multi-process runs"
+            )
+        },
+        SwitchError,
+        Cause.SETUP_REFUSED,
+    ),
 )
 
 
@@ -343,8 +445,9 @@ def check(config: Configuration) -> None:
         raise row.error(config)
 
 
-def capability_refusal(strategy: Strategy, *, frozen_prefix: bool = False, count_comm: bool = False,
-                       per_task_residency: bool = False) -> Optional[str]:
+def capability_refusal(
+    strategy: Strategy, *, frozen_prefix: bool = False, count_comm: bool = False, per_task_residency: bool = False
+) -> Optional[str]:
     """Why a feature the run asks for is refused with ``strategy`` (its capabilities lack it), or ``None``.
 
     ``per_task_residency``: some phase keeps only some groups resident and
@@ -363,7 +466,9 @@ def capability_refusal(strategy: Strategy, *, frozen_prefix: bool = False, count
     if count_comm and caps.synchronises_gradients and not caps.counts_comm:
         return f"`count_comm=True` is not supported with {strategy.label} (no comm counter); leave it out"
     if per_task_residency and not caps.per_task_residency:
-        return (f"a schedule whose phases keep only some groups resident, with their groups off the device "
-                f"(`offload_device`), is not supported with {strategy.label}; pass `offload_device=None` in the "
-                "switcher options, or train with DDP")
+        return (
+            f"a schedule whose phases keep only some groups resident, with their groups off the device "
+            f"(`offload_device`), is not supported with {strategy.label}; pass `offload_device=None` in the "
+            "switcher options, or train with DDP"
+        )
     return None

@@ -117,13 +117,15 @@ def compile_regions_in_place(model: nn.Module, **compile_kwargs: Any) -> list[st
         raise PlanError(
             f"`compile_regions_in_place` got a {type(model).__name__}, a wrapper around a module: compile the "
             "regions of the model before it is wrapped (before `accelerator.prepare` or the Trainer), so the "
-            "wrapper's forward stays outside every compiled region")
+            "wrapper's forward stays outside every compiled region"
+        )
     if not has_repeated_blocks(model):
         raise PlanError(
             f"`compile_regions_in_place`: {type(model).__name__} has no repeated blocks (an nn.ModuleList of "
             "modules of one class), so it has no regions: compiling it would compile it whole, whose graph is "
             "recompiled at every phase switch (and with several ranks is refused). Train it uncompiled, or keep "
-            "its blocks in an nn.ModuleList")
+            "its blocks in an nn.ModuleList"
+        )
     found = regions(model)
     for _, region in found:
         region.compile(**compile_kwargs)

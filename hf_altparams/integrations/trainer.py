@@ -71,15 +71,33 @@ from .accelerate_internals import shared_accelerator_state
 from .assembly import PhaseRun, RunOptions
 from .fsdp2 import fsdp2_not_running, shard_trainer_groups, trainer_fsdp_version, uses_fsdp2
 from .refusals import TRAINER, Configuration, check, message
-from .trainer_checkpoints import (STATE_KEY, check_callback_state, check_resumed, last_complete_checkpoint,
-                                  mark_complete, prepare_save, resumed_checkpoint, save_callback_state,
-                                  saved_driver_state)
+from .trainer_checkpoints import (
+    STATE_KEY,
+    check_callback_state,
+    check_resumed,
+    last_complete_checkpoint,
+    mark_complete,
+    prepare_save,
+    resumed_checkpoint,
+    save_callback_state,
+    saved_driver_state,
+)
 from .trainer_optim import grouped_optimizer
 from .transformers_internals import caller_frame, move_before_reporters, trainer_from_stack
 from .unreached import OutputGuard
 
-__all__ = ["FIND_UNUSED_WARNING", "STATE_KEY", "AlternatingFreeze", "FirstCallCatcher", "GroupsSpec", "TrainerReport",
-           "grouped_optimizer", "last_complete_checkpoint", "resolve_groups", "unsupported_backend"]
+__all__ = [
+    "FIND_UNUSED_WARNING",
+    "STATE_KEY",
+    "AlternatingFreeze",
+    "FirstCallCatcher",
+    "GroupsSpec",
+    "TrainerReport",
+    "grouped_optimizer",
+    "last_complete_checkpoint",
+    "resolve_groups",
+    "unsupported_backend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +119,40 @@ def configuration(args: TrainingArguments, *, unwrapped: bool = False) -> Config
     """
     shared = shared_accelerator_state()  # the Trainer's accelerator exists by on_init_end
     kind = str(getattr(shared.get("distributed_type"), "value", shared.get("distributed_type")))
-    deepspeed = (kind == "DEEPSPEED" or bool(getattr(args, "deepspeed", None))
-                 or getattr(args, "deepspeed_plugin", None) is not None or shared.get("deepspeed_plugin") is not None
-                 or shared.get("deepspeed_plugins") is not None or _env_true("ACCELERATE_USE_DEEPSPEED"))
-    fsdp = (kind == "FSDP" or bool(getattr(args, "fsdp", None)) or getattr(args, "fsdp_plugin_args", None) is not None
-            or shared.get("fsdp_plugin") is not None or _env_true("ACCELERATE_USE_FSDP"))
+    deepspeed = (
+        kind == "DEEPSPEED"
+        or bool(getattr(args, "deepspeed", None))
+        or getattr(args, "deepspeed_plugin", None) is not None
+        or shared.get("deepspeed_plugin") is not None
+        or shared.get("deepspeed_plugins") is not None
+        or _env_true("ACCELERATE_USE_DEEPSPEED")
+    )
+    fsdp = (
+        kind == "FSDP"
+        or bool(getattr(args, "fsdp", None))
+        or getattr(args, "fsdp_plugin_args", None) is not None
+        or shared.get("fsdp_plugin") is not None
+        or _env_true("ACCELERATE_USE_FSDP")
+    )
     version = trainer_fsdp_version(args, shared.get("fsdp_plugin")) if fsdp else None
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ranks = max(int(getattr(args, "world_size", 1) or 1), world)
-    compiled = "`torch_compile=True` in a multi-process run" if (
-        getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1) else None
-    return Configuration(TRAINER, deepspeed=deepspeed, fsdp_version=(version or 1) if fsdp else None,
-                         compiled=compiled, world_size=ranks, processes=ranks, unwrapped=unwrapped,
-                         distributed_type=kind,
-                         deepspeed_config=deepspeed_config(args, shared.get("deepspeed_plugin")) if deepspeed else {})
+    compiled = (
+        "`torch_compile=True` in a multi-process run"
+        if (getattr(args, "torch_compile", False) and getattr(args, "world_size", 1) > 1)
+        else None
+    )
+    return Configuration(
+        TRAINER,
+        deepspeed=deepspeed,
+        fsdp_version=(version or 1) if fsdp else None,
+        compiled=compiled,
+        world_size=ranks,
+        processes=ranks,
+        unwrapped=unwrapped,
+        distributed_type=kind,
+        deepspeed_config=deepspeed_config(args, shared.get("deepspeed_plugin")) if deepspeed else {},
+    )
 
 
 def deepspeed_config(args: TrainingArguments, plugin: Any = None) -> Mapping[str, Any]:
@@ -229,8 +267,9 @@ def resolve_groups(spec: GroupsSpec, schedule: Schedule, model: nn.Module) -> Pa
                 )
         else:
             assert spec.layers is not None
-            groups = ParamGroups.from_layers(model, spec.layers, per=spec.per, prefix=spec.prefix,
-                                             extra=dict(spec.extra), ungrouped=spec.ungrouped)
+            groups = ParamGroups.from_layers(
+                model, spec.layers, per=spec.per, prefix=spec.prefix, extra=dict(spec.extra), ungrouped=spec.ungrouped
+            )
     except PlanError as err:
         raise PlanError(f"AlternatingFreeze: cannot build the groups on {type(model).__name__}: {err}") from err
     if groups.module is not model:
@@ -257,8 +296,9 @@ def make_scheduled_trainable(groups: ParamGroups, schedule: Schedule, only: bool
             param.requires_grad_(name in wanted)
 
 
-def split_trainer_optimizer(trainer: Optional[Trainer], args: TrainingArguments, model: nn.Module,
-                            groups: ParamGroups) -> None:
+def split_trainer_optimizer(
+    trainer: Optional[Trainer], args: TrainingArguments, model: nn.Module, groups: ParamGroups
+) -> None:
     """Under DeepSpeed: have ``trainer`` build its optimizer with one param group per library group.
 
     ZeRO partitions each param group of the optimizer it is given; the Trainer
@@ -276,12 +316,16 @@ def split_trainer_optimizer(trainer: Optional[Trainer], args: TrainingArguments,
         raise AltParamsError(
             "AlternatingFreeze under DeepSpeed must be in `Trainer(callbacks=[...])`: it has the Trainer build its "
             "optimizer with one param group per group (DeepSpeed partitions each param group), which it can only "
-            "do while the Trainer is being built", cause=Cause.STRATEGY_REFUSED)
+            "do while the Trainer is being built",
+            cause=Cause.STRATEGY_REFUSED,
+        )
     if trainer.optimizer is not None:
         raise AltParamsError(
             "`Trainer(optimizers=(optimizer, ...))` with DeepSpeed: the Trainer ignores that optimizer (DeepSpeed's is "
             "built inside `train()`), so the phases would drive another one. Pass `optimizer_cls_and_kwargs=(cls, "
-            "kwargs)` instead, or nothing (the Trainer's `optim` arguments)", cause=Cause.STRATEGY_REFUSED)
+            "kwargs)` instead, or nothing (the Trainer's `optim` arguments)",
+            cause=Cause.STRATEGY_REFUSED,
+        )
     given = trainer.optimizer_cls_and_kwargs
     default = Trainer.get_optimizer_cls_and_kwargs
     cls, kwargs = given if given is not None else default(args, model)  # type: ignore[arg-type]
@@ -291,7 +335,8 @@ def split_trainer_optimizer(trainer: Optional[Trainer], args: TrainingArguments,
             f"the Trainer's optimizer ({getattr(cls, '__name__', cls)!r}{f', with its own {own}' if own else ''}) is "
             "not built from the Trainer's param groups, so it cannot be split per group for DeepSpeed; use a torch "
             "optimizer class (`optim='adamw_torch'`, or `optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})`)",
-            cause=Cause.STRATEGY_REFUSED)
+            cause=Cause.STRATEGY_REFUSED,
+        )
     trainer.optimizer_cls_and_kwargs = (split_optimizer_class(cls, groups), dict(kwargs))
 
 
@@ -309,7 +354,8 @@ def check_optimizer_covers(groups: ParamGroups, schedule: Schedule, optimizer: O
         "every parameter the schedule trains, whether frozen now or not (e.g. "
         "`torch.optim.AdamW(model.parameters())`, or `grouped_optimizer(groups, ...)` from "
         "hf_altparams.integrations.trainer), not over `filter(lambda p: p.requires_grad, ...)`.",
-        cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
+        cause=Cause.OPTIMIZER_MISSES_PARAMETERS,
+    )
 
 
 def describe_phase(switcher: PhaseSwitcher, phase: Optional[Phase]) -> dict[str, Union[int, str]]:
@@ -354,13 +400,15 @@ class TrainerReport:
         prefix, history, driver = self.prefix, switcher.history, switcher.driver
         info = describe_phase(switcher, driver.trained or driver.current)
         out: Metrics = {f"{prefix}{k}": v for k, v in info.items()}
-        out.update({
-            f"{prefix}switches": history.count,
-            f"{prefix}switch_seconds": history.seconds - self.logged_seconds,
-        })
+        out.update(
+            {
+                f"{prefix}switches": history.count,
+                f"{prefix}switch_seconds": history.seconds - self.logged_seconds,
+            }
+        )
         self.logged_seconds = history.seconds
         if comm is not None:
-            recent = comm.history[self.logged_comm:]
+            recent = comm.history[self.logged_comm :]
             self.logged_comm = len(comm.history)
             out[f"{prefix}allreduce_bytes_measured"] = sum(recent) / len(recent) if recent else 0
         if frozen_prefix is not None:
@@ -455,8 +503,7 @@ class AlternatingFreeze(TrainerCallback):
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PlanError(
-                f"`schedule` must be an hf_altparams Schedule (e.g. GradualUnfreeze, Alternating), "
-                f"got {schedule!r}"
+                f"`schedule` must be an hf_altparams Schedule (e.g. GradualUnfreeze, Alternating), got {schedule!r}"
             )
         if (groups is None) == (layers is None):
             raise PlanError(
@@ -464,9 +511,7 @@ class AlternatingFreeze(TrainerCallback):
                 f"ParamGroups, or ParamGroups) and `layers` (e.g. 'bert.encoder.layer'); got "
                 f"groups={groups!r}, layers={layers!r}"
             )
-        if groups is not None and not (
-            isinstance(groups, (Mapping, ParamGroups)) or callable(groups)
-        ):
+        if groups is not None and not (isinstance(groups, (Mapping, ParamGroups)) or callable(groups)):
             raise PlanError(
                 f"`groups` must be a mapping group -> spec, a function model -> ParamGroups, or "
                 f"ParamGroups; got {type(groups).__name__}: {groups!r}"
@@ -498,8 +543,7 @@ class AlternatingFreeze(TrainerCallback):
             prefix_option = dataclasses.replace(prefix_option, blocks=layers)
         #: the run assembly (:class:`~.assembly.PhaseRun`): the strategy, the switcher, the wrapper, the comm
         #: counter, the frozen-prefix cache; a new driver at every ``train()``
-        self.run = PhaseRun(schedule, RunOptions(self.config, self.count_comm, prefix_option),
-                            on_built=self._started)
+        self.run = PhaseRun(schedule, RunOptions(self.config, self.count_comm, prefix_option), on_built=self._started)
         self.groups: Optional[ParamGroups] = None
         self.find_unused_parameters: Optional[bool] = None
         self._catcher: Optional[FirstCallCatcher] = None
@@ -548,8 +592,10 @@ class AlternatingFreeze(TrainerCallback):
             >>> #     metrics = evaluate(model, task="head2")
         """
         if self.switcher is None:
-            raise AltParamsError(f"`visiting({groups!r})` was called before `trainer.train()`: no phase is applied "
-                                 "yet, so every group is where the model put it; call it after that")
+            raise AltParamsError(
+                f"`visiting({groups!r})` was called before `trainer.train()`: no phase is applied "
+                "yet, so every group is where the model put it; call it after that"
+            )
         with self.switcher.visiting(groups):
             yield
 
@@ -578,8 +624,14 @@ class AlternatingFreeze(TrainerCallback):
         return self.report.metrics(self.switcher, self.comm, self.frozen_prefix)
 
     # ------------------------------------------------------------------ events
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+    def on_init_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Optional[nn.Module] = None,
+        **kwargs: Any,
+    ) -> None:
         config = configuration(args)
         check(config)
         if model is None:
@@ -592,9 +644,15 @@ class AlternatingFreeze(TrainerCallback):
         if config.deepspeed:
             split_trainer_optimizer(trainer_from_stack(frame), args, model, self.groups)
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: Optional[nn.Module] = None, optimizer: Optional[Optimizer] = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Optional[nn.Module] = None,
+        optimizer: Optional[Optimizer] = None,
+        **kwargs: Any,
+    ) -> None:
         check(configuration(args))
         if model is not None and (self.groups is None or self.groups.module is not model):
             self.groups = self.resolve(model)  # `model_init` built a new model in train()
@@ -638,11 +696,13 @@ class AlternatingFreeze(TrainerCallback):
         if dist.is_available() and dist.is_initialized() and in_place is local_strategy():
             self._catcher = FirstCallCatcher(self.groups.module, self._attach_wrapper, self._no_wrapper)
         if self._is_main:
-            logger.info("AlternatingFreeze: %s\n%s", self.schedule.describe(),
-                        self.groups.summary(self.switcher.current.trainable if self.switcher.current else None))
+            logger.info(
+                "AlternatingFreeze: %s\n%s",
+                self.schedule.describe(),
+                self.groups.summary(self.switcher.current.trainable if self.switcher.current else None),
+            )
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.switcher is None:
             return
         if control.should_save:
@@ -652,38 +712,52 @@ class AlternatingFreeze(TrainerCallback):
         if switched or control.should_save:  # the checkpoint's record holds the groups trained up to this step
             self._save_state(state)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
         if logs is None or self.switcher is None or any(k.startswith(("eval_", "test_")) for k in logs):
             return
         metrics = self.metrics()
         logs.update(metrics)
         # Trainer.log appended a copy of `logs` to the history before calling us.
         last: Optional[dict[str, Any]] = state.log_history[-1] if state.log_history else None
-        if last is not None and last.get("step") == state.global_step and all(k in last for k in logs if k not in metrics):
+        if (
+            last is not None
+            and last.get("step") == state.global_step
+            and all(k in last for k in logs if k not in metrics)
+        ):
             last.update(metrics)
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.switcher is not None and control.should_save:  # save_strategy="epoch"
             self._prepare_save(args, state)
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.switcher is None:
             return
         if self._save_prepared_at != state.global_step and self.switcher.drift.at_save:
             # A save no step-end foresaw (save_strategy="best"): checked before the marker, which a drift withholds.
-            self.switcher.check_weights(f"after the Trainer's save at step {state.global_step}",
-                                        "The checkpoint is left without its completion marker")
+            self.switcher.check_weights(
+                f"after the Trainer's save at step {state.global_step}",
+                "The checkpoint is left without its completion marker",
+            )
         if is_distributed(None):
             dist.barrier()  # every rank has written its part (its RNG state) of the checkpoint
         current = self.switcher.current
-        mark_complete(args, state, {"epoch": self._epoch(state),
-                                    "phase": None if current is None else sorted(current.trainable)})
+        mark_complete(
+            args, state, {"epoch": self._epoch(state), "phase": None if current is None else sorted(current.trainable)}
+        )
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._catcher is not None:
             self._catcher.remove()
             self._catcher = None

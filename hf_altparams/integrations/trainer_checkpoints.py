@@ -54,13 +54,31 @@ from ..errors import AltParamsError, PlanError
 from ..plan.groups import ParamGroups
 from ..plan.phase import Phase
 from ..plan.schedules import Schedule
-from .checkpoint_files import (COMPLETE_MARKER, manifest, manifest_problem, membership, membership_difference,
-                               numbered_folders, remove_file, write_atomically)
+from .checkpoint_files import (
+    COMPLETE_MARKER,
+    manifest,
+    manifest_problem,
+    membership,
+    membership_difference,
+    numbered_folders,
+    remove_file,
+    write_atomically,
+)
 from .transformers_internals import resumed_checkpoint_from_stack
 
-__all__ = ["COMPLETE_MARKER", "STATE_KEY", "check_callback_state", "check_resumed", "drop_stale_marker",
-           "last_complete_checkpoint", "mark_complete", "prepare_save", "resumed_checkpoint", "save_callback_state",
-           "saved_driver_state"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "STATE_KEY",
+    "check_callback_state",
+    "check_resumed",
+    "drop_stale_marker",
+    "last_complete_checkpoint",
+    "mark_complete",
+    "prepare_save",
+    "resumed_checkpoint",
+    "save_callback_state",
+    "saved_driver_state",
+]
 
 _FORMAT = "hf_altparams.AlternatingFreeze/1"
 
@@ -72,8 +90,6 @@ STATE_KEY = "hf_altparams.AlternatingFreeze"
 _HOW = "pass `check_resume=False` to AlternatingFreeze to continue with the new set-up anyway"
 
 
-
-
 def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
     return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
 
@@ -82,9 +98,10 @@ def mark_complete(args: TrainingArguments, state: TrainerState, record: dict[str
     """Write the marker into the checkpoint the Trainer just saved (the process that wrote its state)."""
     folder = _checkpoint_dir(args, state)
     if args.should_save and os.path.isdir(folder):
-        write_atomically(os.path.join(folder, COMPLETE_MARKER),
-                          {"format": _FORMAT, "step": state.global_step, **record,
-                           "files": manifest(folder, skip=[COMPLETE_MARKER])})
+        write_atomically(
+            os.path.join(folder, COMPLETE_MARKER),
+            {"format": _FORMAT, "step": state.global_step, **record, "files": manifest(folder, skip=[COMPLETE_MARKER])},
+        )
 
 
 def prepare_save(args: TrainingArguments, state: TrainerState, switcher: PhaseSwitcher) -> None:
@@ -95,8 +112,9 @@ def prepare_save(args: TrainingArguments, state: TrainerState, switcher: PhaseSw
     writes anything.
     """
     if switcher.drift.at_save:
-        switcher.check_weights(f"before the Trainer's save at step {state.global_step}",
-                               "The Trainer's checkpoint was not written")
+        switcher.check_weights(
+            f"before the Trainer's save at step {state.global_step}", "The Trainer's checkpoint was not written"
+        )
     drop_stale_marker(args, state)
     if is_distributed(None):
         dist.barrier()  # no rank writes into the folder (its RNG state, its shard) while an old marker stands
@@ -121,8 +139,11 @@ def last_complete_checkpoint(output_dir: str) -> Optional[str]:
         True
         >>> # trainer.train(resume_from_checkpoint=last_complete_checkpoint(args.output_dir))
     """
-    found = [(n, path) for n, path in numbered_folders(output_dir, "checkpoint-")
-             if _marker_step(os.path.join(path, COMPLETE_MARKER)) == n]  # no marker (or another's): None
+    found = [
+        (n, path)
+        for n, path in numbered_folders(output_dir, "checkpoint-")
+        if _marker_step(os.path.join(path, COMPLETE_MARKER)) == n
+    ]  # no marker (or another's): None
     return max(found)[1] if found else None
 
 
@@ -165,7 +186,9 @@ def resumed_checkpoint(frame: Optional[FrameType], args: TrainingArguments, stat
     warnings.warn(
         f"hf_altparams: AlternatingFreeze cannot tell which checkpoint this run resumed from (step "
         f"{state.global_step}: no `_inner_training_loop` frame, no {candidate!r}), so it cannot check that the "
-        "checkpoint's save completed; resume from `last_complete_checkpoint(output_dir)` to be sure", stacklevel=3)
+        "checkpoint's save completed; resume from `last_complete_checkpoint(output_dir)` to be sure",
+        stacklevel=3,
+    )
     return None
 
 
@@ -179,29 +202,35 @@ def check_resumed(path: str, state: TrainerState, record: Optional[dict[str, Any
             raise AltParamsError(
                 f"AlternatingFreeze refuses to resume from {path!r}: {problem}, so the Trainer resumed from an "
                 "incomplete folder (it skips a missing optimizer, scheduler or RNG file silently); resume from "
-                "another checkpoint")
+                "another checkpoint"
+            )
         return
     if step is None and record is None and state.global_step > 0:
         return  # saved by a run without AlternatingFreeze: nothing of ours to check
     if step is None and record is not None and not record.get("complete_marker"):
         return  # saved before checkpoints had a marker: nothing to check against
-    why = (f"its save was interrupted (no complete {COMPLETE_MARKER}: the process died while the Trainer "
-           "wrote it), so it may hold another step's optimizer state, RNG states or phase"
-           if step is None else
-           f"its {COMPLETE_MARKER} is for step {step} but trainer_state.json for step {state.global_step} "
-           "(a folder reused by another run, whose save was interrupted)")
+    why = (
+        f"its save was interrupted (no complete {COMPLETE_MARKER}: the process died while the Trainer "
+        "wrote it), so it may hold another step's optimizer state, RNG states or phase"
+        if step is None
+        else f"its {COMPLETE_MARKER} is for step {step} but trainer_state.json for step {state.global_step} "
+        "(a folder reused by another run, whose save was interrupted)"
+    )
     parent = os.path.dirname(os.path.abspath(path))
     latest = last_complete_checkpoint(parent)
-    way = (f"the latest complete checkpoint there is {latest!r}: pass `resume_from_checkpoint={latest!r}`, or "
-           "`resume_from_checkpoint=last_complete_checkpoint(args.output_dir)` "
-           "(hf_altparams.integrations.trainer), which skips interrupted saves"
-           if latest is not None else
-           f"no complete checkpoint is left in {parent!r}: train without `resume_from_checkpoint`")
+    way = (
+        f"the latest complete checkpoint there is {latest!r}: pass `resume_from_checkpoint={latest!r}`, or "
+        "`resume_from_checkpoint=last_complete_checkpoint(args.output_dir)` "
+        "(hf_altparams.integrations.trainer), which skips interrupted saves"
+        if latest is not None
+        else f"no complete checkpoint is left in {parent!r}: train without `resume_from_checkpoint`"
+    )
     raise AltParamsError(f"AlternatingFreeze refuses to resume from {path!r}: {why}; {way}")
 
 
-def save_callback_state(state: TrainerState, schedule: Schedule, groups: ParamGroups,
-                        current: Optional[Phase], driver: DriverState) -> None:
+def save_callback_state(
+    state: TrainerState, schedule: Schedule, groups: ParamGroups, current: Optional[Phase], driver: DriverState
+) -> None:
     """Write the record for the phase ``current`` and the driver's ``driver`` state into ``state``.
 
     Example:

@@ -13,14 +13,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..engine.optim import GroupedOptimizer, StatePolicyLike
-from ..engine.optim import PrecisionOptimizer
+from ..engine.optim import GroupedOptimizer, PrecisionOptimizer, StatePolicyLike
 from ..errors import PlanError
 from ..plan.groups import ParamGroups
 
 __all__ = ["grouped_optimizer"]
 
-_NO_DECAY_PATTERNS = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"))
+_NO_DECAY_PATTERNS = tuple(
+    re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+)
 
 
 def _no_decay_names(model: nn.Module) -> set[str]:
@@ -97,8 +98,7 @@ def grouped_optimizer(
             decay = [p for n, p in named if n not in no_decay]
             plain = [p for n, p in named if n in no_decay]
             param_groups: list[dict[str, Any]] = [
-                {"params": ps, "weight_decay": wd}
-                for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps
+                {"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps
             ]
             return optimizer_cls(param_groups, **optimizer_kwargs)
 
@@ -107,6 +107,12 @@ def grouped_optimizer(
     factories = {g: factory_for(g) for g in groups.names}
     low = {p.dtype for n in groups.names for p in groups.params(n)} & {torch.bfloat16, torch.float16}
     if master_policy is not None or allreduce_dtype is not None or low:
-        return PrecisionOptimizer(groups, factories, storage_dtype=None, state_policy=state_policy,
-                                  master_policy=master_policy, allreduce_dtype=allreduce_dtype)
+        return PrecisionOptimizer(
+            groups,
+            factories,
+            storage_dtype=None,
+            state_policy=state_policy,
+            master_policy=master_policy,
+            allreduce_dtype=allreduce_dtype,
+        )
     return GroupedOptimizer(groups, factories, state_policy=state_policy)

@@ -39,8 +39,16 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from .._compat import check_library_at_import
 
-__all__ = ["TESTED_TRANSFORMERS", "USES", "caller_frame", "check_transformers", "missing_names",
-           "move_before_reporters", "resumed_checkpoint_from_stack", "trainer_from_stack"]
+__all__ = [
+    "TESTED_TRANSFORMERS",
+    "USES",
+    "caller_frame",
+    "check_transformers",
+    "missing_names",
+    "move_before_reporters",
+    "resumed_checkpoint_from_stack",
+    "trainer_from_stack",
+]
 
 #: Inclusive range of (major, minor) transformers releases these uses were checked on.
 TESTED_TRANSFORMERS: tuple[tuple[int, int], tuple[int, int]] = ((5, 17), (5, 24))
@@ -73,7 +81,9 @@ def missing_names() -> list[str]:
 
 def check_transformers() -> None:
     """At import: refuse a transformers that lacks a name the library relies on; warn outside the tested range."""
-    check_library_at_import("transformers", transformers.__version__, TESTED_TRANSFORMERS, missing_names(), "Trainer internals")
+    check_library_at_import(
+        "transformers", transformers.__version__, TESTED_TRANSFORMERS, missing_names(), "Trainer internals"
+    )
 
 
 def caller_frame() -> Optional[FrameType]:
@@ -127,8 +137,9 @@ def move_before_reporters(callback: TrainerCallback, frame: Optional[FrameType])
         if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
             callbacks = handler.callbacks
             callbacks.remove(callback)
-            first = next((i for i, cb in enumerate(callbacks) if not isinstance(cb, DefaultFlowCallback)),
-                         len(callbacks))
+            first = next(
+                (i for i, cb in enumerate(callbacks) if not isinstance(cb, DefaultFlowCallback)), len(callbacks)
+            )
             callbacks.insert(first, callback)
             return True
     return False

@@ -51,8 +51,10 @@ def unreached_message(phase: Optional[Phase], groups: Optional[ParamGroups], whe
         names = sorted(phase.trainable)
         params = [p for g in names for p in groups.params(g)] if groups is not None else []
         grad_on = sum(1 for p in params if p.requires_grad)
-        head = (f"{where}: the loss does not depend on any parameter that trains in phase {phase.name!r} "
-                f"(groups {names}; {grad_on} of their {len(params)} parameters require grad)")
+        head = (
+            f"{where}: the loss does not depend on any parameter that trains in phase {phase.name!r} "
+            f"(groups {names}; {grad_on} of their {len(params)} parameters require grad)"
+        )
         if phase.task is not None:
             head += f", task {phase.task!r}"
     causes = [
@@ -71,8 +73,7 @@ def unreached_message(phase: Optional[Phase], groups: Optional[ParamGroups], whe
     return head + ". Likely causes: " + "; ".join(f"({i}) {c}" for i, c in enumerate(causes, 1)) + "."
 
 
-def check_loss(loss: Any, phase: Optional[Phase], groups: Optional[ParamGroups], where: str,
-               task_hint: str) -> None:
+def check_loss(loss: Any, phase: Optional[Phase], groups: Optional[ParamGroups], where: str, task_hint: str) -> None:
     """Raise :class:`UnreachedPhaseError` when ``loss`` (about to be backpropagated) requires no grad."""
     if isinstance(loss, torch.Tensor) and not loss.requires_grad:
         raise UnreachedPhaseError(unreached_message(phase, groups, where, task_hint))
@@ -117,8 +118,9 @@ class OutputGuard:
             return
         tensors = _tensors(output)
         if tensors and not any(t.requires_grad for t in tensors):
-            raise UnreachedPhaseError(unreached_message(self._phase(), self._groups, "the model's forward",
-                                                        "`callback.task`"))
+            raise UnreachedPhaseError(
+                unreached_message(self._phase(), self._groups, "the model's forward", "`callback.task`")
+            )
 
     def remove(self) -> None:
         if self._handle is not None:

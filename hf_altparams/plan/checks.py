@@ -145,6 +145,4 @@ def as_phase(value: Any, argument: str) -> Phase:
     try:
         return Phase(trainable=name_list(value, argument, one_str=True))
     except PlanError:
-        raise PlanError(
-            f"`{argument}` must be a Phase, a group name or a list of group names, got {value!r}"
-        ) from None
+        raise PlanError(f"`{argument}` must be a Phase, a group name or a list of group names, got {value!r}") from None

@@ -99,9 +99,7 @@ class ParamGroups:
         self.module: nn.Module = _unwrap(module)
         self.ungrouped: UngroupedPolicy = check_choice(ungrouped, "ungrouped", _POLICIES)
         if not isinstance(groups, Mapping) or len(groups) == 0:
-            raise PlanError(
-                f"`groups` must be a non-empty mapping of group name -> spec, got {_show(groups)}"
-            )
+            raise PlanError(f"`groups` must be a non-empty mapping of group name -> spec, got {_show(groups)}")
 
         # Every (name, parameter) pair, aliases included; canonical = first name.
         all_pairs = list(self.module.named_parameters(remove_duplicate=False))
@@ -131,9 +129,7 @@ class ParamGroups:
             self._members[group] = tuple(sorted(members, key=order.__getitem__))
 
         self._group_of: dict[str, str] = {c: g for c, (g, _) in claims.items()}
-        self._ungrouped: tuple[str, ...] = tuple(
-            n for n in self._param_by_name if n not in self._group_of
-        )
+        self._ungrouped: tuple[str, ...] = tuple(n for n in self._param_by_name if n not in self._group_of)
         if ungrouped == "error" and self._ungrouped:
             raise PlanError(
                 f"`ungrouped='error'` but {len(self._ungrouped)} parameter(s) are in no group: "
@@ -205,9 +201,7 @@ class ParamGroups:
         values = [names] if isinstance(names, str) else list(names)
         unknown = [n for n in values if n not in self._members]
         if unknown:
-            raise PlanError(
-                f"`{argument}` names unknown group(s) {unknown}; known groups: {list(self._members)}"
-            )
+            raise PlanError(f"`{argument}` names unknown group(s) {unknown}; known groups: {list(self._members)}")
 
     def trainable_param_names(self, trainable_groups: Iterable[str]) -> frozenset[str]:
         """Canonical names that need ``requires_grad=True`` while `trainable_groups` train.
@@ -237,8 +231,7 @@ class ParamGroups:
             chosen = frozenset([trainable] if isinstance(trainable, str) else trainable)
             self.check_names(chosen, argument="trainable")
         rows: list[tuple[str, int, int, bool]] = [
-            (g, self.numel(g), self.nbytes(g), chosen is not None and g in chosen)
-            for g in self._members
+            (g, self.numel(g), self.nbytes(g), chosen is not None and g in chosen) for g in self._members
         ]
         loose = [self._param_by_name[n] for n in self._ungrouped]
         rows.append(
@@ -323,8 +316,9 @@ class ParamGroups:
         if name in self._members:
             raise PlanError(f"the rest group {name!r} is already a group; known groups: {list(self._members)}")
         if not self._ungrouped:
-            raise PlanError(f"the rest group {name!r} would be empty: every parameter is in one of the groups "
-                            f"{list(self._members)}")
+            raise PlanError(
+                f"the rest group {name!r} would be empty: every parameter is in one of the groups {list(self._members)}"
+            )
         specs = self._exact_specs()
         specs[name] = ["re:" + re.escape(n) for n in self._ungrouped]
         return ParamGroups(self.module, specs, ungrouped=self.ungrouped)
@@ -334,8 +328,13 @@ class ParamGroups:
         return {g: ["re:" + re.escape(n) for n in m] for g, m in self._members.items()}
 
     @classmethod
-    def of_models(cls, models: Mapping[str, nn.Module], groups: Optional[Mapping[str, Spec]] = None, *,
-                  ungrouped: UngroupedPolicy = "frozen") -> ParamGroups:
+    def of_models(
+        cls,
+        models: Mapping[str, nn.Module],
+        groups: Optional[Mapping[str, Spec]] = None,
+        *,
+        ungrouped: UngroupedPolicy = "frozen",
+    ) -> ParamGroups:
         """Groups over several models trained by one schedule, each with its own wrapper and optimizer.
 
         The models go under one root (an ``nn.ModuleDict`` holding them, not
@@ -352,8 +351,11 @@ class ParamGroups:
         """
         if not isinstance(models, Mapping) or not models:
             raise PlanError(f"`models` must be a non-empty mapping of name -> nn.Module, got {models!r}")
-        bad = {k: type(v).__name__ for k, v in models.items()
-               if not isinstance(k, str) or not k or "." in k or not isinstance(v, nn.Module)}
+        bad = {
+            k: type(v).__name__
+            for k, v in models.items()
+            if not isinstance(k, str) or not k or "." in k or not isinstance(v, nn.Module)
+        }
         if bad:
             raise PlanError(f"`models` needs names without '.' mapped to nn.Module objects; refused: {bad}")
         root = nn.ModuleDict(dict(models))
@@ -442,9 +444,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-def _resolve_spec(
-    root: nn.Module, all_pairs: Sequence[tuple[str, nn.Parameter]], group: str, spec: Spec
-) -> list[str]:
+def _resolve_spec(root: nn.Module, all_pairs: Sequence[tuple[str, nn.Parameter]], group: str, spec: Spec) -> list[str]:
     """All parameter names (aliases included) that `spec` claims for `group`."""
     if isinstance(spec, (str, nn.Module)):
         items: Sequence[object] = [spec]
@@ -452,8 +452,7 @@ def _resolve_spec(
         items = spec
     else:
         raise PlanError(
-            f"group {group!r}: invalid spec {_show(spec)} of type {type(spec).__name__}; "
-            f"expected {_SPEC_HELP}"
+            f"group {group!r}: invalid spec {_show(spec)} of type {type(spec).__name__}; expected {_SPEC_HELP}"
         )
     if not items:
         raise PlanError(f"group {group!r} is empty: its spec {spec!r} lists nothing")
@@ -465,8 +464,7 @@ def _resolve_spec(
             names.extend(_match_module(root, group, item))
         else:
             raise PlanError(
-                f"group {group!r}: invalid spec item {_show(item)} of type "
-                f"{type(item).__name__}; expected {_SPEC_HELP}"
+                f"group {group!r}: invalid spec item {_show(item)} of type {type(item).__name__}; expected {_SPEC_HELP}"
             )
     return names
 
@@ -501,10 +499,7 @@ def _match_module(root: nn.Module, group: str, sub: nn.Module) -> list[str]:
         )
     hits = [n for n, _ in sub.named_parameters(prefix=qualname, remove_duplicate=False)]
     if not hits:
-        raise PlanError(
-            f"group {group!r}: submodule {qualname or '<root>'!r} "
-            f"({type(sub).__name__}) has no parameters"
-        )
+        raise PlanError(f"group {group!r}: submodule {qualname or '<root>'!r} ({type(sub).__name__}) has no parameters")
     return hits
 
 
@@ -572,6 +567,4 @@ def _check_module_specs(modules: object) -> None:
         items = value if isinstance(value, (list, tuple)) else [value]
         bad = [v for v in items if not isinstance(v, nn.Module)]
         if bad:
-            raise PlanError(
-                f"`modules` group {name!r}: expected an nn.Module or a list of them, got {_show(bad[0])}"
-            )
+            raise PlanError(f"`modules` group {name!r}: expected an nn.Module or a list of them, got {_show(bad[0])}")

@@ -33,8 +33,15 @@ from .checks import check_bool, name_list
 from .groups import ParamGroups
 from .recipes import badam, lisa
 from .registry import Derived, Option, ScheduleArgs, ScheduleKind, ScheduleRegistry
-from .schedules import (Alternating, GradualUnfreeze, PerTaskCycle, PhaseSequence, ProgressiveFreeze, RandomBlocks,
-                        Schedule)
+from .schedules import (
+    Alternating,
+    GradualUnfreeze,
+    PerTaskCycle,
+    PhaseSequence,
+    ProgressiveFreeze,
+    RandomBlocks,
+    Schedule,
+)
 
 __all__ = ["SCHEDULES"]
 
@@ -100,8 +107,7 @@ def _entries(value: Any, flag: str) -> tuple[Entry, ...]:
     if isinstance(value, str):
         value = [item for item in value.split(",") if item.strip()]
     if not isinstance(value, (tuple, list)) or not value:
-        raise PlanError(f"`{flag}` must name at least one entry (GROUP or GROUP+GROUP, comma-separated), "
-                        f"got {value!r}")
+        raise PlanError(f"`{flag}` must name at least one entry (GROUP or GROUP+GROUP, comma-separated), got {value!r}")
     return tuple(_entry(item, flag) for item in value)
 
 
@@ -142,8 +148,7 @@ def _phases(value: Any, flag: str) -> tuple[tuple[tuple[str, ...], int], ...]:
             names_value = (item[0],) if isinstance(item[0], str) else item[0]
             phases.append((name_list(names_value, flag, one_str=False), _positive_int(item[1], flag)))
         else:
-            raise PlanError(f"`{flag}` must look like GROUP[+GROUP...]:DURATION (or (groups, duration)), "
-                            f"got {item!r}")
+            raise PlanError(f"`{flag}` must look like GROUP[+GROUP...]:DURATION (or (groups, duration)), got {item!r}")
     return tuple(phases)
 
 
@@ -153,6 +158,7 @@ def _choice(choices: Sequence[str]) -> Callable[[Any, str], str]:
         if text not in choices:
             raise PlanError(f"`{flag}` must be one of {list(choices)}, got {value!r}")
         return str(text)
+
     return read
 
 
@@ -179,27 +185,69 @@ def _not_trunk(groups: ParamGroups, values: Mapping[str, Any]) -> tuple[str, ...
 
 
 _OPTIONS = (
-    Option("every", "positions (optimizer steps; epochs with --unit epoch) per phase: per entry, draw, block or "
-           "task; for gradual and progressive, between two unfreezes or freezes", _positive_int, metavar="N"),
+    Option(
+        "every",
+        "positions (optimizer steps; epochs with --unit epoch) per phase: per entry, draw, block or "
+        "task; for gradual and progressive, between two unfreezes or freezes",
+        _positive_int,
+        metavar="N",
+    ),
     Option("k", "groups drawn per block", _positive_int, metavar="K", what="groups drawn per block"),
     Option("seed", "seeds the random draws (the same on every rank and after a resume)", _integer, metavar="SEED"),
-    Option("always", "groups trained in every phase, besides the scheduled ones (comma list; '' for none)", _names,
-           metavar="GROUP[,GROUP...]", names_in=lambda v: v),
-    Option("blocks", "the groups scheduled in turn, in order (comma list)", _some_names, metavar="GROUP[,GROUP...]",
-           names_in=lambda v: v),
-    Option("order", "the order the blocks go in", _choice(_FREEZE_ORDERS + _BADAM_ORDERS),
-           metavar="{" + ",".join(_FREEZE_ORDERS + _BADAM_ORDERS) + "}"),
-    Option("ratios", "the entries cycled: a=3,b+c=1 (durations) or a,b+c (each --every long)", _ratios,
-           metavar="ENTRY[=N][,ENTRY[=N]...]", names_in=lambda v: _flat(v)),
-    Option("trunk", "the shared groups, trained with every task (comma list)", _some_names,
-           metavar="GROUP[,GROUP...]", what="the shared groups", names_in=lambda v: v),
-    Option("tasks", "the tasks, one at a time; a+b for a task of several groups (comma list)", _entries,
-           metavar="TASK[,TASK...]", names_in=lambda v: _flat(v)),
-    Option("phase", "one phase: the groups it trains and how many positions it lasts (repeatable)", _phases,
-           metavar="GROUP[+GROUP...]:DURATION", repeatable=True, names_in=lambda v: [n for p in v for n in p[0]]),
+    Option(
+        "always",
+        "groups trained in every phase, besides the scheduled ones (comma list; '' for none)",
+        _names,
+        metavar="GROUP[,GROUP...]",
+        names_in=lambda v: v,
+    ),
+    Option(
+        "blocks",
+        "the groups scheduled in turn, in order (comma list)",
+        _some_names,
+        metavar="GROUP[,GROUP...]",
+        names_in=lambda v: v,
+    ),
+    Option(
+        "order",
+        "the order the blocks go in",
+        _choice(_FREEZE_ORDERS + _BADAM_ORDERS),
+        metavar="{" + ",".join(_FREEZE_ORDERS + _BADAM_ORDERS) + "}",
+    ),
+    Option(
+        "ratios",
+        "the entries cycled: a=3,b+c=1 (durations) or a,b+c (each --every long)",
+        _ratios,
+        metavar="ENTRY[=N][,ENTRY[=N]...]",
+        names_in=lambda v: _flat(v),
+    ),
+    Option(
+        "trunk",
+        "the shared groups, trained with every task (comma list)",
+        _some_names,
+        metavar="GROUP[,GROUP...]",
+        what="the shared groups",
+        names_in=lambda v: v,
+    ),
+    Option(
+        "tasks",
+        "the tasks, one at a time; a+b for a task of several groups (comma list)",
+        _entries,
+        metavar="TASK[,TASK...]",
+        names_in=lambda v: _flat(v),
+    ),
+    Option(
+        "phase",
+        "one phase: the groups it trains and how many positions it lasts (repeatable)",
+        _phases,
+        metavar="GROUP[+GROUP...]:DURATION",
+        repeatable=True,
+        names_in=lambda v: [n for p in v for n in p[0]],
+    ),
     Option("repeat", "start the phases over after the last (else the last persists)", _switch, switch=True),
-    Option("unit", "what a position is: an optimizer step or an epoch", _choice(("step", "epoch")),
-           metavar="{step,epoch}"),
+    Option(
+        "unit", "what a position is: an optimizer step or an epoch", _choice(("step", "epoch")), metavar="{step,epoch}"
+    ),
 )
 
 _BLOCKS = Derived("every group not in --always", _not_always)
@@ -212,8 +260,10 @@ def _alternating(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
     if isinstance(ratios, Mapping):
         if "every" in args.given:
             given = ",".join(f"{_entry_text(e)}={n}" for e, n in ratios.items())
-            raise PlanError(f"`--every` {args['every']} does not apply with durations in `--ratios` ({given}): "
-                            "give each entry's duration there, or list the entries plainly with --every")
+            raise PlanError(
+                f"`--every` {args['every']} does not apply with durations in `--ratios` ({given}): "
+                "give each entry's duration there, or list the entries plainly with --every"
+            )
         return Alternating(ratios, unit=args["unit"], always=args["always"])
     return Alternating(list(ratios), every=args["every"], unit=args["unit"], always=args["always"])
 
@@ -221,25 +271,28 @@ def _alternating(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
 def _drawn(args: ScheduleArgs) -> tuple[list[str], int]:
     blocks, k = list(args["blocks"]), args["k"]
     if not 1 <= k <= len(blocks):
-        raise PlanError(f"`--k` must be an integer from 1 to {len(blocks)} (the groups in `--blocks`: "
-                        f"{', '.join(blocks)}), got {k!r}")
+        raise PlanError(
+            f"`--k` must be an integer from 1 to {len(blocks)} (the groups in `--blocks`: "
+            f"{', '.join(blocks)}), got {k!r}"
+        )
     return blocks, k
 
 
 def _gradual(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
-    return GradualUnfreeze(list(args["blocks"]), every=args["every"], unit=args["unit"], order=args["order"],
-                           always=args["always"])
+    return GradualUnfreeze(
+        list(args["blocks"]), every=args["every"], unit=args["unit"], order=args["order"], always=args["always"]
+    )
 
 
 def _progressive(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
-    return ProgressiveFreeze(list(args["blocks"]), every=args["every"], unit=args["unit"], order=args["order"],
-                             always=args["always"])
+    return ProgressiveFreeze(
+        list(args["blocks"]), every=args["every"], unit=args["unit"], order=args["order"], always=args["always"]
+    )
 
 
 def _random_blocks(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
     blocks, k = _drawn(args)
-    return RandomBlocks(blocks, k=k, every=args["every"], seed=args["seed"], always=args["always"],
-                        unit=args["unit"])
+    return RandomBlocks(blocks, k=k, every=args["every"], seed=args["seed"], always=args["always"], unit=args["unit"])
 
 
 def _lisa(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
@@ -249,9 +302,17 @@ def _lisa(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
 
 def _badam(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
     orders: dict[str, Literal["ascending", "descending", "random"]] = {
-        "ascending": "ascending", "descending": "descending", "random": "random"}
-    return badam(list(args["blocks"]), steps_per_block=args["every"], order=orders[args["order"]],
-                 always=args["always"], seed=args["seed"])
+        "ascending": "ascending",
+        "descending": "descending",
+        "random": "random",
+    }
+    return badam(
+        list(args["blocks"]),
+        steps_per_block=args["every"],
+        order=orders[args["order"]],
+        always=args["always"],
+        seed=args["seed"],
+    )
 
 
 def _per_task(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
@@ -259,41 +320,91 @@ def _per_task(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
 
 
 def _sequence(groups: ParamGroups, args: ScheduleArgs) -> Schedule:
-    return PhaseSequence([(list(names), duration) for names, duration in args["phase"]], repeat=bool(args["repeat"]),
-                         unit=args["unit"])
+    return PhaseSequence(
+        [(list(names), duration) for names, duration in args["phase"]], repeat=bool(args["repeat"]), unit=args["unit"]
+    )
 
 
 _DRAWN = ("always", "blocks", "k", "every", "seed")
 
 _KINDS = (
-    ScheduleKind("alternating", "each entry of --ratios in turn, plus --always; optimizer state kept",
-                 _alternating, options=("always", "ratios", "every", "unit"),
-                 defaults={"always": (), "ratios": Derived("every group not in --always, each --every long",
-                                                           _not_always), "every": 1, "unit": "step"}),
-    ScheduleKind("gradual", "one more of --blocks unfrozen every --every positions (ULMFiT)", _gradual,
-                 options=("always", "blocks", "every", "order", "unit"), required=("every",),
-                 defaults={"always": (), "blocks": _BLOCKS, "order": "last_to_first", "unit": "step"},
-                 choices={"order": _FREEZE_ORDERS}, aliases=("gradual-unfreeze",)),
-    ScheduleKind("progressive", "all of --blocks at first, one more frozen every --every positions (FreezeOut)",
-                 _progressive, options=("always", "blocks", "every", "order", "unit"), required=("every",),
-                 defaults={"always": (), "blocks": _BLOCKS, "order": "first_to_last", "unit": "step"},
-                 choices={"order": _FREEZE_ORDERS}, aliases=("progressive-freeze",)),
-    ScheduleKind("random-blocks", "--k of --blocks drawn at random every --every positions", _random_blocks,
-                 options=(*_DRAWN, "unit"), required=("k", "every"),
-                 defaults={"always": (), "blocks": _BLOCKS, "seed": 0, "unit": "step"}),
-    ScheduleKind("lisa", "random-blocks in steps, idle optimizer state dropped (LISA)", _lisa, options=_DRAWN,
-                 required=("k", "every"), defaults={"always": (), "blocks": _BLOCKS, "seed": 0}),
-    ScheduleKind("badam", "one of --blocks at a time for --every steps, in --order; idle state dropped (BAdam)",
-                 _badam, options=("always", "blocks", "every", "order", "seed"), required=("every",),
-                 defaults={"always": (), "blocks": _BLOCKS, "order": "ascending", "seed": 0},
-                 choices={"order": _BADAM_ORDERS}),
-    ScheduleKind("per-task", "--trunk with one task at a time, the other tasks off the device", _per_task,
-                 options=("trunk", "tasks", "every", "unit"), required=("trunk", "every"),
-                 defaults={"tasks": Derived("every group not in --trunk", _not_trunk), "unit": "step"},
-                 aliases=("per-task-cycle",), instead={"always": _NO_ALWAYS}),
-    ScheduleKind("sequence", "the --phase phases in order, once (the last persists) or with --repeat", _sequence,
-                 options=("phase", "repeat", "unit"), required=("phase",), defaults={"repeat": False, "unit": "step"},
-                 aliases=("phase-sequence",), instead={"always": "add them to each --phase"}),
+    ScheduleKind(
+        "alternating",
+        "each entry of --ratios in turn, plus --always; optimizer state kept",
+        _alternating,
+        options=("always", "ratios", "every", "unit"),
+        defaults={
+            "always": (),
+            "ratios": Derived("every group not in --always, each --every long", _not_always),
+            "every": 1,
+            "unit": "step",
+        },
+    ),
+    ScheduleKind(
+        "gradual",
+        "one more of --blocks unfrozen every --every positions (ULMFiT)",
+        _gradual,
+        options=("always", "blocks", "every", "order", "unit"),
+        required=("every",),
+        defaults={"always": (), "blocks": _BLOCKS, "order": "last_to_first", "unit": "step"},
+        choices={"order": _FREEZE_ORDERS},
+        aliases=("gradual-unfreeze",),
+    ),
+    ScheduleKind(
+        "progressive",
+        "all of --blocks at first, one more frozen every --every positions (FreezeOut)",
+        _progressive,
+        options=("always", "blocks", "every", "order", "unit"),
+        required=("every",),
+        defaults={"always": (), "blocks": _BLOCKS, "order": "first_to_last", "unit": "step"},
+        choices={"order": _FREEZE_ORDERS},
+        aliases=("progressive-freeze",),
+    ),
+    ScheduleKind(
+        "random-blocks",
+        "--k of --blocks drawn at random every --every positions",
+        _random_blocks,
+        options=(*_DRAWN, "unit"),
+        required=("k", "every"),
+        defaults={"always": (), "blocks": _BLOCKS, "seed": 0, "unit": "step"},
+    ),
+    ScheduleKind(
+        "lisa",
+        "random-blocks in steps, idle optimizer state dropped (LISA)",
+        _lisa,
+        options=_DRAWN,
+        required=("k", "every"),
+        defaults={"always": (), "blocks": _BLOCKS, "seed": 0},
+    ),
+    ScheduleKind(
+        "badam",
+        "one of --blocks at a time for --every steps, in --order; idle state dropped (BAdam)",
+        _badam,
+        options=("always", "blocks", "every", "order", "seed"),
+        required=("every",),
+        defaults={"always": (), "blocks": _BLOCKS, "order": "ascending", "seed": 0},
+        choices={"order": _BADAM_ORDERS},
+    ),
+    ScheduleKind(
+        "per-task",
+        "--trunk with one task at a time, the other tasks off the device",
+        _per_task,
+        options=("trunk", "tasks", "every", "unit"),
+        required=("trunk", "every"),
+        defaults={"tasks": Derived("every group not in --trunk", _not_trunk), "unit": "step"},
+        aliases=("per-task-cycle",),
+        instead={"always": _NO_ALWAYS},
+    ),
+    ScheduleKind(
+        "sequence",
+        "the --phase phases in order, once (the last persists) or with --repeat",
+        _sequence,
+        options=("phase", "repeat", "unit"),
+        required=("phase",),
+        defaults={"repeat": False, "unit": "step"},
+        aliases=("phase-sequence",),
+        instead={"always": "add them to each --phase"},
+    ),
 )
 
 #: The one schedule registry: the built-in kinds; ``plan`` and ``check`` read their flags from it.

@@ -41,8 +41,9 @@ def _names(value: Sequence[str], argument: str) -> list[str]:
     return list(value)
 
 
-def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable[str] = ("emb", "head"),
-         seed: int = 0) -> Schedule:
+def lisa(
+    layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable[str] = ("emb", "head"), seed: int = 0
+) -> Schedule:
     """LISA: ``always`` groups train every step; ``k`` random ``layers`` re-drawn every ``every`` steps.
 
     What it saves depends on the model: the ``always`` groups train in every
@@ -83,8 +84,14 @@ def lisa(layers: Sequence[str], *, k: int = 2, every: int = 50, always: Iterable
     return with_idle_state(RandomBlocks(_names(layers, "layers"), k=k, every=every, seed=seed, always=always), "drop")
 
 
-def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "ascending",
-          always: Iterable[str] = (), seed: int = 0) -> Schedule:
+def badam(
+    blocks: Sequence[str],
+    *,
+    steps_per_block: int = 50,
+    order: Order = "ascending",
+    always: Iterable[str] = (),
+    seed: int = 0,
+) -> Schedule:
     """BAdam: one block trains at a time for ``steps_per_block`` steps; blocks in ``order``.
 
     Args:
@@ -124,10 +131,15 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
     overlap = sorted(set(extra) & set(names))
     if overlap:
         rest = [n for n in names if n not in overlap]
-        fix = (f"badam({rest!r}, always={list(extra)!r})" if rest else "badam(<the blocks>, always=...) with "
-               "at least one block that is not in `always`")
-        raise PlanError(f"`always` groups {overlap} are also in `blocks` {names!r}; a group is one or the "
-                        f"other (an `always` group trains with every block): {fix}")
+        fix = (
+            f"badam({rest!r}, always={list(extra)!r})"
+            if rest
+            else "badam(<the blocks>, always=...) with at least one block that is not in `always`"
+        )
+        raise PlanError(
+            f"`always` groups {overlap} are also in `blocks` {names!r}; a group is one or the "
+            f"other (an `always` group trains with every block): {fix}"
+        )
     if order != "random":
         ordered = names if order == "ascending" else names[::-1]
         return with_idle_state(Alternating(ordered, every=steps_per_block, always=extra), "drop")
@@ -139,5 +151,7 @@ def badam(blocks: Sequence[str], *, steps_per_block: int = 50, order: Order = "a
         chosen = permutation[block % len(names)]
         return Phase([chosen, *extra], label="+".join([chosen, *extra]))
 
-    return with_idle_state(FnSchedule(sweep, groups=names, always=extra,
-                                      name=f"badam-random-{seed}-{steps_per_block}-{len(names)}"), "drop")
+    return with_idle_state(
+        FnSchedule(sweep, groups=names, always=extra, name=f"badam-random-{seed}-{steps_per_block}-{len(names)}"),
+        "drop",
+    )

@@ -50,8 +50,17 @@ from ..errors import PlanError
 from .groups import ParamGroups
 from .schedules import Schedule
 
-__all__ = ["ANY_KIND", "CommandDefaults", "Derived", "FlagSink", "Option", "ScheduleArgs", "ScheduleKind",
-           "ScheduleRegistry", "describe_value"]
+__all__ = [
+    "ANY_KIND",
+    "CommandDefaults",
+    "Derived",
+    "FlagSink",
+    "Option",
+    "ScheduleArgs",
+    "ScheduleKind",
+    "ScheduleRegistry",
+    "describe_value",
+]
 
 #: The key of :attr:`CommandDefaults.values` that sets a default for every kind the option applies to.
 ANY_KIND = "*"
@@ -227,8 +236,10 @@ class ScheduleRegistry:
         if not isinstance(option, Option):
             raise PlanError(f"`option` must be an hf_altparams.plan.registry.Option, got {type(option).__name__}")
         if option.name in self._options or option.name == "schedule":
-            raise PlanError(f"schedule option {option.name!r} ({option.flag}) is declared already; the options "
-                            f"are {list(self._options)}")
+            raise PlanError(
+                f"schedule option {option.name!r} ({option.flag}) is declared already; the options "
+                f"are {list(self._options)}"
+            )
         self._options[option.name] = option
         return option
 
@@ -244,25 +255,34 @@ class ScheduleRegistry:
         spellings = (kind.name, *kind.aliases)
         odd = [s for s in spellings if not isinstance(s, str) or not s or s != _spelling(s)]
         if odd:
-            raise PlanError(f"schedule kind {kind.name!r}: names and aliases must be non-empty, lower case, with "
-                            f"- between words (they are looked up so), got {odd}")
+            raise PlanError(
+                f"schedule kind {kind.name!r}: names and aliases must be non-empty, lower case, with "
+                f"- between words (they are looked up so), got {odd}"
+            )
         taken = sorted(set(spellings) & set(self.spellings))
         if taken:
-            raise PlanError(f"schedule kind {kind.name!r} takes the name(s) {taken}, registered already; "
-                            f"registered: {self.spellings}")
+            raise PlanError(
+                f"schedule kind {kind.name!r} takes the name(s) {taken}, registered already; "
+                f"registered: {self.spellings}"
+            )
         unknown = sorted(set(kind.options) - set(self._options))
         if unknown:
-            raise PlanError(f"schedule kind {kind.name!r} names undeclared option(s) {unknown}; declared: "
-                            f"{list(self._options)} (add_option first)")
+            raise PlanError(
+                f"schedule kind {kind.name!r} names undeclared option(s) {unknown}; declared: "
+                f"{list(self._options)} (add_option first)"
+            )
         for what, names in (("defaults", kind.defaults), ("required", kind.required), ("choices", kind.choices)):
             stray = sorted(set(names) - set(kind.options))
             if stray:
-                raise PlanError(f"schedule kind {kind.name!r}: `{what}` names option(s) {stray} that are not "
-                                "among its `options`")
+                raise PlanError(
+                    f"schedule kind {kind.name!r}: `{what}` names option(s) {stray} that are not among its `options`"
+                )
         applying = sorted(set(kind.instead) & set(kind.options))
         if applying:
-            raise PlanError(f"schedule kind {kind.name!r}: `instead` names option(s) {applying} that apply to it "
-                            "(`instead` says what to use for an option that does not)")
+            raise PlanError(
+                f"schedule kind {kind.name!r}: `instead` names option(s) {applying} that apply to it "
+                "(`instead` says what to use for an option that does not)"
+            )
         self._kinds[kind.name] = kind
         return kind
 
@@ -330,8 +350,9 @@ class ScheduleRegistry:
         return f" (aliases: {aliases})" if aliases else ""
 
     # -- reading and building ------------------------------------------------------------------
-    def resolve(self, name: Optional[str], given: Mapping[str, Any],
-                defaults: Optional[CommandDefaults] = None) -> tuple[ScheduleKind, ScheduleArgs]:
+    def resolve(
+        self, name: Optional[str], given: Mapping[str, Any], defaults: Optional[CommandDefaults] = None
+    ) -> tuple[ScheduleKind, ScheduleArgs]:
         """Check what can be checked without the groups: the kind, each given option, what is missing.
 
         ``given`` maps option names to values (the command line's text or Python values; ``None``:
@@ -370,8 +391,10 @@ class ScheduleRegistry:
             value = option.read(raw, option.flag)
             accepted = kind.choices.get(key)
             if accepted is not None and value not in accepted:
-                raise PlanError(f"`{option.flag}` {value!r} does not apply to `--schedule {kind.name}`; accepted: "
-                                + ", ".join(accepted))
+                raise PlanError(
+                    f"`{option.flag}` {value!r} does not apply to `--schedule {kind.name}`; accepted: "
+                    + ", ".join(accepted)
+                )
             values[key] = value
         for key in kind.options:
             option = self.option(key)
@@ -381,8 +404,10 @@ class ScheduleRegistry:
                     found, default = key in kind.defaults, kind.defaults.get(key)
                 if not found and key in kind.required:
                     if option.repeatable:
-                        raise PlanError(f"`--schedule {kind.name}` needs at least one "
-                                        f"`{option.flag} {option.metavar or option.name.upper()}`")
+                        raise PlanError(
+                            f"`--schedule {kind.name}` needs at least one "
+                            f"`{option.flag} {option.metavar or option.name.upper()}`"
+                        )
                     what = f" ({option.what})" if option.what else ""
                     raise PlanError(f"`{option.flag}`{what} is required for `--schedule {kind.name}`")
                 values[key] = default
@@ -391,8 +416,13 @@ class ScheduleRegistry:
                     raise PlanError(f"`{option.flag}` {refused!r} is refused by `{defaults.command}`: {why}")
         return kind, ScheduleArgs(kind.name, values, frozenset(k for k, v in given.items() if v is not None))
 
-    def build(self, name: Optional[str], groups: ParamGroups, given: Mapping[str, Any],
-              defaults: Optional[CommandDefaults] = None) -> Schedule:
+    def build(
+        self,
+        name: Optional[str],
+        groups: ParamGroups,
+        given: Mapping[str, Any],
+        defaults: Optional[CommandDefaults] = None,
+    ) -> Schedule:
         """The schedule of kind ``name`` over ``groups``, from the options ``given`` (see :meth:`resolve`).
 
         Derived defaults are computed over ``groups``, and every group an option names must be one of
@@ -425,8 +455,9 @@ class ScheduleRegistry:
             try:
                 values[option.name] = option.read(derived, option.flag)
             except PlanError as err:
-                raise PlanError(f"`{option.flag}` was not given, and its default ({default.text}) is {derived!r} "
-                                f"here: {err}") from None
+                raise PlanError(
+                    f"`{option.flag}` was not given, and its default ({default.text}) is {derived!r} here: {err}"
+                ) from None
             self._check_names(option.name, values[option.name], groups)
         return kind.build(groups, ScheduleArgs(kind.name, values, args.given))
 
@@ -436,8 +467,9 @@ class ScheduleRegistry:
             return
         unknown = sorted(set(option.names_in(value)) - set(groups.names))
         if unknown:
-            raise PlanError(f"`{option.flag}` names {unknown}, which are not groups; the groups are "
-                            f"{list(groups.names)}")
+            raise PlanError(
+                f"`{option.flag}` names {unknown}, which are not groups; the groups are {list(groups.names)}"
+            )
 
     # -- command lines ---------------------------------------------------------------------------
     def add_flags(self, parser: FlagSink, defaults: Optional[CommandDefaults] = None) -> None:
@@ -454,25 +486,44 @@ class ScheduleRegistry:
             try:
                 return self.kind(text).name
             except PlanError:
-                raise argparse.ArgumentTypeError(f"invalid choice: {text!r}; accepted: {', '.join(self._kinds)}"
-                                                 + self._aliases_note()) from None
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice: {text!r}; accepted: {', '.join(self._kinds)}" + self._aliases_note()
+                ) from None
 
         refused = defaults.refused.get("schedule", {})
-        lines = "; ".join(f"{k.name}: {k.help}" + (f" (`{defaults.command}` refuses it: {refused[k.name]})"
-                                                   if k.name in refused else "") for k in self._kinds.values())
-        parser.add_argument("--schedule", type=kind_name, default=None, required=defaults.schedule is None,
-                            metavar="{" + ",".join(self._kinds) + "}",
-                            help=(f"the kind of schedule (default {defaults.schedule}). " if defaults.schedule
-                                  else "the kind of schedule. ") + lines + self._aliases_note())
+        lines = "; ".join(
+            f"{k.name}: {k.help}"
+            + (f" (`{defaults.command}` refuses it: {refused[k.name]})" if k.name in refused else "")
+            for k in self._kinds.values()
+        )
+        parser.add_argument(
+            "--schedule",
+            type=kind_name,
+            default=None,
+            required=defaults.schedule is None,
+            metavar="{" + ",".join(self._kinds) + "}",
+            help=(
+                f"the kind of schedule (default {defaults.schedule}). "
+                if defaults.schedule
+                else "the kind of schedule. "
+            )
+            + lines
+            + self._aliases_note(),
+        )
         for option in self.options:
             helptext = f"{option.help} [{self._defaults_text(option, defaults)}]"
             if option.switch:
-                parser.add_argument(option.flag, dest=option.name, action="store_true", default=None,
-                                    help=helptext)
+                parser.add_argument(option.flag, dest=option.name, action="store_true", default=None, help=helptext)
                 continue
-            parser.add_argument(option.flag, dest=option.name, type=_flag_reader(option), default=None,
-                                metavar=option.metavar, action="append" if option.repeatable else "store",
-                                help=helptext)
+            parser.add_argument(
+                option.flag,
+                dest=option.name,
+                type=_flag_reader(option),
+                default=None,
+                metavar=option.metavar,
+                action="append" if option.repeatable else "store",
+                help=helptext,
+            )
 
     def given(self, namespace: argparse.Namespace) -> tuple[Optional[str], dict[str, Any]]:
         """``(kind name or None, {option: text})``: what the flags of :meth:`add_flags` were given."""
@@ -488,11 +539,18 @@ class ScheduleRegistry:
             found, value = defaults.default(option.name, kind.name)
             if not found:
                 found, value = option.name in kind.defaults, kind.defaults.get(option.name)
-            text = ("default " + describe_value(value) if found
-                    else "required" if option.name in kind.required else "default none")
+            text = (
+                "default " + describe_value(value)
+                if found
+                else "required"
+                if option.name in kind.required
+                else "default none"
+            )
             parts.setdefault(text, []).append(kind.name)
-        refused = [f"`{defaults.command}` refuses {describe_value(value)}: {why}"
-                   for value, why in defaults.refused.get(option.name, {}).items()]
+        refused = [
+            f"`{defaults.command}` refuses {describe_value(value)}: {why}"
+            for value, why in defaults.refused.get(option.name, {}).items()
+        ]
         return "; ".join([*(f"{', '.join(kinds)}: {text}" for text, kinds in parts.items()), *refused])
 
     def table(self) -> str:
@@ -520,8 +578,10 @@ class ScheduleRegistry:
             value = "(none: a switch)" if option.switch else f"`{_cell(option.metavar or option.name.upper())}`"
             if option.repeatable:
                 value += ", repeatable"
-            rows.append(f"| `{option.flag}` | {value} | {_cell(option.help)} | "
-                        f"{', '.join(f'`{k}`' for k in self.kinds_of(option.name))} |")
+            rows.append(
+                f"| `{option.flag}` | {value} | {_cell(option.help)} | "
+                f"{', '.join(f'`{k}`' for k in self.kinds_of(option.name))} |"
+            )
         return "\n".join(rows)
 
     def defaults_table(self, defaults: CommandDefaults) -> str:
@@ -534,13 +594,14 @@ class ScheduleRegistry:
         for option in self.options:
             per_kind = defaults.values.get(option.name, {})
             for key, value in per_kind.items():
-                kinds = ([k for k in self.kinds_of(option.name) if k not in per_kind] if key == ANY_KIND
-                         else [key])
-                rows.append(f"| `{option.flag}` | {', '.join(f'`{k}`' for k in kinds)} | "
-                            f"{_cell(describe_value(value))} |")
+                kinds = [k for k in self.kinds_of(option.name) if k not in per_kind] if key == ANY_KIND else [key]
+                rows.append(
+                    f"| `{option.flag}` | {', '.join(f'`{k}`' for k in kinds)} | {_cell(describe_value(value))} |"
+                )
             for value, why in defaults.refused.get(option.name, {}).items():
-                rows.append(f"| `{option.flag}` | every kind it applies to | refuses `{describe_value(value)}`: "
-                            f"{_cell(why)} |")
+                rows.append(
+                    f"| `{option.flag}` | every kind it applies to | refuses `{describe_value(value)}`: {_cell(why)} |"
+                )
         return "\n".join(rows)
 
 
@@ -555,11 +616,13 @@ def _cell(text: str) -> str:
 
 def _flag_reader(option: Option) -> Callable[[str], str]:
     """An argparse ``type=`` that checks one value of ``option`` and keeps its text (read again at build)."""
+
     def check(text: str) -> str:
         try:
             option.read([text] if option.repeatable else text, option.flag)
         except PlanError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return text
+
     check.__name__ = option.flag  # argparse names the type in some messages
     return check

@@ -223,8 +223,7 @@ class Schedule(ABC):
         unknown = sorted(self.group_names() - known)
         if unknown:
             raise PlanError(
-                f"`{self.kind}` schedule references unknown group(s) {unknown}; "
-                f"known groups: {sorted(known)}"
+                f"`{self.kind}` schedule references unknown group(s) {unknown}; known groups: {sorted(known)}"
             )
         self._check_nonempty()
         if isinstance(groups, ParamGroups):
@@ -260,13 +259,15 @@ class Schedule(ABC):
             raise PlanError(f"`groups` must be a ParamGroups (sizes are read from it), got {type(groups).__name__}")
         self.validate(groups)
         pattern = self.pattern_length()
-        scanned = check_int(positions, "positions", minimum=1) if positions is not None else (
-            pattern if pattern is not None else _SHARE_POSITIONS)
+        scanned = (
+            check_int(positions, "positions", minimum=1)
+            if positions is not None
+            else (pattern if pattern is not None else _SHARE_POSITIONS)
+        )
         phases = [phase for _, _, phase in self.segments(scanned)]
         largest = self._largest_phase({g: groups.numel(g) for g in groups.names})
         exact = largest is not None or (pattern is not None and scanned >= pattern)
-        return train_share(self.kind, phases, largest, self.always_groups(), groups, positions=scanned,
-                           exact=exact)
+        return train_share(self.kind, phases, largest, self.always_groups(), groups, positions=scanned, exact=exact)
 
     def _check_nonempty(self) -> None:
         tail = self.pattern()
@@ -427,9 +428,7 @@ class Schedule(ABC):
                 f"`Schedule.state_dict()`, got {_short(state)}"
             )
         if state["kind"] != self.kind:
-            raise PlanError(
-                f"saved schedule kind {state['kind']!r} differs from this schedule's kind {self.kind!r}"
-            )
+            raise PlanError(f"saved schedule kind {state['kind']!r} differs from this schedule's kind {self.kind!r}")
         mine, saved = self.state_dict()["config"], _jsonable(state["config"])
         missing = object()
         diffs = [
@@ -439,8 +438,7 @@ class Schedule(ABC):
         ]
         if diffs:
             raise PlanError(
-                f"saved `{self.kind}` schedule differs from this one in config field(s): "
-                + "; ".join(diffs)
+                f"saved `{self.kind}` schedule differs from this one in config field(s): " + "; ".join(diffs)
             )
         self._load_seed(state.get("seed"))
 
@@ -596,14 +594,13 @@ class Alternating(_SequenceBacked):
                     f"`every` applies only when `ratios` is a list; got every={every} with the "
                     f"mapping {ratios!r}: put the durations in the mapping"
                 )
-            pairs = [(_entry(k, f"ratios key {k!r}"), check_int(v, f"ratios[{k!r}]", minimum=1))
-                     for k, v in ratios.items()]
+            pairs = [
+                (_entry(k, f"ratios key {k!r}"), check_int(v, f"ratios[{k!r}]", minimum=1)) for k, v in ratios.items()
+            ]
         elif isinstance(ratios, Sequence) and not isinstance(ratios, str):
             pairs = [(_entry(k, f"ratios[{i}]"), every) for i, k in enumerate(ratios)]
         else:
-            raise PlanError(
-                f"`ratios` must be a mapping entry -> duration or a list of entries, got {ratios!r}"
-            )
+            raise PlanError(f"`ratios` must be a mapping entry -> duration or a list of entries, got {ratios!r}")
         if not pairs:
             raise PlanError(f"`ratios` must hold at least one entry, got {ratios!r}")
         self.entries: tuple[tuple[str, ...], ...] = tuple(e for e, _ in pairs)
@@ -671,8 +668,13 @@ class GradualUnfreeze(_SequenceBacked):
         return self.always
 
     def _config(self) -> dict[str, Any]:
-        return {"groups": list(self.groups), "every": self.every, "unit": self.unit,
-                "order": self.order, "always": sorted(self.always)}
+        return {
+            "groups": list(self.groups),
+            "every": self.every,
+            "unit": self.unit,
+            "order": self.order,
+            "always": sorted(self.always),
+        }
 
 
 class ProgressiveFreeze(_SequenceBacked):
@@ -714,8 +716,14 @@ class ProgressiveFreeze(_SequenceBacked):
         return self.always
 
     def _config(self) -> dict[str, Any]:
-        return {"groups": list(self.groups), "every": self.every, "unit": self.unit,
-                "order": self.order, "always": sorted(self.always), "allow_empty": self.allow_empty}
+        return {
+            "groups": list(self.groups),
+            "every": self.every,
+            "unit": self.unit,
+            "order": self.order,
+            "always": sorted(self.always),
+            "allow_empty": self.allow_empty,
+        }
 
 
 class PerTaskCycle(_SequenceBacked):
@@ -757,9 +765,7 @@ class PerTaskCycle(_SequenceBacked):
             )
         if not isinstance(tasks, Sequence) or isinstance(tasks, str) or not tasks:
             raise PlanError(f"`tasks` must be a non-empty list of task groups, got {tasks!r}")
-        self.tasks: tuple[tuple[str, ...], ...] = tuple(
-            _entry(t, f"tasks[{i}]") for i, t in enumerate(tasks)
-        )
+        self.tasks: tuple[tuple[str, ...], ...] = tuple(_entry(t, f"tasks[{i}]") for i, t in enumerate(tasks))
         _check_unique_entries(self.tasks, "tasks")
         check_disjoint(self.trunk, {n for t in self.tasks for n in t}, "trunk", "tasks")
         self.every = check_int(every, "every", minimum=1)
@@ -767,15 +773,19 @@ class PerTaskCycle(_SequenceBacked):
         self.train_trunk = check_bool(train_trunk, "train_trunk")
         trained = self.trunk if train_trunk else frozenset()
         phases = [
-            (Phase(trained | set(t), resident=self.trunk | set(t), label="+".join(t), task="+".join(t)),
-             self.every)
+            (Phase(trained | set(t), resident=self.trunk | set(t), label="+".join(t), task="+".join(t)), self.every)
             for t in self.tasks
         ]
         self._seq = PhaseSequence(phases, repeat=True, unit=unit)
 
     def _config(self) -> dict[str, Any]:
-        return {"trunk": sorted(self.trunk), "tasks": [list(t) for t in self.tasks],
-                "every": self.every, "unit": self.unit, "train_trunk": self.train_trunk}
+        return {
+            "trunk": sorted(self.trunk),
+            "tasks": [list(t) for t in self.tasks],
+            "every": self.every,
+            "unit": self.unit,
+            "train_trunk": self.train_trunk,
+        }
 
 
 # -- the entries of Alternating and the tasks of PerTaskCycle -------------------------------------
@@ -795,8 +805,9 @@ def _entry(value: Any, argument: str) -> tuple[str, ...]:
     return names
 
 
-def _alternating_call(entries: Sequence[tuple[str, ...]], durations: Sequence[int], *, as_mapping: bool,
-                      every: int, always: Sequence[str]) -> str:
+def _alternating_call(
+    entries: Sequence[tuple[str, ...]], durations: Sequence[int], *, as_mapping: bool, every: int, always: Sequence[str]
+) -> str:
     """The source text of an ``Alternating(...)`` call with these entries (for error messages).
 
     Example:
@@ -832,8 +843,14 @@ def _check_unique_entries(entries: Sequence[tuple[str, ...]], argument: str, *, 
             seen[name] = i
 
 
-def _alternating_hint(entries: Sequence[tuple[str, ...]], durations: Sequence[int], *, as_mapping: bool,
-                      every: int, always: frozenset[str]) -> str:
+def _alternating_hint(
+    entries: Sequence[tuple[str, ...]],
+    durations: Sequence[int],
+    *,
+    as_mapping: bool,
+    every: int,
+    always: frozenset[str],
+) -> str:
     """What to write instead of entries that share groups (``Alternating``'s refusal ends with it)."""
     shared = frozenset.intersection(*map(frozenset, entries)) if len(entries) > 1 else frozenset()
     rest = [tuple(n for n in e if n not in shared) for e in entries]
@@ -841,14 +858,24 @@ def _alternating_hint(entries: Sequence[tuple[str, ...]], durations: Sequence[in
     if shared and all(rest) and len(flat) == len(set(flat)):
         call = _alternating_call(rest, durations, as_mapping=as_mapping, every=every, always=sorted(shared | always))
         one = len(shared) == 1
-        return (f"{' and '.join(map(repr, sorted(shared)))} {'is' if one else 'are'} in every entry: to train "
-                f"{'it' if one else 'them'} in every phase, name {'it' if one else 'them'} once in `always=`: {call}")
-    return ("A group that trains in every phase goes in `always=` (named once); for phases that share "
-            f"groups otherwise, list them as a PhaseSequence: {_sequence_call(entries, durations, sorted(always))}")
+        return (
+            f"{' and '.join(map(repr, sorted(shared)))} {'is' if one else 'are'} in every entry: to train "
+            f"{'it' if one else 'them'} in every phase, name {'it' if one else 'them'} once in `always=`: {call}"
+        )
+    return (
+        "A group that trains in every phase goes in `always=` (named once); for phases that share "
+        f"groups otherwise, list them as a PhaseSequence: {_sequence_call(entries, durations, sorted(always))}"
+    )
 
 
-def _check_always_apart(entries: Sequence[tuple[str, ...]], durations: Sequence[int], *, as_mapping: bool,
-                        every: int, always: frozenset[str]) -> None:
+def _check_always_apart(
+    entries: Sequence[tuple[str, ...]],
+    durations: Sequence[int],
+    *,
+    as_mapping: bool,
+    every: int,
+    always: frozenset[str],
+) -> None:
     """Refuse `always` groups that also appear in an entry, with the call that works."""
     both = sorted({n for e in entries for n in e} & always)
     if not both:
@@ -856,8 +883,9 @@ def _check_always_apart(entries: Sequence[tuple[str, ...]], durations: Sequence[
     where = [i for i, e in enumerate(entries) if set(e) & always]
     rest = [tuple(n for n in e if n not in always) for e in entries]
     if all(rest):
-        fix = ("they train in every phase already, so leave them out of the entries: "
-               + _alternating_call(rest, durations, as_mapping=as_mapping, every=every, always=sorted(always)))
+        fix = "they train in every phase already, so leave them out of the entries: " + _alternating_call(
+            rest, durations, as_mapping=as_mapping, every=every, always=sorted(always)
+        )
     else:
         fix = "an entry would be left with no group of its own: take them out of `always` or out of `ratios`"
     raise PlanError(f"group(s) {both} are in `always` and in `ratios` entries {where}; {fix}")
@@ -921,8 +949,13 @@ class RandomBlocks(Schedule):
         self.seed = check_int(seed, "seed")
 
     def _config(self) -> dict[str, Any]:
-        return {"groups": list(self.groups), "k": self.k, "every": self.every,
-                "always": sorted(self.always), "unit": self.unit}
+        return {
+            "groups": list(self.groups),
+            "k": self.k,
+            "every": self.every,
+            "always": sorted(self.always),
+            "unit": self.unit,
+        }
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, seed={self.seed!r})"
@@ -993,8 +1026,10 @@ class FnSchedule(Schedule):
             try:
                 self.phase_at(step, epoch)
             except PlanError as exc:
-                raise PlanError(f"{exc} (found by validate(), which calls `fn` on {self.unit}s "
-                                f"0..{self.probe - 1} before training; `probe=` sets how many)") from None
+                raise PlanError(
+                    f"{exc} (found by validate(), which calls `fn` on {self.unit}s "
+                    f"0..{self.probe - 1} before training; `probe=` sets how many)"
+                ) from None
 
     def phase_at(self, step: int, epoch: int = 0) -> Phase:
         self._position(step, epoch)

@@ -26,8 +26,14 @@ from typing import Iterable, Mapping, Optional, Sequence
 from .groups import ParamGroups
 from .phase import Phase
 
-__all__ = ["ALWAYS_SHARE_LIMIT", "PhaseShare", "TrainShare", "TrainShareWarning", "train_share",
-           "warn_if_always_dominates"]
+__all__ = [
+    "ALWAYS_SHARE_LIMIT",
+    "PhaseShare",
+    "TrainShare",
+    "TrainShareWarning",
+    "train_share",
+    "warn_if_always_dominates",
+]
 
 #: :meth:`Schedule.validate` warns when the parameters trained in every phase (the
 #: schedule's ``always`` groups, and the ungrouped parameters under
@@ -127,9 +133,10 @@ class TrainShare:
             'at most 40.0% of 100 params in a phase (a+head); 5.0% in every phase (head 5.0%)'
         """
         floor = ", ".join(f"{g} {self._pct(n)}" for g, n in self.always.items())
-        return (f"at most {self._pct(self.largest.params)} of {self.total_params:,} params in a phase "
-                f"({self.largest.phase}); {self._pct(self.always_params)} in every phase"
-                + (f" ({floor})" if floor else ""))
+        return (
+            f"at most {self._pct(self.largest.params)} of {self.total_params:,} params in a phase "
+            f"({self.largest.phase}); {self._pct(self.always_params)} in every phase" + (f" ({floor})" if floor else "")
+        )
 
     def _pct(self, params: int) -> str:
         return f"{100.0 * self.fraction(params):.1f}%"
@@ -158,8 +165,16 @@ def _total(groups: ParamGroups) -> int:
     return sum(p.numel() for _, p in groups.all_named_params())
 
 
-def train_share(kind: str, phases: Sequence[Phase], largest: Optional[Phase], always: Iterable[str],
-                groups: ParamGroups, *, positions: int, exact: bool) -> TrainShare:
+def train_share(
+    kind: str,
+    phases: Sequence[Phase],
+    largest: Optional[Phase],
+    always: Iterable[str],
+    groups: ParamGroups,
+    *,
+    positions: int,
+    exact: bool,
+) -> TrainShare:
     """Count the parameters each phase trains (ungrouped ones under ``"trainable"`` in every phase)."""
     loose = _always_params((), groups).get(_UNGROUPED, 0)
 
@@ -169,9 +184,15 @@ def train_share(kind: str, phases: Sequence[Phase], largest: Optional[Phase], al
 
     distinct = tuple(share(p) for p in dict.fromkeys(phases))
     candidates = [*distinct, *([share(largest)] if largest is not None else [])]
-    return TrainShare(kind=kind, total_params=_total(groups), always=_always_params(always, groups),
-                      phases=distinct, largest=max(candidates, key=lambda p: p.params),
-                      positions=positions, exact=exact)
+    return TrainShare(
+        kind=kind,
+        total_params=_total(groups),
+        always=_always_params(always, groups),
+        phases=distinct,
+        largest=max(candidates, key=lambda p: p.params),
+        positions=positions,
+        exact=exact,
+    )
 
 
 def _warning_text(kind: str, counts: Mapping[str, int], total: int) -> Optional[str]:
@@ -183,18 +204,24 @@ def _warning_text(kind: str, counts: Mapping[str, int], total: int) -> Optional[
     what, fixes = [], []
     if named:
         what.append(f"the `always` groups of this {kind} ({parts})")
-        fixes.append("move the large ones (e.g. the embeddings) out of `always=`, into the groups that take "
-                     "turns, or leave them frozen")
+        fixes.append(
+            "move the large ones (e.g. the embeddings) out of `always=`, into the groups that take "
+            "turns, or leave them frozen"
+        )
     if _UNGROUPED in counts:
-        what.append(f"the {counts[_UNGROUPED]:,} ungrouped parameters (ungrouped='trainable', "
-                    f"{100.0 * counts[_UNGROUPED] / total:.1f}%)")
+        what.append(
+            f"the {counts[_UNGROUPED]:,} ungrouped parameters (ungrouped='trainable', "
+            f"{100.0 * counts[_UNGROUPED] / total:.1f}%)"
+        )
         fixes.append("put the ungrouped parameters in groups or build the groups with ungrouped='frozen'")
-    return (f"hf_altparams: {' and '.join(what)} train in every phase: {100.0 * held / total:.1f}% of the "
-            f"model's {total:,} parameters (this warns above {100 * ALWAYS_SHARE_LIMIT:.0f}%, "
-            "hf_altparams.plan.ALWAYS_SHARE_LIMIT). Every phase trains at least that share, so its gradients "
-            "and optimizer state (and fp32 masters) stay near a full fine-tune's. To save memory, "
-            f"{'; '.join(fixes)}. `schedule.trained_share(groups)` (or `python -m hf_altparams plan`) shows "
-            "what each phase trains.")
+    return (
+        f"hf_altparams: {' and '.join(what)} train in every phase: {100.0 * held / total:.1f}% of the "
+        f"model's {total:,} parameters (this warns above {100 * ALWAYS_SHARE_LIMIT:.0f}%, "
+        "hf_altparams.plan.ALWAYS_SHARE_LIMIT). Every phase trains at least that share, so its gradients "
+        "and optimizer state (and fp32 masters) stay near a full fine-tune's. To save memory, "
+        f"{'; '.join(fixes)}. `schedule.trained_share(groups)` (or `python -m hf_altparams plan`) shows "
+        "what each phase trains."
+    )
 
 
 def warn_if_always_dominates(kind: str, always: Iterable[str], groups: ParamGroups) -> None:
@@ -202,4 +229,3 @@ def warn_if_always_dominates(kind: str, always: Iterable[str], groups: ParamGrou
     text = _warning_text(kind, _always_params(always, groups), _total(groups))
     if text is not None:
         warnings.warn(text, TrainShareWarning, stacklevel=3)
-

@@ -59,6 +59,22 @@ from .hardware import Bf16Speed, bf16_speed
 from .model import DTYPE_NAMES, build_model
 from .report import CostPlan, PhaseCost, SwitchCost
 
-__all__ = ["DEFAULT_PCIE_GBPS", "DTYPE_NAMES", "OPTIMIZER_STATES", "POLICIES", "SCHEDULES", "Bf16Speed",
-           "CostPlan", "OptimizerSpec", "PhaseCost", "SwitchCost", "bf16_speed", "build_from_argv", "build_model",
-           "build_parser", "main", "plan_cost", "plan_from_argv"]
+__all__ = [
+    "DEFAULT_PCIE_GBPS",
+    "DTYPE_NAMES",
+    "OPTIMIZER_STATES",
+    "POLICIES",
+    "SCHEDULES",
+    "Bf16Speed",
+    "CostPlan",
+    "OptimizerSpec",
+    "PhaseCost",
+    "SwitchCost",
+    "bf16_speed",
+    "build_from_argv",
+    "build_model",
+    "build_parser",
+    "main",
+    "plan_cost",
+    "plan_from_argv",
+]

@@ -32,11 +32,13 @@ _DTYPE_METAVAR = "{bf16,fp16,fp32,bfloat16,float16,float32}"
 
 def _dtype_flag(flag: str) -> Callable[[str], torch.dtype]:
     """An argparse ``type=`` for a dtype flag: the names :func:`dtype_from_name` accepts."""
+
     def parse(text: str) -> torch.dtype:
         try:
             return dtype_from_name(text, f"`{flag}`")
         except PlanError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+
     parse.__name__ = flag  # argparse names the type in some messages
     return parse
 
@@ -56,51 +58,94 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_altparams plan",
         description="Print what a schedule costs per phase: trainable parameters, bytes all-reduced per "
-                    "step and device memory, against training everything. The model is built on the "
-                    "meta device (no memory).")
+        "step and device memory, against training everything. The model is built on the "
+        "meta device (no memory).",
+    )
     p.add_argument("--model", required=True, help="config JSON, checkpoint folder, or pkg.module:factory")
     p.add_argument("--model-class", default="AutoModel", help="transformers class for a config (AutoModel)")
-    p.add_argument("--dtype", type=_dtype_flag("--dtype"), metavar=_DTYPE_METAVAR,
-                   help="cast the parameters to this dtype")
-    p.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN...]",
-                   help="a parameter group (repeatable); globs, or 're:' regexes")
+    p.add_argument(
+        "--dtype", type=_dtype_flag("--dtype"), metavar=_DTYPE_METAVAR, help="cast the parameters to this dtype"
+    )
+    p.add_argument(
+        "--group",
+        action="append",
+        default=[],
+        metavar="NAME=PATTERN[,PATTERN...]",
+        help="a parameter group (repeatable); globs, or 're:' regexes",
+    )
     p.add_argument("--layers", metavar="ATTR.PATH", help="one group per --per layers of this ModuleList")
     p.add_argument("--per", type=int, default=1, help="layers per group with --layers")
     p.add_argument("--prefix", default="layer", help="layer group name prefix with --layers")
     p.add_argument("--ungrouped", choices=["frozen", "trainable", "error"], default="frozen")
     p.add_argument("--steps", type=int, help="positions to list (default: one period or up to the last phase)")
-    p.add_argument("--optimizer", default="adamw",
-                   help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)")
-    p.add_argument("--state-policy", choices=list(POLICIES),
-                   help="idle groups' optimizer state (default: the run's: drop for lisa and badam, else keep)")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help=f"one of {', '.join(OPTIMIZER_STATES)}, or state bytes per parameter (e.g. 2)",
+    )
+    p.add_argument(
+        "--state-policy",
+        choices=list(POLICIES),
+        help="idle groups' optimizer state (default: the run's: drop for lisa and badam, else keep)",
+    )
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--grad-dtype", type=_dtype_flag("--grad-dtype"), metavar=_DTYPE_METAVAR,
-                   help="gradient dtype (default: the parameters')")
-    p.add_argument("--storage-dtype", type=_dtype_flag("--storage-dtype"), metavar=_DTYPE_METAVAR,
-                   help="low-precision storage (PrecisionOptimizer): params and grads in this dtype, fp32 "
-                        "masters and optimizer state for the groups that train")
-    p.add_argument("--master-policy", choices=list(POLICIES),
-                   help="with --storage-dtype: where an idle group's fp32 master goes (default: the run's: drop "
-                        "for lisa and badam, else offload)")
-    p.add_argument("--allreduce-dtype", type=_dtype_flag("--allreduce-dtype"), metavar=_DTYPE_METAVAR,
-                   help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
-                        "default: the gradients' dtype)")
+    p.add_argument(
+        "--grad-dtype",
+        type=_dtype_flag("--grad-dtype"),
+        metavar=_DTYPE_METAVAR,
+        help="gradient dtype (default: the parameters')",
+    )
+    p.add_argument(
+        "--storage-dtype",
+        type=_dtype_flag("--storage-dtype"),
+        metavar=_DTYPE_METAVAR,
+        help="low-precision storage (PrecisionOptimizer): params and grads in this dtype, fp32 "
+        "masters and optimizer state for the groups that train",
+    )
+    p.add_argument(
+        "--master-policy",
+        choices=list(POLICIES),
+        help="with --storage-dtype: where an idle group's fp32 master goes (default: the run's: drop "
+        "for lisa and badam, else offload)",
+    )
+    p.add_argument(
+        "--allreduce-dtype",
+        type=_dtype_flag("--allreduce-dtype"),
+        metavar=_DTYPE_METAVAR,
+        help="all-reduce the gradients in this dtype (PrecisionOptimizer allreduce_dtype; "
+        "default: the gradients' dtype)",
+    )
     p.add_argument("--bucket-as-view", action="store_true", help="DDP gradient_as_bucket_view=True")
-    p.add_argument("--strategy", default=None, metavar="{" + ",".join(backends()) + "}",
-                   help="the registered strategy to price (default: ddp); fsdp2: bytes per rank with the model "
-                        "sharded by fully_shard over --world-size ranks, next to DDP's; local: one process")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        metavar="{" + ",".join(backends()) + "}",
+        help="the registered strategy to price (default: ddp); fsdp2: bytes per rank with the model "
+        "sharded by fully_shard over --world-size ranks, next to DDP's; local: one process",
+    )
     p.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
-    p.add_argument("--nonresident-on-device", action="store_true",
-                   help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)")
+    p.add_argument(
+        "--nonresident-on-device",
+        action="store_true",
+        help="non-resident groups stay on the device (PhaseSwitcher offload_device=None)",
+    )
     p.add_argument("--pcie-gbps", type=float, default=DEFAULT_PCIE_GBPS, help="host<->device GB/s assumed")
-    p.add_argument("--device", type=_device_flag, default="auto", metavar="{auto,cpu,cuda,cuda:N,none}",
-                   help="where the run computes, checked for bf16 speed when the plan computes in bf16 "
-                        "(--storage-dtype bf16 or --dtype bf16): auto (a visible GPU, else this CPU), cpu, cuda, "
-                        f"cuda:N, or none (planning for another machine: no check); {BF16_ENV}=fast|slow "
-                        "forces the verdict")
+    p.add_argument(
+        "--device",
+        type=_device_flag,
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N,none}",
+        help="where the run computes, checked for bf16 speed when the plan computes in bf16 "
+        "(--storage-dtype bf16 or --dtype bf16): auto (a visible GPU, else this CPU), cpu, cuda, "
+        f"cuda:N, or none (planning for another machine: no check); {BF16_ENV}=fast|slow "
+        "forces the verdict",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    SCHEDULES.add_flags(p.add_argument_group(
-        "the schedule", "the kinds and flags of hf_altparams.plan.SCHEDULES, the same in `check` (docs/planner.md)"))
+    SCHEDULES.add_flags(
+        p.add_argument_group(
+            "the schedule", "the kinds and flags of hf_altparams.plan.SCHEDULES, the same in `check` (docs/planner.md)"
+        )
+    )
     return p
 
 
@@ -116,8 +161,9 @@ def _groups_from_args(args: argparse.Namespace, model: nn.Module) -> ParamGroups
             raise PlanError(f"`--group` must look like NAME=PATTERN[,PATTERN...], got {item!r}")
         specs[name.strip()] = _names(patterns)
     if args.layers:
-        return ParamGroups.from_layers(model, args.layers, per=args.per, prefix=args.prefix,
-                                       extra=specs, ungrouped=args.ungrouped)
+        return ParamGroups.from_layers(
+            model, args.layers, per=args.per, prefix=args.prefix, extra=specs, ungrouped=args.ungrouped
+        )
     if not specs:
         raise PlanError("no groups: pass `--group NAME=PATTERN` (repeatable) and/or `--layers ATTR.PATH`")
     return ParamGroups(model, specs, ungrouped=args.ungrouped)
@@ -136,8 +182,9 @@ def _optimizer_arg(text: str) -> OptimizerSpec:
         return text
 
 
-def build_from_argv(argv: Sequence[str], *, device: str = "meta"
-                    ) -> tuple[argparse.Namespace, nn.Module, ParamGroups, Schedule]:
+def build_from_argv(
+    argv: Sequence[str], *, device: str = "meta"
+) -> tuple[argparse.Namespace, nn.Module, ParamGroups, Schedule]:
     """Parse ``plan`` arguments and build the model (on ``device``), its groups and the schedule.
 
     Raises:
@@ -160,14 +207,24 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, CostPlan]:
         [('slope', [(0, 10)], 4)]
     """
     args, model, groups, schedule = build_from_argv(argv)
-    plan = plan_cost(model, groups, schedule, optimizer=_optimizer_arg(args.optimizer),
-                     state_policy=args.state_policy, steps=args.steps, world_size=args.world_size,
-                     grad_dtype=args.grad_dtype,
-                     bucket_as_view=args.bucket_as_view, pcie_gbps=args.pcie_gbps,
-                     offload_nonresident=not args.nonresident_on_device,
-                     storage_dtype=args.storage_dtype,
-                     master_policy=args.master_policy, backend=_strategy_arg(args.strategy, args.fsdp2),
-                     allreduce_dtype=args.allreduce_dtype, bf16_check=args.device)
+    plan = plan_cost(
+        model,
+        groups,
+        schedule,
+        optimizer=_optimizer_arg(args.optimizer),
+        state_policy=args.state_policy,
+        steps=args.steps,
+        world_size=args.world_size,
+        grad_dtype=args.grad_dtype,
+        bucket_as_view=args.bucket_as_view,
+        pcie_gbps=args.pcie_gbps,
+        offload_nonresident=not args.nonresident_on_device,
+        storage_dtype=args.storage_dtype,
+        master_policy=args.master_policy,
+        backend=_strategy_arg(args.strategy, args.fsdp2),
+        allreduce_dtype=args.allreduce_dtype,
+        bf16_check=args.device,
+    )
     return args, plan
 
 

@@ -57,10 +57,22 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from ..engine.memory.model import (OPTIMIZER_STATES, UNGROUPED, Footprint, Layout, Sizes, StatePolicy, Storage,
-                                    buffer_owners, everything_layout, footprint, layout, run_idle_policies,
-                                    state_bytes_for,
-                                    tensor_sizes)
+from ..engine.memory.model import (
+    OPTIMIZER_STATES,
+    UNGROUPED,
+    Footprint,
+    Layout,
+    Sizes,
+    StatePolicy,
+    Storage,
+    buffer_owners,
+    everything_layout,
+    footprint,
+    layout,
+    run_idle_policies,
+    state_bytes_for,
+    tensor_sizes,
+)
 from ..engine.strategies import Placement, Pricing, Strategy, registered, strategy_named
 from ..errors import PlanError
 from ..plan import ParamGroups, Phase, Schedule
@@ -68,8 +80,7 @@ from ..plan.checks import check_int
 from .hardware import Bf16Speed, bf16_speed
 from .report import CostPlan, PhaseCost, SwitchCost
 
-__all__ = ["DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "backends", "plan_cost",
-           "shard_rows"]
+__all__ = ["DEFAULT_PCIE_GBPS", "OPTIMIZER_STATES", "POLICIES", "OptimizerSpec", "backends", "plan_cost", "shard_rows"]
 
 #: The state policies (``--state-policy``, ``--master-policy``): the values of
 #: :class:`~hf_altparams.engine.optim.StatePolicy`.
@@ -190,8 +201,9 @@ def plan_cost(
     pricing = strategy.pricing
     run_state, run_master, why = run_idle_policies(schedule.idle_state, schedule.kind)
     policy = run_state if state_policy is None else StatePolicy.parse(state_policy, "`state_policy`")
-    masters_given = None if master_policy is None else StatePolicy.parse(
-        master_policy, "`master_policy` (--master-policy)")
+    masters_given = (
+        None if master_policy is None else StatePolicy.parse(master_policy, "`master_policy` (--master-policy)")
+    )
     source = why if state_policy is None else "given"
     if steps is None:
         pattern = schedule.pattern_length()
@@ -199,13 +211,13 @@ def plan_cost(
     trained = schedule.trained_share(groups, positions=steps)  # validates; warns if `always` groups dominate
     speed = _bf16_verdict(bf16_check, groups, storage_dtype)
     label, state_fn = _state_bytes_fn(optimizer)
-    storage = Storage(storage_dtype, masters=storage_dtype is not None, grad_dtype=grad_dtype,
-                      allreduce_dtype=allreduce_dtype)
+    storage = Storage(
+        storage_dtype, masters=storage_dtype is not None, grad_dtype=grad_dtype, allreduce_dtype=allreduce_dtype
+    )
     params = dict(groups.all_named_params())
     full = _group_sizes(params, groups, state_fn, storage)
     shard_params = _shard_params(params, world_size)
-    shards = _shard_sizes(full, shard_params, groups, world_size, state_fn, storage) if _shards_any(strategy) \
-        else full
+    shards = _shard_sizes(full, shard_params, groups, world_size, state_fn, storage) if _shards_any(strategy) else full
 
     def masters_of(priced: Strategy) -> StatePolicy:
         """Idle masters' policy: given, else the state's for a strategy whose masters go with it, else the run's."""
@@ -215,11 +227,25 @@ def plan_cost(
 
     def walk_of(priced: Strategy) -> _Walk:
         fp32 = priced.pricing.fp32_masters
-        sizes = _priced_sizes(_fp32_masters(full, params, groups) if fp32 else full,
-                              _fp32_masters(shards, shard_params, groups) if fp32 else shards, priced.pricing)
-        return _Walk(groups, schedule, steps, sizes, storage, pricing=priced.pricing, world_size=world_size,
-                     bucket_as_view=bucket_as_view, offload_nonresident=offload_nonresident, pcie_gbps=pcie_gbps,
-                     masters_policy=masters_of(priced), gathered={k: v.param for k, v in full.items()})
+        sizes = _priced_sizes(
+            _fp32_masters(full, params, groups) if fp32 else full,
+            _fp32_masters(shards, shard_params, groups) if fp32 else shards,
+            priced.pricing,
+        )
+        return _Walk(
+            groups,
+            schedule,
+            steps,
+            sizes,
+            storage,
+            pricing=priced.pricing,
+            world_size=world_size,
+            bucket_as_view=bucket_as_view,
+            offload_nonresident=offload_nonresident,
+            pcie_gbps=pcie_gbps,
+            masters_policy=masters_of(priced),
+            gathered={k: v.param for k, v in full.items()},
+        )
 
     walk = walk_of(strategy)
     size = walk.size
@@ -231,27 +257,48 @@ def plan_cost(
     compared = None if pricing.compare_with is None else strategy_named(pricing.compare_with)
     if compared is not None:  # the same phases under the compared strategy (the same policy), side by side
         other = walk_of(compared)
-        other_rows = [*other.run(policy)[0],
-                      other.cost("train everything", set(other.size), everything_layout(other.size))]
+        other_rows = [
+            *other.run(policy)[0],
+            other.cost("train everything", set(other.size), everything_layout(other.size)),
+        ]
         ddp_device_bytes = {row.phase: row.device_bytes for row in other_rows}
     return CostPlan(
-        model=type(model).__name__, total_params=sum(s.numel for s in size.values()), unit=schedule.unit,
-        positions=steps, optimizer=label, state_policy=policy.value, state_policy_source=source,
+        model=type(model).__name__,
+        total_params=sum(s.numel for s in size.values()),
+        unit=schedule.unit,
+        positions=steps,
+        optimizer=label,
+        state_policy=policy.value,
+        state_policy_source=source,
         world_size=world_size,
-        grad_dtype=_dtype_text(grad_dtype), bucket_as_view=bucket_as_view,
-        offload_nonresident=offload_nonresident, pcie_gbps=float(pcie_gbps),
-        phases=rows, everything=everything, switches=switches,
-        policies={p: {"peak_device_bytes": max((r.device_bytes for r in res[0]), default=0),
-                      "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1])}
-                  for p, res in results.items()},
+        grad_dtype=_dtype_text(grad_dtype),
+        bucket_as_view=bucket_as_view,
+        offload_nonresident=offload_nonresident,
+        pcie_gbps=float(pcie_gbps),
+        phases=rows,
+        everything=everything,
+        switches=switches,
+        policies={
+            p: {
+                "peak_device_bytes": max((r.device_bytes for r in res[0]), default=0),
+                "moved_bytes": sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in res[1]),
+            }
+            for p, res in results.items()
+        },
         storage_dtype=_dtype_text(storage_dtype),
         master_policy=None if storage_dtype is None and not pricing.fp32_masters else masters_of(strategy).value,
-        allreduce_dtype=_dtype_text(allreduce_dtype), backend=strategy.name, strategy_label=strategy.label,
-        collective=pricing.collective.value, gathers=pricing.gathers.value, fp32_masters=pricing.fp32_masters,
-        compared_with=None if compared is None else compared.label, ddp_device_bytes=ddp_device_bytes,
+        allreduce_dtype=_dtype_text(allreduce_dtype),
+        backend=strategy.name,
+        strategy_label=strategy.label,
+        collective=pricing.collective.value,
+        gathers=pricing.gathers.value,
+        fp32_masters=pricing.fp32_masters,
+        compared_with=None if compared is None else compared.label,
+        ddp_device_bytes=ddp_device_bytes,
         # a transient of FSDP2's forward/backward: the largest group (or the ungrouped) unsharded
         unit_bytes=max((entry.param for entry in full.values()), default=0) if pricing.unit_transient else 0,
-        trained=trained, bf16_speed=speed,
+        trained=trained,
+        bf16_speed=speed,
     )
 
 
@@ -270,10 +317,22 @@ def shard_rows(shape: Union[torch.Size, tuple[int, ...]], world_size: int) -> tu
 class _Walk:
     """The walk over a schedule's segments under one idle-state policy: a row per phase, a cost per switch."""
 
-    def __init__(self, groups: ParamGroups, schedule: Schedule, steps: int, size: dict[str, Sizes],
-                 storage: Storage, *, pricing: Pricing, world_size: int, bucket_as_view: bool,
-                 offload_nonresident: bool, pcie_gbps: float, masters_policy: StatePolicy,
-                 gathered: dict[str, int]) -> None:
+    def __init__(
+        self,
+        groups: ParamGroups,
+        schedule: Schedule,
+        steps: int,
+        size: dict[str, Sizes],
+        storage: Storage,
+        *,
+        pricing: Pricing,
+        world_size: int,
+        bucket_as_view: bool,
+        offload_nonresident: bool,
+        pcie_gbps: float,
+        masters_policy: StatePolicy,
+        gathered: dict[str, int],
+    ) -> None:
         self.groups, self.size, self.pricing, self.world_size = groups, size, pricing, world_size
         self.bucket_as_view, self.offload_nonresident, self.pcie_gbps = bucket_as_view, offload_nonresident, pcie_gbps
         self.segments = schedule.segments(steps)
@@ -286,20 +345,25 @@ class _Walk:
 
     def place(self, phase: Phase, active: set[str], stepped: set[str], idle: StatePolicy) -> Layout:
         """Where everything is in ``phase`` (the groups it keeps resident; state and masters by policy)."""
-        off = frozenset(self.groups.names) - phase.resident \
-            if phase.resident is not None and self.offload_nonresident else frozenset()
+        off = (
+            frozenset(self.groups.names) - phase.resident
+            if phase.resident is not None and self.offload_nonresident
+            else frozenset()
+        )
         where = layout(active, off, stepped, dict.fromkeys(self.size, idle), self.masters)
         if self.mastered is None:
             return where
-        return replace(where, masters=layout(active, off, self.mastered, dict.fromkeys(self.size, idle),
-                                             self.masters).masters)
+        return replace(
+            where, masters=layout(active, off, self.mastered, dict.fromkeys(self.size, idle), self.masters).masters
+        )
 
     def cost(self, name: str, active: set[str], where: Layout) -> PhaseCost:
         """The row of a phase training ``active`` with everything placed as ``where`` says."""
         used = footprint(self.size, where, self.owners, ddp=self.pricing.buckets, bucket_view=self.bucket_as_view)
         gathered = self.pricing.gathers.gathered_bytes(
-            trainable=sum(self.gathered[k] for k in active), every=sum(self.gathered[k] for k in set(self.size)
-                                                                     - where.off))
+            trainable=sum(self.gathered[k] for k in active),
+            every=sum(self.gathered[k] for k in set(self.size) - where.off),
+        )
         return _phase_cost(name, active, used, self.size, self.world_size, self.pricing, gathered)
 
     def run(self, idle: StatePolicy) -> tuple[list[PhaseCost], list[SwitchCost]]:
@@ -312,12 +376,14 @@ class _Walk:
             active = set(phase.trainable) | self.always
             if previous is not None:  # the switch: from the last layout of `previous` to this one
                 out, back = _moves(previous[2], self.place(phase, active, stepped, idle), self.size, self.owners)
-                reinit = sum(self.size[g].state for g in (active - previous[1]) & stepped) \
-                    if idle is StatePolicy.DROP else 0
+                reinit = (
+                    sum(self.size[g].state for g in (active - previous[1]) & stepped) if idle is StatePolicy.DROP else 0
+                )
                 key = (previous[0].name, phase.name, out, back, reinit)
                 if key not in switches:
-                    switches[key] = SwitchCost(previous[0].name, phase.name, 0, out, back, reinit,
-                                               (out + back) / (self.pcie_gbps * 1e9))
+                    switches[key] = SwitchCost(
+                        previous[0].name, phase.name, 0, out, back, reinit, (out + back) / (self.pcie_gbps * 1e9)
+                    )
                 switches[key].count += 1
             stepped |= active
             where = self.place(phase, active, stepped, idle)
@@ -330,8 +396,14 @@ class _Walk:
         return list(rows.values()), list(switches.values())
 
 
-def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dtype: Optional[torch.dtype],
-                storage_dtype: Optional[torch.dtype], allreduce_dtype: Optional[torch.dtype]) -> None:
+def _check_args(
+    steps: Optional[int],
+    world_size: int,
+    pcie_gbps: float,
+    grad_dtype: Optional[torch.dtype],
+    storage_dtype: Optional[torch.dtype],
+    allreduce_dtype: Optional[torch.dtype],
+) -> None:
     for value, name in ((steps, "steps"), (world_size, "world_size")):
         if value is not None:
             check_int(value, name, minimum=1)
@@ -339,20 +411,24 @@ def _check_args(steps: Optional[int], world_size: int, pcie_gbps: float, grad_dt
         raise PlanError(f"`pcie_gbps` must be a number > 0 (GB/s), got {pcie_gbps!r}")
     if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
         raise PlanError(f"`grad_dtype` must be a torch.dtype or None, got {grad_dtype!r}")
-    for dtype, name in ((storage_dtype, "`storage_dtype` (--storage-dtype)"),
-                        (allreduce_dtype, "`allreduce_dtype` (--allreduce-dtype)")):
+    for dtype, name in (
+        (storage_dtype, "`storage_dtype` (--storage-dtype)"),
+        (allreduce_dtype, "`allreduce_dtype` (--allreduce-dtype)"),
+    ):
         if dtype is not None and dtype not in _FLOAT_DTYPES:
             raise PlanError(f"{name} must be bfloat16, float16, float32 or None, got {dtype!r}")
 
 
-def _bf16_verdict(check: Union[str, torch.device, Bf16Speed, None], groups: ParamGroups,
-                  storage_dtype: Optional[torch.dtype]) -> Optional[Bf16Speed]:
+def _bf16_verdict(
+    check: Union[str, torch.device, Bf16Speed, None], groups: ParamGroups, storage_dtype: Optional[torch.dtype]
+) -> Optional[Bf16Speed]:
     """The bf16 speed verdict for a run that computes in bf16 (``None`` for one that does not, or no check)."""
     if isinstance(check, Bf16Speed) or check is None:
         return check if _computes_in_bf16(groups, storage_dtype) else None
     if not isinstance(check, (str, torch.device)):
-        raise PlanError(f"`bf16_check` must be 'auto', a device ('cpu', 'cuda', 'cuda:N'), a Bf16Speed or None, "
-                        f"got {check!r}")
+        raise PlanError(
+            f"`bf16_check` must be 'auto', a device ('cpu', 'cuda', 'cuda:N'), a Bf16Speed or None, got {check!r}"
+        )
     if not _computes_in_bf16(groups, storage_dtype):
         return None
     if check == "auto":
@@ -371,10 +447,14 @@ def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, StateBytes]:
     if isinstance(optimizer, str):
         states = OPTIMIZER_STATES.get(optimizer.lower())
         if states is None:
-            raise PlanError(f"`optimizer` must be one of {list(OPTIMIZER_STATES)}, a number of state bytes "
-                            f"per parameter, or a callable (name, param) -> bytes; got {optimizer!r}")
-        return (f"{optimizer.lower()} ({states:g} state(s) per parameter, in its dtype)",
-                lambda name, p: state_bytes_for(states, p))
+            raise PlanError(
+                f"`optimizer` must be one of {list(OPTIMIZER_STATES)}, a number of state bytes "
+                f"per parameter, or a callable (name, param) -> bytes; got {optimizer!r}"
+            )
+        return (
+            f"{optimizer.lower()} ({states:g} state(s) per parameter, in its dtype)",
+            lambda name, p: state_bytes_for(states, p),
+        )
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         per_param = float(optimizer)
         if not math.isfinite(per_param) or per_param < 0:
@@ -388,18 +468,23 @@ def _state_bytes_fn(optimizer: OptimizerSpec) -> tuple[str, StateBytes]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"`optimizer` callable returned {value!r} for {name!r}; expected an int >= 0")
             return value
+
         return f"custom ({getattr(optimizer, '__name__', type(optimizer).__name__)})", checked
-    raise PlanError(f"`optimizer` must be a name from {list(OPTIMIZER_STATES)}, a number or a callable, "
-                    f"got {optimizer!r}")
+    raise PlanError(
+        f"`optimizer` must be a name from {list(OPTIMIZER_STATES)}, a number or a callable, got {optimizer!r}"
+    )
 
 
-def _group_sizes(params: Mapping[str, nn.Parameter], groups: ParamGroups, state_fn: StateBytes,
-                 storage: Storage) -> dict[str, Sizes]:
+def _group_sizes(
+    params: Mapping[str, nn.Parameter], groups: ParamGroups, state_fn: StateBytes, storage: Storage
+) -> dict[str, Sizes]:
     """:class:`Sizes` per group (and ``<ungrouped>``) of ``groups``, with ``params`` standing for its parameters."""
     members = {g: groups.param_names(g) for g in groups.names}
     members[UNGROUPED] = groups.ungrouped_names()
-    return {key: tensor_sizes([(n, params[n]) for n in names], state_fn, storage)  # type: ignore[arg-type]
-            for key, names in members.items()}
+    return {
+        key: tensor_sizes([(n, params[n]) for n in names], state_fn, storage)  # type: ignore[arg-type]
+        for key, names in members.items()
+    }
 
 
 def _shards_any(strategy: Strategy) -> bool:
@@ -423,18 +508,27 @@ def _priced_sizes(full: dict[str, Sizes], shards: dict[str, Sizes], pricing: Pri
     out = {}
     for key in full:
         grads = pricing.gradients
-        out[key] = Sizes(numel=full[key].numel, param=pick(pricing.parameters, key, "param"),
-                         grad=pick(grads, key, "grad"), bucket=pick(grads, key, "bucket"),
-                         bucket_kept=pick(grads, key, "bucket_kept"), reduced=pick(grads, key, "reduced"),
-                         state=pick(pricing.optimizer_state, key, "state"), master=pick(pricing.masters, key, "master"))
+        out[key] = Sizes(
+            numel=full[key].numel,
+            param=pick(pricing.parameters, key, "param"),
+            grad=pick(grads, key, "grad"),
+            bucket=pick(grads, key, "bucket"),
+            bucket_kept=pick(grads, key, "bucket_kept"),
+            reduced=pick(grads, key, "reduced"),
+            state=pick(pricing.optimizer_state, key, "state"),
+            master=pick(pricing.masters, key, "master"),
+        )
     return out
 
 
 def _shard_params(params: Mapping[str, nn.Parameter], world_size: int) -> dict[str, nn.Parameter]:
     """One rank's shard of each parameter, on ``meta`` (see the module docstring)."""
-    return {name: nn.Parameter(torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"),
-                               requires_grad=False)
-            for name, p in params.items()}
+    return {
+        name: nn.Parameter(
+            torch.empty(shard_rows(p.shape, world_size), dtype=p.dtype, device="meta"), requires_grad=False
+        )
+        for name, p in params.items()
+    }
 
 
 def _fp32_masters(size: dict[str, Sizes], params: Mapping[str, nn.Parameter], groups: ParamGroups) -> dict[str, Sizes]:
@@ -443,6 +537,7 @@ def _fp32_masters(size: dict[str, Sizes], params: Mapping[str, nn.Parameter], gr
     For a strategy declaring ``fp32_masters`` (DeepSpeed's fp32 partitions); ``params`` are the tensors ``size``
     was computed from (whole or one rank's shards).
     """
+
     def floating(key: str) -> int:
         return sum(params[n].numel() for n in _member_names(groups, key) if params[n].is_floating_point())
 
@@ -453,8 +548,14 @@ def _member_names(groups: ParamGroups, key: str) -> tuple[str, ...]:
     return groups.ungrouped_names() if key == UNGROUPED else groups.param_names(key)
 
 
-def _shard_sizes(full: dict[str, Sizes], shards: Mapping[str, nn.Parameter], groups: ParamGroups, world_size: int,
-                 state_fn: StateBytes, storage: Storage) -> dict[str, Sizes]:
+def _shard_sizes(
+    full: dict[str, Sizes],
+    shards: Mapping[str, nn.Parameter],
+    groups: ParamGroups,
+    world_size: int,
+    state_fn: StateBytes,
+    storage: Storage,
+) -> dict[str, Sizes]:
     """Per group: the :class:`Sizes` of one rank's shards of its parameters (``shards``, :func:`_shard_params`).
 
     Element counts stay the full ones (``full``); ``bucket`` and ``reduced`` become
@@ -462,9 +563,16 @@ def _shard_sizes(full: dict[str, Sizes], shards: Mapping[str, nn.Parameter], gro
     ``reduced`` in the all-reduce dtype if one is set).
     """
     size = _group_sizes(shards, groups, state_fn, storage)
-    return {key: replace(entry, numel=full[key].numel, bucket=entry.bucket * world_size,
-                         bucket_kept=entry.bucket_kept * world_size, reduced=entry.reduced * world_size)
-            for key, entry in size.items()}
+    return {
+        key: replace(
+            entry,
+            numel=full[key].numel,
+            bucket=entry.bucket * world_size,
+            bucket_kept=entry.bucket_kept * world_size,
+            reduced=entry.reduced * world_size,
+        )
+        for key, entry in size.items()
+    }
 
 
 def _moves(before: Layout, after: Layout, size: dict[str, Sizes], owners: Owners) -> tuple[int, int]:
@@ -483,18 +591,35 @@ def _moves(before: Layout, after: Layout, size: dict[str, Sizes], owners: Owners
     return to_host, to_device
 
 
-def _phase_cost(name: str, active: set[str], where: Footprint, size: dict[str, Sizes], world_size: int,
-                pricing: Pricing, gathered: int) -> PhaseCost:
+def _phase_cost(
+    name: str,
+    active: set[str],
+    where: Footprint,
+    size: dict[str, Sizes],
+    world_size: int,
+    pricing: Pricing,
+    gathered: int,
+) -> PhaseCost:
     """A :class:`PhaseCost` row from the model's :class:`Footprint` of the phase and the bytes it all-gathers."""
     reduced = 0 if pricing.collective.value == "none" else where.allreduced
     # an all-gather sends (N-1)/N of its output per rank, as a reduce-scatter of its input does
     sent = pricing.collective.sent_per_rank(reduced, world_size) + (world_size - 1) * gathered // world_size
     return PhaseCost(
-        phase=name, trainable_groups=tuple(sorted(active - {UNGROUPED})), ranges=[],
-        trainable_params=sum(size[k].numel for k in active), allreduce_bytes=reduced, wire_bytes=sent,
-        param_bytes=where.params, buffer_bytes=where.buffers, grad_bytes=where.grads,
-        optimizer_bytes=where.optimizer, bucket_bytes=where.buckets, host_bytes=where.host,
-        master_bytes=where.masters, gather_bytes=gathered)
+        phase=name,
+        trainable_groups=tuple(sorted(active - {UNGROUPED})),
+        ranges=[],
+        trainable_params=sum(size[k].numel for k in active),
+        allreduce_bytes=reduced,
+        wire_bytes=sent,
+        param_bytes=where.params,
+        buffer_bytes=where.buffers,
+        grad_bytes=where.grads,
+        optimizer_bytes=where.optimizer,
+        bucket_bytes=where.buckets,
+        host_bytes=where.host,
+        master_bytes=where.masters,
+        gather_bytes=gathered,
+    )
 
 
 def _dtype_text(dtype: Optional[torch.dtype]) -> Optional[str]:

@@ -41,8 +41,17 @@ import torch
 
 from ..errors import PlanError
 
-__all__ = ["BF16_ENV", "PROBE_SHAPE", "SLOW_RATIO", "Bf16Speed", "Probe", "bf16_speed", "cpu_verdict",
-           "cuda_verdict", "time_matmul"]
+__all__ = [
+    "BF16_ENV",
+    "PROBE_SHAPE",
+    "SLOW_RATIO",
+    "Bf16Speed",
+    "Probe",
+    "bf16_speed",
+    "cpu_verdict",
+    "cuda_verdict",
+    "time_matmul",
+]
 
 #: The environment variable that forces the verdict: ``fast`` or ``slow`` (any case).
 BF16_ENV = "HF_ALTPARAMS_BF16"
@@ -106,13 +115,16 @@ class Bf16Speed:
         if self.fast:
             return None
         slower = "" if self.slowdown is None else f" (each matmul about {self.slowdown:.0f}x slower than in fp32)"
-        return (f"{self.reason}. Computing in bf16 there is slow{slower}. The way out: keep the weights in fp32 "
-                "there, or train where bf16 is native (a CPU with AVX-512 bf16 or AMX, a GPU of compute "
-                f"capability 8.0+). {BF16_ENV}=fast or slow overrides this check.")
+        return (
+            f"{self.reason}. Computing in bf16 there is slow{slower}. The way out: keep the weights in fp32 "
+            "there, or train where bf16 is native (a CPU with AVX-512 bf16 or AMX, a GPU of compute "
+            f"capability 8.0+). {BF16_ENV}=fast or slow overrides this check."
+        )
 
 
-def time_matmul(dtype: torch.dtype, shape: tuple[int, int, int] = PROBE_SHAPE, device: str = "cpu",
-                repeats: int = _REPEATS) -> float:
+def time_matmul(
+    dtype: torch.dtype, shape: tuple[int, int, int] = PROBE_SHAPE, device: str = "cpu", repeats: int = _REPEATS
+) -> float:
     """Seconds one ``(m, k) @ (k, n)`` matmul takes in ``dtype`` on ``device``: the best of ``repeats`` runs.
 
     On a CPU it runs on one thread (torch's thread count is put back after).
@@ -159,11 +171,20 @@ def cpu_verdict(capability: str, fp32_seconds: float, bf16_seconds: float, devic
     ratio = bf16_seconds / fp32_seconds
     fast = ratio <= SLOW_RATIO
     m, k, n = PROBE_SHAPE
-    figures = (f"a {m}x{k} @ {k}x{n} matmul took {1e3 * bf16_seconds:.2f} ms in bf16 against "
-               f"{1e3 * fp32_seconds:.2f} ms in fp32 ({ratio:.1f}x; torch's CPU capability: {capability})")
+    figures = (
+        f"a {m}x{k} @ {k}x{n} matmul took {1e3 * bf16_seconds:.2f} ms in bf16 against "
+        f"{1e3 * fp32_seconds:.2f} ms in fp32 ({ratio:.1f}x; torch's CPU capability: {capability})"
+    )
     reason = f"bf16 is {'fast' if fast else 'slow'} on this CPU: {figures}"
-    return Bf16Speed(device=device, fast=fast, reason=reason, source="probe", capability=capability,
-                     fp32_seconds=float(fp32_seconds), bf16_seconds=float(bf16_seconds))
+    return Bf16Speed(
+        device=device,
+        fast=fast,
+        reason=reason,
+        source="probe",
+        capability=capability,
+        fp32_seconds=float(fp32_seconds),
+        bf16_seconds=float(bf16_seconds),
+    )
 
 
 def cuda_verdict(name: str, capability: tuple[int, int], device: str = "cuda:0") -> Bf16Speed:
@@ -177,8 +198,10 @@ def cuda_verdict(name: str, capability: tuple[int, int], device: str = "cuda:0")
     if capability >= (8, 0):
         reason = f"bf16 is fast on {device} ({name}, compute capability {text}: bf16 tensor cores)"
         return Bf16Speed(device=device, fast=True, reason=reason, source="cuda", capability=text)
-    reason = (f"bf16 is slow on {device} ({name}, compute capability {text}: bf16 is emulated below 8.0; "
-              "fp16 or fp32 compute natively there)")
+    reason = (
+        f"bf16 is slow on {device} ({name}, compute capability {text}: bf16 is emulated below 8.0; "
+        "fp16 or fp32 compute natively there)"
+    )
     return Bf16Speed(device=device, fast=False, reason=reason, source="cuda", capability=text)
 
 
@@ -219,24 +242,29 @@ def bf16_speed(device: Union[str, torch.device] = "cpu", *, probe: Optional[Prob
         if where.index is not None and where.index >= torch.cuda.device_count():
             raise PlanError(f"`device` {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif where.type != "cpu":
-        raise PlanError(f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {device!r} (bf16 speed is judged "
-                        f"on CPUs and CUDA GPUs; set {BF16_ENV}=fast or slow for other devices)")
+        raise PlanError(
+            f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {device!r} (bf16 speed is judged "
+            f"on CPUs and CUDA GPUs; set {BF16_ENV}=fast or slow for other devices)"
+        )
     name = str(where)
     forced = _forced(name)
     if forced is not None:
         return forced
     if probe is not None:
         if where.type != "cpu":
-            raise PlanError(f"`probe` times a CPU matmul; a CUDA device is judged by its compute capability, "
-                            f"got device {device!r}")
+            raise PlanError(
+                f"`probe` times a CPU matmul; a CUDA device is judged by its compute capability, got device {device!r}"
+            )
         return cpu_verdict(torch.backends.cpu.get_cpu_capability(), probe(torch.float32), probe(torch.bfloat16))
     if name not in _CACHE:
         if where.type == "cuda":
-            _CACHE[name] = cuda_verdict(torch.cuda.get_device_name(where), torch.cuda.get_device_capability(where),
-                                        device=name)
+            _CACHE[name] = cuda_verdict(
+                torch.cuda.get_device_name(where), torch.cuda.get_device_capability(where), device=name
+            )
         else:
-            _CACHE[name] = cpu_verdict(torch.backends.cpu.get_cpu_capability(), time_matmul(torch.float32),
-                                       time_matmul(torch.bfloat16))
+            _CACHE[name] = cpu_verdict(
+                torch.backends.cpu.get_cpu_capability(), time_matmul(torch.float32), time_matmul(torch.bfloat16)
+            )
     return _CACHE[name]
 
 
@@ -246,8 +274,13 @@ def _forced(device: str) -> Optional[Bf16Speed]:
     if not value:
         return None
     if value.lower() not in ("fast", "slow"):
-        raise PlanError(f"the environment variable {BF16_ENV} must be 'fast' or 'slow' (or unset: measured), "
-                        f"got {value!r}")
+        raise PlanError(
+            f"the environment variable {BF16_ENV} must be 'fast' or 'slow' (or unset: measured), got {value!r}"
+        )
     fast = value.lower() == "fast"
-    return Bf16Speed(device=device, fast=fast, source="environment",
-                     reason=f"bf16 is taken as {'fast' if fast else 'slow'} on {device}: set by {BF16_ENV}={value}")
+    return Bf16Speed(
+        device=device,
+        fast=fast,
+        source="environment",
+        reason=f"bf16 is taken as {'fast' if fast else 'slow'} on {device}: set by {BF16_ENV}={value}",
+    )

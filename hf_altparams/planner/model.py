@@ -22,9 +22,14 @@ __all__ = ["DTYPE_NAMES", "build_model", "dtype_from_name"]
 #: short ones of Accelerate's ``mixed_precision`` and the Trainer's ``bf16``/``fp16`` flags; any case, and
 #: ``torch.`` in front allowed.
 DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
 }
 
 
@@ -45,19 +50,21 @@ def dtype_from_name(value: Union[str, torch.dtype], argument: str) -> torch.dtyp
         return value
     key = value.strip().lower() if isinstance(value, str) else None
     if key is not None and key.startswith("torch."):
-        key = key[len("torch."):]
+        key = key[len("torch.") :]
     if key in DTYPE_NAMES:
         return DTYPE_NAMES[key]
     spellings: dict[torch.dtype, list[str]] = {}
     for name, dtype in DTYPE_NAMES.items():
         spellings.setdefault(dtype, []).append(name)
     accepted = ", ".join("/".join(names) for names in spellings.values())
-    raise PlanError(f"{argument} must name a float dtype: {accepted} (any case, 'torch.' in front allowed), "
-                    f"got {value!r}")
+    raise PlanError(
+        f"{argument} must name a float dtype: {accepted} (any case, 'torch.' in front allowed), got {value!r}"
+    )
 
 
-def build_model(model: str, *, model_class: str = "AutoModel", dtype: Union[str, torch.dtype, None] = None,
-                device: str = "meta") -> nn.Module:
+def build_model(
+    model: str, *, model_class: str = "AutoModel", dtype: Union[str, torch.dtype, None] = None, device: str = "meta"
+) -> nn.Module:
     """Build a model on ``device`` (``meta``: no memory) from a config, checkpoint folder or factory.
 
     Args:
@@ -83,9 +90,11 @@ def build_model(model: str, *, model_class: str = "AutoModel", dtype: Union[str,
     elif ":" in model:
         built = _from_factory(model, device)
     else:
-        raise PlanError(f"`model` (--model) {model!r} is neither an existing config JSON or checkpoint "
-                        "folder nor an import path 'pkg.module:factory' (hub names are not fetched: "
-                        "save the config locally first)")
+        raise PlanError(
+            f"`model` (--model) {model!r} is neither an existing config JSON or checkpoint "
+            "folder nor an import path 'pkg.module:factory' (hub names are not fetched: "
+            "save the config locally first)"
+        )
     return built.to(cast) if cast is not None else built
 
 
@@ -96,8 +105,10 @@ def _from_config(path: Path, model_class: str, device: str) -> nn.Module:
         raise PlanError(f"`model` (--model) folder {str(path)!r} holds no config.json")
     cls: Any = getattr(transformers, model_class, None)
     if not hasattr(cls, "from_config"):
-        raise PlanError(f"`model_class` (--model-class) {model_class!r} is not a transformers class with "
-                        "`from_config`; use e.g. AutoModel, AutoModelForSequenceClassification, AutoModelForCausalLM")
+        raise PlanError(
+            f"`model_class` (--model-class) {model_class!r} is not a transformers class with "
+            "`from_config`; use e.g. AutoModel, AutoModelForSequenceClassification, AutoModelForCausalLM"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
@@ -105,8 +116,9 @@ def _from_config(path: Path, model_class: str, device: str) -> nn.Module:
     with torch.device(device):
         built = cls.from_config(config)
     if not isinstance(built, nn.Module):
-        raise PlanError(f"`model_class` (--model-class) {model_class!r} built a {type(built).__name__}, "
-                        "not an nn.Module")
+        raise PlanError(
+            f"`model_class` (--model-class) {model_class!r} built a {type(built).__name__}, not an nn.Module"
+        )
     return built
 
 

@@ -48,8 +48,14 @@ class PhaseCost:
     @property
     def device_bytes(self) -> int:
         """Estimated device memory: parameters, buffers, gradients, optimizer state, masters and DDP buckets."""
-        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.bucket_bytes
-                + self.master_bytes)
+        return (
+            self.param_bytes
+            + self.buffer_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.bucket_bytes
+            + self.master_bytes
+        )
 
 
 @dataclass
@@ -115,8 +121,10 @@ class CostPlan:
         """The table's lines on the share trained: the largest phase, what trains in every phase, the warning."""
         if self.trained is None:
             return []
-        lines = [f"trains: {self.trained.headline()}"
-                 + ("" if self.trained.exact else f" (the largest met in {self.unit}s 0-{self.trained.positions - 1})")]
+        lines = [
+            f"trains: {self.trained.headline()}"
+            + ("" if self.trained.exact else f" (the largest met in {self.unit}s 0-{self.trained.positions - 1})")
+        ]
         if self.trained.warning is not None:
             lines.append("WARNING: " + self.trained.warning.removeprefix("hf_altparams: "))
         return lines
@@ -129,8 +137,11 @@ class CostPlan:
         warning = speed.warning()
         if warning is None:
             return [f"bf16: {speed.reason}"]
-        how = ("leave out `--storage-dtype` (plan_cost(storage_dtype=None)) to plan fp32 weights for the same "
-               "schedule" if self.storage_dtype == "bfloat16" else "plan the model in fp32 (no `--dtype bf16`)")
+        how = (
+            "leave out `--storage-dtype` (plan_cost(storage_dtype=None)) to plan fp32 weights for the same schedule"
+            if self.storage_dtype == "bfloat16"
+            else "plan the model in fp32 (no `--dtype bf16`)"
+        )
         return [f"WARNING: {warning} Here: {how}."]
 
     def row(self, phase: str) -> PhaseCost:
@@ -156,47 +167,92 @@ class CostPlan:
 
     def _ddp_table(self) -> str:
         host = any(r.host_bytes for r in self.phases)
-        head = ["phase", f"{self.unit}s", "trainable params", "all-reduce/step", "sent/rank", "params", "buffers",
-                "grads", "optimizer" if self.storage_dtype is None else "optim+master", "buckets", "device",
-                "vs all"] + (["host"] if host else [])
+        head = [
+            "phase",
+            f"{self.unit}s",
+            "trainable params",
+            "all-reduce/step",
+            "sent/rank",
+            "params",
+            "buffers",
+            "grads",
+            "optimizer" if self.storage_dtype is None else "optim+master",
+            "buckets",
+            "device",
+            "vs all",
+        ] + (["host"] if host else [])
         full = self.everything.device_bytes or 1
 
         def cells(row: PhaseCost, where: str) -> list[str]:
-            values = [row.phase, where, self._share_text(row), format_bytes(row.allreduce_bytes),
-                      format_bytes(row.wire_bytes)]
-            values += [format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
-                                                  row.optimizer_bytes + row.master_bytes, row.bucket_bytes,
-                                                  row.device_bytes)]
+            values = [
+                row.phase,
+                where,
+                self._share_text(row),
+                format_bytes(row.allreduce_bytes),
+                format_bytes(row.wire_bytes),
+            ]
+            values += [
+                format_bytes(b)
+                for b in (
+                    row.param_bytes,
+                    row.buffer_bytes,
+                    row.grad_bytes,
+                    row.optimizer_bytes + row.master_bytes,
+                    row.bucket_bytes,
+                    row.device_bytes,
+                )
+            ]
             values.append(f"{100.0 * row.device_bytes / full:.0f}%")
             return values + ([format_bytes(row.host_bytes)] if host else [])
 
-        buckets = ("none (no DDP)" if self.collective == "none" else
-                   "views of the gradients (gradient_as_bucket_view)" if self.bucket_as_view else "separate")
+        buckets = (
+            "none (no DDP)"
+            if self.collective == "none"
+            else "views of the gradients (gradient_as_bucket_view)"
+            if self.bucket_as_view
+            else "separate"
+        )
         why = "" if self.state_policy_source == "given" else f" ({self.state_policy_source})"
-        settings = (f"optimizer: {self.optimizer} | state policy: {self.state_policy}{why} | world size: "
-                    f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
-                    + ("" if self.allreduce_dtype is None else f" | all-reduced in {self.allreduce_dtype}")
-                    + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
-                    + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
-                       f"(idle: {self.master_policy}) and fp32 optimizer state"))
+        settings = (
+            f"optimizer: {self.optimizer} | state policy: {self.state_policy}{why} | world size: "
+            f"{self.world_size} | grads: {self.grad_dtype or 'param dtype'} | DDP buckets: {buckets}"
+            + ("" if self.allreduce_dtype is None else f" | all-reduced in {self.allreduce_dtype}")
+            + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
+            + (
+                ""
+                if self.storage_dtype is None
+                else f" | storage: {self.storage_dtype}, fp32 masters "
+                f"(idle: {self.master_policy}) and fp32 optimizer state"
+            )
+        )
         lines = [self._model_line(), settings, *self._grid(head, cells)]
         moved = sum((s.bytes_to_host + s.bytes_to_device) * s.count for s in self.switches)
         count = sum(s.count for s in self.switches)
-        lines.append(f"switches ({self.state_policy}): {count}, moving {format_bytes(moved)} host<->device "
-                     f"in all (~{1e3 * sum(s.seconds * s.count for s in self.switches):.2f} ms at "
-                     f"{self.pcie_gbps:g} GB/s assumed)")
+        lines.append(
+            f"switches ({self.state_policy}): {count}, moving {format_bytes(moved)} host<->device "
+            f"in all (~{1e3 * sum(s.seconds * s.count for s in self.switches):.2f} ms at "
+            f"{self.pcie_gbps:g} GB/s assumed)"
+        )
         costly = [s for s in self.switches if s.bytes_to_host or s.bytes_to_device or s.reinit_bytes]
         for s in costly[:_SWITCH_LINES]:
-            lines.append(f"  {s.from_phase} -> {s.to_phase} (x{s.count}): to host "
-                         f"{format_bytes(s.bytes_to_host)}, to device {format_bytes(s.bytes_to_device)}, "
-                         f"re-initialised {format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each")
+            lines.append(
+                f"  {s.from_phase} -> {s.to_phase} (x{s.count}): to host "
+                f"{format_bytes(s.bytes_to_host)}, to device {format_bytes(s.bytes_to_device)}, "
+                f"re-initialised {format_bytes(s.reinit_bytes)}, ~{1e3 * s.seconds:.2f} ms each"
+            )
         lines.extend(self.share_lines())
         lines.extend(self.bf16_lines())
-        lines.append("state policies: " + " | ".join(
-            f"{p}: peak {format_bytes(v['peak_device_bytes'])}, moved {format_bytes(v['moved_bytes'])}"
-            for p, v in self.policies.items()))
-        lines.append("bytes per rank; sent/rank: ring all-reduce estimate; not counted: activations, "
-                     "temporaries, Adam step counters, allocator rounding")
+        lines.append(
+            "state policies: "
+            + " | ".join(
+                f"{p}: peak {format_bytes(v['peak_device_bytes'])}, moved {format_bytes(v['moved_bytes'])}"
+                for p, v in self.policies.items()
+            )
+        )
+        lines.append(
+            "bytes per rank; sent/rank: ring all-reduce estimate; not counted: activations, "
+            "temporaries, Adam step counters, allocator rounding"
+        )
         return "\n".join(lines)
 
     def _compared_table(self) -> str:
@@ -204,39 +260,81 @@ class CostPlan:
         other = self.compared_with
         gathers = self.gathers != "none"
         masters = self.storage_dtype is not None or self.fp32_masters
-        head = ["phase", f"{self.unit}s", "trainable params", f"{self.collective}/step"] \
-            + (["all-gather/step"] if gathers else []) + ["sent/rank", "params", "buffers", "grads",
-                                                          "optim+master" if masters else "optimizer", "device",
-                                                          f"{other} device", f"vs {other}"] + (["host"] if host else [])
+        head = (
+            ["phase", f"{self.unit}s", "trainable params", f"{self.collective}/step"]
+            + (["all-gather/step"] if gathers else [])
+            + [
+                "sent/rank",
+                "params",
+                "buffers",
+                "grads",
+                "optim+master" if masters else "optimizer",
+                "device",
+                f"{other} device",
+                f"vs {other}",
+            ]
+            + (["host"] if host else [])
+        )
 
         def cells(row: PhaseCost, where: str) -> list[str]:
             ddp = self.ddp_device_bytes.get(row.phase, 0)
-            values = [row.phase, where, self._share_text(row), format_bytes(row.allreduce_bytes)] \
-                + ([format_bytes(row.gather_bytes)] if gathers else []) + [format_bytes(row.wire_bytes)]
-            values += [format_bytes(b) for b in (row.param_bytes, row.buffer_bytes, row.grad_bytes,
-                                                  row.optimizer_bytes + row.master_bytes, row.device_bytes)]
+            values = (
+                [row.phase, where, self._share_text(row), format_bytes(row.allreduce_bytes)]
+                + ([format_bytes(row.gather_bytes)] if gathers else [])
+                + [format_bytes(row.wire_bytes)]
+            )
+            values += [
+                format_bytes(b)
+                for b in (
+                    row.param_bytes,
+                    row.buffer_bytes,
+                    row.grad_bytes,
+                    row.optimizer_bytes + row.master_bytes,
+                    row.device_bytes,
+                )
+            ]
             values += [format_bytes(ddp), f"{100.0 * row.device_bytes / (ddp or 1):.0f}%"]
             return values + ([format_bytes(row.host_bytes)] if host else [])
 
         how = "FSDP2 (fully_shard)" if self.backend == "fsdp2" else self.strategy_label
-        settings = (f"{how} over {self.world_size} ranks | optimizer: {self.optimizer} | state "
-                    f"policy: {self.state_policy} | grads: {self.grad_dtype or 'param dtype'}"
-                    + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
-                    + ("" if self.storage_dtype is None else f" | storage: {self.storage_dtype}, fp32 masters "
-                       f"(idle: {self.master_policy})")
-                    + ("" if not self.fp32_masters or self.storage_dtype is not None else
-                       f" | fp32 masters of every optimized parameter (idle: {self.master_policy})"))
-        gathered = {"updated": "all-gather/step: the trainable parameters, gathered after the optimizer step",
-                    "every": "all-gather/step: every parameter, gathered for the forward (at least once a step)"}
+        settings = (
+            f"{how} over {self.world_size} ranks | optimizer: {self.optimizer} | state "
+            f"policy: {self.state_policy} | grads: {self.grad_dtype or 'param dtype'}"
+            + ("" if self.offload_nonresident else " | non-resident groups stay on the device")
+            + (
+                ""
+                if self.storage_dtype is None
+                else f" | storage: {self.storage_dtype}, fp32 masters (idle: {self.master_policy})"
+            )
+            + (
+                ""
+                if not self.fp32_masters or self.storage_dtype is not None
+                else f" | fp32 masters of every optimized parameter (idle: {self.master_policy})"
+            )
+        )
+        gathered = {
+            "updated": "all-gather/step: the trainable parameters, gathered after the optimizer step",
+            "every": "all-gather/step: every parameter, gathered for the forward (at least once a step)",
+        }
         sent = f"{self.collective}" + (" and all-gather" if gathers else " only")
-        lines = [self._model_line(), settings, *self._grid(head, cells), *self.share_lines(), *self.bf16_lines(),
-                 "state policies: " + " | ".join(f"{p}: peak {format_bytes(v['peak_device_bytes'])}"
-                                                 for p, v in self.policies.items()),
-                 *([gathered[self.gathers]] if gathers else []),
-                 f"bytes per rank (rank 0's padded shards); sent/rank: {sent}; not in 'device': "
-                 + (f"one unit unsharded in forward/backward (largest: {format_bytes(self.unit_bytes)} with one "
-                    "unit per group, ungrouped parameters in the root's), " if self.unit_bytes else "")
-                 + "activations, temporaries, Adam step counters"]
+        lines = [
+            self._model_line(),
+            settings,
+            *self._grid(head, cells),
+            *self.share_lines(),
+            *self.bf16_lines(),
+            "state policies: "
+            + " | ".join(f"{p}: peak {format_bytes(v['peak_device_bytes'])}" for p, v in self.policies.items()),
+            *([gathered[self.gathers]] if gathers else []),
+            f"bytes per rank (rank 0's padded shards); sent/rank: {sent}; not in 'device': "
+            + (
+                f"one unit unsharded in forward/backward (largest: {format_bytes(self.unit_bytes)} with one "
+                "unit per group, ungrouped parameters in the root's), "
+                if self.unit_bytes
+                else ""
+            )
+            + "activations, temporaries, Adam step counters",
+        ]
         return "\n".join(lines)
 
     def _model_line(self) -> str:

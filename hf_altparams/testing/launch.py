@@ -353,8 +353,11 @@ def run_launchers(
         logs: list[IO[bytes]] = [files.enter_context(tempfile.TemporaryFile()) for _ in cmds]
         try:
             for cmd, log in zip(cmds, logs):
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=tagged_env, cwd=cwd,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=tagged_env, cwd=cwd, start_new_session=True
+                    )
+                )
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]  # poll every one (any() would stop at the first running)
@@ -379,8 +382,9 @@ def run_launchers(
         results = []
         for cmd, proc, log in zip(cmds, procs, logs):
             log.seek(0)
-            results.append(subprocess.CompletedProcess(cmd, proc.returncode, log.read().decode("utf-8", "replace"),
-                                                       None))
+            results.append(
+                subprocess.CompletedProcess(cmd, proc.returncode, log.read().decode("utf-8", "replace"), None)
+            )
     return results, timed_out
 
 
@@ -450,8 +454,14 @@ def launch(
     )
 
 
-def node_command(script: str | os.PathLike[str], *script_args: str, node_rank: int, nnodes: int = 2,
-                 nproc_per_node: int = 2, port: int) -> list[str]:
+def node_command(
+    script: str | os.PathLike[str],
+    *script_args: str,
+    node_rank: int,
+    nnodes: int = 2,
+    nproc_per_node: int = 2,
+    port: int,
+) -> list[str]:
     """The argv of node ``node_rank``'s launcher in :func:`launch_nodes` (static rendezvous on 127.0.0.1:``port``).
 
     Example:
@@ -466,9 +476,15 @@ def node_command(script: str | os.PathLike[str], *script_args: str, node_rank: i
     ]  # fmt: skip
 
 
-def launch_nodes(script: str | os.PathLike[str], *script_args: str, nnodes: int = 2, nproc_per_node: int = 2,
-                 env: Mapping[str, str] | None = None, timeout: float = 300,
-                 cwd: str | os.PathLike[str] | None = None) -> list[subprocess.CompletedProcess[str]]:
+def launch_nodes(
+    script: str | os.PathLike[str],
+    *script_args: str,
+    nnodes: int = 2,
+    nproc_per_node: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
     """Run ``script`` on ``nnodes`` simulated nodes of ``nproc_per_node`` ranks each (gloo on CPU).
 
     Args:
@@ -493,8 +509,10 @@ def launch_nodes(script: str | os.PathLike[str], *script_args: str, nnodes: int 
         raise ValueError(f"`nnodes` and `nproc_per_node` must be >= 1, got {nnodes} and {nproc_per_node}")
 
     def cmds_for_port(port: int) -> list[list[str]]:
-        return [node_command(script, *script_args, node_rank=n, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                             port=port) for n in range(nnodes)]
+        return [
+            node_command(script, *script_args, node_rank=n, nnodes=nnodes, nproc_per_node=nproc_per_node, port=port)
+            for n in range(nnodes)
+        ]
 
     results, timed_out = _run_with_port_retry(cmds_for_port, launch_env("torchrun", env), timeout, cwd)
     if not timed_out and all(r.returncode == 0 for r in results):
@@ -502,8 +520,10 @@ def launch_nodes(script: str | os.PathLike[str], *script_args: str, nnodes: int 
     what = f"timed out after {timeout:g} s" if timed_out else "failed"
     parts = [f"{nnodes}-node run of {os.fspath(script)} ({nproc_per_node} ranks per node) {what}."]
     for node, result in enumerate(results):
-        parts.append(f"--- node {node}: exit code {result.returncode}; command: {subprocess.list2cmdline(result.args)}\n"
-                     f"--- last {_TAIL_LINES // nnodes} lines ---\n{_tail(result.stdout or '', _TAIL_LINES // nnodes)}")
+        parts.append(
+            f"--- node {node}: exit code {result.returncode}; command: {subprocess.list2cmdline(result.args)}\n"
+            f"--- last {_TAIL_LINES // nnodes} lines ---\n{_tail(result.stdout or '', _TAIL_LINES // nnodes)}"
+        )
     raise LaunchError("\n".join(parts))
 
 
@@ -534,7 +554,5 @@ def rank_results(out_dir: str | os.PathLike[str], nproc: int = 2) -> list[dict[s
     out = Path(out_dir)
     files = {int(m.group(1)): p for p in out.glob("rank*.json") if (m := re.fullmatch(r"rank(\d+)\.json", p.name))}
     if sorted(files) != list(range(nproc)):
-        raise LaunchError(
-            f"expected result files for ranks 0..{nproc - 1} in {out}, found ranks {sorted(files)}"
-        )
+        raise LaunchError(f"expected result files for ranks 0..{nproc - 1} in {out}, found ranks {sorted(files)}")
     return [json.loads(files[r].read_text()) for r in range(nproc)]

@@ -28,8 +28,9 @@ def _small(schedule: str = "lisa", seed: int = 0, **options: Any) -> CheckSetup:
     model = builtin_model(layers=4, hidden=128, vocab=512)
     groups = layer_groups(model)
     drawn = {"k": 1, "seed": seed} if schedule == "lisa" else {}  # options only a draw takes
-    return CheckSetup(groups, schedule_for(schedule, groups, every=1, **drawn, **options),
-                      description=f"small Llama, {schedule}")
+    return CheckSetup(
+        groups, schedule_for(schedule, groups, every=1, **drawn, **options), description=f"small Llama, {schedule}"
+    )
 
 
 def lisa_small() -> CheckSetup:
@@ -137,8 +138,12 @@ def branch_skipped_on_some_steps() -> CheckSetup:
         generator = torch.Generator().manual_seed(1000 * rank + step)
         return {"x": torch.randn(8, 32, generator=generator), "use_branch": torch.tensor(step % 4 != 3)}
 
-    return CheckSetup(groups, Alternating(["trunk", "branch"], always=["head"]), batch=batch,
-                      description="trunk, branch and head; the branch skipped on every fourth batch")
+    return CheckSetup(
+        groups,
+        Alternating(["trunk", "branch"], always=["head"]),
+        batch=batch,
+        description="trunk, branch and head; the branch skipped on every fourth batch",
+    )
 
 
 def drop_that_does_nothing() -> CheckSetup:
@@ -182,8 +187,16 @@ def batchnorm_net() -> CheckSetup:
     from hf_altparams.plan import Alternating, ParamGroups
 
     torch.seed()  # what a fresh process does without a seed: a seed of its own
-    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
-                        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12 * 12, 10))
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 12 * 12, 10),
+    )
     groups = ParamGroups(net, {"conv1": ["0.*", "1.*"], "conv2": ["3.*", "4.*"], "head": "7.*"})
 
     def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
@@ -229,9 +242,17 @@ def unseeded_small() -> CheckSetup:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.seed()
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                                         num_attention_heads=4, max_position_embeddings=256,
-                                         tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    )
     groups = layer_groups(model)
     return CheckSetup(groups, schedule_for("alternating", groups), description="unseeded small Llama")
 
@@ -324,15 +345,23 @@ def multi_task_with_options() -> CheckSetup:
 
     def before_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         if not schedulers:
-            schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s))
+            schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         with open(os.environ["CHECK_HOOK_LOG"], "a") as log:
-            log.write(f"{os.environ.get('RANK', '0')} {step} {float(norm):.6f} {float(clipped):.6f} "
-                      f"{optimizer.param_groups[0]['lr']:.8f}\n")
+            log.write(
+                f"{os.environ.get('RANK', '0')} {step} {float(norm):.6f} {float(clipped):.6f} "
+                f"{optimizer.param_groups[0]['lr']:.8f}\n"
+            )
         schedulers[0].step()
 
-    return CheckSetup(groups, Alternating(["trunk", "heads"], every=2), batch=batch, before_step=before_step,
-                      ddp={"find_unused_parameters": True}, accumulation=per_step,
-                      optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
-                      description="two task heads, options")
+    return CheckSetup(
+        groups,
+        Alternating(["trunk", "heads"], every=2),
+        batch=batch,
+        before_step=before_step,
+        ddp={"find_unused_parameters": True},
+        accumulation=per_step,
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+        description="two task heads, options",
+    )

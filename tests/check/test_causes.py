@@ -89,8 +89,16 @@ def test_every_cause_has_a_title_and_a_fix() -> None:
 def test_a_gradient_outside_the_phase_under_ddp_is_requires_grad_behind_the_schedule() -> None:
     net = Net()
     net(torch.ones(2, 4)).sum().backward()  # as if `b` had been unfrozen behind the schedule
-    err = raised(lambda: check_before_step(Phase(["a"]), named_params(net, "a."), named_params(net, "b."),
-                                           ddp_reduces=True, find_unused=False, warned=set()))
+    err = raised(
+        lambda: check_before_step(
+            Phase(["a"]),
+            named_params(net, "a."),
+            named_params(net, "b."),
+            ddp_reduces=True,
+            find_unused=False,
+            warned=set(),
+        )
+    )
     assert isinstance(err, AltParamsError) and "behind the schedule's back" in str(err)
     assert named(err) == Cause.REQUIRES_GRAD_BEHIND_SCHEDULE
 
@@ -99,9 +107,17 @@ def test_a_trainable_parameter_without_a_gradient_at_the_step_is_its_own_cause()
     net = Net()
     net.a.requires_grad_(False)  # phase "b"
     net(torch.ones(2, 4)).sum().backward()  # `spare` trains in phase "b" but the forward skipped it
-    err = raised(lambda: check_before_step(Phase(["b"]), named_params(net, "b.") + named_params(net, "spare."),
-                                           named_params(net, "a."), ddp_reduces=True, find_unused=False,
-                                           warned=set(), check_missing=True))
+    err = raised(
+        lambda: check_before_step(
+            Phase(["b"]),
+            named_params(net, "b.") + named_params(net, "spare."),
+            named_params(net, "a."),
+            ddp_reduces=True,
+            find_unused=False,
+            warned=set(),
+            check_missing=True,
+        )
+    )
     # The message also names `requires_grad` changed behind the schedule as a possible cause: the text alone
     # misled the verdict before causes were carried.
     assert "find_unused_parameters" in str(err) and "behind the schedule's back" in str(err)
@@ -113,8 +129,14 @@ def test_a_mended_requires_grad_flag_is_a_warning_that_carries_its_cause() -> No
     net.a.requires_grad_(True)  # idle in phase "b", turned on before any gradient reached it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check_before_step(Phase(["b"]), named_params(net, "b."), named_params(net, "a."), ddp_reduces=False,
-                          find_unused=False, warned=set())
+        check_before_step(
+            Phase(["b"]),
+            named_params(net, "b."),
+            named_params(net, "a."),
+            ddp_reduces=False,
+            find_unused=False,
+            warned=set(),
+        )
     assert [type(w.message) for w in caught] == [AltParamsWarning]
     message = caught[0].message
     assert isinstance(message, AltParamsWarning) and message.cause is Cause.REQUIRES_GRAD_BEHIND_SCHEDULE
@@ -130,9 +152,11 @@ def test_an_optimizer_missing_parameters_is_named_in_each_of_its_wordings() -> N
     schedule = Alternating(["a", "b"])
     acc = PhasedAccelerator(schedule, groups=groups, cpu=True)
     only_a = torch.optim.SGD(net.a.parameters(), lr=0.1)  # built over the first phase's parameters only
-    errors = [raised(lambda: acc.prepare(net, only_a)),
-              raised(lambda: check_optimizer_covers(groups, schedule, only_a)),
-              raised(lambda: match_to_groups(groups, [("opt", only_a)], forms=""))]
+    errors = [
+        raised(lambda: acc.prepare(net, only_a)),
+        raised(lambda: check_optimizer_covers(groups, schedule, only_a)),
+        raised(lambda: match_to_groups(groups, [("opt", only_a)], forms="")),
+    ]
     assert ["leaves out" in str(e) for e in errors] == [True, True, False]
     assert "no optimizer holds group(s) ['b']" in str(errors[2])
     assert [named(e, "prepare") for e in errors] == [Cause.OPTIMIZER_MISSES_PARAMETERS] * 3
@@ -175,11 +199,15 @@ def test_a_collective_of_the_switch_that_fails_is_a_lost_rank() -> None:
     assert named(err) == Cause.RANK_LOST
 
 
-@pytest.mark.parametrize("err", [
-    dist.DistBackendError("NCCL communicator was aborted on rank 0"),  # NCCL's errors: by their type
-    RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500"),  # gloo's
-    RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"),
-], ids=["nccl", "gloo-closed", "gloo-timeout"])
+@pytest.mark.parametrize(
+    "err",
+    [
+        dist.DistBackendError("NCCL communicator was aborted on rank 0"),  # NCCL's errors: by their type
+        RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500"),  # gloo's
+        RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"),
+    ],
+    ids=["nccl", "gloo-closed", "gloo-timeout"],
+)
 def test_torch_s_own_distributed_errors_in_a_step_are_a_lost_rank(err: RuntimeError) -> None:
     assert named(err) == Cause.RANK_LOST
 
@@ -199,8 +227,11 @@ def test_a_refused_strategy_and_a_refused_set_up() -> None:
 
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
-    fsdp1 = raised(lambda: PhasedAccelerator(Alternating(["a", "b"]), cpu=True,
-                                             fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1)))
+    fsdp1 = raised(
+        lambda: PhasedAccelerator(
+            Alternating(["a", "b"]), cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1)
+        )
+    )
     assert "cannot drive FSDP version 1" in str(fsdp1)
     assert named(fsdp1, "accelerator") == Cause.STRATEGY_REFUSED
     bad_group = raised(lambda: ParamGroups(Net(), {"a": "nothing.*"}))
@@ -216,9 +247,20 @@ def test_a_refused_strategy_and_a_refused_set_up() -> None:
 
 
 def test_a_result_written_before_causes_reads_back_and_is_told_by_its_class() -> None:
-    old = {"rank": 0, "world": 2, "device": "cpu", "parallel": "DDP", "memory_source": "RSS",
-           "failure": {"stage": "step", "step": 3, "kind": "DriftError", "message": "the ranks hold ...",
-                       "where": "x.py:1"}}
+    old = {
+        "rank": 0,
+        "world": 2,
+        "device": "cpu",
+        "parallel": "DDP",
+        "memory_source": "RSS",
+        "failure": {
+            "stage": "step",
+            "step": 3,
+            "kind": "DriftError",
+            "message": "the ranks hold ...",
+            "where": "x.py:1",
+        },
+    }
     result = RankResult.from_dict(old)
     assert result.failure is not None and result.failure.cause is None and result.warning_causes == []
     assert classify(result.failure) == Cause.RANKS_DRIFT
@@ -238,8 +280,9 @@ def test_a_rank_records_the_cause_of_its_failure_and_of_its_warnings() -> None:
         def unfreeze(model: nn.Module, step: int) -> None:
             model.a.requires_grad_(True)  # a callback of one's own, behind the schedule
 
-        return CheckSetup(groups_of(net), Alternating(["b", "a"]), on_step=unfreeze,
-                          batch=lambda step, rank: {"x": torch.ones(2, 4)})
+        return CheckSetup(
+            groups_of(net), Alternating(["b", "a"]), on_step=unfreeze, batch=lambda step, rank: {"x": torch.ones(2, 4)}
+        )
 
     result = run_rank(setup, CheckOptions(steps=4), finish=lambda r: r)
     assert result.failure is None  # one process: the library put the flags back, with a warning

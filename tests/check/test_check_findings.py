@@ -71,22 +71,38 @@ def _config(folder: Path, kind: str) -> Path:
 
     small = {"vocab_size": 128, "num_attention_heads": 2}
     config = {
-        "t5": lambda: T5Config(d_model=32, d_ff=64, num_layers=2, d_kv=16, num_heads=2, vocab_size=128,
-                               architectures=["T5ForConditionalGeneration"]),
-        "bert-mlm": lambda: BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       architectures=["BertForMaskedLM"], **small),
-        "bert-classifier": lambda: BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              architectures=["BertForSequenceClassification"], num_labels=3,
-                                              **small),
+        "t5": lambda: T5Config(
+            d_model=32,
+            d_ff=64,
+            num_layers=2,
+            d_kv=16,
+            num_heads=2,
+            vocab_size=128,
+            architectures=["T5ForConditionalGeneration"],
+        ),
+        "bert-mlm": lambda: BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, architectures=["BertForMaskedLM"], **small
+        ),
+        "bert-classifier": lambda: BertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            architectures=["BertForSequenceClassification"],
+            num_labels=3,
+            **small,
+        ),
     }[kind]()
     config.save_pretrained(folder / kind)
     return folder / kind / "config.json"
 
 
-@pytest.mark.parametrize("kind, ranks, model_class", [("t5", 2, "T5ForConditionalGeneration"),
-                                                      ("bert-classifier", 1, "BertForSequenceClassification")])
-def test_each_model_kind_trains_with_batches_that_fit_its_head(tmp_path: Path, kind: str, ranks: int,
-                                                                model_class: str) -> None:
+@pytest.mark.parametrize(
+    "kind, ranks, model_class",
+    [("t5", 2, "T5ForConditionalGeneration"), ("bert-classifier", 1, "BertForSequenceClassification")],
+)
+def test_each_model_kind_trains_with_batches_that_fit_its_head(
+    tmp_path: Path, kind: str, ranks: int, model_class: str
+) -> None:
     code, verdict = check("--model", str(_config(tmp_path, kind)), "--schedule", "alternating", ranks=ranks, steps=6)
     assert code == 0 and verdict["passed"], verdict["failures"]
     assert f"{model_class}:" in verdict["header"] or f"({model_class}," in verdict["header"]
@@ -102,8 +118,9 @@ def test_each_model_kind_trains_with_batches_that_fit_its_head(tmp_path: Path, k
 def test_setup_options_reach_ddp_the_loop_and_the_hook(tmp_path: Path) -> None:
     """``ddp`` (a head unused at every step: DDP must find it), ``accumulation`` 2 and ``before_step``."""
     log = tmp_path / "hook.log"
-    code, verdict = check("--setup", "tests.check.setups:multi_task_with_options", steps=6,
-                          env={"CHECK_HOOK_LOG": str(log)})
+    code, verdict = check(
+        "--setup", "tests.check.setups:multi_task_with_options", steps=6, env={"CHECK_HOOK_LOG": str(log)}
+    )
     assert code == 0 and verdict["passed"], verdict["failures"]
     assert "2 micro-batches per step" in verdict["header"]
     for result in verdict["ranks"]:
@@ -114,4 +131,4 @@ def test_setup_options_reach_ddp_the_loop_and_the_hook(tmp_path: Path) -> None:
     assert all(float(r[3]) <= 0.5 + 1e-5 for r in rows)  # clipped to 0.5 before the step
     for rank in ("0", "1"):
         rates = [float(r[4]) for r in sorted(rows, key=lambda r: int(r[1])) if r[0] == rank]
-        assert rates == pytest.approx([0.1 * 0.5 ** s for s in range(6)])  # the scheduler stepped once per step
+        assert rates == pytest.approx([0.1 * 0.5**s for s in range(6)])  # the scheduler stepped once per step

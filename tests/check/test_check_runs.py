@@ -21,28 +21,56 @@ pytestmark = pytest.mark.distributed
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("ACCELERATE_USE_CPU", None)  # the self-launch sets it; a user's own torchrun must
     env.update(extra)
     return env
 
 
-def check(*args: str, ranks: int = 2, steps: int = 12, env: Optional[dict[str, str]] = None
-          ) -> tuple[int, dict[str, Any]]:
+def check(
+    *args: str, ranks: int = 2, steps: int = 12, env: Optional[dict[str, str]] = None
+) -> tuple[int, dict[str, Any]]:
     """Run the check as a user would (CPU only, this checkout first on the path); ``(exit code, verdict)``."""
-    proc = subprocess.run([sys.executable, "-m", "hf_altparams", "check", "--ranks", str(ranks), "--steps",
-                           str(steps), "--json", *args], cwd=ROOT, env=_env(**(env or {})), capture_output=True,
-                          text=True, timeout=500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_altparams", "check", "--ranks", str(ranks), "--steps", str(steps), "--json", *args],
+        cwd=ROOT,
+        env=_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
 
 
 def under_torchrun(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
     """The check as one of the ranks of the user's own ``torchrun`` (rank 0 prints the verdict)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "hf_altparams", "check", "--json", *args], cwd=ROOT, env=_env(**env),
-                          capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "hf_altparams",
+            "check",
+            "--json",
+            *args,
+        ],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     start = proc.stdout.find("{")
     assert start >= 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.returncode, json.JSONDecoder().raw_decode(proc.stdout[start:])[0]
@@ -82,17 +110,20 @@ def test_the_builtin_default_passes_and_reports_the_lean_idle_state() -> None:
 # Steps and ranks: what each mistake needs to show. The memory judgements need warm-up and 3 switches after it
 # (a switch at nearly every step here); the others show by the first switches. Two ranks where the mistake is between ranks or
 # under DDP (a flag behind the schedule is mended with a warning in one process, an error under DDP).
-@pytest.mark.parametrize("setup, cause, ranks, steps", [
-    ("requires_grad_behind", "requires_grad_behind_schedule", 2, 4),
-    ("optimizer_of_other_model", "optimizer_misses_parameters", 2, 4),
-    ("optimizer_of_trainable_only", "optimizer_misses_parameters", 2, 6),
-    ("leaking", "memory_grows", 1, 10),
-    ("holding_beyond_plan", "memory_over_plan", 1, 10),
-    ("schedule_per_rank", "schedule_differs_per_rank", 2, 6),
-    ("drifting", "ranks_drift", 2, 6),
-    ("drop_that_does_nothing", "idle_state_held", 1, 6),
-    ("branch_skipped_on_some_steps", "trainable_param_unused", 2, 6),
-])
+@pytest.mark.parametrize(
+    "setup, cause, ranks, steps",
+    [
+        ("requires_grad_behind", "requires_grad_behind_schedule", 2, 4),
+        ("optimizer_of_other_model", "optimizer_misses_parameters", 2, 4),
+        ("optimizer_of_trainable_only", "optimizer_misses_parameters", 2, 6),
+        ("leaking", "memory_grows", 1, 10),
+        ("holding_beyond_plan", "memory_over_plan", 1, 10),
+        ("schedule_per_rank", "schedule_differs_per_rank", 2, 6),
+        ("drifting", "ranks_drift", 2, 6),
+        ("drop_that_does_nothing", "idle_state_held", 1, 6),
+        ("branch_skipped_on_some_steps", "trainable_param_unused", 2, 6),
+    ],
+)
 def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str, ranks: int, steps: int) -> None:
     code, verdict = check("--setup", f"tests.check.setups:{setup}", ranks=ranks, steps=steps)
     assert code == 1 and not verdict["passed"]
@@ -101,8 +132,7 @@ def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str, ranks: in
 
 def test_under_the_user_s_own_torchrun_rank_0_reports_and_the_job_exits_with_the_verdict() -> None:
     """Also the correct LISA set-up on 2 ranks (the 1- and 4-rank runs are self-launched, above)."""
-    code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "12",
-                                   ACCELERATE_USE_CPU="1")
+    code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "12", ACCELERATE_USE_CPU="1")
     assert_lisa_passed(code, verdict, 2)
     assert [r["rank"] for r in verdict["ranks"]] == [0, 1] and "launched" in verdict["header"]
 

@@ -20,25 +20,56 @@ KIB, MIB = 1 << 10, 1 << 20
 CPU = Tolerances.for_source("RSS")
 
 
-def result(r: int = 0, world: int = 2, *, steps: int = 60, per_step: float = 0.0, noise: int = 0,
-           jump: tuple[int, int] = (0, 0), plan: int = 40 * MIB, seed: int = 0) -> RankResult:
+def result(
+    r: int = 0,
+    world: int = 2,
+    *,
+    steps: int = 60,
+    per_step: float = 0.0,
+    noise: int = 0,
+    jump: tuple[int, int] = (0, 0),
+    plan: int = 40 * MIB,
+    seed: int = 0,
+) -> RankResult:
     """A rank that trained ``steps`` steps, a switch every 3, holding the plan plus ``per_step`` bytes a step.
 
     ``noise``: each end-of-step reading moves by up to that many bytes either way;
     ``jump``: ``(step, bytes)``, a one-time rise from that step on.
     """
     rng = random.Random(seed)
-    out = RankResult(rank=r, world=world, device="cpu", parallel="DDP", memory_source="RSS", first_prediction=plan,
-                     trainable_everything=100 * MIB, weights_compared=steps // 3 + 1, available=8 << 30,
-                     model_class="LlamaForCausalLM", description="small Llama; lisa",
-                     precision={"mixed_precision": "no", "dtypes": {"float32": 1.0}})
+    out = RankResult(
+        rank=r,
+        world=world,
+        device="cpu",
+        parallel="DDP",
+        memory_source="RSS",
+        first_prediction=plan,
+        trainable_everything=100 * MIB,
+        weights_compared=steps // 3 + 1,
+        available=8 << 30,
+        model_class="LlamaForCausalLM",
+        description="small Llama; lisa",
+        precision={"mixed_precision": "no", "dtypes": {"float32": 1.0}},
+    )
     for step in range(steps):
         extra = int(per_step * step) + rng.randint(-noise, noise) + (jump[1] if step >= jump[0] else 0)
-        out.steps.append(StepRow(step=step, phase=f"p{step // 3 % 3}", grad_bytes=10 * MIB, reduced_bytes=10 * MIB,
-                                 expected_reduced=10 * MIB, held=plan + extra, seconds=0.1))
+        out.steps.append(
+            StepRow(
+                step=step,
+                phase=f"p{step // 3 % 3}",
+                grad_bytes=10 * MIB,
+                reduced_bytes=10 * MIB,
+                expected_reduced=10 * MIB,
+                held=plan + extra,
+                seconds=0.1,
+            )
+        )
         if step % 3 == 2:
-            out.switches.append(SwitchRow(step=step + 1, phase=f"p{(step + 1) // 3 % 3}", seconds=0.01,
-                                          level=plan + extra, predicted=plan))
+            out.switches.append(
+                SwitchRow(
+                    step=step + 1, phase=f"p{(step + 1) // 3 % 3}", seconds=0.01, level=plan + extra, predicted=plan
+                )
+            )
             out.peaks.append((f"p{step // 3 % 3}", plan + 20 * MIB))
     return out
 
@@ -74,8 +105,9 @@ def test_a_leak_that_would_exhaust_the_device_says_when() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_noise_and_bookkeeping_creep_are_not_a_leak(seed: int) -> None:
     """RSS readings jumping by MiBs, and the few KiB a step that the run's records take (measured: 5-7 KiB)."""
-    verdict = judge([result(0, per_step=7 * KIB, noise=6 * MIB, seed=seed), result(1, noise=3 * MIB, seed=seed + 9)],
-                    CPU)
+    verdict = judge(
+        [result(0, per_step=7 * KIB, noise=6 * MIB, seed=seed), result(1, noise=3 * MIB, seed=seed + 9)], CPU
+    )
     assert finding(verdict, "memory per step").status == "pass", finding(verdict, "memory per step").detail
 
 
@@ -129,8 +161,13 @@ def test_idle_groups_that_stayed_put_pass() -> None:
 # ------------------------------------------------------------------ what memory is made of
 def test_memory_over_the_plan_says_what_is_read_and_what_holds_it() -> None:
     held = result(0, jump=(0, 500 * MIB))
-    held.census = {"weights and buffers": 30 * MIB, "gradients": 0, "optimizer state": 10 * MIB,
-                   "other tensors": 512 * MIB, "rest": -2 * MIB}
+    held.census = {
+        "weights and buffers": 30 * MIB,
+        "gradients": 0,
+        "optimizer state": 10 * MIB,
+        "other tensors": 512 * MIB,
+        "rest": -2 * MIB,
+    }
     verdict = judge([held], CPU)
     assert verdict.causes == ["memory_over_plan"]
     detail = verdict.failures[0]["detail"]
@@ -148,8 +185,10 @@ def test_the_ranks_warnings_are_printed_once_with_their_ranks() -> None:
     table = verdict.table()
     assert table.count("stay frozen for the whole run") == 1
     assert f"- ranks 0, 1: {frozen}" in table and "- rank 0: FutureWarning: old" in table
-    assert verdict.as_dict()["warnings"] == [{"text": frozen, "ranks": [0, 1]}, {"text": "FutureWarning: old",
-                                                                                 "ranks": [0]}]
+    assert verdict.as_dict()["warnings"] == [
+        {"text": frozen, "ranks": [0, 1]},
+        {"text": "FutureWarning: old", "ranks": [0]},
+    ]
 
 
 def test_the_header_names_the_model_class_and_the_precision() -> None:

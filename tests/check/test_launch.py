@@ -37,18 +37,29 @@ ROOT = Path(__file__).resolve().parents[2]
 TAG = "CHECK_LAUNCH_TEST_TAG"
 pytestmark = pytest.mark.distributed
 
-SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-         "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
-         "max_position_embeddings": 64, "tie_word_embeddings": False}
+SMALL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 def _config(folder: Path, distributed_type: str, num_processes: int, name: str = "default_config.yaml") -> Path:
     """An Accelerate config file as `accelerate config` writes it (the type quoted)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: '{distributed_type}'\n"
-                    f"num_processes: {num_processes}\nnum_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\n"
-                    "use_cpu: true\n")
+    path.write_text(
+        f"compute_environment: LOCAL_MACHINE\ndistributed_type: '{distributed_type}'\n"
+        f"num_processes: {num_processes}\nnum_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\n"
+        "use_cpu: true\n"
+    )
     return path
 
 
@@ -103,16 +114,29 @@ class Run:
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(home),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("ACCELERATE_USE_CPU", None)
     env.pop("XDG_CACHE_HOME", None)
     env.update(extra)
     return env
 
 
-def run(cmd: list[str], env: dict[str, str], tmp: Path, *, most_ranks: int, timeout: float,
-        signal_when: Optional[tuple[Path, int, int]] = None) -> Run:
+def run(
+    cmd: list[str],
+    env: dict[str, str],
+    tmp: Path,
+    *,
+    most_ranks: int,
+    timeout: float,
+    signal_when: Optional[tuple[Path, int, int]] = None,
+) -> Run:
     """Run ``cmd`` watched (see the module docstring); ``signal_when=(folder, files, signum)`` sends ``signum``
     to it once ``folder`` holds ``files`` files. Fails the test when more than ``most_ranks`` rank processes
     appear, or on ``timeout``, after killing every process carrying the run's tag."""
@@ -153,8 +177,13 @@ def test_a_default_config_of_distributed_type_no_starts_the_one_process_it_annou
     _config(tmp_path / "home" / "accelerate", "NO", 1)
     model = tmp_path / "small.json"
     model.write_text(json.dumps(SMALL))
-    done = run(check_cmd("--model", str(model), "--steps", "3", "--json"), _env(tmp_path / "home"), tmp_path,
-               most_ranks=1, timeout=500)
+    done = run(
+        check_cmd("--model", str(model), "--steps", "3", "--json"),
+        _env(tmp_path / "home"),
+        tmp_path,
+        most_ranks=1,
+        timeout=500,
+    )
     assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.announced() == 1 == len(done.ranks_seen) and done.outlived == []
     assert "accelerate launch" in done.stderr and "distributed_type NO" in done.stderr
@@ -179,8 +208,21 @@ def test_a_default_config_of_multi_cpu_for_two_processes_is_refused_naming_it(tm
 def test_under_accelerate_launch_with_a_one_process_config_it_runs_as_that_process(tmp_path: Path) -> None:
     """The user's own launch trains one process: the check tests that one, and starts nothing of its own."""
     config = _config(tmp_path / "configs", "MULTI_CPU", 2, name="multi_cpu.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "hf_altparams",
-           "check", "--setup", "tests.check.setups:lisa_small", "--steps", "3", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "-m",
+        "hf_altparams",
+        "check",
+        "--setup",
+        "tests.check.setups:lisa_small",
+        "--steps",
+        "3",
+        "--json",
+    ]
     done = run(cmd, _env(tmp_path / "home"), tmp_path, most_ranks=1, timeout=500)
     assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
     verdict = done.verdict()
@@ -214,9 +256,14 @@ def test_a_signal_stops_every_process_with_one_line(tmp_path: Path, signum: int,
     """Ranks that ignore SIGTERM, in sessions of their own (as torchrun starts them), are stopped too."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    done = run(check_cmd("--ranks", "2", "--setup", "tests.check.setups:hangs_ignoring_sigterm"),
-               _env(tmp_path / "home", HANG_MARK=str(marks)), tmp_path, most_ranks=2, timeout=300,
-               signal_when=(marks, 2, signum))
+    done = run(
+        check_cmd("--ranks", "2", "--setup", "tests.check.setups:hangs_ignoring_sigterm"),
+        _env(tmp_path / "home", HANG_MARK=str(marks)),
+        tmp_path,
+        most_ranks=2,
+        timeout=300,
+        signal_when=(marks, 2, signum),
+    )
     assert done.code == code, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in marks.iterdir()) == ["rank0", "rank1"], "both ranks got to ignore SIGTERM"
     assert done.outlived == [], "a process outlived the check"
@@ -229,9 +276,13 @@ def test_past_its_deadline_every_rank_is_stopped_and_named_with_how_far_it_got(t
     """Ranks that hang in their set-up, ignoring SIGTERM: cause ``deadline``, not ``rank_lost``, every rank gone."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    done = run(check_cmd("--ranks", "2", "--deadline", "60", "--json", "--setup",
-                         "tests.check.setups:hangs_ignoring_sigterm"),
-               _env(tmp_path / "home", HANG_MARK=str(marks)), tmp_path, most_ranks=2, timeout=300)
+    done = run(
+        check_cmd("--ranks", "2", "--deadline", "60", "--json", "--setup", "tests.check.setups:hangs_ignoring_sigterm"),
+        _env(tmp_path / "home", HANG_MARK=str(marks)),
+        tmp_path,
+        most_ranks=2,
+        timeout=300,
+    )
     assert done.code == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in marks.iterdir()) == ["rank0", "rank1"], "both ranks got to ignore SIGTERM"
     assert done.outlived == [], "a rank outlived the check"
@@ -248,17 +299,22 @@ def test_the_deadline_names_the_last_step_each_rank_reported(tmp_path: Path) -> 
     ProgressFile(tmp_path, rank=1)("prepare", 0)
     failure = watch.deadline_failure(90, planned=12)
     assert failure["cause"] == "deadline" and "--deadline 90 s" in failure["detail"]
-    assert failure["detail"].endswith("rank 0: 3 of 12 steps done; rank 1: preparing (no step yet); "
-                                      "rank 2: never reported (not started)")
+    assert failure["detail"].endswith(
+        "rank 0: 3 of 12 steps done; rank 1: preparing (no step yet); rank 2: never reported (not started)"
+    )
     ranks = watch.ranks()
     assert ranks[0].pid == os.getpid() and ranks[0].rss is not None  # read by the watcher itself
 
 
 # ------------------------------------------------------------------ out of memory named
 def test_a_rank_killed_by_sigkill_is_reported_out_of_memory_with_its_figures(tmp_path: Path) -> None:
-    done = run(check_cmd("--ranks", "2", "--steps", "4", "--json", "--setup",
-                         "tests.check.setups:killed_by_the_kernel"),
-               _env(tmp_path / "home"), tmp_path, most_ranks=2, timeout=300)
+    done = run(
+        check_cmd("--ranks", "2", "--steps", "4", "--json", "--setup", "tests.check.setups:killed_by_the_kernel"),
+        _env(tmp_path / "home"),
+        tmp_path,
+        most_ranks=2,
+        timeout=300,
+    )
     assert done.code == 1, done.stdout[-3000:] + done.stderr[-3000:]
     verdict = done.verdict()
     assert verdict["causes"] == ["out_of_memory"], verdict["failures"]
@@ -281,12 +337,23 @@ def test_the_preflight_refuses_a_model_larger_than_the_machine_before_any_rank_s
     """A config whose fp32 weights alone are twice the machine's memory, priced on meta: nothing allocated."""
     per_layer = 4 * 16384 * 16384 + 3 * 16384 * 65536  # attention + MLP parameters of one layer
     layers = 2 * psutil.virtual_memory().total // (4 * per_layer) + 1
-    huge = dict(SMALL, hidden_size=16384, intermediate_size=65536, num_hidden_layers=int(layers),
-                num_attention_heads=64, num_key_value_heads=64)
+    huge = dict(
+        SMALL,
+        hidden_size=16384,
+        intermediate_size=65536,
+        num_hidden_layers=int(layers),
+        num_attention_heads=64,
+        num_key_value_heads=64,
+    )
     model = tmp_path / "huge.json"
     model.write_text(json.dumps(huge))
-    done = run(check_cmd("--ranks", "2", "--model", str(model), "--json"), _env(tmp_path / "home"), tmp_path,
-               most_ranks=0, timeout=300)
+    done = run(
+        check_cmd("--ranks", "2", "--model", str(model), "--json"),
+        _env(tmp_path / "home"),
+        tmp_path,
+        most_ranks=0,
+        timeout=300,
+    )
     assert done.code == 1, done.stdout[-3000:] + done.stderr[-3000:]
     verdict = done.verdict()
     assert verdict["causes"] == ["wont_fit"] and done.ranks_seen == set()
@@ -313,11 +380,28 @@ def test_the_preflight_prices_what_each_rank_builds_and_the_plans_worst_phase(tm
 
 def test_a_price_over_the_memory_is_refused_with_its_figures_and_ways_out() -> None:
     gib = 1 << 30
-    price = Price(ranks=4, device="cpu", built=2 * gib, worst=3 * gib, worst_phase="layer0", process=gib,
-                  host_available=9 * gib, host_total=16 * gib)
+    price = Price(
+        ranks=4,
+        device="cpu",
+        built=2 * gib,
+        worst=3 * gib,
+        worst_phase="layer0",
+        process=gib,
+        host_available=9 * gib,
+        host_total=16 * gib,
+    )
     assert not price.fits and price.host_need == 16 * gib
     text = price.refusal(dtype=None, fsdp2=False)
     assert "16.00 GiB" in text and "9.00 GiB" in text and "--ranks 2" in text and "--fsdp2" in text
-    on_gpus = Price(ranks=2, device="cuda", built=gib, worst=40 * gib, worst_phase="layer0", process=gib,
-                    host_available=64 * gib, host_total=64 * gib, gpu_free=(80 * gib, 20 * gib))
+    on_gpus = Price(
+        ranks=2,
+        device="cuda",
+        built=gib,
+        worst=40 * gib,
+        worst_phase="layer0",
+        process=gib,
+        host_available=64 * gib,
+        host_total=64 * gib,
+        gpu_free=(80 * gib, 20 * gib),
+    )
     assert not on_gpus.fits and on_gpus.short_gpus() == [1] and "GPU 1" in on_gpus.refusal(dtype="bf16", fsdp2=True)

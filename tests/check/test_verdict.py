@@ -14,19 +14,54 @@ MIB = 1 << 20
 CPU = Tolerances.for_source("RSS")
 
 
-def rank(r: int = 0, world: int = 2, *, growth_per_switch: int = 0, held_extra: int = 0, reduced_extra: int = 0,
-         switches: int = 12, failure: Optional[Failure] = None, warnings: tuple[str, ...] = (),
-         warning_causes: tuple[tuple[str, str], ...] = ()) -> RankResult:
+def rank(
+    r: int = 0,
+    world: int = 2,
+    *,
+    growth_per_switch: int = 0,
+    held_extra: int = 0,
+    reduced_extra: int = 0,
+    switches: int = 12,
+    failure: Optional[Failure] = None,
+    warnings: tuple[str, ...] = (),
+    warning_causes: tuple[tuple[str, str], ...] = (),
+) -> RankResult:
     """One rank's readings: a switch every step, 40 MiB planned, ``held_extra`` over it, flat unless told."""
-    result = RankResult(rank=r, world=world, device="cpu", parallel="DDP", memory_source="RSS",
-                        first_prediction=40 * MIB, trainable_everything=100 * MIB, failure=failure,
-                        warnings=list(warnings), warning_causes=list(warning_causes), weights_compared=switches + 1)
+    result = RankResult(
+        rank=r,
+        world=world,
+        device="cpu",
+        parallel="DDP",
+        memory_source="RSS",
+        first_prediction=40 * MIB,
+        trainable_everything=100 * MIB,
+        failure=failure,
+        warnings=list(warnings),
+        warning_causes=list(warning_causes),
+        weights_compared=switches + 1,
+    )
     for step in range(switches):
         phase = f"p{step % 3}"
-        result.steps.append(StepRow(step=step, phase=phase, grad_bytes=10 * MIB, reduced_bytes=10 * MIB + reduced_extra,
-                                    expected_reduced=10 * MIB, held=40 * MIB + held_extra, seconds=0.1))
-        result.switches.append(SwitchRow(step=step + 1, phase=f"p{(step + 1) % 3}", seconds=0.01,
-                                         level=40 * MIB + held_extra + step * growth_per_switch, predicted=40 * MIB))
+        result.steps.append(
+            StepRow(
+                step=step,
+                phase=phase,
+                grad_bytes=10 * MIB,
+                reduced_bytes=10 * MIB + reduced_extra,
+                expected_reduced=10 * MIB,
+                held=40 * MIB + held_extra,
+                seconds=0.1,
+            )
+        )
+        result.switches.append(
+            SwitchRow(
+                step=step + 1,
+                phase=f"p{(step + 1) % 3}",
+                seconds=0.01,
+                level=40 * MIB + held_extra + step * growth_per_switch,
+                predicted=40 * MIB,
+            )
+        )
         result.peaks.append((phase, 60 * MIB))
     return result
 
@@ -76,25 +111,39 @@ def test_bytes_other_than_the_trainable_gradients_are_named() -> None:
     assert "12 of 24 rank-steps differ" in verdict.failures[0]["detail"]
 
 
-@pytest.mark.parametrize("kind, message, cause", [
-    ("SwitchError", "ranks disagree on the phase at step 0 (...)", "schedule_differs_per_rank"),
-    ("AltParamsError", "2 trainable parameter(s) of phase 'b' got no gradient (...) `requires_grad` off behind "
-                       "the schedule's back causes it too", "trainable_param_unused"),
-    ("RuntimeError", "ranks disagree on the phase at step 0 (...)", "error"),
-])
-def test_a_recorded_failure_is_named_by_its_cause_whatever_its_message_says(kind: str, message: str,
-                                                                            cause: str) -> None:
+@pytest.mark.parametrize(
+    "kind, message, cause",
+    [
+        ("SwitchError", "ranks disagree on the phase at step 0 (...)", "schedule_differs_per_rank"),
+        (
+            "AltParamsError",
+            "2 trainable parameter(s) of phase 'b' got no gradient (...) `requires_grad` off behind "
+            "the schedule's back causes it too",
+            "trainable_param_unused",
+        ),
+        ("RuntimeError", "ranks disagree on the phase at step 0 (...)", "error"),
+    ],
+)
+def test_a_recorded_failure_is_named_by_its_cause_whatever_its_message_says(
+    kind: str, message: str, cause: str
+) -> None:
     # (tests/check/test_causes.py raises each cause the way the library does)
     assert classify(Failure("step", 3, kind, message, cause=cause)) == cause
     assert cause in CAUSES
 
 
 def test_a_requires_grad_warning_fails_the_run_although_the_library_mended_it() -> None:
-    line = ("hf_altparams: `requires_grad` of 2 parameter(s) (e.g. ['a.weight']) no longer matched "
-            "phase 'b' at this optimizer step; ...")
+    line = (
+        "hf_altparams: `requires_grad` of 2 parameter(s) (e.g. ['a.weight']) no longer matched "
+        "phase 'b' at this optimizer step; ..."
+    )
     caused = (("requires_grad_behind_schedule", line),)
-    verdict = judge([rank(0, warnings=(f"AltParamsWarning: {line}",), warning_causes=caused),
-                     rank(1, warnings=(f"AltParamsWarning: {line}",), warning_causes=caused)])
+    verdict = judge(
+        [
+            rank(0, warnings=(f"AltParamsWarning: {line}",), warning_causes=caused),
+            rank(1, warnings=(f"AltParamsWarning: {line}",), warning_causes=caused),
+        ]
+    )
     assert verdict.causes == ["requires_grad_behind_schedule"]
     assert len(verdict.failures) == 1 and verdict.failures[0]["ranks"] == [0, 1]  # one failure, both ranks
     assert judge([rank(0, warnings=(f"UserWarning: {line}",))]).passed  # a warning's text names no cause
@@ -102,8 +151,9 @@ def test_a_requires_grad_warning_fails_the_run_although_the_library_mended_it() 
 
 def test_a_rank_without_a_result_is_lost_unless_another_names_the_cause() -> None:
     assert judge([rank(0), None]).causes == ["rank_lost"]
-    drift = Failure("step", 4, "DriftError", "the ranks hold different weights after the switch to 'b'",
-                    cause="ranks_drift")
+    drift = Failure(
+        "step", 4, "DriftError", "the ranks hold different weights after the switch to 'b'", cause="ranks_drift"
+    )
     lost = Failure("step", 4, "AltParamsError", "got no answer from the other ranks", cause="rank_lost")
     verdict = judge([rank(0, failure=drift), rank(1, failure=lost), None])
     assert verdict.causes == ["ranks_drift"]

@@ -28,8 +28,16 @@ def test_layer_groups_find_the_layers_embeddings_and_head(small: nn.Module) -> N
 def test_a_tied_head_trains_with_the_embeddings() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tied = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, tie_word_embeddings=True))
+    tied = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     assert layer_groups(tied).names == ("layer0", "layer1", "emb")
 
 
@@ -38,8 +46,15 @@ def test_a_model_without_layers_is_refused_naming_the_flag() -> None:
         find_layers(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("name, expected", [("lisa", "RandomBlocks"), ("badam", "Alternating"),
-                                            ("alternating", "Alternating"), ("gradual", "GradualUnfreeze")])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("lisa", "RandomBlocks"),
+        ("badam", "Alternating"),
+        ("alternating", "Alternating"),
+        ("gradual", "GradualUnfreeze"),
+    ],
+)
 def test_each_schedule_is_built_with_its_recipe_state_policy(small: nn.Module, name: str, expected: str) -> None:
     schedule = schedule_for(name, layer_groups(small), every=2)
     assert type(schedule).__name__ == expected
@@ -47,11 +62,14 @@ def test_each_schedule_is_built_with_its_recipe_state_policy(small: nn.Module, n
     schedule.validate(layer_groups(small))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"k": 9}, r"`--k` must be an integer from 1 to 4"),
-    ({"always": ["nope"]}, r"`--always` names \['nope'\]"),
-    ({"every": 0}, r"`--every` must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"k": 9}, r"`--k` must be an integer from 1 to 4"),
+        ({"always": ["nope"]}, r"`--always` names \['nope'\]"),
+        ({"every": 0}, r"`--every` must be a positive integer"),
+    ],
+)
 def test_bad_schedule_options_are_refused(small: nn.Module, kwargs: dict, match: str) -> None:
     with pytest.raises(PlanError, match=match):
         schedule_for("lisa", layer_groups(small), **kwargs)
@@ -91,19 +109,28 @@ def test_batches_differ_by_rank_and_step_and_repeat_exactly(small: nn.Module) ->
     assert torch.equal(a["labels"], a["input_ids"])
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--setup", "m:f", "--model", "x"], "exclude each other"),
-    (["--weights"], "`--weights` loads the weights of `--model`"),
-    (["--warmup", "-1"], "`--warmup` must be 0 or more"),
-    (["--setup", "m:f", "--schedule", "badam", "--every", "2"],
-     "`--setup` builds its own schedule: leave out --schedule, --every"),
-    (["--schedule", "alternating", "--unit", "epoch"], "`--unit` 'epoch' is refused by `check`: it counts optimizer"),
-    (["--schedule", "gradual", "--k", "2"], "`--k` '2' does not apply to `--schedule gradual`"),
-    (["--schedule", "sequence"], "`--schedule sequence` needs at least one `--phase GROUP[+GROUP...]:DURATION`"),
-    (["--schedule", "per-task", "--trunk", "emb"], "`--schedule per-task` is refused by `check`: its groups are"),
-])
-def test_conflicting_flags_exit_2_before_any_rank_starts(argv: list[str], match: str,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--setup", "m:f", "--model", "x"], "exclude each other"),
+        (["--weights"], "`--weights` loads the weights of `--model`"),
+        (["--warmup", "-1"], "`--warmup` must be 0 or more"),
+        (
+            ["--setup", "m:f", "--schedule", "badam", "--every", "2"],
+            "`--setup` builds its own schedule: leave out --schedule, --every",
+        ),
+        (
+            ["--schedule", "alternating", "--unit", "epoch"],
+            "`--unit` 'epoch' is refused by `check`: it counts optimizer",
+        ),
+        (["--schedule", "gradual", "--k", "2"], "`--k` '2' does not apply to `--schedule gradual`"),
+        (["--schedule", "sequence"], "`--schedule sequence` needs at least one `--phase GROUP[+GROUP...]:DURATION`"),
+        (["--schedule", "per-task", "--trunk", "emb"], "`--schedule per-task` is refused by `check`: its groups are"),
+    ],
+)
+def test_conflicting_flags_exit_2_before_any_rank_starts(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     assert match in capsys.readouterr().err
 
@@ -117,8 +144,11 @@ def test_the_task_comes_from_the_flag_the_architectures_or_the_first_head_the_co
     assert pick_task(BertConfig(architectures=["BertForSequenceClassification"])) == "seq-classification"
     assert pick_task(BertConfig()) == "causal-lm"  # no architectures: the first of TASKS it has a head for
     assert pick_task(BertConfig(architectures=["BertForMaskedLM"]), "masked-lm") == "masked-lm"
-    with pytest.raises(PlanError, match=r"no AutoModelForCausalLM head for a T5Config .* accepts \['seq2seq-lm', "
-                                        r"'seq-classification'\]"):
+    with pytest.raises(
+        PlanError,
+        match=r"no AutoModelForCausalLM head for a T5Config .* accepts \['seq2seq-lm', "
+        r"'seq-classification'\]",
+    ):
         pick_task(T5Config(), "causal-lm")
     with pytest.raises(PlanError, match=r"`--task` is 'translation'; accepted: \['causal-lm'"):
         pick_task(T5Config(), "translation")
@@ -129,8 +159,9 @@ def test_a_config_without_a_head_the_check_trains_is_refused_naming_the_heads(tm
 
     from hf_altparams.check.workload import model_setup
 
-    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
-                     ).save_pretrained(tmp_path)
+    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(PlanError, match=r"has none of the heads `check` trains: causal-lm \(AutoModelForCausalLM\)"):
         model_setup(tmp_path / "config.json")
 
@@ -139,8 +170,9 @@ def test_an_encoder_decoder_groups_both_stacks_and_gets_decoder_inputs() -> None
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2,
-                                                d_kv=8, decoder_start_token_id=0))
+    model = T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8, decoder_start_token_id=0)
+    )
     groups = layer_groups(model)
     assert groups.names == ("decoder0", "decoder1", "encoder0", "encoder1", "emb")
     batch = synthetic_batch(model, 3, 0)
@@ -174,10 +206,18 @@ def test_a_masked_lm_and_a_decoder_classifier_train_on_their_synthetic_batches(t
 
     from hf_altparams.check.workload import model_setup
 
-    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-             "num_attention_heads": 2}
-    made = (BertConfig(architectures=["BertForMaskedLM"], **small) if config == "bert-mlm"
-            else LlamaConfig(architectures=["LlamaForSequenceClassification"], **small))  # no pad token
+    small = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
+    made = (
+        BertConfig(architectures=["BertForMaskedLM"], **small)
+        if config == "bert-mlm"
+        else LlamaConfig(architectures=["LlamaForSequenceClassification"], **small)
+    )  # no pad token
     made.save_pretrained(tmp_path)
     model, groups = model_setup(tmp_path / "config.json")
     setup = CheckSetup(groups, schedule_for("alternating", groups))
@@ -193,12 +233,20 @@ def test_the_preflight_prices_the_model_with_the_head_the_ranks_build(tmp_path) 
 
     from hf_altparams.check.preflight import meta_model, price_check
 
-    T5Config(d_model=16, d_ff=32, num_layers=2, d_kv=8, num_heads=2, vocab_size=64,
-             architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path / "t5")
+    T5Config(
+        d_model=16,
+        d_ff=32,
+        num_layers=2,
+        d_kv=8,
+        num_heads=2,
+        vocab_size=64,
+        architectures=["T5ForConditionalGeneration"],
+    ).save_pretrained(tmp_path / "t5")
     net, built = meta_model(str(tmp_path / "t5" / "config.json"))
     assert type(net).__name__ == "T5ForConditionalGeneration" and built > 0
     assert price_check(str(tmp_path / "t5"), ranks=2, steps=6, fsdp2=False, schedule="alternating").built == built
-    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
-                     ).save_pretrained(tmp_path / "clip")
+    CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2).save_pretrained(
+        tmp_path / "clip"
+    )
     with pytest.raises(PlanError, match="has none of the heads `check` trains"):
         meta_model(str(tmp_path / "clip"))

@@ -15,19 +15,23 @@ from hf_altparams.integrations.trainer import AlternatingFreeze
 from hf_altparams.plan import Alternating, ParamGroups
 
 
-@pytest.mark.parametrize("setting,value,message", [
-    ("release", "sometimes", r"`release` is 'sometimes'; accepted: 'auto', True or False"),
-    ("trim", "yes", r"`trim` must be True or False, got 'yes'"),
-    ("prefetch", -1, r"`prefetch` is -1; accepted: False, True, 'auto' or a byte budget"),
-    ("buffer_sync", "always", r"`buffer_sync` is 'always'; accepted: \['keep', 'auto'\]"),
-    ("buffer_updating_types", (int,), r"`buffer_updating_types` must be nn.Module subclasses"),
-    ("history_window", 0, r"`history_window` is 0; accepted: an int >= 1"),
-    ("collective_timeout", 0, r"`collective_timeout` must be None .* or a positive number of seconds, got 0"),
-    ("keep_reducers", -1, r"`keep_reducers` must be a whole number >= 0"),
-    ("offload_device", "floppy", r"`offload_device` is 'floppy', which is not a torch device"),
-])
-def test_a_bad_setting_is_refused_naming_it_the_value_and_what_is_accepted(setting: str, value: object,
-                                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    "setting,value,message",
+    [
+        ("release", "sometimes", r"`release` is 'sometimes'; accepted: 'auto', True or False"),
+        ("trim", "yes", r"`trim` must be True or False, got 'yes'"),
+        ("prefetch", -1, r"`prefetch` is -1; accepted: False, True, 'auto' or a byte budget"),
+        ("buffer_sync", "always", r"`buffer_sync` is 'always'; accepted: \['keep', 'auto'\]"),
+        ("buffer_updating_types", (int,), r"`buffer_updating_types` must be nn.Module subclasses"),
+        ("history_window", 0, r"`history_window` is 0; accepted: an int >= 1"),
+        ("collective_timeout", 0, r"`collective_timeout` must be None .* or a positive number of seconds, got 0"),
+        ("keep_reducers", -1, r"`keep_reducers` must be a whole number >= 0"),
+        ("offload_device", "floppy", r"`offload_device` is 'floppy', which is not a torch device"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_it_the_value_and_what_is_accepted(
+    setting: str, value: object, message: str
+) -> None:
     with pytest.raises(AltParamsError, match=message):
         SwitchConfig(**{setting: value})
 

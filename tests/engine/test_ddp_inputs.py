@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hf_altparams.engine import PhaseSwitcher
-from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine.ddp import _inputs
+from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine.ddp._inputs import ReducerInputs
 from hf_altparams.plan import Alternating, ParamGroups
 
@@ -54,8 +54,14 @@ class Awkward(nn.Module):
 def _bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
     return BertForMaskedLM(config)  # the decoder weight is tied to the word embeddings
 
 
@@ -72,8 +78,9 @@ def _theirs(ddp: DDP) -> tuple[list[nn.Parameter], list[bool], dict[int, str], d
     return params, list(sparse), names, dict(ddp.named_module_buffers)
 
 
-def _ours(module: nn.Module, ignore: set[str]) -> tuple[list[nn.Parameter], list[bool], dict[int, str],
-                                                       dict[str, torch.Tensor]]:
+def _ours(
+    module: nn.Module, ignore: set[str]
+) -> tuple[list[nn.Parameter], list[bool], dict[int, str], dict[str, torch.Tensor]]:
     inputs = ReducerInputs(module)
     params, sparse, names = inputs.parameters(ignore)
     return params, sparse, names, inputs.buffers(ignore)
@@ -101,8 +108,7 @@ def world(gloo_world_1: dist.ProcessGroup) -> Iterator[None]:
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("frozen", ["none", "every_other", "all_but_one"])
 @pytest.mark.parametrize("ignore_some", [False, True])
-def test_same_parameters_names_and_buffers_as_ddp(world: None, model_name: str, frozen: str,
-                                                  ignore_some: bool) -> None:
+def test_same_parameters_names_and_buffers_as_ddp(world: None, model_name: str, frozen: str, ignore_some: bool) -> None:
     torch.manual_seed(0)
     module = MODELS[model_name]()
     named = list(module.named_parameters())
@@ -176,8 +182,9 @@ def test_nothing_trainable_at_the_first_rebuild_decides_later(world: None) -> No
 def test_switches_build_what_ddp_would(world: None, fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     module = Awkward(sparse=False)  # the bucket reader below cannot read a sparse bucket
-    groups = ParamGroups(module, {"a": ["root", "emb.*", "tok.*", "bag.*", "proj.*"],
-                                  "b": ["twice.*", "norm.*", "head.bias"]})
+    groups = ParamGroups(
+        module, {"a": ["root", "emb.*", "tok.*", "bag.*", "proj.*"], "b": ["twice.*", "norm.*", "head.bias"]}
+    )
     switcher = PhaseSwitcher(groups, Alternating(["a", "b"]))
     switcher.step_to(0)
     _inputs.fast_inputs = fast
@@ -199,8 +206,7 @@ def test_switches_build_what_ddp_would(world: None, fast: bool, monkeypatch: pyt
         assert list(bucketed_buffers) == list(ddp.named_module_buffers)
         assert _ids(bucketed_buffers.values()) == _ids(ddp.named_module_buffers.values())
         assert _ids(ddp.modules_buffers) == _ids(bucketed_buffers.values())
-        assert ours_module_params == _ids(p for n, p in module.named_parameters()
-                                          if n not in ddp.parameters_to_ignore)
+        assert ours_module_params == _ids(p for n, p in module.named_parameters() if n not in ddp.parameters_to_ignore)
     # DDP's own walk: at the first rebuild only (then compared) on the fast path; at every one without it.
     assert len(calls) == (1 if fast else 5)
 

@@ -7,9 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from hf_altparams.engine.deepspeed import (GROUP_TAG, USES, ZeroBackend, is_deepspeed_engine, is_split, missing_names,
-                                           optimizer_chain, skip_shm_comm_build, split_optimizer_class,
-                                           split_param_groups)
+from hf_altparams.engine.deepspeed import (
+    GROUP_TAG,
+    USES,
+    ZeroBackend,
+    is_deepspeed_engine,
+    is_split,
+    missing_names,
+    optimizer_chain,
+    skip_shm_comm_build,
+    split_optimizer_class,
+    split_param_groups,
+)
 from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.plan import ParamGroups
 
@@ -23,8 +32,14 @@ def _net() -> tuple[nn.Module, ParamGroups]:
 
 def test_deepspeed_has_every_name_the_fence_lists() -> None:
     assert missing_names() == []
-    assert set(USES) == {"partitions", "relink_views", "all_gather_filter", "refusals", "count_collectives",
-                         "skip_shm_comm_build"}
+    assert set(USES) == {
+        "partitions",
+        "relink_views",
+        "all_gather_filter",
+        "refusals",
+        "count_collectives",
+        "skip_shm_comm_build",
+    }
 
 
 def test_the_shared_memory_op_is_not_built_after_skip_shm_comm_build() -> None:
@@ -41,7 +56,12 @@ def test_the_split_keeps_each_param_groups_settings_and_order() -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.5)
     assert split_param_groups(opt, groups) == 5  # bias of 2 is in no group: an untagged group of its own
     assert [(g[GROUP_TAG], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [
-        ("a", 0.1, 1), ("b", 0.1, 2), ("a", 0.0, 1), ("b", 0.0, 1), (None, 0.0, 1)]
+        ("a", 0.1, 1),
+        ("b", 0.1, 2),
+        ("a", 0.0, 1),
+        ("b", 0.0, 1),
+        (None, 0.0, 1),
+    ]
     assert all(g["lr"] == 0.5 for g in opt.param_groups) and is_split(opt)
     assert split_param_groups(opt, groups) == 5  # split already: unchanged
 

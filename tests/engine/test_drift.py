@@ -35,8 +35,9 @@ def test_digest_sees_a_one_ulp_change_anywhere_and_nothing_else(dtype: torch.dty
         flat = changed.view(-1)
         flat[position] = torch.nextafter(flat[position].float(), torch.tensor(float("inf"))).to(dtype)
         if torch.equal(flat[position], base.view(-1)[position]):  # no representable step up in this dtype
-            flat.view(torch.uint8 if dtype.itemsize == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[
-                dtype.itemsize])[position] += 1
+            flat.view(
+                torch.uint8 if dtype.itemsize == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+            )[position] += 1
         assert int(tensor_digest(changed)) != reference, position
 
 

@@ -20,4 +20,3 @@ def test_phased_accelerator_runs_exit_cleanly_without_teardown() -> None:
     tally = repeat_exits("phased", 8)
     assert tally.failed == 0, tally.failures
     assert tally.aborted == 0, f"{tally.aborted} of {tally.runs} 2-rank runs aborted at interpreter exit"
-

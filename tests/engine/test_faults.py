@@ -57,18 +57,30 @@ START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 
 
 
 def _start(sync: Path, mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
-    env = dict(launch_env("accelerate", None), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", FAULT_SYNC_DIR=str(sync))
-    return [subprocess.Popen(
-        [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],
-        env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    env = dict(
+        launch_env("accelerate", None),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        FAULT_SYNC_DIR=str(sync),
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
 
 
 def _result(output: str) -> dict[str, Any]:
     lines = [line for line in output.splitlines() if line.startswith("FAULT-RESULT ")]
     assert lines, f"rank 0 printed no FAULT-RESULT line:\n{output[-3000:]}"
-    return dict(json.loads(lines[-1][len("FAULT-RESULT "):]))
+    return dict(json.loads(lines[-1][len("FAULT-RESULT ") :]))
 
 
 @pytest.mark.distributed
@@ -134,5 +146,4 @@ def test_collective_timeout_is_checked_before_any_step(bad: Any) -> None:
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     with pytest.raises(PlanError, match=r"`collective_timeout` must be None .* got"):
-        PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]),
-                      collective_timeout=bad)
+        PhaseSwitcher(ParamGroups(net, {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]), collective_timeout=bad)

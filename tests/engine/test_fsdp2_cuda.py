@@ -60,8 +60,12 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _state(opt: GroupedOptimizer, group: str) -> list[torch.Tensor]:
-    return [v for p in opt.groups.params(group) for v in opt.inner[group].state.get(p, {}).values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return [
+        v
+        for p in opt.groups.params(group)
+        for v in opt.inner[group].state.get(p, {}).values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
 
 
 def _settled_allocated(timeout: float = 5.0) -> int:
@@ -94,8 +98,7 @@ def _train(per_task: bool, **switcher_kwargs: Any) -> tuple[dict[str, torch.Tens
     """
     base = _settled_allocated()
     model = TwoTasks().cuda()
-    groups = shard_by_groups(model, ParamGroups(model, {"trunk": "trunk.*", "t0": "t0.*", "t1": "t1.*"}),
-                             mp_policy=MP)
+    groups = shard_by_groups(model, ParamGroups(model, {"trunk": "trunk.*", "t0": "t0.*", "t1": "t1.*"}), mp_policy=MP)
     policy = switcher_kwargs.pop("policy", "keep")
     opt = GroupedOptimizer(groups, functools.partial(torch.optim.Adam, lr=1e-3), state_policy=policy)
     schedule = PerTaskCycle(["trunk"], ["t0", "t1"], every=2) if per_task else Alternating(["trunk", "t0", "t1"])

@@ -40,8 +40,9 @@ def test_every_private_name_exists_on_a_real_fsdp2_model(gloo_world_1: dist.Proc
     (group,) = _fsdp2._param_groups(model[0])
     fp = group.fsdp_params[0]
     objects = {"FSDPModule": model[0], "FSDPParamGroup": group, "FSDPParam": fp, "DTensor": fp.sharded_param}
-    missing = [f"{o}.{n}" for o, names in _fsdp2.PRIVATE_FSDP2_ATTRIBUTES.items()
-               for n in names if not hasattr(objects[o], n)]
+    missing = [
+        f"{o}.{n}" for o, names in _fsdp2.PRIVATE_FSDP2_ATTRIBUTES.items() for n in names if not hasattr(objects[o], n)
+    ]
     assert missing == []
     assert hasattr(state, "_fsdp_param_groups") or hasattr(state, "_fsdp_param_group")
     _fsdp2.check_fsdp2_supported(model)  # the whole fence passes
@@ -67,8 +68,9 @@ def test_untested_torch_refused_naming_the_way_out(
     assert switcher.backend.kind == "fsdp2"
 
 
-@pytest.mark.parametrize("owner,name", [(o, n) for o, names in _fsdp2.PRIVATE_FSDP2_ATTRIBUTES.items()
-                                        for n in names if o != "FSDPModule"])
+@pytest.mark.parametrize(
+    "owner,name", [(o, n) for o, names in _fsdp2.PRIVATE_FSDP2_ATTRIBUTES.items() for n in names if o != "FSDPModule"]
+)
 def test_missing_private_name_refused_by_name_before_any_change(
     gloo_world_1: dist.ProcessGroup, owner: str, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,8 +82,9 @@ def test_missing_private_name_refused_by_name_before_any_change(
     if hasattr(cls, name):
         monkeypatch.delattr(cls, name)
     else:  # an instance attribute: hide it behind a property that raises AttributeError
-        monkeypatch.setattr(cls, name, property(lambda self: (_ for _ in ()).throw(AttributeError(name))),
-                            raising=False)
+        monkeypatch.setattr(
+            cls, name, property(lambda self: (_ for _ in ()).throw(AttributeError(name))), raising=False
+        )
     with pytest.raises(SwitchError, match=f"{owner}.{name}"):
         switcher.attach(model)
     assert switcher.backend.kind == "local"

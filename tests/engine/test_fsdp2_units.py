@@ -12,8 +12,8 @@ from torch.distributed.fsdp import fully_shard
 
 from hf_altparams.engine import PhaseSwitcher, shard_by_groups
 from hf_altparams.engine import fsdp2 as _fsdp2
-from hf_altparams.engine.fsdp2._units import mixed_units
 from hf_altparams.engine.fsdp2 import set_data
+from hf_altparams.engine.fsdp2._units import mixed_units
 from hf_altparams.engine.memory.transfer import nbytes, to_device, to_host
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import Alternating, ParamGroups, PerTaskCycle

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from hf_altparams.engine import HostHeap, host_heap, mmap_large_host_allocations
-from hf_altparams.engine.memory import release as memory_module
 from hf_altparams.engine.memory import MAX_MMAP_THRESHOLD
+from hf_altparams.engine.memory import release as memory_module
 from hf_altparams.errors import AltParamsError
 from hf_altparams.testing import launch, rank_results
 from tests.scripts import script_path
@@ -99,8 +99,10 @@ def test_a_bad_threshold_is_refused_before_anything_changes(bad: Any, monkeypatc
         mmap_large_host_allocations(bad)
     message = str(info.value)
     assert "`threshold`" in message and repr(bad) in message
-    assert f"accepted: {'an int number of bytes, ' if not isinstance(bad, int) or bad is True else ''}1 to " \
+    assert (
+        f"accepted: {'an int number of bytes, ' if not isinstance(bad, int) or bad is True else ''}1 to "
         f"{MAX_MMAP_THRESHOLD}" in message
+    )
     assert libc.calls == []
 
 
@@ -133,8 +135,16 @@ def test_per_step_drop_alternation_peaks_at_one_half_alone_with_the_opt_in(tmp_p
 
     Without the opt-in (``--mmap-threshold 0``) one rank or both peaked 1.13-1.33x above one half alone.
     """
-    launch(script_path("mmap_alternation.py"), str(tmp_path), "--size-mib", "32", "--mmap-threshold", str(MIB),
-           nproc=2, timeout=300)
+    launch(
+        script_path("mmap_alternation.py"),
+        str(tmp_path),
+        "--size-mib",
+        "32",
+        "--mmap-threshold",
+        str(MIB),
+        nproc=2,
+        timeout=300,
+    )
     for rank in rank_results(tmp_path, nproc=2):
         assert rank["applied"] is True
         drop, alone = rank["peak_growth_bytes"]["alt_drop"], rank["peak_growth_bytes"]["alone_a"]

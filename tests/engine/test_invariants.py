@@ -45,14 +45,19 @@ def world(gloo_world_1: dist.ProcessGroup) -> Iterator[None]:
     yield
 
 
-def _setup(plain_optimizer: bool = True, ddp: bool = True, groups_spec: dict | None = None,
-           refuse_missing_grads: bool = False) -> tuple[Net, nn.Module, torch.optim.Optimizer, PhaseSwitcher]:
+def _setup(
+    plain_optimizer: bool = True, ddp: bool = True, groups_spec: dict | None = None, refuse_missing_grads: bool = False
+) -> tuple[Net, nn.Module, torch.optim.Optimizer, PhaseSwitcher]:
     net = Net()
     groups = ParamGroups(net, groups_spec or {"a": "a.*", "b": ["b.*", "spare.*"]})
-    opt: torch.optim.Optimizer = (torch.optim.SGD(net.parameters(), lr=0.1) if plain_optimizer
-                                  else GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1)))
-    switcher = PhaseSwitcher(groups, Alternating(["a", "b"], every=4), optimizer=opt,
-                             refuse_missing_grads=refuse_missing_grads)
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(net.parameters(), lr=0.1)
+        if plain_optimizer
+        else GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))
+    )
+    switcher = PhaseSwitcher(
+        groups, Alternating(["a", "b"], every=4), optimizer=opt, refuse_missing_grads=refuse_missing_grads
+    )
     switcher.step_to(0)
     wrapped: nn.Module = DDP(net) if ddp else net
     switcher.attach(wrapped)
@@ -102,8 +107,9 @@ def test_a_flag_changed_without_a_gradient_is_put_back_with_one_warning(world: N
 
 
 def test_a_trainable_parameter_without_a_gradient_gets_advice_for_each_cause(world: None) -> None:
-    net, ddp, opt, switcher = _setup(groups_spec={"a": ["a.*", "spare.*"], "b": "b.*"},
-                                     refuse_missing_grads=True)  # what the integrations set: refused at the step
+    net, ddp, opt, switcher = _setup(
+        groups_spec={"a": ["a.*", "spare.*"], "b": "b.*"}, refuse_missing_grads=True
+    )  # what the integrations set: refused at the step
     ddp(torch.ones(3, 4)).pow(2).mean().backward()  # `spare` trains in phase "a" but the forward skips it
     with pytest.raises(AltParamsError) as err:
         opt.step()

@@ -22,8 +22,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_altparams.engine import CommCounter, GroupedOptimizer, PhaseSwitcher, PrecisionOptimizer, memory_report
 from hf_altparams.engine.comm import counting_allreduce_hook
-from hf_altparams.engine.report import expected_footprint, expected_peak_bytes
 from hf_altparams.engine.memory.model import StatePolicyLike
+from hf_altparams.engine.report import expected_footprint, expected_peak_bytes
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.planner import plan_cost
 from tests.support.meters import ModelStateMeter, total_state
@@ -67,8 +67,9 @@ def _run(kind: str, wrapper: str) -> tuple[Any, dict[str, list[Any]], list[tuple
     if storage is None:
         opt = GroupedOptimizer(groups, ADAMW, state_policy=state_policy)
     else:
-        opt = PrecisionOptimizer(groups, ADAMW, storage_dtype=storage, state_policy=state_policy,
-                                 master_policy=master_policy or "offload")
+        opt = PrecisionOptimizer(
+            groups, ADAMW, storage_dtype=storage, state_policy=state_policy, master_policy=master_policy or "offload"
+        )
     switcher = PhaseSwitcher(groups, schedule, optimizer=opt)
     switcher.step_to(0)
     meter = ModelStateMeter(model, opt)
@@ -101,15 +102,32 @@ def _run(kind: str, wrapper: str) -> tuple[Any, dict[str, list[Any]], list[tuple
             per_step.append((max(in_step), peak.device + peak.host))
     finally:
         handle.remove()
-    plan = plan_cost(model, groups, schedule, optimizer="adamw", state_policy=state_policy, steps=STEPS,
-                     world_size=1, storage_dtype=storage, master_policy=master_policy or "offload",
-                     bucket_as_view=wrapper == "ddp-bucket-views", backend="local" if wrapper == "no-ddp" else "ddp")
+    plan = plan_cost(
+        model,
+        groups,
+        schedule,
+        optimizer="adamw",
+        state_policy=state_policy,
+        steps=STEPS,
+        world_size=1,
+        storage_dtype=storage,
+        master_policy=master_policy or "offload",
+        bucket_as_view=wrapper == "ddp-bucket-views",
+        backend="local" if wrapper == "no-ddp" else "ddp",
+    )
     return plan, expected, per_step, switcher
 
 
 def _categories(row: Any) -> tuple[int, ...]:
-    return (row.param_bytes, row.buffer_bytes, row.grad_bytes, row.bucket_bytes, row.optimizer_bytes,
-            row.master_bytes, row.host_bytes)
+    return (
+        row.param_bytes,
+        row.buffer_bytes,
+        row.grad_bytes,
+        row.bucket_bytes,
+        row.optimizer_bytes,
+        row.master_bytes,
+        row.host_bytes,
+    )
 
 
 @pytest.fixture(params=WRAPPERS)
@@ -127,8 +145,15 @@ def test_planner_report_and_measured_state_agree_to_the_byte(kind: str, wrapper:
     assert {r.phase for r in plan.phases} == set(expected)
     for row in plan.phases:
         largest = max(expected[row.phase], key=lambda f: (f.device, f.host))
-        got = (largest.params, largest.buffers, largest.grads, largest.buckets, largest.optimizer,
-               largest.masters, largest.host)
+        got = (
+            largest.params,
+            largest.buffers,
+            largest.grads,
+            largest.buckets,
+            largest.optimizer,
+            largest.masters,
+            largest.host,
+        )
         assert got == _categories(row), (row.phase, got, _categories(row))
         assert largest.device == row.device_bytes
     # training everything: the same reference on both sides

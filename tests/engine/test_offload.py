@@ -185,8 +185,15 @@ def test_cuda_offload_is_pinned_and_reoffloaded_after_load_and_wrapper() -> None
     opt.load_state_dict(saved)  # torch puts b's state on the GPU; the policy takes it off again
     assert all(t.device.type == "cpu" for t in state_tensors(opt, "b"))
     inner_b = {k: v for k, v in opt.inner["b"].state_dict().items()}
-    WrappedOptimizer(opt).load_inner_state("b", {**inner_b, "state": {
-        i: {k: (v.cuda() if k != "step" else v) for k, v in s.items()} for i, s in inner_b["state"].items()}})
+    WrappedOptimizer(opt).load_inner_state(
+        "b",
+        {
+            **inner_b,
+            "state": {
+                i: {k: (v.cuda() if k != "step" else v) for k, v in s.items()} for i, s in inner_b["state"].items()
+            },
+        },
+    )
     assert any(t.is_cuda for t in state_tensors(opt, "b"))
     assert reapply_state_policy(WrappedOptimizer(opt)) > 0
     assert all(t.device.type == "cpu" for t in state_tensors(opt, "b"))

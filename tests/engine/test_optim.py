@@ -92,8 +92,13 @@ def test_state_dict_keyed_by_names_resumes_identically_in_a_fresh_model() -> Non
 
 def decay_split(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The usual factory: biases without weight decay, listed first (torch numbers them first)."""
-    return torch.optim.AdamW([{"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
-                              {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1}], lr=1e-2)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+        ],
+        lr=1e-2,
+    )
 
 
 def test_state_dict_names_follow_the_factorys_parameter_order() -> None:
@@ -241,8 +246,9 @@ def test_grouped_lr_scheduler_idle_groups_pause_unless_advance_idle(advance_idle
     """By default an idle group's schedule pauses (resumes where it stopped); advance_idle=True runs it on."""
     model, groups = model_and_groups()
     opt = GroupedOptimizer(groups, SGD, active=["a"])
-    sched = GroupedLRScheduler(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s),
-                               advance_idle=advance_idle)
+    sched = GroupedLRScheduler(
+        opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s), advance_idle=advance_idle
+    )
     for step in range(3):
         backward(model, step)
         opt.step()
@@ -290,13 +296,20 @@ def test_plain_adamw_skips_frozen_params_weight_decay_included() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"optimizers": {"a": SGD, "b": SGD, "c": SGD}}, r"`optimizers` names unknown groups \['c'\]; known groups: \['a', 'b'\]"),
+        (
+            {"optimizers": {"a": SGD, "b": SGD, "c": SGD}},
+            r"`optimizers` names unknown groups \['c'\]; known groups: \['a', 'b'\]",
+        ),
         ({"optimizers": {"a": SGD}}, r"`optimizers` has no entry for groups \['b'\]"),
-        ({"optimizers": SGD, "state_policy": {"a": "keep", "z": "drop", "b": "keep"}},
-         r"`state_policy` names unknown groups \['z'\]"),
+        (
+            {"optimizers": SGD, "state_policy": {"a": "keep", "z": "drop", "b": "keep"}},
+            r"`state_policy` names unknown groups \['z'\]",
+        ),
         ({"optimizers": SGD, "state_policy": {"a": "keep"}}, r"`state_policy` has no entry for groups \['b'\]"),
-        ({"optimizers": SGD, "state_policy": "archive"},
-         r"`state_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'archive'"),
+        (
+            {"optimizers": SGD, "state_policy": "archive"},
+            r"`state_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'archive'",
+        ),
         ({"optimizers": lambda params: params}, r"`optimizers` factory for group 'a' returned list"),
     ],
 )
@@ -321,10 +334,14 @@ def test_already_built_optimizers_one_per_group_step_like_factories() -> None:
 @pytest.mark.parametrize(
     ("make", "pattern"),
     [
-        (lambda m, g: (g, {"a": SGD(g.params("b"), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
-         r"`optimizers\['a'\]` \(SGD\) must be built on exactly group 'a''s parameters; missing: \['0\.weight'"),
-        (lambda m, g: (g, {"a": SGD(list(m.parameters()), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
-         r"missing: \[\]; extra \(not in group 'a'\): \['2\.bias', '2\.weight'\]"),
+        (
+            lambda m, g: (g, {"a": SGD(g.params("b"), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
+            r"`optimizers\['a'\]` \(SGD\) must be built on exactly group 'a''s parameters; missing: \['0\.weight'",
+        ),
+        (
+            lambda m, g: (g, {"a": SGD(list(m.parameters()), lr=0.1), "b": SGD(g.params("b"), lr=0.1)}),
+            r"missing: \[\]; extra \(not in group 'a'\): \['2\.bias', '2\.weight'\]",
+        ),
         (lambda m, g: (g, SGD(m.parameters(), lr=0.1)), r"`optimizers` got one built SGD for all groups \['a', 'b'\]"),
         (lambda m, g: (g, {"a": SGD, "b": 3}), r"`optimizers\['b'\]` is a int; accepted: a factory"),
         (lambda m, g: (g, "adam"), r"`optimizers` is a str; accepted: a factory"),
@@ -356,7 +373,11 @@ def test_idle_policies_act_on_the_parameters_of_rebound_groups(policy: str) -> N
     opt.step()
     opt.zero_grad(set_to_none=True)
     opt.set_active({"a"})
-    held = {p.device.type for p in net[1].parameters() for t in opt.inner["b"].state.get(p, {}).values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0}
+    held = {
+        p.device.type
+        for p in net[1].parameters()
+        for t in opt.inner["b"].state.get(p, {}).values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    }
     assert held == (set() if policy == "drop" else {"cpu"})
     assert all(opt.inner["b"].state.get(p) for p in net[1].parameters()) == (policy == "offload")

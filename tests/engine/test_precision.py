@@ -24,7 +24,9 @@ def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
 GROUPS = {"a": "0.*", "b": "2.*", "c": "4.*"}
 
 
-def _train(policy: str, steps: int = 8, dtype: torch.dtype = torch.bfloat16, **kw: object) -> tuple[nn.Module, PrecisionOptimizer]:
+def _train(
+    policy: str, steps: int = 8, dtype: torch.dtype = torch.bfloat16, **kw: object
+) -> tuple[nn.Module, PrecisionOptimizer]:
     model = _model()
     groups = ParamGroups(model, GROUPS)
     opt = PrecisionOptimizer(groups, ADAMW, storage_dtype=dtype, master_policy=policy, **kw)  # type: ignore[arg-type]
@@ -71,7 +73,7 @@ def test_bf16_storage_with_masters_beats_bf16_updates_without_them() -> None:
         opt.step()
         naive -= 1e-4  # bf16 ulp at 1.0 is 2**-7: every update rounds away
     assert torch.equal(naive, torch.ones(64, dtype=torch.bfloat16))
-    assert param.float().mean().item() == pytest.approx(0.99, abs=2 ** -8)
+    assert param.float().mean().item() == pytest.approx(0.99, abs=2**-8)
 
 
 def test_fp16_dynamic_loss_scale_skips_non_finite_steps() -> None:
@@ -112,7 +114,9 @@ def test_state_dict_round_trip_restores_masters_and_fp32_state_exactly() -> None
 
 def test_bad_arguments_are_refused_with_the_value_and_the_choices() -> None:
     groups = ParamGroups(_model(), GROUPS)
-    with pytest.raises(PlanError, match=r"`master_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'swap'"):
+    with pytest.raises(
+        PlanError, match=r"`master_policy` for group 'a' must be one of \['keep', 'offload', 'drop'\], got 'swap'"
+    ):
         PrecisionOptimizer(groups, ADAMW, master_policy="swap")  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="`storage_dtype`"):
         PrecisionOptimizer(groups, ADAMW, storage_dtype=torch.int8)
@@ -149,7 +153,8 @@ def test_the_whole_model_is_stored_in_the_storage_dtype_ungrouped_parameters_inc
     opt = PrecisionOptimizer(groups, ADAMW, storage_dtype=torch.bfloat16)
     assert {n: p.dtype for n, p in model.named_parameters()} == dict.fromkeys(
         ["emb.weight", "body.0.weight", "body.0.bias", "body.1.weight", "body.1.bias", "body.2.weight", "body.2.bias"],
-        torch.bfloat16)
+        torch.bfloat16,
+    )
     assert model.body[1].running_mean.dtype == torch.bfloat16  # a module's buffers follow its parameters
     assert model.scale.freq.dtype == torch.float32  # a parameter-less module's buffer keeps its dtype
     assert torch.equal(model.emb.weight.float(), emb.to(torch.bfloat16).float())  # the same values, rounded
@@ -237,8 +242,7 @@ def test_cuda_idle_masters_go_to_pinned_host_memory_and_the_run_equals_keep() ->
         assert torch.equal(k, o)
 
 
-def test_ddp_attach_shares_one_counting_hook_and_refuses_an_fp32_wire_beside_another_hook(
-        gloo_world_1: object) -> None:
+def test_ddp_attach_shares_one_counting_hook_and_refuses_an_fp32_wire_beside_another_hook(gloo_world_1: object) -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -278,10 +282,12 @@ def test_ddp_attach_shares_one_counting_hook_and_refuses_an_fp32_wire_beside_ano
     assert len(ddp._comm_hooks) == 1
 
 
-@pytest.mark.parametrize("storage, policy", [(torch.bfloat16, "offload"), (torch.bfloat16, "drop"),
-                                             (torch.float32, "drop")])
-def test_planner_equals_the_model_state_measured_on_the_rank(gloo_world_1: object, storage: torch.dtype,
-                                                             policy: str) -> None:
+@pytest.mark.parametrize(
+    "storage, policy", [(torch.bfloat16, "offload"), (torch.bfloat16, "drop"), (torch.float32, "drop")]
+)
+def test_planner_equals_the_model_state_measured_on_the_rank(
+    gloo_world_1: object, storage: torch.dtype, policy: str
+) -> None:
     """plan_cost's peak (device + host: one RAM on CPU) against the storages counted after each step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -319,6 +325,14 @@ def test_planner_equals_the_model_state_measured_on_the_rank(gloo_world_1: objec
             switcher.step_to(step + 1)
     finally:
         handle.remove()
-    plan = plan_cost(model, groups, schedule, state_policy=policy, world_size=1, steps=8,
-                     storage_dtype=None if storage == torch.float32 else storage, master_policy=policy)
+    plan = plan_cost(
+        model,
+        groups,
+        schedule,
+        state_policy=policy,
+        world_size=1,
+        steps=8,
+        storage_dtype=None if storage == torch.float32 else storage,
+        master_policy=policy,
+    )
     assert total_state(meter.peak) == max(r.device_bytes + r.host_bytes for r in plan.phases) > 0

@@ -39,7 +39,9 @@ check = _load_check_module()
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, list[dict[str, Any]]]:
+def launched(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, Path, list[dict[str, Any]]]:
     nproc = request.param
     out = tmp_path_factory.mktemp(f"precision_{nproc}")
     launch(script_path("precision_check.py"), str(out), nproc=nproc, timeout=300)
@@ -57,8 +59,13 @@ def test_ranks_equal_single_process_reference(name: str, launched: tuple[int, Pa
         for param_name, param in reference.named_parameters():
             assert got[param_name].dtype == torch.bfloat16
             if nproc == 2:  # a sum of two bf16 values rounds once, whatever the order: bit-exact
-                torch.testing.assert_close(got[param_name], param.detach(), rtol=0, atol=0,
-                                           msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}")
+                torch.testing.assert_close(
+                    got[param_name],
+                    param.detach(),
+                    rtol=0,
+                    atol=0,
+                    msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}",
+                )
     if nproc != 2:
         # gloo sums four bf16 shards in its own order (per chunk): a gradient element may round
         # differently from any fixed-order reference, and Adam turns a one-ulp gradient change of a
@@ -68,10 +75,12 @@ def test_ranks_equal_single_process_reference(name: str, launched: tuple[int, Pa
         lr = check.ADAMW.keywords["lr"]
         for rank in range(nproc):
             got = torch.load(out / f"{name}_rank{rank}.pt")
-            diff = torch.cat([(got[n].float() - p.detach().float()).abs().flatten()
-                              for n, p in reference.named_parameters()])
-            moved = torch.cat([(got[n].float() - p.detach().float()).abs().flatten()
-                               for n, p in start.named_parameters()])
+            diff = torch.cat(
+                [(got[n].float() - p.detach().float()).abs().flatten() for n, p in reference.named_parameters()]
+            )
+            moved = torch.cat(
+                [(got[n].float() - p.detach().float()).abs().flatten() for n, p in start.named_parameters()]
+            )
             assert diff.max() <= 2 * lr, f"{name}, rank {rank}"
             assert diff.mean() <= 0.01 * moved.mean(), f"{name}, rank {rank}: {diff.mean()} vs {moved.mean()}"
 
@@ -99,7 +108,8 @@ def test_ranks_bit_identical_and_resume_exact(name: str, launched: tuple[int, Pa
 
 @pytest.mark.parametrize("name", list(check.CASES))
 def test_bytes_on_the_wire_are_trainable_params_times_the_allreduce_itemsize(
-        name: str, launched: tuple[int, Path, list[dict[str, Any]]]) -> None:
+    name: str, launched: tuple[int, Path, list[dict[str, Any]]]
+) -> None:
     # bf16 buckets (default): trainable x 2 bytes per step; allreduce_dtype=torch.float32: x 4
     nproc, _, ranks = launched
     if name not in check.CASES_AT[nproc]:

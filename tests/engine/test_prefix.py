@@ -22,10 +22,12 @@ from tests.support.models import TinyEncoder
 N, SEQ, BATCH, LAYERS = 24, 6, 6, 4
 GROUPS = {"emb": "embeddings.*", **{f"layer{i}": f"layers.{i}.*" for i in range(LAYERS)}, "head": "head.*"}
 SCHEDULES = {
-    "progressive": lambda: ProgressiveFreeze(["emb", "layer0", "layer1", "layer2"], every=2, unit="epoch",
-                                             always=["layer3", "head"]),
-    "gradual": lambda: GradualUnfreeze(["emb", "layer0", "layer1", "layer2", "layer3"], every=2, unit="epoch",
-                                       order="last_to_first", always=["head"]),
+    "progressive": lambda: ProgressiveFreeze(
+        ["emb", "layer0", "layer1", "layer2"], every=2, unit="epoch", always=["layer3", "head"]
+    ),
+    "gradual": lambda: GradualUnfreeze(
+        ["emb", "layer0", "layer1", "layer2", "layer3"], every=2, unit="epoch", order="last_to_first", always=["head"]
+    ),
 }
 
 
@@ -51,7 +53,7 @@ def train(schedule: Schedule, option: FrozenPrefix, epochs: int = 8) -> tuple[nn
         switcher.step_to(step, epoch)
         order = torch.randperm(N, generator=torch.Generator().manual_seed(epoch))
         for b in range(0, N, BATCH):
-            idx = order[b:b + BATCH]
+            idx = order[b : b + BATCH]
             model(x[idx], labels=y[idx], sample_index=idx).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -184,12 +186,15 @@ def test_prefix_fed_by_a_trainable_tensor_is_refused() -> None:
     assert len(cache.store) == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"augmentation": True}, "augmentation=True"),
-    ({"missing_index": "skip"}, "`missing_index` must be"),
-    ({"memory_budget_bytes": -1}, "`memory_budget_bytes`"),
-    ({"index_key": ""}, "`index_key`"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"augmentation": True}, "augmentation=True"),
+        ({"missing_index": "skip"}, "`missing_index` must be"),
+        ({"memory_budget_bytes": -1}, "`memory_budget_bytes`"),
+        ({"index_key": ""}, "`index_key`"),
+    ],
+)
 def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(PlanError, match=match):
         FrozenPrefix(**kwargs)

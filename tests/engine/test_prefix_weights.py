@@ -24,11 +24,12 @@ ROUTES: dict[str, Callable[[TinyEncoder], None]] = {
     "data_ema": lambda m: m.embeddings.tok.weight.data.mul_(0.9).add_(0.1),  # an EMA update through .data
     "numpy_view": lambda m: m.layers[0].norm.bias.detach().numpy().__setitem__(0, 0.5),
     "load_state_dict": lambda m: m.load_state_dict(
-        {k: (v + 0.25 if k.startswith("layers.0.") else v) for k, v in m.state_dict().items()}),
+        {k: (v + 0.25 if k.startswith("layers.0.") else v) for k, v in m.state_dict().items()}
+    ),
     "no_grad_in_place": lambda m: _no_grad(lambda: m.embeddings.norm.weight.mul_(2.0)),
-    "swapped_parameter": lambda m: setattr(m.layers[0].ff[2], "weight",
-                                           nn.Parameter(m.layers[0].ff[2].weight.detach() * -1.0,
-                                                        requires_grad=False)),
+    "swapped_parameter": lambda m: setattr(
+        m.layers[0].ff[2], "weight", nn.Parameter(m.layers[0].ff[2].weight.detach() * -1.0, requires_grad=False)
+    ),
     "data_row": lambda m: m.embeddings.tok.weight.data[3].zero_(),  # one row, through .data
 }
 

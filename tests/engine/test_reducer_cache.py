@@ -44,13 +44,13 @@ def world(gloo_world_1: dist.ProcessGroup) -> Iterator[None]:
     yield
 
 
-def _setup(keep: int, schedule: Schedule | None = None, **ddp_kwargs: object
-           ) -> tuple[nn.Sequential, DDP, PhaseSwitcher, torch.optim.Optimizer]:
+def _setup(
+    keep: int, schedule: Schedule | None = None, **ddp_kwargs: object
+) -> tuple[nn.Sequential, DDP, PhaseSwitcher, torch.optim.Optimizer]:
     model = _model()
     groups = ParamGroups(model, {"lower": "0.*", "upper": "1.*"})
     opt = GroupedOptimizer(groups, functools.partial(torch.optim.Adam, lr=1e-2))
-    switcher = PhaseSwitcher(groups, schedule or Alternating(["lower", "upper"]), optimizer=opt,
-                             keep_reducers=keep)
+    switcher = PhaseSwitcher(groups, schedule or Alternating(["lower", "upper"]), optimizer=opt, keep_reducers=keep)
     switcher.step_to(0)
     ddp = DDP(model, **ddp_kwargs)  # type: ignore[arg-type]
     switcher.attach(ddp)
@@ -123,8 +123,9 @@ def test_memory_report_counts_the_kept_buckets(world: None) -> None:
 
 
 def test_the_limit_frees_the_oldest_and_zero_frees_all(world: None) -> None:
-    model, ddp, switcher, opt = _setup(1, schedule=PhaseSequence(
-        [("lower", 1), ("upper", 1), (["lower", "upper"], 1)], repeat=True))
+    model, ddp, switcher, opt = _setup(
+        1, schedule=PhaseSequence([("lower", 1), ("upper", 1), (["lower", "upper"], 1)], repeat=True)
+    )
     cache = switcher.backend.cache
     assert cache is not None
     for step in range(9):

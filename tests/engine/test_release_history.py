@@ -14,8 +14,9 @@ from hf_altparams.errors import AltParamsError
 from hf_altparams.plan import Alternating, ParamGroups
 
 
-def _switcher(durations: dict[str, int], monkeypatch: pytest.MonkeyPatch, **kwargs: object
-              ) -> tuple[PhaseSwitcher, list[int]]:
+def _switcher(
+    durations: dict[str, int], monkeypatch: pytest.MonkeyPatch, **kwargs: object
+) -> tuple[PhaseSwitcher, list[int]]:
     net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(4, 4))  # 4 MiB, 4 MiB, tiny
     groups = ParamGroups(net, {"big": "0.*", "big2": "1.*", "small": "2.*"})
     released: list[int] = []
@@ -51,8 +52,9 @@ def test_auto_skips_release_before_a_short_smaller_phase(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("setting, expected", [(True, [1, 1, 1]), (False, [])])
-def test_explicit_release_settings_are_kept(setting: bool, expected: list[int],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explicit_release_settings_are_kept(
+    setting: bool, expected: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     switcher, released = _switcher({"big": 1, "big2": 1}, monkeypatch, release=setting)
     for step in range(3):
         switcher.step_to(step)
@@ -151,6 +153,5 @@ def test_per_phase_caches_stay_bounded_under_a_random_schedule() -> None:
         seen.add(active)
         assert all(p.requires_grad == (f"g{i}" in active) for i, layer in enumerate(net) for p in layer.parameters())
     assert len(seen) > CACHED_PHASES
-    caches = (switcher._layouts._by_groups, switcher._layouts._flags, switcher._reduced_bytes,
-              switcher._footprints)
+    caches = (switcher._layouts._by_groups, switcher._layouts._flags, switcher._reduced_bytes, switcher._footprints)
     assert all(len(cache) <= CACHED_PHASES for cache in caches)

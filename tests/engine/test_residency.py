@@ -99,8 +99,9 @@ def test_non_resident_heads_are_not_broadcast(ranks: list[dict[str, Any]]) -> No
 
 @pytest.mark.distributed
 def test_each_head_is_synced_once_when_it_first_becomes_resident(ranks: list[dict[str, Any]]) -> None:
-    head_bytes = sum(t.numel() * t.element_size() for t in [*check.Head(check.DIM).parameters(),
-                                                           *check.Head(check.DIM).buffers()])
+    head_bytes = sum(
+        t.numel() * t.element_size() for t in [*check.Head(check.DIM).parameters(), *check.Head(check.DIM).buffers()]
+    )
     for run in ranks:
         synced = [e["record"]["synced_bytes"] for e in run["steps"] if "record" in e]
         # heads 1 and 2 at their first residency, then never again
@@ -177,7 +178,9 @@ def test_guard_follows_the_phase_and_visiting_lifts_it() -> None:
     switcher.step_to(0)
     x = torch.ones(2, check.DIM)
     model(x, 0)
-    with pytest.raises(SwitchError, match=r"'heads\.1\.weight' \(group 't1'\).*phase 't0'|phase 't0'.*'heads\.1\.weight'"):
+    with pytest.raises(
+        SwitchError, match=r"'heads\.1\.weight' \(group 't1'\).*phase 't0'|phase 't0'.*'heads\.1\.weight'"
+    ):
         model(x, 1)
     with switcher.residency.visiting(["t1"]):
         assert model(x, 1).shape == (2, 1)
@@ -225,8 +228,7 @@ def test_record_reports_offloaded_bytes() -> None:
     record = switcher.step_to(0)
     assert record is not None
     heads = model.heads
-    assert record.offloaded_bytes == sum(p.numel() * p.element_size()
-                                         for t in (1, 2) for p in heads[t].parameters())
+    assert record.offloaded_bytes == sum(p.numel() * p.element_size() for t in (1, 2) for p in heads[t].parameters())
     assert record.as_log()["altparams/offloaded_bytes"] == record.offloaded_bytes
 
 

@@ -43,8 +43,7 @@ def test_agreement_is_the_fast_path_on_every_rank(ranks: list[dict[str, Any]], k
 
 
 @pytest.mark.parametrize("key", ["settle_last_disagrees", "settle_first_disagrees"])
-def test_one_rank_of_three_asking_another_phase_fails_every_rank_alike(ranks: list[dict[str, Any]],
-                                                                       key: str) -> None:
+def test_one_rank_of_three_asking_another_phase_fails_every_rank_alike(ranks: list[dict[str, Any]], key: str) -> None:
     message, all_refused = _same(ranks, key)["returned"]
     assert all_refused is False
     assert "ranks disagree on the phase at step 7" in message
@@ -55,7 +54,9 @@ def test_one_rank_of_three_asking_another_phase_fails_every_rank_alike(ranks: li
 
 def test_a_rank_at_another_step_is_named(ranks: list[dict[str, Any]]) -> None:
     message, _ = _same(ranks, "settle_other_step")["returned"]
-    assert "steps [7, 8]" in message and "rank 1 -> Phase(trainable=frozenset({'b'}), resident=all) at step 8" in message
+    assert (
+        "steps [7, 8]" in message and "rank 1 -> Phase(trainable=frozenset({'b'}), resident=all) at step 8" in message
+    )
 
 
 def test_refusals_are_reported_with_their_ranks(ranks: list[dict[str, Any]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Iterator
 
 import pytest
 import torch
@@ -22,8 +22,18 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
 from hf_altparams.engine.memory import StatePolicy
 from hf_altparams.engine.optim import PlainOptimizerState
-from hf_altparams.engine.strategies import (Collective, Placement, StepBoundary, is_registered, local_strategy,
-                                            register, registered, strategy_for, strategy_named, unregister)
+from hf_altparams.engine.strategies import (
+    Collective,
+    Placement,
+    StepBoundary,
+    is_registered,
+    local_strategy,
+    register,
+    registered,
+    strategy_for,
+    strategy_named,
+    unregister,
+)
 from hf_altparams.errors import PlanError, SwitchError
 from hf_altparams.plan import Alternating, ParamGroups
 from tests.support.fake_strategy import FakeOwner, FakeStrategy, FakeWrapper
@@ -52,8 +62,11 @@ def test_the_registry_lists_every_strategy_the_fallback_last() -> None:
 
 
 def test_an_unknown_name_is_refused_listing_the_registered_ones() -> None:
-    with pytest.raises(PlanError, match=r"`backend` must be one of the registered strategies \['fsdp2', 'ddp', "
-                                        r"'zero1', 'zero2', 'zero3', 'local'\].*got 'deepspeed'"):
+    with pytest.raises(
+        PlanError,
+        match=r"`backend` must be one of the registered strategies \['fsdp2', 'ddp', "
+        r"'zero1', 'zero2', 'zero3', 'local'\].*got 'deepspeed'",
+    ):
         strategy_named("deepspeed", argument="`backend`")
 
 
@@ -69,11 +82,19 @@ def test_each_strategy_declares_what_it_supports() -> None:
 
 
 def test_each_zero_stage_shards_what_zero_shards_and_only_zero_1_2_train() -> None:
-    sharded = {name: [category for category in ("parameters", "gradients", "optimizer_state", "masters")
-                      if getattr(strategy_named(name).pricing, category) is Placement.SHARDED]
-               for name in ("zero1", "zero2", "zero3")}
-    assert sharded == {"zero1": ["optimizer_state", "masters"], "zero2": ["gradients", "optimizer_state", "masters"],
-                       "zero3": ["parameters", "gradients", "optimizer_state", "masters"]}
+    sharded = {
+        name: [
+            category
+            for category in ("parameters", "gradients", "optimizer_state", "masters")
+            if getattr(strategy_named(name).pricing, category) is Placement.SHARDED
+        ]
+        for name in ("zero1", "zero2", "zero3")
+    }
+    assert sharded == {
+        "zero1": ["optimizer_state", "masters"],
+        "zero2": ["gradients", "optimizer_state", "masters"],
+        "zero3": ["parameters", "gradients", "optimizer_state", "masters"],
+    }
     assert strategy_named("zero3").pricing.collective is Collective.REDUCE_SCATTER
     assert all(strategy_named(n).pricing.compare_with == "ddp" for n in sharded)
     assert [strategy_named(n).capabilities.trains for n in sharded] == [True, True, False]
@@ -147,12 +168,16 @@ def test_a_wrapper_around_another_module_is_refused_naming_its_strategy(fake: Fa
     switcher = PhaseSwitcher(ParamGroups(_net(), {"a": "0.*", "b": "1.*"}), Alternating(["a", "b"]))
     with pytest.raises(SwitchError, match=r"`model` is a FakeWrapper \(Fake\) around a different module"):
         switcher.attach(FakeWrapper(_net()))
-    with pytest.raises(SwitchError, match=r"neither the grouped module nor a wrapper around it \(DDP, DeepSpeed ZeRO-1, DeepSpeed ZeRO-2, Fake\)"):
+    with pytest.raises(
+        SwitchError,
+        match=r"neither the grouped module nor a wrapper around it \(DDP, DeepSpeed ZeRO-1, DeepSpeed ZeRO-2, Fake\)",
+    ):
         switcher.attach(_net())
 
 
 def test_a_strategy_that_owns_the_optimizer_state_takes_it_over_at_attach(
-        fake: FakeStrategy, caplog: pytest.LogCaptureFixture) -> None:
+    fake: FakeStrategy, caplog: pytest.LogCaptureFixture
+) -> None:
     net = _net()
     groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
     optimizer = torch.optim.AdamW(net.parameters())
@@ -200,11 +225,16 @@ def test_a_registered_strategy_is_priced_by_the_planner_from_its_declaration(fak
     for row, ddp_row in zip(plan.phases, ddp.phases):
         trained = net[0] if row.phase == "a" else net[1]
         # AdamW: two fp32 moments of ceil(rows / 4) rows of each trained parameter
-        sharded = sum(2 * 4 * math.ceil(p.shape[0] / 4) * (p[0].numel() if p.dim() > 1 else 1)
-                      for p in trained.parameters())
+        sharded = sum(
+            2 * 4 * math.ceil(p.shape[0] / 4) * (p[0].numel() if p.dim() > 1 else 1) for p in trained.parameters()
+        )
         assert row.optimizer_bytes == sharded < ddp_row.optimizer_bytes
         assert (row.param_bytes, row.grad_bytes, row.bucket_bytes, row.allreduce_bytes) == (
-            ddp_row.param_bytes, ddp_row.grad_bytes, ddp_row.bucket_bytes, ddp_row.allreduce_bytes)
+            ddp_row.param_bytes,
+            ddp_row.grad_bytes,
+            ddp_row.bucket_bytes,
+            ddp_row.allreduce_bytes,
+        )
         assert plan.ddp_device_bytes[row.phase] == ddp_row.device_bytes  # DDP's figure beside its own
     assert "Fake over 4 ranks" in plan.table() and "vs DDP" in plan.table()
 
@@ -212,8 +242,18 @@ def test_a_registered_strategy_is_priced_by_the_planner_from_its_declaration(fak
 def test_the_planner_cli_takes_a_strategy_name_and_the_old_flag() -> None:
     from hf_altparams.planner.cli import plan_from_argv
 
-    argv = ["--model", "torch.nn:PReLU", "--group", "slope=weight", "--schedule", "sequence", "--phase", "slope:10",
-            "--device", "none"]
+    argv = [
+        "--model",
+        "torch.nn:PReLU",
+        "--group",
+        "slope=weight",
+        "--schedule",
+        "sequence",
+        "--phase",
+        "slope:10",
+        "--device",
+        "none",
+    ]
     assert plan_from_argv(argv)[1].backend == "ddp"
     by_name, by_flag = plan_from_argv([*argv, "--strategy", "fsdp2"])[1], plan_from_argv([*argv, "--fsdp2"])[1]
     assert by_name.backend == by_flag.backend == "fsdp2" and by_name.as_dict() == by_flag.as_dict()
@@ -240,8 +280,16 @@ def test_a_strategy_registered_before_another_is_tried_first() -> None:
     with registered_fake(FakeStrategy()) as fake:
         shadow = register(Shadow(), before="fake")
         try:
-            assert [s.name for s in registered()] == ["fsdp2", "ddp", "zero1", "zero2", "zero3", "shadow", "fake",
-                                                      "local"]
+            assert [s.name for s in registered()] == [
+                "fsdp2",
+                "ddp",
+                "zero1",
+                "zero2",
+                "zero3",
+                "shadow",
+                "fake",
+                "local",
+            ]
             assert strategy_for(FakeWrapper(_net())) is shadow  # both recognise it: the earlier wins
         finally:
             unregister("shadow")

@@ -58,8 +58,9 @@ def layer_bytes(groups: list[str] | tuple[str, ...], case: str = "PhaseSequence"
     """Gradient bytes of `groups` in `case`'s model, from the model's own tensors (not the engine's)."""
     spec = check.CASES[case]
     model = spec.build()
-    return sum(p.numel() * p.element_size()
-               for g in groups for p in model.get_submodule(spec.group_modules[g]).parameters())
+    return sum(
+        p.numel() * p.element_size() for g in groups for p in model.get_submodule(spec.group_modules[g]).parameters()
+    )
 
 
 # ---------------------------------------------------------------- reference equivalence
@@ -69,8 +70,13 @@ def test_two_ranks_equal_single_process_reference(name: str, out_dir: Path, rank
     for rank in range(NPROC):
         got = torch.load(out_dir / f"{name}_rank{rank}.pt")
         for param_name, param in reference.named_parameters():
-            torch.testing.assert_close(got[param_name], param.detach(), rtol=0, atol=1e-6,
-                                       msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}")
+            torch.testing.assert_close(
+                got[param_name],
+                param.detach(),
+                rtol=0,
+                atol=1e-6,
+                msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}",
+            )
 
 
 @pytest.mark.parametrize("name", list(check.CASES))
@@ -88,8 +94,9 @@ def test_groups_train_only_while_trainable(name: str, out_dir: Path, ranks: list
     initial = case.build()
     final = torch.load(out_dir / f"{name}_rank0.pt")
     for group, path in case.group_modules.items():
-        moved = any(not torch.equal(final[f"{path}.{k}"], v)
-                    for k, v in initial.get_submodule(path).state_dict().items())
+        moved = any(
+            not torch.equal(final[f"{path}.{k}"], v) for k, v in initial.get_submodule(path).state_dict().items()
+        )
         assert moved == (group in trained), f"{name}: group {group} trained={group in trained} moved={moved}"
 
 
@@ -250,8 +257,7 @@ def test_pending_gradients_refused_on_every_rank(key: str, ranks: list[dict[str,
     assert "pending gradients" in messages[0] and "zero_grad(set_to_none=True)" in messages[0]
 
 
-def test_a_trainable_parameter_without_gradient_refuses_the_switch_on_every_rank(
-        ranks: list[dict[str, Any]]) -> None:
+def test_a_trainable_parameter_without_gradient_refuses_the_switch_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     # Its bucket was never all-reduced (find_unused_parameters=False): plain DDP raises at
     # the next forward, which a switch (a new reducer) would skip; the ranks would diverge.
     messages = _errors(ranks, "unused_all")
@@ -335,8 +341,7 @@ def _expected_cache(case: str, steps: list[dict[str, Any]]) -> tuple[int, list[t
 
 
 @pytest.mark.parametrize("name", [c for c in KEPT_CASES if check.CASES[c].fail_switch_at is None])
-def test_kept_reducers_are_reinstalled_and_hold_the_idle_phases_buckets(name: str,
-                                                                        ranks: list[dict[str, Any]]) -> None:
+def test_kept_reducers_are_reinstalled_and_hold_the_idle_phases_buckets(name: str, ranks: list[dict[str, Any]]) -> None:
     # Parameters equal the one-process reference and bytes all-reduced equal the
     # trainable bytes every step: the generic tests above run these cases too.
     runs = [r["cases"][name] for r in ranks]
@@ -353,4 +358,5 @@ def test_kept_reducers_on_a_failed_switch_still_serve_later_switches(ranks: list
         run = rank["cases"]["KeptReducersRollback"]
         assert run["reducers_reused"] > 0
         assert run["kept_reducer_bytes"] == layer_bytes(
-            [g for g in ("l1", "head") if g not in run["final_phase"]], "KeptReducersRollback")
+            [g for g in ("l1", "head") if g not in run["final_phase"]], "KeptReducersRollback"
+        )

@@ -23,14 +23,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_altparams.testing import launch, rank_results
-from tests.support.switch_leaks import (Alternation, BucketProbe, NewStorages, SwitchLeakError,
-                                        guard_alternation, settled, storages_kept)
+from tests.support.switch_leaks import (
+    Alternation,
+    BucketProbe,
+    NewStorages,
+    SwitchLeakError,
+    guard_alternation,
+    settled,
+    storages_kept,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "switch_leak_check.py"
 
 
 def test_a_weak_reference_to_a_storage_dies_with_the_cpp_storage_not_with_its_python_object(
-        gloo_world_1: dist.ProcessGroup) -> None:
+    gloo_world_1: dist.ProcessGroup,
+) -> None:
     # What the guard relies on: torch keeps a storage's Python object while the C++ storage
     # lives, so dropping every Python reference leaves the weak reference alive as long as
     # C++ (here: a DDP reducer's bucket, reached through a gradient that is a view of it) holds it.
@@ -70,7 +78,8 @@ def test_new_storages_sees_what_cpp_creates_and_holds(gloo_world_1: dist.Process
 
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["copy_grads", "bucket_view"])
 def test_every_switch_frees_the_old_reducer_and_buckets_and_memory_stays_flat(
-        gloo_world_1: dist.ProcessGroup, bucket_view: bool) -> None:
+    gloo_world_1: dist.ProcessGroup, bucket_view: bool
+) -> None:
     # Default settings; without bucket views only a comm hook sees the buckets, so a probe
     # hook (DDP's own all-reduce, plus a weak reference to each bucket) watches them.
     rig = Alternation(gradient_as_bucket_view=bucket_view, probe=not bucket_view)
@@ -134,9 +143,12 @@ def test_the_memory_checks_catch_what_the_weak_references_do_not_watch(gloo_worl
     # gc census cannot see a reducer's buckets (C++), the storages each window created can.
     rig = Alternation(leak="reducers")
     try:
-        with pytest.raises(SwitchLeakError, match=r"created over 6 switches and still alive \(C\+\+ holders "
-                                                  r"included\): \d+ of \d+ B; over 16 switches: \d+ of \d+ B, "
-                                                  r"about \d+ B more per switch"):
+        with pytest.raises(
+            SwitchLeakError,
+            match=r"created over 6 switches and still alive \(C\+\+ holders "
+            r"included\): \d+ of \d+ B; over 16 switches: \d+ of \d+ B, "
+            r"about \d+ B more per switch",
+        ):
             guard_alternation(rig, census_switches=20, allowed_reducers=10**6)
     finally:
         rig.close()

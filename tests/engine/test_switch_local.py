@@ -175,8 +175,7 @@ def test_world_size_one_counts_trainable_bytes_and_frees_buckets(gloo_world_1: d
     ddp = DDP(model, gradient_as_bucket_view=True)
     switcher.attach(ddp)
     counter = register_comm_counter(ddp)
-    layer_bytes = {g: sum(p.numel() * p.element_size() for p in model[i].parameters())
-                   for g, i in (("a", 0), ("b", 2))}
+    layer_bytes = {g: sum(p.numel() * p.element_size() for p in model[i].parameters()) for g, i in (("a", 0), ("b", 2))}
     for step in range(4):
         x, y = data(step)
         F.mse_loss(ddp(x), y).backward()

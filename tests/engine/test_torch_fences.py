@@ -29,8 +29,12 @@ def test_the_version_counter_moves_with_every_in_place_write_and_only_then() -> 
 
 
 def test_the_norm_base_covers_every_norm_layer_with_running_statistics() -> None:
-    for layer in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.InstanceNorm1d(2, track_running_stats=True),
-                  nn.SyncBatchNorm(2)):
+    for layer in (
+        nn.BatchNorm1d(2),
+        nn.BatchNorm2d(2),
+        nn.InstanceNorm1d(2, track_running_stats=True),
+        nn.SyncBatchNorm(2),
+    ):
         assert isinstance(layer, NORM_BASE), type(layer).__name__
     assert not isinstance(nn.LayerNorm(2), NORM_BASE)  # no running statistics
 

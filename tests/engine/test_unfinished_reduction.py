@@ -44,8 +44,9 @@ def world(gloo_world_1: dist.ProcessGroup) -> Iterator[None]:
 def _setup(**ddp_kwargs: object) -> tuple[WithSpare, DDP, PhaseSwitcher]:
     torch.manual_seed(0)
     model = WithSpare()
-    switcher = PhaseSwitcher(ParamGroups(model, {"low": "low.*", "high": ["high.*", "spare.*"]}),
-                             Alternating(["high", "low"]))
+    switcher = PhaseSwitcher(
+        ParamGroups(model, {"low": "low.*", "high": ["high.*", "spare.*"]}), Alternating(["high", "low"])
+    )
     switcher.step_to(0)
     ddp = DDP(model, **ddp_kwargs)  # type: ignore[arg-type]
     switcher.attach(ddp)

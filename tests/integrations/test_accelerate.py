@@ -485,8 +485,9 @@ def test_automatic_checkpoint_naming_without_a_project_dir_is_refused_naming_it(
 
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
-    acc = PhasedAccelerator(Alternating({"a": 2, "b": 1}), cpu=True,
-                            project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+    acc = PhasedAccelerator(
+        Alternating({"a": 2, "b": 1}), cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True)
+    )
     model = _net()
     model, opt = acc.prepare(model, _grouped_sgd(model))
     _train_steps(acc, model, opt, 1)
@@ -509,6 +510,8 @@ def test_load_state_takes_accelerates_load_kwargs_positionally(tmp_path: Path) -
     _train_steps(acc, model, opt, 1)
     acc.load_state(str(tmp_path / "ckpt"), {"weights_only": True})
     assert acc.schedule_step == 2
+
+
 def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() -> None:
     """A model loaded in bf16 + `mixed_precision="bf16"`: a PrecisionOptimizer goes through `prepare`."""
     from hf_altparams.engine import PhaseSwitcher, PrecisionOptimizer
@@ -517,8 +520,11 @@ def test_bf16_model_with_mixed_precision_steps_fp32_masters_like_a_plain_loop() 
     def build() -> tuple[nn.Module, ParamGroups, PrecisionOptimizer]:
         model = _net().to(torch.bfloat16)
         groups = ParamGroups(model, {"a": "0.*", "b": "2.*"})
-        return model, groups, PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2),
-                                                 master_policy="drop")
+        return (
+            model,
+            groups,
+            PrecisionOptimizer(groups, functools.partial(torch.optim.AdamW, lr=1e-2), master_policy="drop"),
+        )
 
     schedule = Alternating({"a": 2, "b": 1})
     acc = PhasedAccelerator(schedule, cpu=True, mixed_precision="bf16")
@@ -591,8 +597,7 @@ def _grouped_reference(steps: int) -> nn.Module:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("style", ["step_all_then_zero_all", "step_zero_each", "active_only", "reversed",
-                                   "zero_first"])
+@pytest.mark.parametrize("style", ["step_all_then_zero_all", "step_zero_each", "active_only", "reversed", "zero_first"])
 def test_own_optimizers_one_per_group_train_like_a_grouped_optimizer(style: str) -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
@@ -609,18 +614,26 @@ def test_own_optimizers_one_per_group_train_like_a_grouped_optimizer(style: str)
     assert len(acc._optimizers) == 1 and isinstance(acc._optimizers[0].optimizer, GroupedOptimizer)
     for x, y in _seed_batches(steps):
         if style == "zero_first":  # zero_grad(); backward(); step()
-            h1.zero_grad(); h2.zero_grad()  # noqa: E702
+            h1.zero_grad()
+            h2.zero_grad()  # noqa: E702
         acc.backward(nn.functional.mse_loss(model(x), y))
         if style == "zero_first":
-            h1.step(); h2.step()  # noqa: E702
+            h1.step()
+            h2.step()  # noqa: E702
         elif style == "step_zero_each":
-            h1.step(); h1.zero_grad(); h2.step(); h2.zero_grad()  # noqa: E702
+            h1.step()
+            h1.zero_grad()
+            h2.step()
+            h2.zero_grad()  # noqa: E702
         elif style == "active_only":
             active = h1 if acc.phase is not None and "layer1" in acc.phase.trainable else h2
             active.step()
             active.zero_grad()
         else:
-            h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+            h1.step()
+            h2.step()
+            h1.zero_grad()
+            h2.zero_grad()  # noqa: E702
     assert acc.schedule_step == steps, "one schedule step per iteration, not one per handle"
     # layer1 trains at steps 0, 1, 3, 4, 6; layer2 at 2, 5: each Adam stepped only while its group trained.
     assert opt1.state[model.layer1.weight]["step"] == 5 and opt2.state[model.layer2.weight]["step"] == 2
@@ -642,7 +655,11 @@ def test_own_optimizers_keep_their_lr_schedulers_and_checkpoint_as_one(tmp_path:
     acc, model, h1, h2, sched1 = make()
     for x, y in _seed_batches(4):
         acc.backward(nn.functional.mse_loss(model(x), y))
-        h1.step(); h2.step(); sched1.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+        h1.step()
+        h2.step()
+        sched1.step()
+        h1.zero_grad()
+        h2.zero_grad()  # noqa: E702
     assert h1.param_groups[0]["lr"] == 1e-2 * 0.5**4 and h2.param_groups[0]["lr"] == 1e-2
     acc.save_state(str(tmp_path / "ckpt"))
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -673,7 +690,8 @@ def test_a_handle_loads_its_optimizers_state_and_the_grouped_step_uses_it() -> N
     before = [p.detach().clone() for p in model.layer1.parameters()]
     x, y = next(iter(_seed_batches(1)))
     acc.backward(nn.functional.mse_loss(model(x), y))
-    h1.step(); h2.step()  # noqa: E702
+    h1.step()
+    h2.step()  # noqa: E702
     assert acc.schedule_step == 1, "the grouped step ran"
     assert all(torch.equal(b, p) for b, p in zip(before, model.layer1.parameters())), "the loaded lr (0) applied"
 
@@ -688,8 +706,9 @@ def _refused(acc: Any, model: nn.Module, *optimizers: Any) -> str:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("case", ["spans", "missing", "extra", "twice", "group_left_out", "single_leaves_out",
-                                  "grouped_and_plain"])
+@pytest.mark.parametrize(
+    "case", ["spans", "missing", "extra", "twice", "group_left_out", "single_leaves_out", "grouped_and_plain"]
+)
 def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: str) -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
@@ -699,19 +718,29 @@ def test_optimizers_that_cannot_drive_the_schedule_are_refused_at_prepare(case: 
     acc = PhasedAccelerator(Alternating(list(specs)), groups=groups, cpu=True)
     opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
     passed, expected = {
-        "spans": ([_adam(model.parameters()), opt2],
-                  r"argument #2 \(Adam\) holds parameters of groups \['layer1', 'layer2'\]"),
-        "missing": ([_adam([model.layer1.weight]), opt2],
-                    r"argument #2 \(Adam\) holds group 'layer1'.*missing: \['layer1.bias'\]; extra .*: \[\]"),
-        "extra": ([_adam([*model.layer1.parameters(), model.extra.weight]), opt2],
-                  r"missing: \[\]; extra \(not in group 'layer1'\): \['extra.weight'\]"),
-        "twice": ([opt1, _adam(model.layer1.parameters()), opt2],
-                  r"argument #2 and `prepare` argument #3 \(Adam\) both hold group 'layer1'"),
+        "spans": (
+            [_adam(model.parameters()), opt2],
+            r"argument #2 \(Adam\) holds parameters of groups \['layer1', 'layer2'\]",
+        ),
+        "missing": (
+            [_adam([model.layer1.weight]), opt2],
+            r"argument #2 \(Adam\) holds group 'layer1'.*missing: \['layer1.bias'\]; extra .*: \[\]",
+        ),
+        "extra": (
+            [_adam([*model.layer1.parameters(), model.extra.weight]), opt2],
+            r"missing: \[\]; extra \(not in group 'layer1'\): \['extra.weight'\]",
+        ),
+        "twice": (
+            [opt1, _adam(model.layer1.parameters()), opt2],
+            r"argument #2 and `prepare` argument #3 \(Adam\) both hold group 'layer1'",
+        ),
         "group_left_out": ([opt1, opt2], r"no optimizer holds group\(s\) \['extra'\]"),
-        "single_leaves_out": ([opt1], r"argument #2 \(Adam\) leaves out 2 parameter\(s\) that the schedule trains "
-                                      r"\(group\(s\) \['layer2'\]: 'layer2.weight', 'layer2.bias'\)"),
-        "grouped_and_plain": ([GroupedOptimizer(groups, _adam), opt2],
-                              r"a GroupedOptimizer and 1 more optimizer\(s\)"),
+        "single_leaves_out": (
+            [opt1],
+            r"argument #2 \(Adam\) leaves out 2 parameter\(s\) that the schedule trains "
+            r"\(group\(s\) \['layer2'\]: 'layer2.weight', 'layer2.bias'\)",
+        ),
+        "grouped_and_plain": ([GroupedOptimizer(groups, _adam), opt2], r"a GroupedOptimizer and 1 more optimizer\(s\)"),
     }[case]
     message = _refused(acc, model, *passed)
     assert re.search(expected, message), message
@@ -759,8 +788,11 @@ def test_trainable_ungrouped_parameters_without_an_optimizer_are_refused_at_prep
     model = _Seed()
     groups = ParamGroups(model, SEED_SPECS, ungrouped="trainable")
     acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=groups, cpu=True)
-    passed = ([_adam(model.layer1.parameters()), _adam(model.layer2.parameters())] if form == "own_optimizers"
-              else [GroupedOptimizer(groups, _adam)])
+    passed = (
+        [_adam(model.layer1.parameters()), _adam(model.layer2.parameters())]
+        if form == "own_optimizers"
+        else [GroupedOptimizer(groups, _adam)]
+    )
     message = _refused(acc, model, *passed)
     assert re.search(r"leaves out 2 parameter\(s\) .*\['<ungrouped>'\]: 'extra.weight', 'extra.bias'", message)
     who = "the optimizers passed, one per group," if form == "own_optimizers" else "argument #2 (GroupedOptimizer)"
@@ -774,8 +806,11 @@ def test_optimizers_of_the_grouped_model_without_it_are_refused_and_others_pass_
     model, other = _Seed(), nn.Linear(2, 2)
     acc = PhasedAccelerator(Alternating(list(SEED_SPECS)), groups=ParamGroups(model, SEED_SPECS), cpu=True)
     opt1, opt2 = _adam(model.layer1.parameters()), _adam(model.layer2.parameters())
-    with pytest.raises(AltParamsError, match=r"argument #1 \(Adam\) is an optimizer of the grouped model, passed "
-                                             r"without the model"):
+    with pytest.raises(
+        AltParamsError,
+        match=r"argument #1 \(Adam\) is an optimizer of the grouped model, passed "
+        r"without the model",
+    ):
         acc.prepare(opt1, opt2)
     assert acc.phase is None and not acc._optimizers
     other_opt = _adam(other.parameters())  # another model's optimizer: prepared by Accelerate as usual
@@ -802,8 +837,7 @@ def test_fp16_unscale_through_each_handle_unscales_the_grouped_optimizer_once() 
 
     model, reference = _Seed(), _Seed()
     groups = ParamGroups(model, SEED_SPECS)
-    acc = PhasedAccelerator(PhaseSequence([(("layer1", "layer2"), 1)]), groups=groups, mixed_precision="fp16",
-                            cpu=True)
+    acc = PhasedAccelerator(PhaseSequence([(("layer1", "layer2"), 1)]), groups=groups, mixed_precision="fp16", cpu=True)
     init_scale = 2.0**10
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
     model, h1, h2 = acc.prepare(model, sgd(model.layer1.parameters()), sgd(model.layer2.parameters()))
@@ -814,7 +848,10 @@ def test_fp16_unscale_through_each_handle_unscales_the_grouped_optimizer_once() 
         acc.unscale_gradients(optimizer=h1)  # the user's per-optimizer unscale, as in many GAN loops
         acc.unscale_gradients(optimizer=h2)
         acc.clip_grad_norm_(model.parameters(), 1e6)  # unscales every prepared optimizer; clips nothing
-        h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+        h1.step()
+        h2.step()
+        h1.zero_grad()
+        h2.zero_grad()  # noqa: E702
         nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()

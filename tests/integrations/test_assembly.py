@@ -31,8 +31,9 @@ class Hooked(FakeStrategy):
     """Records the hook before wrapping, and counts its 'communication' into the counter it is given."""
 
     name, aliases, label = "hooked", (), "Hooked"
-    capabilities = Capabilities(wraps_module=True, synchronises_gradients=True, counts_comm=True,
-                                frozen_prefix=False, per_task_residency=False)
+    capabilities = Capabilities(
+        wraps_module=True, synchronises_gradients=True, counts_comm=True, frozen_prefix=False, per_task_residency=False
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,7 +76,7 @@ def test_the_first_phase_is_applied_before_the_strategys_hook_and_reported_at_at
     run, seen = _run(count_comm=True)
     run.expect(hooked)
     run.start(groups, optimizer)
-    (flags, given), = hooked.before
+    ((flags, given),) = hooked.before
     assert given is optimizer and flags == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
     assert seen == []  # reported once the wrapper says what it communicates
     record = run.attach(FakeWrapper(net))
@@ -105,8 +106,11 @@ def test_a_wrapper_of_another_strategy_than_configured_is_refused(hooked: Hooked
     run, _ = _run()
     run.expect(strategy_named("fsdp2"))
     run.start(ParamGroups(net, {"a": "0.*", "b": "1.*"}), None)
-    with pytest.raises(AltParamsError, match=r"configured for FSDP2, but the framework returned a FakeWrapper, "
-                                             r"which FSDP2 does not drive \(Hooked does\)"):
+    with pytest.raises(
+        AltParamsError,
+        match=r"configured for FSDP2, but the framework returned a FakeWrapper, "
+        r"which FSDP2 does not drive \(Hooked does\)",
+    ):
         run.attach(FakeWrapper(net))
 
 

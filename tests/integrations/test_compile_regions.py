@@ -18,8 +18,15 @@ import torch
 from accelerate.utils import TorchDynamoPlugin, compile_regions
 from torch import nn
 
-from hf_altparams import (Alternating, AltParamsError, GroupedOptimizer, ParamGroups, PhasedAccelerator, PlanError,
-                          compile_regions_in_place)
+from hf_altparams import (
+    Alternating,
+    AltParamsError,
+    GroupedOptimizer,
+    ParamGroups,
+    PhasedAccelerator,
+    PlanError,
+    compile_regions_in_place,
+)
 from hf_altparams.integrations.accelerate import configuration
 from hf_altparams.integrations.accelerate_prepare import find_grouped
 from hf_altparams.integrations.refusals import REFUSALS
@@ -35,8 +42,7 @@ COMPILED = ("plugin", "by_hand")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("compile_regions")
-    launch(script_path("compile_regions_check.py"), str(out), nproc=NPROC, env={"ACCELERATE_USE_CPU": "1"},
-           timeout=420)
+    launch(script_path("compile_regions_check.py"), str(out), nproc=NPROC, env={"ACCELERATE_USE_CPU": "1"}, timeout=420)
     return rank_results(out, nproc=NPROC)
 
 
@@ -105,8 +111,9 @@ def test_whole_model_compile_is_still_refused_naming_regional_compilation(ranks:
 def test_compile_regions_of_the_prepared_wrapper_is_refused_at_its_first_forward(ranks: Any) -> None:
     for r in ranks:
         refused = r["refusals"]
-        assert refused["copy_of_wrapper"].startswith("the training forward ran through a copy of the "
-                                                     "DistributedDataParallel that `accelerator.prepare` returned")
+        assert refused["copy_of_wrapper"].startswith(
+            "the training forward ran through a copy of the DistributedDataParallel that `accelerator.prepare` returned"
+        )
         assert "ranks would diverge" in refused["copy_of_wrapper"]
         assert "use_regional_compilation=True" in refused["copy_of_wrapper"]
         assert refused["compiled_frames"] == "0"  # refused before any region ran
@@ -141,8 +148,14 @@ def _llama() -> nn.Module:
 
 def test_regions_are_the_repeated_blocks_and_each_child_beside_them() -> None:
     assert [name for name, _ in regions(Blocks())] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
-    assert [name for name, _ in regions(_llama())] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
-                                                       "model.norm", "model.rotary_emb", "lm_head"]
+    assert [name for name, _ in regions(_llama())] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+        "model.rotary_emb",
+        "lm_head",
+    ]
     assert [name for name, _ in regions(nn.Linear(2, 2))] == [""]  # no repeated blocks: the model is the one region
 
 
@@ -176,8 +189,12 @@ def _run(plugin: TorchDynamoPlugin | None) -> tuple[list[str], nn.Module, Phased
     accelerate_internals.fresh_accelerator_state(partial=True)
     net = Blocks()
     groups = ParamGroups(net, SPECS)
-    acc = PhasedAccelerator(Alternating(["a", "b"], always=["head"]), groups=groups, cpu=True,
-                            **({} if plugin is None else {"dynamo_plugin": plugin}))
+    acc = PhasedAccelerator(
+        Alternating(["a", "b"], always=["head"]),
+        groups=groups,
+        cpu=True,
+        **({} if plugin is None else {"dynamo_plugin": plugin}),
+    )
     model, opt = acc.prepare(net, GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1)))
     return _train(acc, model, opt), model, acc
 
@@ -195,8 +212,12 @@ def test_the_regional_plugin_trains_one_process_like_the_uncompiled_run() -> Non
 def test_regional_plugin_with_a_grouped_model_without_repeated_blocks_is_refused_before_anything_changes() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
-    acc = PhasedAccelerator(Alternating(["a", "b"]), groups=groups, cpu=True,
-                            dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    acc = PhasedAccelerator(
+        Alternating(["a", "b"]),
+        groups=groups,
+        cpu=True,
+        dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True),
+    )
     flags = [p.requires_grad for p in net.parameters()]
     with pytest.raises(PlanError, match=r"argument #1 \(Sequential\), the grouped model, has no repeated blocks"):
         acc.prepare(net, GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1)))
@@ -218,11 +239,20 @@ def test_compile_regions_before_prepare_with_groups_on_the_original_names_the_fi
     groups = ParamGroups(net, SPECS)
     copy = compile_regions(net, backend="eager")  # Accelerate's by-hand form: a copy of the module tree
     opt = GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1))
-    with pytest.raises(AltParamsError, match=r"argument #1 is `accelerate.utils.compile_regions\(model\)` of the "
-                                             r"grouped model.*Build the groups on the model `compile_regions` "
-                                             r"returned.*compile_regions_in_place"):
-        find_grouped((copy, opt), groups, Alternating(["a", "b"], always=["head"]), prepared_models=set(),
-                     driving_bound=False, multi_process=True)
+    with pytest.raises(
+        AltParamsError,
+        match=r"argument #1 is `accelerate.utils.compile_regions\(model\)` of the "
+        r"grouped model.*Build the groups on the model `compile_regions` "
+        r"returned.*compile_regions_in_place",
+    ):
+        find_grouped(
+            (copy, opt),
+            groups,
+            Alternating(["a", "b"], always=["head"]),
+            prepared_models=set(),
+            driving_bound=False,
+            multi_process=True,
+        )
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -237,4 +267,3 @@ def test_compile_regions_before_prepare_with_groups_on_its_copy_trains_like_the_
     acc = PhasedAccelerator(Alternating(["a", "b"], always=["head"]), groups=groups, cpu=True)
     model, opt = acc.prepare(copy, GroupedOptimizer(groups, functools.partial(torch.optim.SGD, lr=0.1)))
     assert _train(acc, model, opt) == plain
-

@@ -42,8 +42,13 @@ def extensions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory, extensions: Path) -> Path:
     out = tmp_path_factory.mktemp("deepspeed_check")
-    launch(script_path("deepspeed_check.py"), str(out), nproc=NPROC, timeout=600,
-           env={"TORCH_EXTENSIONS_DIR": str(extensions), "ACCELERATE_USE_CPU": "false"})
+    launch(
+        script_path("deepspeed_check.py"),
+        str(out),
+        nproc=NPROC,
+        timeout=600,
+        env={"TORCH_EXTENSIONS_DIR": str(extensions), "ACCELERATE_USE_CPU": "false"},
+    )
     return out
 
 
@@ -73,8 +78,9 @@ def test_no_cpp_op_is_built(ranks: list[dict[str, Any]], extensions: Path) -> No
     assert list(extensions.iterdir()) == []  # DeepSpeed's shared-memory comm op skipped (gloo does the work)
 
 
-@pytest.mark.parametrize("name", DS_RUNS + [f"ddp_{k}" for k in KINDS] + [f"acc_ddp_{k}" for k in KINDS]
-                         + ["zero1_full", "zero2_full"])
+@pytest.mark.parametrize(
+    "name", DS_RUNS + [f"ddp_{k}" for k in KINDS] + [f"acc_ddp_{k}" for k in KINDS] + ["zero1_full", "zero2_full"]
+)
 def test_every_run_trained(ranks: list[dict[str, Any]], name: str) -> None:
     for rank in range(NPROC):
         record = run(ranks, name, rank)
@@ -82,24 +88,27 @@ def test_every_run_trained(ranks: list[dict[str, Any]], name: str) -> None:
 
 
 @pytest.mark.parametrize(("stage", "kind"), list(itertools.product(STAGES, KINDS)))
-def test_the_trainer_on_zero_equals_the_ddp_run_of_the_same_schedule(ranks: list[dict[str, Any]], out_dir: Path,
-                                                                    stage: int, kind: str) -> None:
+def test_the_trainer_on_zero_equals_the_ddp_run_of_the_same_schedule(
+    ranks: list[dict[str, Any]], out_dir: Path, stage: int, kind: str
+) -> None:
     ds, ddp = run(ranks, f"zero{stage}_{kind}"), run(ranks, f"ddp_{kind}")
     assert [s["trainable"] for s in ds["steps"]] == [s["trainable"] for s in ddp["steps"]]
     assert max_diff(weights(out_dir, f"zero{stage}_{kind}"), weights(out_dir, f"ddp_{kind}")) < ROUND_OFF
 
 
 @pytest.mark.parametrize(("stage", "kind"), list(itertools.product(STAGES, KINDS)))
-def test_accelerate_on_zero_equals_its_ddp_run(ranks: list[dict[str, Any]], out_dir: Path, stage: int,
-                                              kind: str) -> None:
+def test_accelerate_on_zero_equals_its_ddp_run(
+    ranks: list[dict[str, Any]], out_dir: Path, stage: int, kind: str
+) -> None:
     ds, ddp = run(ranks, f"acc_zero{stage}_{kind}"), run(ranks, f"acc_ddp_{kind}")
     assert [s["trainable"] for s in ds["steps"]] == [s["trainable"] for s in ddp["steps"]]
     assert max_diff(weights(out_dir, f"acc_zero{stage}_{kind}"), weights(out_dir, f"acc_ddp_{kind}")) < ROUND_OFF
 
 
 @pytest.mark.parametrize("name", TRAINER_RUNS + ACCELERATE_RUNS + [BF16])
-def test_groups_outside_the_phase_stay_bit_unchanged_weights_and_fp32_partitions(ranks: list[dict[str, Any]],
-                                                                                 name: str) -> None:
+def test_groups_outside_the_phase_stay_bit_unchanged_weights_and_fp32_partitions(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
     for rank in range(NPROC):
         record = run(ranks, name, rank)
         before, fp32_before = record["initial"], None
@@ -128,10 +137,12 @@ def test_bytes_per_step_scale_with_the_trainable_share(ranks: list[dict[str, Any
         assert step["comm_bytes"] <= share * full["comm_bytes"] * 1.1, step["step"]
 
 
-@pytest.mark.parametrize("name", [f"{i}zero{s}_{k}" for i, s, k in itertools.product(("", "acc_"), STAGES, DROP)]
-                         + [BF16])
-def test_idle_groups_hold_no_optimizer_state_nor_fp32_partition_under_drop(ranks: list[dict[str, Any]],
-                                                                          name: str) -> None:
+@pytest.mark.parametrize(
+    "name", [f"{i}zero{s}_{k}" for i, s, k in itertools.product(("", "acc_"), STAGES, DROP)] + [BF16]
+)
+def test_idle_groups_hold_no_optimizer_state_nor_fp32_partition_under_drop(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
     for rank in range(NPROC):
         for step in run(ranks, name, rank)["steps"]:
             census, active = step["census"], set(step["after"])  # after the step's switch
@@ -149,7 +160,8 @@ def test_idle_groups_keep_their_state_and_fp32_partition_under_keep(ranks: list[
 
 
 def test_idle_groups_fp32_partitions_leave_the_device_and_their_state_stays_by_default(
-        ranks: list[dict[str, Any]]) -> None:
+    ranks: list[dict[str, Any]],
+) -> None:
     trained: set[str] = set()
     for step in run(ranks, "zero1_alternating")["steps"]:  # the default: state kept, fp32 masters offloaded
         trained |= set(step["trainable"])
@@ -160,8 +172,9 @@ def test_idle_groups_fp32_partitions_leave_the_device_and_their_state_stays_by_d
 
 
 @pytest.mark.parametrize(("name", "saved"), [("zero2_lisa", 3), ("acc_zero2_lisa", 3)])
-def test_resuming_from_deepspeeds_own_checkpoint_is_exact(ranks: list[dict[str, Any]], out_dir: Path, name: str,
-                                                          saved: int) -> None:
+def test_resuming_from_deepspeeds_own_checkpoint_is_exact(
+    ranks: list[dict[str, Any]], out_dir: Path, name: str, saved: int
+) -> None:
     assert max_diff(weights(out_dir, f"{name}_resumed"), weights(out_dir, name)) == 0.0
     for rank in range(NPROC):
         first = {s["step"]: s for s in run(ranks, name, rank)["steps"]}
@@ -173,13 +186,19 @@ def test_resuming_from_deepspeeds_own_checkpoint_is_exact(ranks: list[dict[str, 
             assert step["census"] == first[step["step"]]["census"]
 
 
-@pytest.mark.parametrize(("case", "expected"), [
-    ("optimizers_given", r"`Trainer\(optimizers=\(optimizer, ...\)\)` with DeepSpeed: the Trainer ignores"),
-    ("optimizer_section", r"cannot drive a DeepSpeed config with an `optimizer` section.*Remove the `optimizer` sec"),
-    ("zero3", r"cannot drive DeepSpeed ZeRO-3.*gathers every weight.*Use ZeRO-2"),
-    ("offload", r"cannot drive DeepSpeed's `offload_optimizer` \(device 'cpu'\).*Leave `offload_optimizer`"),
-    ("unsplit_engine", r"param group\(s\) of the DeepSpeed optimizer .* are not one library group's"),
-])
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("optimizers_given", r"`Trainer\(optimizers=\(optimizer, ...\)\)` with DeepSpeed: the Trainer ignores"),
+        (
+            "optimizer_section",
+            r"cannot drive a DeepSpeed config with an `optimizer` section.*Remove the `optimizer` sec",
+        ),
+        ("zero3", r"cannot drive DeepSpeed ZeRO-3.*gathers every weight.*Use ZeRO-2"),
+        ("offload", r"cannot drive DeepSpeed's `offload_optimizer` \(device 'cpu'\).*Leave `offload_optimizer`"),
+        ("unsplit_engine", r"param group\(s\) of the DeepSpeed optimizer .* are not one library group's"),
+    ],
+)
 def test_what_is_not_driven_is_refused_before_any_step(ranks: list[dict[str, Any]], case: str, expected: str) -> None:
     import re
 

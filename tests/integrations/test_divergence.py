@@ -21,18 +21,28 @@ from tests.scripts import script_path
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("divergence")
-    launch(script_path("divergence_check.py"), str(out), nproc=2, launcher="torchrun",
-           env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    launch(
+        script_path("divergence_check.py"),
+        str(out),
+        nproc=2,
+        launcher="torchrun",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out, nproc=2)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case,phase,names", [
-    ("helper_unfreezes", "a", "['trunk.weight', 'trunk.bias']"),
-    ("advice_followed", "trunk_a", "['b.weight', 'b.bias']"),
-])
-def test_an_unreduced_gradient_is_refused_on_every_rank_before_the_step(ranks: list[dict[str, Any]], case: str,
-                                                                         phase: str, names: str) -> None:
+@pytest.mark.parametrize(
+    "case,phase,names",
+    [
+        ("helper_unfreezes", "a", "['trunk.weight', 'trunk.bias']"),
+        ("advice_followed", "trunk_a", "['b.weight', 'b.bias']"),
+    ],
+)
+def test_an_unreduced_gradient_is_refused_on_every_rank_before_the_step(
+    ranks: list[dict[str, Any]], case: str, phase: str, names: str
+) -> None:
     for r in ranks:
         error = r[case]["error"]
         assert error is not None and f"outside phase {phase!r} hold gradients (e.g. {names})" in error
@@ -43,7 +53,8 @@ def test_an_unreduced_gradient_is_refused_on_every_rank_before_the_step(ranks: l
 
 @pytest.mark.distributed
 def test_flags_changed_after_the_backward_are_put_back_and_the_ranks_stay_identical(
-        ranks: list[dict[str, Any]]) -> None:
+    ranks: list[dict[str, Any]],
+) -> None:
     for r in ranks:
         assert r["after_backward"]["error"] is None and r["after_backward"]["steps"] == 10
         assert len(r["after_backward"]["warnings"]) == 1 and "flags were put back" in r["after_backward"]["warnings"][0]

@@ -31,8 +31,15 @@ from tests.scripts import script_path
 @pytest.mark.distributed
 @pytest.mark.parametrize("script", ["test_sync", "test_script"])
 def test_accelerates_own_test_scripts_pass_with_the_class_rebound(script: str, tmp_out: Path) -> None:
-    launch(script_path("accelerate_shipped.py"), script, str(tmp_out), nproc=2, launcher="torchrun",
-           env={"ACCELERATE_USE_CPU": "1"}, timeout=600)
+    launch(
+        script_path("accelerate_shipped.py"),
+        script,
+        str(tmp_out),
+        nproc=2,
+        launcher="torchrun",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=600,
+    )
     results = rank_results(tmp_out, nproc=2)
     assert all(r["script"] == script and r["phased_accelerators_built"] > 0 for r in results)
 
@@ -40,8 +47,14 @@ def test_accelerates_own_test_scripts_pass_with_the_class_rebound(script: str, t
 @pytest.fixture(scope="module")
 def gan(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("gan")
-    launch(script_path("gan_check.py"), str(out), nproc=2, launcher="torchrun", env={"ACCELERATE_USE_CPU": "1"},
-           timeout=300)
+    launch(
+        script_path("gan_check.py"),
+        str(out),
+        nproc=2,
+        launcher="torchrun",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out, nproc=2)
 
 
@@ -85,8 +98,9 @@ def test_set_phases_comes_before_the_prepare_of_the_grouped_model() -> None:
     gen, disc = nn.Linear(2, 3), nn.Linear(3, 1)
     acc = PhasedAccelerator(cpu=True)
     acc.set_phases(Alternating(["generator", "discriminator"]), groups={"generator": gen, "discriminator": disc})
-    gen, disc, _, _ = acc.prepare(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
-                                  torch.optim.SGD(disc.parameters(), lr=0.1))
+    gen, disc, _, _ = acc.prepare(
+        gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    )
     assert acc.phase.name == "generator" and not any(p.requires_grad for p in disc.parameters())
     with pytest.raises(PlanError, match="`set_phases` came after `prepare` of the grouped model"):
         acc.set_phases(Alternating(["generator", "discriminator"]))
@@ -111,10 +125,17 @@ def test_fsdp2_asked_for_where_accelerate_runs_ddp_is_said_not_silent(monkeypatc
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-        acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(model, {"a": "0.*", "b": "1.*"}),
-                                cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        with pytest.warns(UserWarning, match=r"FSDP2 was asked for .* this run trains with plain DDP .*"
-                                             r"use_accelerate_fsdp2"):
+        acc = PhasedAccelerator(
+            Alternating(["a", "b"]),
+            groups=ParamGroups(model, {"a": "0.*", "b": "1.*"}),
+            cpu=True,
+            fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+        )
+        with pytest.warns(
+            UserWarning,
+            match=r"FSDP2 was asked for .* this run trains with plain DDP .*"
+            r"use_accelerate_fsdp2",
+        ):
             acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -26,9 +26,23 @@ DIGEST = re.compile(r"^final parameter sha256: ([0-9a-f]{64})$", re.MULTILINE)
 
 def _elastic_run(script: Path, *args: str) -> str:
     """``torchrun --max-restarts 1`` of ``script`` on 2 CPU ranks; its output (it must exit 0)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(script),
+        *args,
+    ]
     env = launch_env("torchrun", {"ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     (result,), timed_out = run_launchers([cmd], env, timeout=180)
     if timed_out or result.returncode != 0:
@@ -39,8 +53,9 @@ def _elastic_run(script: Path, *args: str) -> str:
 @pytest.mark.distributed
 def test_a_rank_killed_mid_phase_restarts_and_ends_bit_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
     steps = ["--max-steps", "8", "--save-every", "4"]
-    plain = launch(EXAMPLE, "--project-dir", str(tmp_path / "plain"), *steps, nproc=2,
-                   env={"ACCELERATE_USE_CPU": "1"}, timeout=300).stdout
+    plain = launch(
+        EXAMPLE, "--project-dir", str(tmp_path / "plain"), *steps, nproc=2, env={"ACCELERATE_USE_CPU": "1"}, timeout=300
+    ).stdout
 
     # Schedule: encoder steps 0-2, middle 3-4, head 5-6, encoder 7-9. Rank 1 dies after the backward
     # of step 6 (mid-phase "head"); the latest complete checkpoint was saved after 4 steps, in the
@@ -68,8 +83,15 @@ TRAINER_DIGEST = re.compile(r"^rank ([01]) final parameter sha256: ([0-9a-f]{64}
 @pytest.mark.distributed
 def test_a_trainer_rank_killed_mid_phase_restarts_and_ends_bit_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
     steps = ["--max-steps", "8", "--save-every", "4"]
-    plain = launch(TRAINER_EXAMPLE, "--output-dir", str(tmp_path / "plain"), *steps, nproc=2,
-                   env={"ACCELERATE_USE_CPU": "1"}, timeout=300).stdout
+    plain = launch(
+        TRAINER_EXAMPLE,
+        "--output-dir",
+        str(tmp_path / "plain"),
+        *steps,
+        nproc=2,
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    ).stdout
     # Schedule: layer0 steps 0-2, layer1 3-4, head 5-6, layer0 7-9. Rank 1 dies after optimizer step 6
     # (global_step 6: the next step is head's second); the latest complete checkpoint is checkpoint-4,
     # mid-phase "layer1" (its state dropped while idle, layer0's offloaded): the restart trains steps

@@ -15,18 +15,35 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.distributed
 def test_alternating_layers_compares_the_loops_side_by_side() -> None:
     width = 256
-    out = launch(EXAMPLES / "alternating_layers.py", "--width", str(width), "--max-steps", "4",
-                 "--warmup-steps", "1", "--batch-size", "8", nproc=2, launcher="accelerate", timeout=300).stdout
+    out = launch(
+        EXAMPLES / "alternating_layers.py",
+        "--width",
+        str(width),
+        "--max-steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--batch-size",
+        "8",
+        nproc=2,
+        launcher="accelerate",
+        timeout=300,
+    ).stdout
 
     assert "2 process(es) on cpu" in out and "idle-state policy: keep" in out  # auto: keep on CPU
     layer_bytes = width * (width + 1) * 4
     per_layer = re.search(r"by active layer: layer1 ([\d.]+) MiB, layer2 ([\d.]+) MiB", out)
     assert per_layer, out[-3000:]
     assert float(per_layer.group(1)) == float(per_layer.group(2)) == round(layer_bytes / 2**20, 2)
-    rows = {m[0]: m[1:] for m in re.findall(
-        r"^(naive|find_unused|hf_altparams|hf_drop|single)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)\s+"
-        r"([\d.]+)\s+([\d.]+) -> ([\d.]+)",
-        out, flags=re.MULTILINE)}
+    rows = {
+        m[0]: m[1:]
+        for m in re.findall(
+            r"^(naive|find_unused|hf_altparams|hf_drop|single)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)\s+"
+            r"([\d.]+)\s+([\d.]+) -> ([\d.]+)",
+            out,
+            flags=re.MULTILINE,
+        )
+    }
     assert set(rows) == {"naive", "find_unused", "hf_altparams", "hf_drop", "single"}, out[-3000:]
     mib = {name: float(row[2]) for name, row in rows.items()}
     # DDP all-reduces one layer per step, except a DDP built over both with find_unused_parameters=True.
@@ -41,16 +58,27 @@ def test_alternating_layers_compares_the_loops_side_by_side() -> None:
     assert rows["hf_altparams"][5:] == rows["naive"][5:] == rows["find_unused"][5:]
     assert re.search(r"hf_altparams / find_unused: peak memory [\d.]+x, bytes all-reduced per step 0.50x", out)
     # Measured, not asserted by the script: the idle layer's AdamW moments at the end (keep: both, in RAM).
-    idle = re.search(r"^hf_altparams: the idle layer's AdamW state at the end \(policy keep\): ([\d.]+) MiB on cpu",
-                     out, flags=re.MULTILINE)
+    idle = re.search(
+        r"^hf_altparams: the idle layer's AdamW state at the end \(policy keep\): ([\d.]+) MiB on cpu",
+        out,
+        flags=re.MULTILINE,
+    )
     assert idle and float(idle.group(1)) == round(2 * layer_bytes / 2**20, 1), out[-3000:]
     assert "hf_drop: the idle layer's AdamW state at the end (policy drop): none" in out
 
 
 @pytest.mark.distributed
 def test_gradual_unfreeze_minilm_allreduces_the_trainable_layers() -> None:
-    out = launch(EXAMPLES / "gradual_unfreeze_accelerate.py", "--max-steps", "4", "--unfreeze-every", "2",
-                 nproc=2, launcher="accelerate", timeout=300).stdout
+    out = launch(
+        EXAMPLES / "gradual_unfreeze_accelerate.py",
+        "--max-steps",
+        "4",
+        "--unfreeze-every",
+        "2",
+        nproc=2,
+        launcher="accelerate",
+        timeout=300,
+    ).stdout
 
     rows = re.findall(r"^(head[+\w]*)\s+(\d+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+|n/a)\s*$", out, flags=re.MULTILINE)
     assert [r[0] for r in rows[:2]] == ["head+layer5", "head+layer4+layer5"], out[-3000:]
@@ -65,8 +93,18 @@ def test_gradual_unfreeze_minilm_allreduces_the_trainable_layers() -> None:
 
 @pytest.mark.distributed
 def test_gan_trains_each_player_only_in_its_phases_and_ranks_end_identical(tmp_path: Path) -> None:
-    out = launch(EXAMPLES / "gan_accelerate.py", "--max-steps", "12", "--batch-size", "16", "--out", str(tmp_path),
-                 nproc=2, launcher="accelerate", timeout=300).stdout
+    out = launch(
+        EXAMPLES / "gan_accelerate.py",
+        "--max-steps",
+        "12",
+        "--batch-size",
+        "16",
+        "--out",
+        str(tmp_path),
+        nproc=2,
+        launcher="accelerate",
+        timeout=300,
+    ).stdout
     ranks = rank_results(tmp_path, nproc=2)
     assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
     # 5 discriminator steps : 1 generator step, read at the top of each iteration (zero_grad comes first).
@@ -81,8 +119,20 @@ def test_gan_trains_each_player_only_in_its_phases_and_ranks_end_identical(tmp_p
 
 @pytest.mark.distributed
 def test_multitask_feeds_each_task_its_data_and_visits_every_head(tmp_path: Path) -> None:
-    out = launch(EXAMPLES / "multitask_accelerate.py", "--max-steps", "6", "--every", "2", "--batch-size", "8",
-                 "--out", str(tmp_path), nproc=2, launcher="accelerate", timeout=300).stdout
+    out = launch(
+        EXAMPLES / "multitask_accelerate.py",
+        "--max-steps",
+        "6",
+        "--every",
+        "2",
+        "--batch-size",
+        "8",
+        "--out",
+        str(tmp_path),
+        nproc=2,
+        launcher="accelerate",
+        timeout=300,
+    ).stdout
     ranks = rank_results(tmp_path, nproc=2)
     assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
     assert ranks[0]["eval"] == ranks[1]["eval"]
@@ -99,9 +149,22 @@ def test_multitask_feeds_each_task_its_data_and_visits_every_head(tmp_path: Path
 def test_peft_adapters_one_per_task_allreduce_the_active_adapter_and_save_each(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     save_dir, out_dir = tmp_path / "adapters", tmp_path / "out"
-    out = launch(EXAMPLES / "peft_adapters_accelerate.py", "--max-steps", "4", "--every", "2", "--batch-size", "4",
-                 "--save-dir", str(save_dir), "--out", str(out_dir), nproc=2, launcher="accelerate",
-                 timeout=420).stdout
+    out = launch(
+        EXAMPLES / "peft_adapters_accelerate.py",
+        "--max-steps",
+        "4",
+        "--every",
+        "2",
+        "--batch-size",
+        "4",
+        "--save-dir",
+        str(save_dir),
+        "--out",
+        str(out_dir),
+        nproc=2,
+        launcher="accelerate",
+        timeout=420,
+    ).stdout
     ranks = rank_results(out_dir, nproc=2)
     assert ranks[0]["final"] == ranks[1]["final"], "ranks must end bit-identical"
     for rank in ranks:
@@ -109,8 +172,9 @@ def test_peft_adapters_one_per_task_allreduce_the_active_adapter_and_save_each(t
         for step in rank["steps"]:
             assert step["active"] == [step["task"]], "the forward ran the adapter of the task being trained"
             assert step["allreduced"] == step["adapter_bytes"] > 0, "DDP all-reduced that adapter, nothing else"
-    rows = re.findall(r"^\s*(\d+)\s+(sentiment|topic)\s+(sentiment|topic)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+\s*$", out,
-                      flags=re.MULTILINE)
+    rows = re.findall(
+        r"^\s*(\d+)\s+(sentiment|topic)\s+(sentiment|topic)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+\s*$", out, flags=re.MULTILINE
+    )
     assert [(r[1], r[2]) for r in rows] == [("sentiment", "sentiment")] * 2 + [("topic", "topic")] * 2, out[-3000:]
     assert all(r[3] == r[4] for r in rows)
     assert "every step all-reduced exactly its adapter's bytes: yes" in out

@@ -31,8 +31,12 @@ from hf_altparams.integrations import transformers_internals as tf_fence
 # ------------------------------------------------------------------ Accelerate
 def test_accelerate_has_every_name_the_fence_lists() -> None:
     assert acc_fence.missing_names() == []
-    assert set(acc_fence.USES) >= {"prepared_optimizers", "is_prepared", "shared_accelerator_state",
-                                   "without_total_limit"}
+    assert set(acc_fence.USES) >= {
+        "prepared_optimizers",
+        "is_prepared",
+        "shared_accelerator_state",
+        "without_total_limit",
+    }
 
 
 def test_prepared_optimizers_are_the_list_prepare_appends_to(fresh_accelerate_state: None) -> None:
@@ -48,8 +52,9 @@ def test_prepared_optimizers_are_the_list_prepare_appends_to(fresh_accelerate_st
     assert acc_fence.prepared_optimizers(acc) == [prepared, extra]
 
 
-def test_a_registered_scheduler_is_marked_and_saved_like_accelerates_own(fresh_accelerate_state: None,
-                                                                         tmp_path: Path) -> None:
+def test_a_registered_scheduler_is_marked_and_saved_like_accelerates_own(
+    fresh_accelerate_state: None, tmp_path: Path
+) -> None:
     acc = Accelerator(cpu=True)
     model = nn.Linear(2, 2)
     _, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -85,8 +90,9 @@ def test_run_fsdp_state_makes_an_accelerator_run_fsdp2(fresh_accelerate_state: N
     assert acc.is_fsdp2
 
 
-def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(fresh_accelerate_state: None,
-                                                                            tmp_path: Path) -> None:
+def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(
+    fresh_accelerate_state: None, tmp_path: Path
+) -> None:
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
     acc = Accelerator(cpu=True, project_config=config)
     acc.prepare(nn.Linear(2, 2))
@@ -102,6 +108,7 @@ def test_without_total_limit_stops_accelerate_from_deleting_before_it_saves(fres
 
 def test_launch_configs_read_as_accelerate_launch_reads_them(tmp_path: Path) -> None:
     """`distributed_type: NO` unquoted is a YAML boolean to Accelerate's loader; NO and MULTI_CPU start one process."""
+
     def config(name: str, body: str) -> acc_fence.LaunchConfig:
         path = tmp_path / name
         path.write_text(f"compute_environment: LOCAL_MACHINE\n{body}mixed_precision: 'no'\nuse_cpu: true\n")
@@ -119,8 +126,10 @@ def test_launch_configs_read_as_accelerate_launch_reads_them(tmp_path: Path) -> 
 
 def test_the_default_launch_config_follows_hf_home(tmp_path: Path) -> None:
     """Accelerate works the path out when its config module is imported: a fresh process sees HF_HOME."""
-    code = ("from hf_altparams.integrations.accelerate_internals import default_launch_config; "
-            "print(default_launch_config())")
+    code = (
+        "from hf_altparams.integrations.accelerate_internals import default_launch_config; "
+        "print(default_launch_config())"
+    )
     env = dict(os.environ, HF_HOME=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == str(tmp_path / "accelerate" / "default_config.yaml"), done.stderr[-2000:]
@@ -163,8 +172,16 @@ class _Other(TrainerCallback):
 
 
 def _trainer(tmp_path: Path, probe: _Probe, steps: int) -> Trainer:
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
-                             save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=100,
+    )
     return Trainer(model=_Tiny(), args=args, train_dataset=_Rows(), callbacks=[_Other(), probe])
 
 

@@ -48,8 +48,11 @@ def test_set_phases_after_an_unphased_prepare_is_refused_naming_the_order() -> N
     acc = PhasedAccelerator(cpu=True)
     net = Net()
     net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(PlanError, match=r"`set_phases` came after `prepare` of \['Net'\].*would train whole.*"
-                                        r"before `accelerator.prepare"):
+    with pytest.raises(
+        PlanError,
+        match=r"`set_phases` came after `prepare` of \['Net'\].*would train whole.*"
+        r"before `accelerator.prepare",
+    ):
         acc.set_phases(Alternating(["a", "b"]), groups=ParamGroups(net, {"a": "layer1.*", "b": "layer2.*"}))
     assert acc.schedule is None  # nothing half-applied
 
@@ -58,8 +61,11 @@ def test_parameters_the_optimizer_holds_but_no_group_names_are_named_at_prepare(
     net = Net()
     groups = ParamGroups(net, {"a": "layer1.*"})  # layer2 in no group: frozen for the whole run
     acc = PhasedAccelerator(Alternating(["a"]), groups=groups, cpu=True)
-    with pytest.warns(UserWarning, match=r"holds 2 parameter\(s\) that no group names \(e.g. \['layer2.weight', "
-                                         r"'layer2.bias'\]\).*never updated.*ungrouped='trainable'"):
+    with pytest.warns(
+        UserWarning,
+        match=r"holds 2 parameter\(s\) that no group names \(e.g. \['layer2.weight', "
+        r"'layer2.bias'\]\).*never updated.*ungrouped='trainable'",
+    ):
         acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
 
@@ -70,8 +76,9 @@ def test_groups_given_as_parts_of_the_model_passed_to_prepare_are_groups_of_that
     assert acc.groups is not None and acc.groups.module is net
     assert _train(acc, model, opt) == ["a", "b", "a", "b"]
     # the same run with the groups spelled on the model: the same weights
-    acc2 = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(reference, {"a": "layer1.*", "b": "layer2.*"}),
-                             cpu=True)
+    acc2 = PhasedAccelerator(
+        Alternating(["a", "b"]), groups=ParamGroups(reference, {"a": "layer1.*", "b": "layer2.*"}), cpu=True
+    )
     model2, opt2 = acc2.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
     _train(acc2, model2, opt2)
     assert param_sha(net) == param_sha(reference)
@@ -91,8 +98,9 @@ def test_a_model_compiled_before_prepare_trains_in_one_process_with_groups_named
         assert _train(acc, model, opt) == ["a", "b", "a", "b"]
         results.append(param_sha(net))
     plain = Net()
-    acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(plain, {"a": "layer1.*", "b": "layer2.*"}),
-                            cpu=True)
+    acc = PhasedAccelerator(
+        Alternating(["a", "b"]), groups=ParamGroups(plain, {"a": "layer1.*", "b": "layer2.*"}), cpu=True
+    )
     model, opt = acc.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     _train(acc, model, opt)
     assert results == [param_sha(plain)] * 2  # the same weights as the uncompiled run
@@ -106,20 +114,33 @@ def test_a_compiled_model_is_refused_with_several_processes_naming_compile(on_co
     prefix = "_orig_mod." if on_compiled else ""
     groups = ParamGroups(target, {"a": f"{prefix}layer1.*", "b": f"{prefix}layer2.*"})
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    with pytest.raises(AltParamsError, match=r"compiled with `torch.compile` before `prepare`.*several processes.*"
-                                             r"Pass the uncompiled model") as info:
-        find_grouped((compiled, opt), groups, Alternating(["a", "b"]), prepared_models=set(), driving_bound=False,
-                     multi_process=True)
+    with pytest.raises(
+        AltParamsError,
+        match=r"compiled with `torch.compile` before `prepare`.*several processes.*"
+        r"Pass the uncompiled model",
+    ) as info:
+        find_grouped(
+            (compiled, opt),
+            groups,
+            Alternating(["a", "b"]),
+            prepared_models=set(),
+            driving_bound=False,
+            multi_process=True,
+        )
     assert info.value.cause is Cause.STRATEGY_REFUSED
 
 
 def test_an_optimizer_whose_model_is_not_the_grouped_one_gets_the_right_error() -> None:
     net, other = Net(), Net()
-    acc = PhasedAccelerator(Alternating(["a", "b"]), groups=ParamGroups(net, {"a": "layer1.*", "b": "layer2.*"}),
-                            cpu=True)
+    acc = PhasedAccelerator(
+        Alternating(["a", "b"]), groups=ParamGroups(net, {"a": "layer1.*", "b": "layer2.*"}), cpu=True
+    )
     wrapper = nn.Sequential(other)
-    with pytest.raises(AltParamsError, match=r"no argument of this `prepare` is that model: the groups were built "
-                                             r"on a Net, and \['`prepare` argument #1 \(Sequential\)'\] is not it"):
+    with pytest.raises(
+        AltParamsError,
+        match=r"no argument of this `prepare` is that model: the groups were built "
+        r"on a Net, and \['`prepare` argument #1 \(Sequential\)'\] is not it",
+    ):
         acc.prepare(wrapper, torch.optim.SGD(net.parameters(), lr=0.1))
 
 
@@ -151,8 +172,7 @@ def test_the_grouped_optimizer_follows_lisa_and_frees_idle_state_by_default() ->
         assert held <= trainable, (step, held, trainable)  # no Adam state outside the phase
 
 
-def test_the_first_switch_that_idles_a_trained_group_logs_what_its_state_does(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_the_first_switch_that_idles_a_trained_group_logs_what_its_state_does(caplog: pytest.LogCaptureFixture) -> None:
     """With the Trainer-style plain optimizer: lisa drops idle state, and the log says so, once, with the why."""
     from hf_altparams import lisa
 
@@ -172,5 +192,6 @@ def test_the_first_switch_that_idles_a_trained_group_logs_what_its_state_does(
             assert held <= acc.phase.trainable, (step, held)  # type: ignore[union-attr]
     lines = [r.getMessage() for r in caplog.records if "idle optimizer state" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert lines[0] == ("hf_altparams: idle optimizer state: drop (the RandomBlocks recipe's assumption); "
-                        "3 idle group(s) hold none")
+    assert lines[0] == (
+        "hf_altparams: idle optimizer state: drop (the RandomBlocks recipe's assumption); 3 idle group(s) hold none"
+    )

@@ -62,8 +62,14 @@ def _check(results: list[dict[str, Any]]) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One 2-rank launch for the Trainer's and PhasedAccelerator's checks."""
     out = tmp_path_factory.mktemp("fsdp2_integrations")
-    launch(script_path("trainer_fsdp2_check.py"), str(out), nproc=2, launcher="torchrun",
-           env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    launch(
+        script_path("trainer_fsdp2_check.py"),
+        str(out),
+        nproc=2,
+        launcher="torchrun",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out, nproc=2)
 
 
@@ -76,8 +82,14 @@ def test_accelerate_fsdp2_matches_reference_counts_bytes_and_resumes_exactly(ran
 
 @pytest.mark.cuda
 def test_accelerate_and_trainer_fsdp2_on_a_gpu_for_real(tmp_out: Path) -> None:
-    launch(script_path("trainer_fsdp2_check.py"), str(tmp_out), nproc=1, launcher="torchrun",
-           env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300)
+    launch(
+        script_path("trainer_fsdp2_check.py"),
+        str(tmp_out),
+        nproc=1,
+        launcher="torchrun",
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+        timeout=300,
+    )
     results = rank_results(tmp_out, nproc=1)
     accelerate = [r["accelerate"] for r in results]
     # One GPU: Accelerate runs a single process without FSDP (distributed type NO), so the script
@@ -94,8 +106,7 @@ def test_fsdp1_plugin_is_refused_naming_fsdp2() -> None:
     from hf_altparams.integrations.accelerate import PhasedAccelerator
 
     with pytest.raises(AltParamsError, match=r"FullyShardedDataParallelPlugin\(fsdp_version=2") as info:
-        PhasedAccelerator(Alternating(["a", "b"]), cpu=True,
-                          fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
+        PhasedAccelerator(Alternating(["a", "b"]), cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
     assert info.value.cause is Cause.STRATEGY_REFUSED
 
 
@@ -131,9 +142,18 @@ def _check_trainer(results: list[dict[str, Any]]) -> None:
         assert r["counted"] == r["expected"] if len(results) > 1 else set(r["counted"]) == {0}
         # each step changed exactly the groups of its phase
         changed = [{g for g in after if after[g] != before[g]} for before, after in zip(r["sums"], r["sums"][1:])]
-        assert changed == [{"head"}, {"head", "layer1"}, {"head", "layer1"}, {"layer0"}, {"layer0"},
-                           {"head", "layer1"}, {"head", "layer1"}]
-        assert r["resume_bitwise_equal"], r["resume_max_diff"]  # the Trainer's FSDP2 checkpoint at step 3: layer0 not trained yet
+        assert changed == [
+            {"head"},
+            {"head", "layer1"},
+            {"head", "layer1"},
+            {"layer0"},
+            {"layer0"},
+            {"head", "layer1"},
+            {"head", "layer1"},
+        ]
+        assert r["resume_bitwise_equal"], r[
+            "resume_max_diff"
+        ]  # the Trainer's FSDP2 checkpoint at step 3: layer0 not trained yet
     assert len({r["digest"] for r in results}) == 1  # ranks hold the same full parameters
 
 

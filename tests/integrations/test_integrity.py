@@ -60,7 +60,8 @@ def test_a_save_into_an_existing_folder_killed_after_the_model_leaves_no_marker(
 
 @pytest.mark.distributed
 def test_a_complete_checkpoint_with_a_missing_or_truncated_file_is_refused_naming_it(
-        ranks: list[dict[str, Any]]) -> None:
+    ranks: list[dict[str, Any]],
+) -> None:
     for r in _both(ranks, "damaged"):
         no_model, half, missing = r["no_model"], r["half_optimizer"], r["missing_folder"]
         assert no_model["is_library_error"] and "'model.safetensors' is missing" in no_model["message"], no_model
@@ -103,4 +104,3 @@ def test_a_forward_that_reaches_no_trainable_parameter_gets_the_library_error(ra
         assert "find_unused_parameters" not in error["message"]  # would not fix any of the causes
         for cause in ("skips", "set_adapter", "torch.no_grad()", "use_reentrant", "requires_grad_(False)"):
             assert cause in error["message"], cause
-

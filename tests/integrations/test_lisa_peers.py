@@ -24,17 +24,42 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "lisa_peers.py"
 STEPS, EVERY = 6, 2
-SMALL = ["--steps", str(STEPS), "--every", str(EVERY), "--k", "2", "--layers", "4", "--hidden", "64",
-         "--intermediate", "128", "--heads", "4", "--vocab", "256", "--seq", "16", "--batch", "2"]
+SMALL = [
+    "--steps",
+    str(STEPS),
+    "--every",
+    str(EVERY),
+    "--k",
+    "2",
+    "--layers",
+    "4",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--heads",
+    "4",
+    "--vocab",
+    "256",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("lisa_peers")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), *SMALL, "--out", str(out), "--name", "small",
-                           "--timeout", "300"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=420)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *SMALL, "--out", str(out), "--name", "small", "--timeout", "300"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=420,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:]
     for suffix in ("json", "md", "png"):
         assert (out / f"small.{suffix}").stat().st_size > 0, suffix
@@ -94,7 +119,8 @@ def test_find_unused_keeps_ranks_identical_but_all_reduces_more_than_it_trains(r
 @pytest.mark.parametrize("variant", ["hf_altparams", "hf_altparams_drop"])
 @pytest.mark.distributed
 def test_hf_altparams_keeps_ranks_bit_identical_and_all_reduces_the_trainable_bytes(
-        result: dict[str, Any], variant: str) -> None:
+    result: dict[str, Any], variant: str
+) -> None:
     r = row(result, variant)
     completed(r)
     assert r["ranks_identical"] and all(r["ranks_identical_steps"]), r["max_abs_diff_per_step"]
@@ -102,7 +128,9 @@ def test_hf_altparams_keeps_ranks_bit_identical_and_all_reduces_the_trainable_by
     assert rank0 == rank1 and len(rank0) == STEPS and len(set(rank0)) == STEPS  # equal, and every step changed them
     assert r["allreduce_equal_on_ranks"]
     assert r["allreduce_bytes_per_step"] == r["trainable_bytes_per_step"], (
-        r["allreduce_bytes_per_step"], r["trainable_bytes_per_step"])
+        r["allreduce_bytes_per_step"],
+        r["trainable_bytes_per_step"],
+    )
     # What the callback logs (`altparams/allreduce_bytes_per_step`, from its reducer) is what the hook counted.
     assert r["library_allreduce_bytes_per_step"] == r["allreduce_bytes_per_step"]
     assert min(r["trainable_bytes_per_step"]) > 0
@@ -122,12 +150,12 @@ def test_lisa_holds_no_optimizer_state_on_layers_outside_the_phase(result: dict[
     left_behind = {i for block in draws[:-1] for i in block} - set(draws[-1])
     assert left_behind, f"this seed draws the same layers in every block ({draws}): the check would prove nothing"
     assert plain["optimizer_state_frozen_end"] > 0, plain["optimizer_state_frozen_bytes_per_step"]
-    assert sorted(g for g, b in plain["optimizer_state_by_group_end"].items() if b and g not in ("emb", "head")) \
-        == sorted(f"layer{i}" for i in {i for block in draws for i in block})
+    assert sorted(
+        g for g, b in plain["optimizer_state_by_group_end"].items() if b and g not in ("emb", "head")
+    ) == sorted(f"layer{i}" for i in {i for block in draws for i in block})
 
 
 @pytest.mark.distributed
 def test_the_table_has_one_row_per_variant(result: dict[str, Any]) -> None:
     lines = [line for line in result["table"].splitlines() if line.startswith("| `")]
-    assert [line.split("`")[1] for line in lines] == ["naive", "naive_find_unused", "hf_altparams",
-                                                       "hf_altparams_drop"]
+    assert [line.split("`")[1] for line in lines] == ["naive", "naive_find_unused", "hf_altparams", "hf_altparams_drop"]

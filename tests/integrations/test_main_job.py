@@ -34,14 +34,36 @@ ROWS = {"fp32": "hf_altparams, fp32 weights", "bf16": "hf_altparams, bf16 + fp32
 
 
 def run_main_job(out: Path, *extra: str, bf16: Optional[str] = None) -> str:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop(BF16_ENV, None)
     if bf16 is not None:
         env[BF16_ENV] = bf16
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--size", "tiny", "--memory-gib", "0.6", "--steps", "5",
-                           "--every", "2", "--batch", "2", "--seq", "64", "--out", str(out), *extra],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--size",
+            "tiny",
+            "--memory-gib",
+            "0.6",
+            "--steps",
+            "5",
+            "--every",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "64",
+            "--out",
+            str(out),
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
@@ -94,7 +116,8 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
 
 @pytest.mark.distributed
 def test_main_job_picks_the_precision_the_device_computes_fast_and_measures_the_plan(
-        default_run: tuple[str, dict[str, Any]]) -> None:
+    default_run: tuple[str, dict[str, Any]],
+) -> None:
     out, result = default_run
     speed = result["bf16_speed"]
     assert speed["source"] == "probe" and speed["fp32_seconds"] > 0 and speed["bf16_seconds"] > 0
@@ -106,7 +129,8 @@ def test_main_job_picks_the_precision_the_device_computes_fast_and_measures_the_
 
 @pytest.mark.distributed
 def test_main_job_trains_fp32_where_bf16_is_slow_and_bf16_with_masters_where_it_is_fast(
-        tmp_path: Path, default_run: tuple[str, dict[str, Any]]) -> None:
+    tmp_path: Path, default_run: tuple[str, dict[str, Any]]
+) -> None:
     # The verdict forced to the one the probe did not give, with the other recipe: every CI run trains both
     # precisions (fp32 weights and bf16 + fp32 masters) and both recipes, in two runs of the main job.
     bf16 = "slow" if default_run[1]["bf16_speed"]["fast"] else "fast"

@@ -23,9 +23,8 @@ import torch
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations.accelerate_checkpoints import COMPLETE_MARKER, STATE_FILE, agreed_checkpoint
 from hf_altparams.testing import LaunchError, rank_results
-from tests.scripts import script_path
 from hf_altparams.testing.launch import launch_nodes
-from tests.scripts import engine_check
+from tests.scripts import engine_check, script_path
 
 NNODES, PER_NODE = 2, 2
 WORLD = NNODES * PER_NODE
@@ -36,8 +35,14 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("multinode")
     # ACCELERATE_USE_CPU: under torchrun on a machine without CUDA, Accelerate otherwise sees
     # DistributedType.NO and runs every rank as a world of one (the switcher then refuses the run).
-    launch_nodes(script_path("multinode_checks.py"), str(out), nnodes=NNODES, nproc_per_node=PER_NODE,
-                 env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    launch_nodes(
+        script_path("multinode_checks.py"),
+        str(out),
+        nnodes=NNODES,
+        nproc_per_node=PER_NODE,
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return out
 
 
@@ -53,8 +58,13 @@ def test_engine_on_two_nodes_equals_one_process(name: str, out_dir: Path, ranks:
     for rank in range(WORLD):
         got = torch.load(out_dir / f"node{rank // PER_NODE}" / f"{name}_rank{rank}.pt")
         for param_name, param in reference.named_parameters():
-            torch.testing.assert_close(got[param_name], param.detach(), rtol=0, atol=1e-6,
-                                       msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}")
+            torch.testing.assert_close(
+                got[param_name],
+                param.detach(),
+                rtol=0,
+                atol=1e-6,
+                msg=lambda m: f"{name}, rank {rank}, {param_name}: {m}",
+            )
     assert len({r["engine"][name]["params_sha256"] for r in ranks}) == 1
 
 
@@ -65,8 +75,11 @@ def test_engine_on_two_nodes_reduces_trainable_bytes(name: str, ranks: list[dict
     model = case.build()
     for r in ranks:
         for s in r["engine"][name]["steps"]:
-            trainable = sum(p.numel() * p.element_size() for g in s["trainable"]
-                            for p in model.get_submodule(case.group_modules[g]).parameters())
+            trainable = sum(
+                p.numel() * p.element_size()
+                for g in s["trainable"]
+                for p in model.get_submodule(case.group_modules[g]).parameters()
+            )
             assert s["bytes_counted"] == trainable, (name, s)
 
 
@@ -84,7 +97,8 @@ def test_local_rank_differs_from_global_rank_on_the_second_node(ranks: list[dict
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["ga1", "per_task"])
 def test_four_ranks_on_two_nodes_equal_one_process_and_reduce_trainable_bytes(
-        ranks: list[dict[str, Any]], name: str) -> None:
+    ranks: list[dict[str, Any]], name: str
+) -> None:
     for r in ranks:
         res = r[name]
         assert res["max_abs_diff_vs_reference"] < 1e-6, res["max_abs_diff_vs_reference"]
@@ -95,7 +109,9 @@ def test_four_ranks_on_two_nodes_equal_one_process_and_reduce_trainable_bytes(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["each_node", "shared"])
-def test_resume_on_both_nodes_takes_the_same_checkpoint_and_is_bitwise_exact(ranks: list[dict[str, Any]], name: str) -> None:
+def test_resume_on_both_nodes_takes_the_same_checkpoint_and_is_bitwise_exact(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
     for r in ranks:
         # each_node: load_state() while checkpoint_1 is complete on node 0 only (torn on node 1):
         # every rank takes checkpoint_0; shared: load_state(checkpoint_0)
@@ -131,8 +147,14 @@ def test_save_on_each_node_writes_the_state_and_marker_on_every_node(ranks: list
         assert res["writes"] == (["state_file", "marker"] * 2 if local_main else []), r["rank"]
         node = r["ranks"]["GROUP_RANK"]
         # each node's own folder holds everything it needs, and only its own ranks' RNG files
-        expected = {STATE_FILE, COMPLETE_MARKER, "model.safetensors", "optimizer.bin",
-                    f"random_states_{2 * node}.pkl", f"random_states_{2 * node + 1}.pkl"}
+        expected = {
+            STATE_FILE,
+            COMPLETE_MARKER,
+            "model.safetensors",
+            "optimizer.bin",
+            f"random_states_{2 * node}.pkl",
+            f"random_states_{2 * node + 1}.pkl",
+        }
         assert set(res["files_seen"]) == expected, res["files_seen"]
 
 
@@ -146,8 +168,10 @@ def test_main_process_only_writes_once_into_shared_storage(ranks: list[dict[str,
 @pytest.mark.distributed
 def test_main_process_only_on_separate_disks_fails_alike_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     # every rank raised (none went on training), each naming its own node's folder, all alike otherwise
-    errors = {r["main_only_separate"]["resumes"][0]["load_error"].replace(f"/node{r['ranks']['GROUP_RANK']}/", "/NODE/")
-              for r in ranks}
+    errors = {
+        r["main_only_separate"]["resumes"][0]["load_error"].replace(f"/node{r['ranks']['GROUP_RANK']}/", "/NODE/")
+        for r in ranks
+    }
     assert len(errors) == 1 and "" not in errors, errors
     (error,) = errors
     assert "rank 2: []; rank 3: []" in error and "save_on_each_node=True" in error

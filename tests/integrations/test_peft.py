@@ -38,15 +38,23 @@ VOCAB = 64
 
 def base_model() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
 def make_peft(task_type: Any = "SEQ_CLS", names: tuple[str, ...] = ("a", "b")) -> Any:
     def config() -> LoraConfig:
-        return LoraConfig(task_type=task_type, r=2, target_modules=["query", "value", "word_embeddings"],
-                          init_lora_weights=False)
+        return LoraConfig(
+            task_type=task_type, r=2, target_modules=["query", "value", "word_embeddings"], init_lora_weights=False
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -85,8 +93,12 @@ def test_one_group_per_adapter_holds_all_its_parameters_and_base_holds_the_rest(
     for adapter in ("a", "b"):
         members = set(groups.param_names(adapter))
         # LoRA on linear layers and on the embedding, and the adapter's own copy of the classifier.
-        expected = {n for n in names if re.search(rf"\.(lora_A|lora_B|modules_to_save)\.{adapter}\.", n)
-                    or re.search(rf"\.lora_embedding_[AB]\.{adapter}$", n)}
+        expected = {
+            n
+            for n in names
+            if re.search(rf"\.(lora_A|lora_B|modules_to_save)\.{adapter}\.", n)
+            or re.search(rf"\.lora_embedding_[AB]\.{adapter}$", n)
+        }
         assert members == expected
         assert any("lora_embedding_A" in n for n in members) and any("modules_to_save" in n for n in members)
     assert set(groups.param_names("base")) == set(names) - set(groups.param_names("a")) - set(groups.param_names("b"))
@@ -208,8 +220,13 @@ def test_set_adapter_behind_the_schedule_is_refused_at_the_next_training_forward
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.set_adapter("b")
-    with pytest.raises(AltParamsError, match=(r"peft's active adapter\(s\) \['b'\] are not the adapter\(s\) phase 'a' "
-                                              r"trains \(\['a'\]\): `set_adapter\(...\)` was called behind")):
+    with pytest.raises(
+        AltParamsError,
+        match=(
+            r"peft's active adapter\(s\) \['b'\] are not the adapter\(s\) phase 'a' "
+            r"trains \(\['a'\]\): `set_adapter\(...\)` was called behind"
+        ),
+    ):
         model(input_ids=ids())
     with torch.no_grad():  # an evaluation may use another adapter
         model(input_ids=ids())
@@ -271,8 +288,11 @@ def test_follow_phases_needs_a_started_run_on_a_peft_model() -> None:
 def test_each_adapter_saved_after_a_phased_run_reloads_identical(tmp_path: Path) -> None:
     model = make_peft()
     groups = adapter_groups(model, base="base")
-    switcher = PhaseSwitcher(groups, PerTaskCycle(["base"], ["a", "b"], every=2, train_trunk=False),
-                             optimizer=(opt := torch.optim.SGD(model.parameters(), lr=0.1)))
+    switcher = PhaseSwitcher(
+        groups,
+        PerTaskCycle(["base"], ["a", "b"], every=2, train_trunk=False),
+        optimizer=(opt := torch.optim.SGD(model.parameters(), lr=0.1)),
+    )
     follow_phases(switcher)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(4):
@@ -281,7 +301,9 @@ def test_each_adapter_saved_after_a_phased_run_reloads_identical(tmp_path: Path)
         opt.step()
         opt.zero_grad()
     owned = adapter_parameters(model)
-    assert all(not torch.equal(start[n], p) for a in owned for n in owned[a] for p in [dict(model.named_parameters())[n]])
+    assert all(
+        not torch.equal(start[n], p) for a in owned for n in owned[a] for p in [dict(model.named_parameters())[n]]
+    )
 
     for name in ("a", "b"):
         model.save_pretrained(str(tmp_path), selected_adapters=[name])
@@ -298,8 +320,7 @@ def test_load_state_lands_on_the_saved_phase_s_adapter(tmp_path: Path) -> None:
     def run(load: bool) -> tuple[str, list[str]]:
         model = make_peft()
         groups = adapter_groups(model, base="base")
-        accelerator = PhasedAccelerator(PerTaskCycle(["base"], ["a", "b"], every=2, train_trunk=False),
-                                        groups=groups)
+        accelerator = PhasedAccelerator(PerTaskCycle(["base"], ["a", "b"], every=2, train_trunk=False), groups=groups)
         prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         follow_phases(accelerator)
         if load:
@@ -383,8 +404,15 @@ def test_the_trainer_callback_makes_the_active_adapter_follow_the_phase(tmp_path
     AcceleratorState._reset_state(reset_partial_state=True)
     model = make_peft()
     freeze = AlternatingFreeze(lambda m: adapter_groups(m), Alternating({"a": 2, "b": 1}), on_start=follow_phases)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", logging_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+    )
     Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[freeze, Watch()]).train()
     assert seen == [("a", "a"), ("a", "a"), ("b", "b"), ("a", "a"), ("a", "a"), ("b", "b")]
     with pytest.raises(PlanError, match="`on_start` must be a callable"):

@@ -47,8 +47,9 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(n)]
 
 
-def _run(order: str, ga: int, steps: int, schedule: Schedule,
-         strict: bool = True) -> tuple[list[tuple[int, Any]], nn.Module]:
+def _run(
+    order: str, ga: int, steps: int, schedule: Schedule, strict: bool = True
+) -> tuple[list[tuple[int, Any]], nn.Module]:
     """The user's loop in one of the two orders; the phase is read at the top of every iteration.
 
     ``strict``: fail on the warning about a ``zero_grad()`` that drops unapplied gradients.
@@ -85,7 +86,7 @@ def _reference(ga: int, steps: int, schedule: Schedule) -> nn.Module:
     batches = _batches(steps * ga)
     for step in range(steps):
         active = schedule.phase_at(step).trainable
-        for x, y in batches[step * ga:(step + 1) * ga]:
+        for x, y in batches[step * ga : (step + 1) * ga]:
             (nn.functional.mse_loss(model(x), y) / ga).backward()
         for g in sorted(active):
             opts[g].step()
@@ -176,8 +177,9 @@ def test_set_epoch_switches_at_once_in_the_zero_grad_first_order() -> None:
     schedule = Alternating(["a", "b"], unit="epoch")
     acc = PhasedAccelerator(schedule, cpu=True)
     model = _net()
-    prepared, opt = acc.prepare(model, GroupedOptimizer(ParamGroups(model, GROUPS),
-                                                        functools.partial(torch.optim.SGD, lr=0.1)))
+    prepared, opt = acc.prepare(
+        model, GroupedOptimizer(ParamGroups(model, GROUPS), functools.partial(torch.optim.SGD, lr=0.1))
+    )
     for epoch in range(3):
         acc.set_epoch(epoch)  # the previous epoch's last gradients are still there (zero_grad comes first)
         for x, y in _batches(2):
@@ -192,8 +194,9 @@ def test_set_epoch_inside_an_accumulation_window_is_refused_when_it_would_switch
 
     acc = PhasedAccelerator(Alternating(["a", "b"], unit="epoch"), cpu=True, gradient_accumulation_steps=2)
     model = _net()
-    prepared, opt = acc.prepare(model, GroupedOptimizer(ParamGroups(model, GROUPS),
-                                                        functools.partial(torch.optim.SGD, lr=0.1)))
+    prepared, opt = acc.prepare(
+        model, GroupedOptimizer(ParamGroups(model, GROUPS), functools.partial(torch.optim.SGD, lr=0.1))
+    )
     x, y = _batches(1)[0]
     with acc.accumulate(prepared):
         acc.backward(nn.functional.mse_loss(prepared(x), y))  # first micro-step: no sync yet
@@ -278,7 +281,8 @@ def test_visiting_brings_a_non_resident_group_back_and_puts_it_back() -> None:
         assert model(x, "t1").shape == (2, 1)
         assert residency.offloaded == {"t2"}
         assert offloaded_bytes - residency.offloaded_bytes() == sum(
-            p.numel() * p.element_size() for p in model.heads["t1"].parameters())
+            p.numel() * p.element_size() for p in model.heads["t1"].parameters()
+        )
         with pytest.raises(SwitchError, match=r"heads\.t2\.weight"):  # only the visited group came back
             model(x, "t2")
 
@@ -343,8 +347,12 @@ class TrainerTasks(TwoTasks):
 
     task = "t0"
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,  # type: ignore[override]
-                task: Optional[str] = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,  # type: ignore[override]
+        task: Optional[str] = None,
+    ) -> dict[str, torch.Tensor]:
         out = super().forward(x, task or self.task).squeeze(-1)
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out} if labels is not None else {"logits": out}
 
@@ -365,8 +373,16 @@ def test_trainer_callback_gives_the_task_and_visits(tmp_path: Path) -> None:
 
     gen = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(4, generator=gen), "labels": torch.randn((), generator=gen)} for _ in range(32)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, use_cpu=True,
-                             report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=100)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=100,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[freeze, PickTask()])
     assert freeze.task is None and freeze.phase is None
     with pytest.raises(AltParamsError, match=r"before `trainer\.train\(\)`"):

@@ -30,11 +30,14 @@ def test_cached_run_equals_uncached_run_on_two_ranks(ranks: list[dict[str, Any]]
         assert s["max_abs_diff"] < 1e-6 and s["plain_sha"] == s["cached_sha"]
         # each phase: two epochs over the rank's fixed shard: the first computes, the second hits
         assert [(x["depth"], x["hit"], x["miss"]) for x in s["cached_records"]] == [
-            (d, PER_RANK, PER_RANK) for d in depths]
+            (d, PER_RANK, PER_RANK) for d in depths
+        ]
         assert all(x["hit"] == 0 for x in s["plain_records"])
     assert ranks[0][kind]["cached_sha"] == ranks[1][kind]["cached_sha"], "ranks must stay bit-identical"
     logged = ranks[0][kind]["cached_logged_keys"]
-    assert {"altparams/prefix_hit_rate", "altparams/prefix_memory_bytes", "altparams/prefix_seconds_saved"} <= set(logged)
+    assert {"altparams/prefix_hit_rate", "altparams/prefix_memory_bytes", "altparams/prefix_seconds_saved"} <= set(
+        logged
+    )
 
 
 @pytest.mark.distributed

@@ -33,15 +33,25 @@ def _fresh_accelerate_state() -> Any:
     PartialState._reset_state()
 
 
-def train(out: Path, option: FrozenPrefix, resume: str | None = None, save: bool = False) -> tuple[Any, AlternatingFreeze]:
+def train(
+    out: Path, option: FrozenPrefix, resume: str | None = None, save: bool = False
+) -> tuple[Any, AlternatingFreeze]:
     from transformers import Trainer
 
     model = S.tiny_bert()
     schedule = GradualUnfreeze(["emb", "layer0", "layer1"], every=2, unit="epoch", always=["head"])
-    freeze = AlternatingFreeze(layers="bert.encoder.layer", extra=S.EXTRA_GROUPS, schedule=schedule,
-                               frozen_prefix=option)
-    args = S.arguments(out, max_steps=-1, num_train_epochs=4, gradient_accumulation_steps=1,
-                       per_device_train_batch_size=BATCH, save_strategy="steps" if save else "no", save_steps=6)
+    freeze = AlternatingFreeze(
+        layers="bert.encoder.layer", extra=S.EXTRA_GROUPS, schedule=schedule, frozen_prefix=option
+    )
+    args = S.arguments(
+        out,
+        max_steps=-1,
+        num_train_epochs=4,
+        gradient_accumulation_steps=1,
+        per_device_train_batch_size=BATCH,
+        save_strategy="steps" if save else "no",
+        save_steps=6,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Indexed(N), callbacks=[freeze])
     trainer.train(resume_from_checkpoint=resume)
     return model, freeze

@@ -10,8 +10,17 @@ from torch import nn
 from hf_altparams.engine.backend import Backend
 from hf_altparams.engine.strategies import Capabilities, Strategy, register, strategy_named, unregister
 from hf_altparams.errors import AltParamsError, Cause, SwitchError
-from hf_altparams.integrations.refusals import (ACCELERATE, REFUSALS, TRAINER, Configuration, capability_refusal,
-                                                check, message, refusal_for)
+from hf_altparams.integrations.refusals import (
+    ACCELERATE,
+    REFUSALS,
+    TRAINER,
+    Configuration,
+    capability_refusal,
+    check,
+    message,
+    refusal_for,
+)
+
 
 #: One configuration per row, as each integration would recognise it.
 def _ds(zero: dict, **sections: object) -> dict:
@@ -79,15 +88,19 @@ def test_a_refusal_at_the_first_forward_is_a_switch_error() -> None:
     assert info.value.cause is Cause.SETUP_REFUSED
 
 
-@pytest.mark.parametrize("config", [Configuration(ACCELERATE), Configuration(ACCELERATE, fsdp_version=2),
-                                    Configuration(ACCELERATE, **_ds({"stage": 1})),  # type: ignore[arg-type]
-                                    # DeepSpeed on CPU: Accelerate counts one process per rank, the engine spans them
-                                    Configuration(ACCELERATE, world_size=2, processes=1,
-                                                  **_ds({"stage": 2})),  # type: ignore[arg-type]
-                                    Configuration(TRAINER, **_ds({"stage": 2}, bf16={"enabled": True},
-                                                                  data_types={"grad_accum_dtype": "fp32"})),
-                                    Configuration(TRAINER, world_size=4, processes=4),
-                                    Configuration(ACCELERATE, unwrapped=True)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        Configuration(ACCELERATE),
+        Configuration(ACCELERATE, fsdp_version=2),
+        Configuration(ACCELERATE, **_ds({"stage": 1})),  # type: ignore[arg-type]
+        # DeepSpeed on CPU: Accelerate counts one process per rank, the engine spans them
+        Configuration(ACCELERATE, world_size=2, processes=1, **_ds({"stage": 2})),  # type: ignore[arg-type]
+        Configuration(TRAINER, **_ds({"stage": 2}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})),
+        Configuration(TRAINER, world_size=4, processes=4),
+        Configuration(ACCELERATE, unwrapped=True),
+    ],
+)
 def test_what_the_strategies_drive_passes(config: Configuration) -> None:
     assert refusal_for(config) is None
     check(config)
@@ -103,8 +116,13 @@ def test_the_strategy_a_configuration_asks_for() -> None:
 
 class _Zero(Strategy):
     name, label = "zero2", "DeepSpeed ZeRO"
-    capabilities = Capabilities(wraps_module=True, synchronises_gradients=True, owns_optimizer_state=True,
-                                per_task_residency=False, frozen_prefix=False)
+    capabilities = Capabilities(
+        wraps_module=True,
+        synchronises_gradients=True,
+        owns_optimizer_state=True,
+        per_task_residency=False,
+        frozen_prefix=False,
+    )
 
     def recognises(self, model: nn.Module) -> bool:
         return False
@@ -137,13 +155,15 @@ def test_deepspeed_is_driven_at_a_stage_a_strategy_of_that_name_is_registered_fo
     finally:
         register(zero, before="zero3")
     text = message(Configuration(TRAINER, fsdp_version=1))
-    assert text is not None and text.startswith("AlternatingFreeze drives FSDP2, DDP, DeepSpeed ZeRO-1, DeepSpeed "
-                                                "ZeRO and one process")
+    assert text is not None and text.startswith(
+        "AlternatingFreeze drives FSDP2, DDP, DeepSpeed ZeRO-1, DeepSpeed ZeRO and one process"
+    )
 
 
 def test_a_feature_the_strategy_does_not_declare_is_refused(zero: Strategy) -> None:
     assert capability_refusal(zero, frozen_prefix=True) == (
-        "`frozen_prefix` is not supported with DeepSpeed ZeRO (not verified); leave it out")
+        "`frozen_prefix` is not supported with DeepSpeed ZeRO (not verified); leave it out"
+    )
     text = capability_refusal(zero, per_task_residency=True)
     assert text is not None and "`offload_device=None`" in text
     assert capability_refusal(strategy_named("fsdp2"), per_task_residency=True, count_comm=True) is None

@@ -15,7 +15,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "accelerate.md"
 def _seed_diff() -> list[str]:
     text = DOC.read_text()
     start = text.index("```diff\n", text.index("Here is the loop this replaces")) + len("```diff\n")
-    return text[start:text.index("\n```", start)].splitlines()
+    return text[start : text.index("\n```", start)].splitlines()
 
 
 def test_the_stated_numbers_of_changed_lines_are_the_diffs() -> None:
@@ -39,8 +39,7 @@ def test_the_converted_loop_runs_as_printed_and_alternates_the_two_adams() -> No
     after = "\n".join(line[1:] for line in _seed_diff() if not line.startswith("-"))
     gen = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=gen), torch.randn(48, 1, generator=gen))
-    scope = {"Net": Net, "loss_fn": nn.functional.mse_loss,
-             "loader": torch.utils.data.DataLoader(data, batch_size=8)}
+    scope = {"Net": Net, "loss_fn": nn.functional.mse_loss, "loader": torch.utils.data.DataLoader(data, batch_size=8)}
     exec(compile(after, str(DOC), "exec"), scope)  # noqa: S102 - the documentation's own code
     accelerator, opt1, opt2 = scope["accelerator"], scope["opt1"], scope["opt2"]
     assert accelerator.schedule_step == 6

@@ -21,8 +21,19 @@ SWITCHES = 300  # more than the history's default window (256): the bound is exe
 
 @pytest.mark.distributed
 def test_random_schedule_soak_keeps_ranks_bit_identical_and_history_bounded(tmp_out: Path) -> None:
-    launch(script_path("soak_check.py"), str(tmp_out), "--switches", str(SWITCHES), "--warmup", "100",
-           "--sample-every", "100", nproc=2, launcher="accelerate", timeout=300)
+    launch(
+        script_path("soak_check.py"),
+        str(tmp_out),
+        "--switches",
+        str(SWITCHES),
+        "--warmup",
+        "100",
+        "--sample-every",
+        "100",
+        nproc=2,
+        launcher="accelerate",
+        timeout=300,
+    )
     ranks = rank_results(tmp_out, nproc=2)
 
     assert ranks[0]["digest"] == ranks[1]["digest"], "parameters or optimizer state differ between ranks"

@@ -48,7 +48,7 @@ EXPECTED_PHASES: dict[str, list[set[str]]] = {
     "grouped": [{"layer0"}, {"head"}, {"head"}, {"layer0"}],
     "bf16_fp32_wire": [{"layer0"}, {"head"}, {"head"}, {"layer0"}],
 }
-EXPECTED_PHASES["resume"] = EXPECTED_PHASES["main"][S.SAVE_STEPS:]
+EXPECTED_PHASES["resume"] = EXPECTED_PHASES["main"][S.SAVE_STEPS :]
 CHECKED = ["main", "resume", "bf16_gc", "grouped", "bf16_fp32_wire"]
 #: bytes all-reduced per trainable byte: bf16 parameters whose gradients are all-reduced in fp32 send 2
 WIRE_PER_BYTE = {"bf16_fp32_wire": 2}
@@ -98,8 +98,10 @@ def test_each_group_changes_only_in_its_phases(ranks: list[dict[str, Any]], scen
 def test_bytes_allreduced_per_step_equal_trainable_bytes(ranks: list[dict[str, Any]], scenario: str) -> None:
     for r in ranks:
         result = r["scenarios"][scenario]
-        expected = [WIRE_PER_BYTE.get(scenario, 1) * sum(result["group_bytes"][g] for g in phase)
-                    for phase in EXPECTED_PHASES[scenario]]
+        expected = [
+            WIRE_PER_BYTE.get(scenario, 1) * sum(result["group_bytes"][g] for g in phase)
+            for phase in EXPECTED_PHASES[scenario]
+        ]
         assert result["comm"] == expected, f"{scenario} rank {r['rank']}: counted by the comm hook"
 
 
@@ -110,7 +112,10 @@ def test_resume_from_mid_phase_checkpoint_equals_uninterrupted_run(ranks: list[d
         assert r["scenarios"]["resume"]["final"] == r["scenarios"]["main"]["final"], f"rank {r['rank']}"
     resumed = ranks[0]["scenarios"]["resume"]["records"]
     assert resumed[0]["step"] == S.SAVE_STEPS and resumed[0]["phase"] == "head+layer1"
-    assert resumed[1]["rebuilt_ddp"] and resumed[1]["allreduce_bytes_per_step"] == ranks[0]["scenarios"]["resume"]["comm"][0]
+    assert (
+        resumed[1]["rebuilt_ddp"]
+        and resumed[1]["allreduce_bytes_per_step"] == ranks[0]["scenarios"]["resume"]["comm"][0]
+    )
 
 
 @pytest.mark.distributed
@@ -196,8 +201,12 @@ def test_log_keys_reach_callbacks_listed_before_it_and_the_log_history(tmp_path:
 
     sink = Sink()
     freeze = AlternatingFreeze(S.groups_of, Alternating(["head", "layer1"]))
-    trainer = Trainer(model=S.tiny_bert(), args=S.arguments(tmp_path, max_steps=2, gradient_accumulation_steps=1),
-                      train_dataset=S.TokenDataset(32), callbacks=[sink, freeze])
+    trainer = Trainer(
+        model=S.tiny_bert(),
+        args=S.arguments(tmp_path, max_steps=2, gradient_accumulation_steps=1),
+        train_dataset=S.TokenDataset(32),
+        callbacks=[sink, freeze],
+    )
     trainer.train()
     step_logs = [log for log in sink.logs if "loss" in log]
     assert [log["altparams/phase"] for log in step_logs] == ["head", "layer1"]
@@ -214,8 +223,7 @@ def test_epoch_schedule_switches_at_epoch_boundaries(tmp_path: Path) -> None:
     from transformers import Trainer
 
     Trainer(model=model, args=args, train_dataset=data, callbacks=[freeze]).train()
-    assert [(r.step, r.epoch, r.phase) for r in freeze.records] == [
-        (0, 0, "head+layer1"), (2, 1, "head+layer0+layer1")]
+    assert [(r.step, r.epoch, r.phase) for r in freeze.records] == [(0, 0, "head+layer1"), (2, 1, "head+layer0+layer1")]
 
 
 def test_optimizer_missing_a_group_is_refused_before_training(tmp_path: Path) -> None:
@@ -224,8 +232,13 @@ def test_optimizer_missing_a_group_is_refused_before_training(tmp_path: Path) ->
     freeze = AlternatingFreeze(S.groups_of, PhaseSequence([("head", 2), (["layer1", "head"], 2)]))
     from transformers import Trainer
 
-    trainer = Trainer(model=model, args=S.arguments(tmp_path, max_steps=4), train_dataset=S.TokenDataset(64),
-                      callbacks=[freeze], optimizers=(head_only, None))
+    trainer = Trainer(
+        model=model,
+        args=S.arguments(tmp_path, max_steps=4),
+        train_dataset=S.TokenDataset(64),
+        callbacks=[freeze],
+        optimizers=(head_only, None),
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(PlanError, match=r"optimizer leaves out .*group\(s\) \['head', 'layer1'\].*`optimizers="):
         trainer.train()
@@ -243,9 +256,13 @@ def test_trainer_built_optimizer_covers_groups_frozen_at_trainer_creation(
     freeze = AlternatingFreeze(S.groups_of, PhaseSequence([("head", 1), ("emb", 1)]))
     from transformers import Trainer
 
-    trainer = Trainer(model=model, args=S.arguments(tmp_path, max_steps=2, gradient_accumulation_steps=1),
-                      train_dataset=S.TokenDataset(32), callbacks=[freeze],
-                      optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
+    trainer = Trainer(
+        model=model,
+        args=S.arguments(tmp_path, max_steps=2, gradient_accumulation_steps=1),
+        train_dataset=S.TokenDataset(32),
+        callbacks=[freeze],
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+    )
     emb = model.bert.embeddings.word_embeddings.weight.detach().clone()
     trainer.train()
     assert not torch.equal(emb, model.bert.embeddings.word_embeddings.weight), "emb must train at step 1"
@@ -255,10 +272,15 @@ def test_resume_with_another_schedule_is_refused(tmp_path: Path) -> None:
     from transformers import Trainer
 
     def trainer_with(schedule: Any, max_steps: int) -> Trainer:
-        args = S.arguments(tmp_path, max_steps=max_steps, gradient_accumulation_steps=1,
-                           save_strategy="steps", save_steps=2)
-        return Trainer(model=S.tiny_bert(), args=args, train_dataset=S.TokenDataset(64),
-                       callbacks=[AlternatingFreeze(S.groups_of, schedule)])
+        args = S.arguments(
+            tmp_path, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2
+        )
+        return Trainer(
+            model=S.tiny_bert(),
+            args=args,
+            train_dataset=S.TokenDataset(64),
+            callbacks=[AlternatingFreeze(S.groups_of, schedule)],
+        )
 
     trainer_with(Alternating(["head", "layer1"]), 2).train()
     with pytest.raises(PlanError, match=r"another schedule.*`check_resume=False`"):
@@ -273,7 +295,9 @@ def test_resume_with_another_schedule_is_refused(tmp_path: Path) -> None:
         ({"fsdp": ["full_shard"]}, r"cannot drive FSDP version 1.*plain DDP"),
     ],
 )
-def test_deepspeed_and_fsdp_are_refused_with_the_way_out(tmp_path: Path, overrides: dict[str, Any], message: str) -> None:
+def test_deepspeed_and_fsdp_are_refused_with_the_way_out(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     for key, value in overrides.items():  # set after construction: no DeepSpeed install needed
         setattr(args, key, value)
@@ -290,8 +314,10 @@ def test_deepspeed_and_fsdp_are_refused_with_the_way_out(tmp_path: Path, overrid
         ({"groups": {"a": "x.*"}, "layers": "enc", "schedule": Alternating(["a"])}, r"exactly one of"),
         ({"groups": {"a": "x.*"}, "schedule": Alternating(["a", "b"])}, r"unknown group\(s\) \['b'\]"),
         ({"groups": 3, "schedule": Alternating(["a"])}, r"`groups` must be a mapping"),
-        ({"groups": {"a": "x.*"}, "schedule": Alternating(["a"]), "switcher_options": {"release": False}},
-         r"`switcher_options` may not set \['release'\]"),
+        (
+            {"groups": {"a": "x.*"}, "schedule": Alternating(["a"]), "switcher_options": {"release": False}},
+            r"`switcher_options` may not set \['release'\]",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
@@ -334,8 +360,20 @@ def test_grouped_optimizer_passes_the_allreduce_dtype_to_a_precision_optimizer()
 @pytest.mark.distributed
 def test_example_runs_under_accelerate_launch_and_reports_accuracy(tmp_path: Path) -> None:
     example = ROOT / "examples" / "trainer_gradual_unfreeze.py"
-    result = launch(example, "--max-steps", "3", "--train-size", "96", "--eval-size", "32",
-                    "--output-dir", str(tmp_path), nproc=NPROC, launcher="accelerate", timeout=300)
+    result = launch(
+        example,
+        "--max-steps",
+        "3",
+        "--train-size",
+        "96",
+        "--eval-size",
+        "32",
+        "--output-dir",
+        str(tmp_path),
+        nproc=NPROC,
+        launcher="accelerate",
+        timeout=300,
+    )
     before = re.findall(r"^accuracy before: (\d\.\d+)$", result.stdout, re.MULTILINE)
     after = re.findall(r"^accuracy after: (\d\.\d+)$", result.stdout, re.MULTILINE)
     assert len(before) == 1 and len(after) == 1, "printed once, by the main process"
@@ -353,10 +391,10 @@ def test_bf16_model_trains_with_fp32_masters_of_the_active_group_and_resumes_exa
         # by name: pytest's --doctest-modules may import the module a second time
         assert type(optimizer).__name__ == "PrecisionOptimizer"
         freeze = AlternatingFreeze(groups, Alternating({"head": 2, "layer1": 2}))
-        args = S.arguments(out, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps",
-                           save_steps=3)
-        trainer = Trainer(model=model, args=args, train_dataset=S.TokenDataset(64), callbacks=[freeze],
-                          optimizers=(optimizer, None))
+        args = S.arguments(out, max_steps=max_steps, gradient_accumulation_steps=1, save_strategy="steps", save_steps=3)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=S.TokenDataset(64), callbacks=[freeze], optimizers=(optimizer, None)
+        )
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
         return model, optimizer
 
@@ -376,11 +414,29 @@ def test_minilm_bf16_lisa_example_reports_accuracy_for_both_storages(tmp_path: P
     import subprocess
     import sys
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm_bf16_lisa.py"), "--max-steps", "3",
-                             "--train-size", "48", "--eval-size", "16"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "minilm_bf16_lisa.py"),
+            "--max-steps",
+            "3",
+            "--train-size",
+            "48",
+            "--eval-size",
+            "16",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = re.findall(r"^(\w+) storage \((\w+)\): before (\d\.\d+) after (\d\.\d+)$", result.stdout, re.MULTILINE)
-    assert [(name, kind) for name, kind, _, _ in lines] == [("bfloat16", "PrecisionOptimizer"),
-                                                            ("float32", "GroupedOptimizer")]
+    assert [(name, kind) for name, kind, _, _ in lines] == [
+        ("bfloat16", "PrecisionOptimizer"),
+        ("float32", "GroupedOptimizer"),
+    ]

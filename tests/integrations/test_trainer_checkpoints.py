@@ -129,7 +129,8 @@ def test_a_trainer_save_killed_at_any_stage_never_resumes_wrong(
     if stage == "trainer_saved":  # an earlier run's complete checkpoint-4 is in the way: its marker must go
         (tmp_path / "checkpoint-4").mkdir()
         (tmp_path / "checkpoint-4" / _accelerate_checkpoints.COMPLETE_MARKER).write_text(
-            '{"format": "hf_altparams.AlternatingFreeze/1", "step": 4}')
+            '{"format": "hf_altparams.AlternatingFreeze/1", "step": 4}'
+        )
     trainer, _ = _trainer(tmp_path, *extra)
     with pytest.raises(_Killed):
         trainer.train()
@@ -163,9 +164,12 @@ def test_a_marker_left_by_another_run_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoint-4"
     folder.mkdir()
     (folder / _accelerate_checkpoints.COMPLETE_MARKER).write_text(
-        '{"format": "hf_altparams.AlternatingFreeze/1", "step": 2}')
+        '{"format": "hf_altparams.AlternatingFreeze/1", "step": 2}'
+    )
     state = TrainerState(global_step=4)
-    with pytest.raises(AltParamsError, match=r"is for step 2 but trainer_state.json for step 4.*no complete checkpoint"):
+    with pytest.raises(
+        AltParamsError, match=r"is for step 2 but trainer_state.json for step 4.*no complete checkpoint"
+    ):
         check_resumed(str(folder), state, {"complete_marker": True})
     older = tmp_path / "checkpoint-6"
     older.mkdir()

@@ -56,8 +56,7 @@ def test_resume_with_same_sized_but_swapped_groups_is_refused(ranks: list[dict[s
 
 
 @pytest.mark.distributed
-def test_resume_from_a_checkpoint_missing_its_optimizer_file_is_refused_naming_it(
-        ranks: list[dict[str, Any]]) -> None:
+def test_resume_from_a_checkpoint_missing_its_optimizer_file_is_refused_naming_it(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         error = r["no_optimizer_file"]
         assert error["is_library_error"], error

@@ -35,12 +35,15 @@ def _phases(schedule: object, n: int) -> list[frozenset[str]]:
 
 def test_always_trains_in_every_phase_list_and_mapping_forms() -> None:
     listed = Alternating(["lo", ("hi", "mid")], every=2, always=["head"])
-    assert _phases(listed, 6) == [frozenset({"lo", "head"})] * 2 + [frozenset({"hi", "mid", "head"})] * 2 \
-        + [frozenset({"lo", "head"})] * 2
+    assert (
+        _phases(listed, 6)
+        == [frozenset({"lo", "head"})] * 2 + [frozenset({"hi", "mid", "head"})] * 2 + [frozenset({"lo", "head"})] * 2
+    )
     assert [listed.phase_at(i).name for i in (0, 2)] == ["lo+head", "hi+mid+head"]
     mapped = Alternating({"lo": 3, "hi": 1}, always=["head", "norm"])
-    assert _phases(mapped, 5) == [frozenset({"lo", "head", "norm"})] * 3 + [frozenset({"hi", "head", "norm"})] \
-        + [frozenset({"lo", "head", "norm"})]
+    assert _phases(mapped, 5) == [frozenset({"lo", "head", "norm"})] * 3 + [frozenset({"hi", "head", "norm"})] + [
+        frozenset({"lo", "head", "norm"})
+    ]
     assert mapped.group_names() == {"lo", "hi", "head", "norm"}
     assert mapped.always_groups() == {"head", "norm"}
     assert Alternating(["a", "b"]).always_groups() == frozenset()
@@ -89,11 +92,14 @@ def test_list_form_refusal_keeps_every_and_the_given_always() -> None:
     assert _phases(eval(call, {"Alternating": Alternating}), 20) == _phases(intended, 20)  # noqa: S307
 
 
-@pytest.mark.parametrize("ratios, entries", [
-    (["a", "b", "a"], "entries 0 and 2"),  # a pattern, not a group in every phase
-    (["a", ("b", "a")], "entries 0 and 1"),  # in every entry, but entry 0 would be empty
-    ([("a", "c"), ("b", "c"), "d"], "entries 0 and 1"),  # in some entries only
-])
+@pytest.mark.parametrize(
+    "ratios, entries",
+    [
+        (["a", "b", "a"], "entries 0 and 2"),  # a pattern, not a group in every phase
+        (["a", ("b", "a")], "entries 0 and 1"),  # in every entry, but entry 0 would be empty
+        ([("a", "c"), ("b", "c"), "d"], "entries 0 and 1"),  # in some entries only
+    ],
+)
 def test_other_shared_groups_are_refused_with_a_phase_sequence_that_works(ratios: list, entries: str) -> None:
     with pytest.raises(PlanError) as info:
         Alternating(ratios, every=2)
@@ -118,11 +124,14 @@ def test_always_group_also_in_an_entry_is_refused_with_the_call_that_works() -> 
         Alternating(["lo", "head"], always=["head"])
 
 
-@pytest.mark.parametrize("always, message", [
-    ([1], "`always`"),
-    (["head", "head"], "more than once"),
-    ({"head": 1}, "`always` must be a group name or a list"),
-])
+@pytest.mark.parametrize(
+    "always, message",
+    [
+        ([1], "`always`"),
+        (["head", "head"], "more than once"),
+        ({"head": 1}, "`always` must be a group name or a list"),
+    ],
+)
 def test_bad_always_values_are_named(always: object, message: str) -> None:
     with pytest.raises(PlanError, match=message):
         Alternating(["a", "b"], always=always)  # type: ignore[arg-type]
@@ -140,8 +149,11 @@ def test_state_dict_records_always_and_a_resume_with_other_always_is_refused() -
 
 def test_state_dict_without_always_is_unchanged_so_earlier_checkpoints_load() -> None:
     # The config an Alternating wrote before `always` existed (no "always" key).
-    earlier = {"kind": "Alternating", "seed": None, "config": {
-        "entries": [["lo"], ["hi"]], "durations": [2, 1], "resident": None, "unit": "step"}}
+    earlier = {
+        "kind": "Alternating",
+        "seed": None,
+        "config": {"entries": [["lo"], ["hi"]], "durations": [2, 1], "resident": None, "unit": "step"},
+    }
     schedule = Alternating({"lo": 2, "hi": 1})
     assert schedule.state_dict() == earlier
     schedule.load_state_dict(earlier)
@@ -157,8 +169,12 @@ def test_fn_schedule_always_is_added_to_each_phase_and_saved() -> None:
 
 
 def test_chain_always_groups_are_those_of_every_part() -> None:
-    chain = Chain([(Alternating(["a", "b"], always=["head", "x"]), 4), (RandomBlocks(["a", "b"], k=1, every=2,
-                                                                                     always=["head"]), None)])
+    chain = Chain(
+        [
+            (Alternating(["a", "b"], always=["head", "x"]), 4),
+            (RandomBlocks(["a", "b"], k=1, every=2, always=["head"]), None),
+        ]
+    )
     assert chain.always_groups() == {"head"}
 
 
@@ -181,19 +197,25 @@ def test_trained_share_counts_each_phase_the_largest_and_the_floor() -> None:
     share = Alternating({"lo": 2, "hi": 1}, always=["head"]).trained_share(groups)
     total = sum(p.numel() for p in net.parameters())
     assert share.total_params == total
-    assert [(p.phase, p.params) for p in share.phases] == [("lo+head", _numel(net, "lo", "head")),
-                                                            ("hi+head", _numel(net, "hi", "head"))]
+    assert [(p.phase, p.params) for p in share.phases] == [
+        ("lo+head", _numel(net, "lo", "head")),
+        ("hi+head", _numel(net, "hi", "head")),
+    ]
     assert share.largest.phase == "hi+head" and share.largest_fraction == _numel(net, "hi", "head") / total
     assert share.always == {"head": _numel(net, "head")} and share.always_fraction == _numel(net, "head") / total
     assert share.exact and share.positions == 3
-    assert str(share).startswith("Alternating trains at most 70.0% of 100 params in a phase (hi+head); "
-                                 "20.0% in every phase (head 20.0%)")
+    assert str(share).startswith(
+        "Alternating trains at most 70.0% of 100 params in a phase (hi+head); 20.0% in every phase (head 20.0%)"
+    )
 
 
 def test_trained_share_of_random_draws_includes_the_largest_draw_even_unmet() -> None:
     net, groups = _sized({"l0": 10, "l1": 10, "l2": 60, "head": 5})
-    seed = next(n for n in range(100)  # a seed whose first draw is not the largest group
-                if RandomBlocks(["l0", "l1", "l2"], k=1, every=1, seed=n).phase_at(0).trainable != {"l2"})
+    seed = next(
+        n
+        for n in range(100)  # a seed whose first draw is not the largest group
+        if RandomBlocks(["l0", "l1", "l2"], k=1, every=1, seed=n).phase_at(0).trainable != {"l2"}
+    )
     s = RandomBlocks(["l0", "l1", "l2"], k=1, every=1, seed=seed, always=["head"])
     share = s.trained_share(groups, positions=1)  # only the first draw met
     assert [p.trainable_groups for p in share.phases] == [tuple(sorted(s.phase_at(0).trainable))]
@@ -231,8 +253,13 @@ def test_warning_threshold_is_the_documented_share() -> None:
 
 def test_warning_names_ungrouped_trainable_parameters_and_what_to_do() -> None:
     with torch.device("meta"):
-        net = nn.ModuleDict({"a": nn.Linear(10, 1, bias=False), "b": nn.Linear(10, 1, bias=False),
-                             "loose": nn.Linear(30, 1, bias=False)})
+        net = nn.ModuleDict(
+            {
+                "a": nn.Linear(10, 1, bias=False),
+                "b": nn.Linear(10, 1, bias=False),
+                "loose": nn.Linear(30, 1, bias=False),
+            }
+        )
     groups = ParamGroups(net, {"a": "a.*", "b": "b.*"}, ungrouped="trainable")
     [text] = _warnings(Alternating(["a", "b"]), groups)
     assert "30 ungrouped parameters (ungrouped='trainable', 60.0%)" in text and "ungrouped='frozen'" in text

@@ -52,7 +52,10 @@ def test_glob_regex_and_module_specs(lm: TinyLM) -> None:
     assert groups.names == ("first", "rest", "norm")
     assert groups.param_names("first") == ("layers.0.weight", "layers.0.bias")
     assert groups.param_names("rest") == (
-        "layers.1.weight", "layers.1.bias", "layers.2.weight", "layers.2.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+        "layers.2.weight",
+        "layers.2.bias",
     )
     assert groups.param_names("norm") == ("norm.weight", "norm.bias")
     assert [p is lm.layers[0].weight for p in groups.params("first")] == [True, False]
@@ -107,9 +110,7 @@ def test_tied_names_in_two_groups_is_an_error(lm: TinyLM) -> None:
 def test_alias_claimed_alone_maps_to_canonical_name(lm: TinyLM) -> None:
     groups = ParamGroups(lm, {"head": "lm_head.*"})
     assert groups.param_names("head") == ("emb.weight",)
-    assert groups.ungrouped_names() == tuple(
-        n for n, _ in lm.named_parameters() if n != "emb.weight"
-    )
+    assert groups.ungrouped_names() == tuple(n for n, _ in lm.named_parameters() if n != "emb.weight")
 
 
 def test_shared_submodule_claimed_by_two_groups_is_an_error() -> None:
@@ -142,9 +143,7 @@ BAD_SPECS = [
     pytest.param(lambda lm: {"a": ["emb.*", 2.5]}, ["'a'", "2.5", "re:"], id="bad-item"),
     pytest.param(lambda lm: {"a": {"emb.*"}}, ["'a'", "set", "list/tuple"], id="set-spec"),
     pytest.param(lambda lm: {"a": []}, ["'a'", "empty"], id="empty-group"),
-    pytest.param(
-        lambda lm: {"a": lm.norm.weight}, ["'a'", "Parameter of shape (4,)", "name"], id="parameter-spec"
-    ),
+    pytest.param(lambda lm: {"a": lm.norm.weight}, ["'a'", "Parameter of shape (4,)", "name"], id="parameter-spec"),
     pytest.param(lambda lm: {"a": "encoder.*"}, ["'a'", "'encoder.*'", "'emb.weight'"], id="no-match"),
     pytest.param(lambda lm: {"a": "re:emb.("}, ["'a'", "'re:emb.('", "regex"], id="bad-regex"),
     pytest.param(_not_a_submodule, ["'a'", "Linear", "not a submodule"], id="foreign-module"),
@@ -171,7 +170,9 @@ def test_invalid_specs_raise_plan_error_naming_the_value(lm: TinyLM, make_spec, 
 
 
 def test_bad_ungrouped_policy(lm: TinyLM) -> None:
-    with pytest.raises(PlanError, match=re.escape("`ungrouped` must be one of ['frozen', 'trainable', 'error'], got 'freeze'")):
+    with pytest.raises(
+        PlanError, match=re.escape("`ungrouped` must be one of ['frozen', 'trainable', 'error'], got 'freeze'")
+    ):
         ParamGroups(lm, {"a": "emb.*"}, ungrouped="freeze")  # type: ignore[arg-type]
 
 
@@ -208,7 +209,9 @@ def test_ungrouped_error_lists_parameters(lm: TinyLM) -> None:
 
 def test_unknown_group_names_are_rejected(lm: TinyLM) -> None:
     groups = ParamGroups(lm, {"norm": "norm.*", "emb": "emb.*"})
-    with pytest.raises(PlanError, match=re.escape("`trainable_groups` names unknown group(s) ['head']; known groups: ['norm', 'emb']")):
+    with pytest.raises(
+        PlanError, match=re.escape("`trainable_groups` names unknown group(s) ['head']; known groups: ['norm', 'emb']")
+    ):
         groups.trainable_param_names(["norm", "head"])
     with pytest.raises(PlanError, match=re.escape("`resident` names unknown group(s) ['x', 'y']")):
         groups.check_names(["emb", "x", "y"], argument="resident")
@@ -301,9 +304,7 @@ def test_from_layers(lm: TinyLM, per: int, expected: dict) -> None:
         assert groups.names == (*expected, "head")
         for name, idx in expected.items():
             idx = idx if isinstance(idx, tuple) else (idx,)
-            assert groups.param_names(name) == tuple(
-                f"layers.{i}.{p}" for i in idx for p in ("weight", "bias")
-            )
+            assert groups.param_names(name) == tuple(f"layers.{i}.{p}" for i in idx for p in ("weight", "bias"))
         assert groups.param_names("head") == ("norm.weight", "norm.bias")
 
 

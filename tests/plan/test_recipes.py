@@ -41,13 +41,16 @@ def test_badam_random_order_trains_every_block_once_per_sweep_with_extra_groups(
     assert all("head" in s.phase_at(i).trainable for i in range(18))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: badam(LAYERS, order="shuffled"), "`order` is 'shuffled'"),  # type: ignore[arg-type]
-    (lambda: badam(LAYERS, steps_per_block=0), "`steps_per_block`"),
-    (lambda: badam(LAYERS, always=["l0"]), r"`always` groups \['l0'\]"),
-    (lambda: lisa("l0"), "`layers`"),
-    (lambda: lisa(LAYERS, k=7), "`k`"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: badam(LAYERS, order="shuffled"), "`order` is 'shuffled'"),  # type: ignore[arg-type]
+        (lambda: badam(LAYERS, steps_per_block=0), "`steps_per_block`"),
+        (lambda: badam(LAYERS, always=["l0"]), r"`always` groups \['l0'\]"),
+        (lambda: lisa("l0"), "`layers`"),
+        (lambda: lisa(LAYERS, k=7), "`k`"),
+    ],
+)
 def test_bad_arguments_are_refused(call: object, message: str) -> None:
     with pytest.raises(PlanError, match=message):
         call()  # type: ignore[operator]

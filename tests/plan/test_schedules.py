@@ -122,9 +122,13 @@ def test_epoch_unit_uses_epoch_not_step() -> None:
     assert schedule.describe() == "epochs 0-0: trainable a | epochs 1-1: trainable b (repeats every 2 epochs)"
 
 
-@pytest.mark.parametrize(("step", "epoch", "name"), [(-1, 0, "`step`"), (0, -2, "`epoch`"), (1.5, 0, "`step`"), (True, 0, "`step`")])
+@pytest.mark.parametrize(
+    ("step", "epoch", "name"), [(-1, 0, "`step`"), (0, -2, "`epoch`"), (1.5, 0, "`step`"), (True, 0, "`step`")]
+)
 def test_negative_or_non_int_positions(step, epoch, name: str) -> None:
-    with pytest.raises(PlanError, match=f"{name} must be an int >= 0, got {re.escape(repr(step if name == '`step`' else epoch))}"):
+    with pytest.raises(
+        PlanError, match=f"{name} must be an int >= 0, got {re.escape(repr(step if name == '`step`' else epoch))}"
+    ):
         GradualUnfreeze(["a"], every=1).phase_at(step, epoch)
 
 
@@ -266,11 +270,13 @@ ALL_KINDS = [
     pytest.param(lambda: RandomBlocks(["a", "b", "c", "d"], k=2, every=3, seed=7), id="random"),
     pytest.param(lambda: FnSchedule(lambda s, e: ["a"] if (s // 5) % 3 else ["b"], groups=["a", "b"]), id="fn"),
     pytest.param(
-        lambda: Chain([
-            (PhaseSequence([("a", 1)]), 5),
-            (RandomBlocks(["a", "b", "c"], k=1, every=2), 8),
-            (Alternating(["b", "c"], every=3), None),
-        ]),
+        lambda: Chain(
+            [
+                (PhaseSequence([("a", 1)]), 5),
+                (RandomBlocks(["a", "b", "c"], k=1, every=2), 8),
+                (Alternating(["b", "c"], every=3), None),
+            ]
+        ),
         id="chain-forever",
     ),
     pytest.param(
@@ -307,7 +313,9 @@ def test_next_change_matches_a_scan(make: Callable[[], Schedule]) -> None:
     schedule = make()
     for position in range(40):
         current = schedule.phase_at_position(position)
-        expected = next((p for p in range(position + 1, position + 101) if schedule.phase_at_position(p) != current), None)
+        expected = next(
+            (p for p in range(position + 1, position + 101) if schedule.phase_at_position(p) != current), None
+        )
         assert schedule.next_change(position, horizon=100) == expected, position
 
 
@@ -461,11 +469,13 @@ def test_chain_parts_see_local_positions() -> None:
 
 
 def test_chain_offsets_restart_the_inner_schedules() -> None:
-    chain = Chain([
-        (Alternating(["a", "b"]), 3),
-        (GradualUnfreeze(["x", "y"], every=2), 4),
-        (Alternating(["a", "b"]), None),
-    ])
+    chain = Chain(
+        [
+            (Alternating(["a", "b"]), 3),
+            (GradualUnfreeze(["x", "y"], every=2), 4),
+            (Alternating(["a", "b"]), None),
+        ]
+    )
     assert _trainable(chain, range(10)) == ["a", "b", "a", "y", "y", "x+y", "x+y", "a", "b", "a"]
 
 
@@ -491,7 +501,9 @@ STATEFUL = [
     pytest.param(lambda: PerTaskCycle(["t"], ["x", ["y", "z"]], every=2), id="per-task"),
     pytest.param(lambda: RandomBlocks(["a", "b", "c"], k=2, every=2, seed=5), id="random"),
     pytest.param(lambda: FnSchedule(lambda s, e: ["a"], groups=["a"], name="const"), id="fn"),
-    pytest.param(lambda: Chain([(Alternating(["a"]), 2), (RandomBlocks(["a", "b"], k=1, every=1, seed=3), None)]), id="chain"),
+    pytest.param(
+        lambda: Chain([(Alternating(["a"]), 2), (RandomBlocks(["a", "b"], k=1, every=1, seed=3), None)]), id="chain"
+    ),
 ]
 
 
@@ -512,7 +524,9 @@ def test_load_state_dict_names_the_differing_fields() -> None:
     assert "`durations`: saved [3, 1], here [2, 1]" in message
     assert "`unit`: saved 'step', here 'epoch'" in message
     assert "`entries`" not in message
-    with pytest.raises(PlanError, match="saved schedule kind 'Alternating' differs from this schedule's kind 'GradualUnfreeze'"):
+    with pytest.raises(
+        PlanError, match="saved schedule kind 'Alternating' differs from this schedule's kind 'GradualUnfreeze'"
+    ):
         GradualUnfreeze(["a", "b"], every=3).load_state_dict(saved)
     with pytest.raises(PlanError, match="`name`: saved 'f', here 'g'"):
         FnSchedule(len, groups=["a"], name="g").load_state_dict(FnSchedule(len, groups=["a"], name="f").state_dict())

@@ -72,7 +72,8 @@ def _every_dim0_even(model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_per_rank_is_the_moments_and_fp32_partitions_of_the_trainable_share(
-        job: tuple[nn.Module, ParamGroups, Schedule, int], stage: int) -> None:
+    job: tuple[nn.Module, ParamGroups, Schedule, int], stage: int
+) -> None:
     model, groups, schedule, steps = job
     assert _every_dim0_even(model)  # so a rank's shard is exactly 1/world: no padding to allow for
     plan = plan_cost(model, groups, schedule, world_size=WORLD, steps=steps, backend=f"zero{stage}")
@@ -87,11 +88,13 @@ def test_state_per_rank_is_the_moments_and_fp32_partitions_of_the_trainable_shar
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_keep_holds_every_fp32_partition_from_the_start(job: tuple[nn.Module, ParamGroups, Schedule, int],
-                                                        stage: int) -> None:
+def test_keep_holds_every_fp32_partition_from_the_start(
+    job: tuple[nn.Module, ParamGroups, Schedule, int], stage: int
+) -> None:
     model, groups, schedule, steps = job
-    plan = plan_cost(model, groups, schedule, world_size=WORLD, steps=steps, backend=f"zero{stage}",
-                     state_policy="keep")
+    plan = plan_cost(
+        model, groups, schedule, world_size=WORLD, steps=steps, backend=f"zero{stage}", state_policy="keep"
+    )
     total = _numel(groups, groups.names)
     trained: set[str] = set()
     for start, end, phase in schedule.segments(steps):
@@ -105,7 +108,8 @@ def test_keep_holds_every_fp32_partition_from_the_start(job: tuple[nn.Module, Pa
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_bytes_per_step_are_the_gradients_reduced_and_the_updated_partitions_gathered(
-        job: tuple[nn.Module, ParamGroups, Schedule, int], stage: int) -> None:
+    job: tuple[nn.Module, ParamGroups, Schedule, int], stage: int
+) -> None:
     model, groups, schedule, steps = job
     plan = plan_cost(model, groups, schedule, world_size=WORLD, steps=steps, backend=f"zero{stage}")
     for row in plan.phases:
@@ -132,15 +136,40 @@ def test_the_ddp_comparison_keeps_ddps_own_figures(job: tuple[nn.Module, ParamGr
     model, groups, schedule, steps = job
     zero = plan_cost(model, groups, schedule, world_size=WORLD, steps=steps, backend="zero2")
     ddp = plan_cost(model, groups, schedule, world_size=WORLD, steps=steps, backend="ddp")
-    assert zero.ddp_device_bytes == {**{r.phase: r.device_bytes for r in ddp.phases},
-                                     "train everything": ddp.everything.device_bytes}
+    assert zero.ddp_device_bytes == {
+        **{r.phase: r.device_bytes for r in ddp.phases},
+        "train everything": ddp.everything.device_bytes,
+    }
     assert all(r.master_bytes == 0 and r.gather_bytes == 0 for r in [*ddp.phases, ddp.everything])
 
 
 def test_plan_strategy_zero_prints_the_gathers_and_masters(capsys: pytest.CaptureFixture[str]) -> None:
-    assert planner.main(["--model", "tests.support.models:llama_decoder", "--layers", "model.layers",
-                         "--group", "emb=model.embed_tokens.*", "--group", "head=model.norm.*,lm_head.*",
-                         "--schedule", "lisa", "--k", "1", "--every", "2", "--always", "emb,head",
-                         "--world-size", "2", "--strategy", "zero2"]) == 0
+    assert (
+        planner.main(
+            [
+                "--model",
+                "tests.support.models:llama_decoder",
+                "--layers",
+                "model.layers",
+                "--group",
+                "emb=model.embed_tokens.*",
+                "--group",
+                "head=model.norm.*,lm_head.*",
+                "--schedule",
+                "lisa",
+                "--k",
+                "1",
+                "--every",
+                "2",
+                "--always",
+                "emb,head",
+                "--world-size",
+                "2",
+                "--strategy",
+                "zero2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "all-gather/step" in out and "optim+master" in out and "fp32 masters of every optimized parameter" in out

@@ -116,7 +116,7 @@ class ListTracker(GeneralTracker):
 class CountDDPConstructions:
     """Counts ``DistributedDataParallel.__init__`` calls (each broadcasts every parameter and buffer)."""
 
-    def __enter__(self) -> "CountDDPConstructions":
+    def __enter__(self) -> CountDDPConstructions:
         self.count, self._original = 0, nn.parallel.DistributedDataParallel.__init__
         counter = self
 
@@ -146,8 +146,15 @@ def fresh_model(**kwargs: Any) -> nn.Module:
 Windows = list[list[tuple[torch.Tensor, ...]]]
 
 
-def train(acc: PhasedAccelerator, model: nn.Module, opt: Any, dl: Any, clip: float | None = None,
-          max_steps: int | None = None, on_sync: Callable[[], None] | None = None) -> Windows:
+def train(
+    acc: PhasedAccelerator,
+    model: nn.Module,
+    opt: Any,
+    dl: Any,
+    clip: float | None = None,
+    max_steps: int | None = None,
+    on_sync: Callable[[], None] | None = None,
+) -> Windows:
     """The stock Accelerate loop; returns the gathered (global) micro-batches of every optimizer step."""
     windows: Windows = [[]]
     for x, y in dl:
@@ -253,8 +260,12 @@ def comm_hook_scenario() -> dict[str, Any]:
         hooks.append([h.__qualname__ for h, _ in ddp._comm_hooks])
 
     train(acc, ddp, opt, dl, on_sync=check)
-    result = {"fp16_exact_per_step": fp16_exact, "hooks_per_step": hooks,
-              "phases": [r.phase for r in acc.switch_records], "param_sha256": state_sha(model)}
+    result = {
+        "fp16_exact_per_step": fp16_exact,
+        "hooks_per_step": hooks,
+        "phases": [r.phase for r in acc.switch_records],
+        "param_sha256": state_sha(model),
+    }
     acc.free_memory()
     return result
 
@@ -307,9 +318,14 @@ def per_task_scenario() -> dict[str, Any]:
         for g in sorted(trainable):
             ref_opts[g].step()
     expected = [sum(groups.nbytes(g) for g in schedule.phase_at(s).trainable) for s in range(len(tasks))]
-    result = {"tasks": tasks, "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
-              "allreduce_bytes_expected": expected, "max_abs_diff_vs_reference": max_diff(model, reference),
-              "param_sha256": state_sha(model), "refused": refused}
+    result = {
+        "tasks": tasks,
+        "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
+        "allreduce_bytes_expected": expected,
+        "max_abs_diff_vs_reference": max_diff(model, reference),
+        "param_sha256": state_sha(model),
+        "refused": refused,
+    }
     acc.free_memory()
     return result
 
@@ -338,8 +354,9 @@ def resume_scenario(out: Path) -> dict[str, Any]:
     """The uninterrupted run; it saves a checkpoint after RESUME_SAVE_AT steps, mid-phase."""
     acc = PhasedAccelerator(Alternating(RESUME_SCHEDULE), gradient_accumulation_steps=2)
     model = fresh_model()
-    opt = GroupedOptimizer(ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR),
-                           state_policy=RESUME_POLICY)
+    opt = GroupedOptimizer(
+        ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR), state_policy=RESUME_POLICY
+    )
     ddp, opt, dl = acc.prepare(model, opt, loader(2 * 2 * RESUME_STEPS))
     saved: dict[str, Any] = {}
 
@@ -359,8 +376,12 @@ def resume_scenario(out: Path) -> dict[str, Any]:
             break
     final = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(final, out / f"uninterrupted_rank{acc.process_index}.pt")
-    result = {"steps": acc.schedule_step, "saved_phase": saved.get("phase"), "saved_files": saved.get("files"),
-              "param_sha256": state_sha(model)}
+    result = {
+        "steps": acc.schedule_step,
+        "saved_phase": saved.get("phase"),
+        "saved_files": saved.get("files"),
+        "param_sha256": state_sha(model),
+    }
     acc.free_memory()
     return result
 
@@ -368,16 +389,30 @@ def resume_scenario(out: Path) -> dict[str, Any]:
 def bf16_masters_scenario() -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     import precision_check as check  # the engine test's model, batches and one-process reference
+
     from hf_altparams.engine import PrecisionOptimizer
 
     AcceleratorState._reset_state()
-    case = check.Case("accelerate", "offload", "offload", "alternating", steps=6, accumulation=3,
-                      allreduce_dtype="float32", loss_over_accumulation=True)
+    case = check.Case(
+        "accelerate",
+        "offload",
+        "offload",
+        "alternating",
+        steps=6,
+        accumulation=3,
+        allreduce_dtype="float32",
+        loss_over_accumulation=True,
+    )
     acc = PhasedAccelerator(case.build_schedule(), gradient_accumulation_steps=case.accumulation, count_comm=True)
     model = check.build_model()
     groups = ParamGroups(model, check.GROUPS)
-    opt = PrecisionOptimizer(groups, check.ADAMW, master_policy=case.master_policy, state_policy=case.state_policy,
-                             allreduce_dtype=torch.float32)
+    opt = PrecisionOptimizer(
+        groups,
+        check.ADAMW,
+        master_policy=case.master_policy,
+        state_policy=case.state_policy,
+        allreduce_dtype=torch.float32,
+    )
     ddp, prepared = acc.prepare(model, opt)
     trainable = []
     for step in range(case.steps):
@@ -391,10 +426,14 @@ def bf16_masters_scenario() -> dict[str, Any]:
                 prepared.zero_grad()
     reference = check.reference(case, world=acc.num_processes)
     diff = max(float((p.float() - q.float()).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
-    result = {"steps": acc.schedule_step, "max_abs_diff_vs_reference": diff,
-              "param_sha256": check.digest(check.params_of(model)),
-              "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
-              "trainable_numel": trainable, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    result = {
+        "steps": acc.schedule_step,
+        "max_abs_diff_vs_reference": diff,
+        "param_sha256": check.digest(check.params_of(model)),
+        "allreduce_bytes_measured": acc.comm_counter.history if acc.comm_counter else None,
+        "trainable_numel": trainable,
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
     acc.free_memory()
     return result
 
@@ -422,8 +461,11 @@ def own_optimizers_scenario() -> dict[str, Any]:
     result: dict[str, Any] = {}
     for style, ga in (("step_both", 1), ("active_only", 2)):
         model, opt1, opt2 = seed_pair()
-        acc = PhasedAccelerator(schedule, groups=ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"}),
-                                gradient_accumulation_steps=ga)
+        acc = PhasedAccelerator(
+            schedule,
+            groups=ParamGroups(model, {"layer1": "layer1.*", "layer2": "layer2.*"}),
+            gradient_accumulation_steps=ga,
+        )
         ddp, h1, h2, dl = acc.prepare(model, opt1, opt2, loader(2 * ga * 6))
         windows: Windows = [[]]
         for x, y in dl:
@@ -431,7 +473,10 @@ def own_optimizers_scenario() -> dict[str, Any]:
                 windows[-1].append(acc.gather((x, y)))
                 acc.backward(nn.functional.mse_loss(ddp(x), y))
                 if style == "step_both":
-                    h1.step(); h2.step(); h1.zero_grad(); h2.zero_grad()  # noqa: E702
+                    h1.step()
+                    h2.step()
+                    h1.zero_grad()
+                    h2.zero_grad()  # noqa: E702
                 else:
                     active = h1 if acc.phase is not None and "layer1" in acc.phase.trainable else h2
                     active.step()
@@ -452,10 +497,13 @@ def own_optimizers_scenario() -> dict[str, Any]:
             ref1.zero_grad()
             ref2.zero_grad()
         result[style] = {
-            "steps": acc.schedule_step, "windows": len(windows), "optimizers_prepared": len(acc._optimizers),
+            "steps": acc.schedule_step,
+            "windows": len(windows),
+            "optimizers_prepared": len(acc._optimizers),
             "adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (opt1, opt2)],
             "reference_adam_steps": [float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in (ref1, ref2)],
-            "max_abs_diff_vs_reference": max_diff(model, ref), "param_sha256": state_sha(model),
+            "max_abs_diff_vs_reference": max_diff(model, ref),
+            "param_sha256": state_sha(model),
         }
         acc.free_memory()
     # Case 6 on every rank: an optimizer set that leaves a group out is refused at `prepare`, before anything.
@@ -467,8 +515,12 @@ def own_optimizers_scenario() -> dict[str, Any]:
             result[name] = {"error": ""}
         except AltParamsError as exc:
             result[name] = {"error": str(exc)}
-        result[name].update(phase=None if acc.phase is None else acc.phase.name, models=len(acc._models),
-                            optimizers=len(acc._optimizers), requires_grad=[p.requires_grad for p in model.parameters()])
+        result[name].update(
+            phase=None if acc.phase is None else acc.phase.name,
+            models=len(acc._models),
+            optimizers=len(acc._optimizers),
+            requires_grad=[p.requires_grad for p in model.parameters()],
+        )
     return result
 
 
@@ -484,9 +536,15 @@ def bf16_scenario() -> dict[str, Any]:
     with torch.no_grad(), acc.autocast():
         out_dtype.append(str(model.l0(torch.zeros(1, 6)).dtype))
     train(acc, ddp, opt, dl, clip=1.0)
-    result = {"mixed_precision": acc.mixed_precision, "autocast_dtype": out_dtype[0], "steps": acc.schedule_step,
-              "phases": [r.phase for r in acc.switch_records], "changed": state_sha(model) != before,
-              "param_sha256": state_sha(model), "models_registered": len(acc._models)}
+    result = {
+        "mixed_precision": acc.mixed_precision,
+        "autocast_dtype": out_dtype[0],
+        "steps": acc.schedule_step,
+        "phases": [r.phase for r in acc.switch_records],
+        "changed": state_sha(model) != before,
+        "param_sha256": state_sha(model),
+        "models_registered": len(acc._models),
+    }
     acc.free_memory()
     return result
 
@@ -509,8 +567,11 @@ def fp16_scaler_scenario() -> dict[str, Any]:
         groups = ParamGroups(model, SPECS)
         from accelerate import Accelerator
 
-        acc_any: Any = (Accelerator(mixed_precision="fp16") if mode == "two_optimizers" else
-                        PhasedAccelerator(both, mixed_precision="fp16", groups=groups))
+        acc_any: Any = (
+            Accelerator(mixed_precision="fp16")
+            if mode == "two_optimizers"
+            else PhasedAccelerator(both, mixed_precision="fp16", groups=groups)
+        )
         acc_any.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
         sgd = functools.partial(torch.optim.SGD, lr=0.1)
         x, y = next(iter(loader(1)))
@@ -528,8 +589,10 @@ def fp16_scaler_scenario() -> dict[str, Any]:
         acc_any.clip_grad_norm_(ddp.parameters(), 1e6)  # unscales every prepared optimizer once; clips nothing
         for o in opts:
             o.step()
-        results[mode] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
-                         "scale_after": float(acc_any.scaler.get_scale())}
+        results[mode] = {
+            "params": {k: v.clone() for k, v in model.state_dict().items()},
+            "scale_after": float(acc_any.scaler.get_scale()),
+        }
         for o in opts:
             o.zero_grad()
         acc_any.native_amp = False
@@ -544,9 +607,12 @@ def fp16_scaler_scenario() -> dict[str, Any]:
     ref = model.state_dict()
     out: dict[str, Any] = {"init_scale": init_scale}
     for mode, res in results.items():
-        out[mode] = {"scale_after": res["scale_after"],
-                     "max_abs_diff_by_param": {k: float((res["params"][k] - ref[k]).abs().max()) for k in ref
-                                               if not k.startswith("spare")}}
+        out[mode] = {
+            "scale_after": res["scale_after"],
+            "max_abs_diff_by_param": {
+                k: float((res["params"][k] - ref[k]).abs().max()) for k in ref if not k.startswith("spare")
+            },
+        }
     return out
 
 
@@ -555,8 +621,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "ga1": lambda: equivalence("ga1", Alternating({"l0": 2, "l1": 1, "head": 1}), ga=1, clip=None, out=out),
-        "ga2": lambda: equivalence("ga2", GradualUnfreeze(["l0", "l1"], every=2, always=("head",)), ga=2,
-                                   clip=0.5, out=out),
+        "ga2": lambda: equivalence(
+            "ga2", GradualUnfreeze(["l0", "l1"], every=2, always=("head",)), ga=2, clip=0.5, out=out
+        ),
         "comm_hook": comm_hook_scenario,
         "per_task": per_task_scenario,
         "unused": unused_scenario,

@@ -58,8 +58,10 @@ def optimizer(groups: ParamGroups, policy: object = POLICY) -> GroupedOptimizer:
 
 
 def full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def reference(policy: object = POLICY) -> dict[str, torch.Tensor]:
@@ -89,10 +91,12 @@ def runs_fsdp2(acc: PhasedAccelerator) -> bool:
 
 def accelerator(schedule: dict[str, int] = SCHEDULE, **kwargs: object) -> PhasedAccelerator:
     fresh_accelerator_state()  # the accelerator reads its own FSDP plugin
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["Linear"])
-    acc = PhasedAccelerator(Alternating(schedule), count_comm=True, gradient_accumulation_steps=ACCUM,
-                            fsdp_plugin=plugin, **kwargs)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Linear"]
+    )
+    acc = PhasedAccelerator(
+        Alternating(schedule), count_comm=True, gradient_accumulation_steps=ACCUM, fsdp_plugin=plugin, **kwargs
+    )
     acc.forced_fsdp2 = not runs_fsdp2(acc)  # type: ignore[attr-defined]
     if acc.forced_fsdp2:  # type: ignore[attr-defined]  # CPU ranks, or a single GPU: Accelerate skips FSDP
         use_accelerate_fsdp2(acc, plugin)
@@ -100,8 +104,9 @@ def accelerator(schedule: dict[str, int] = SCHEDULE, **kwargs: object) -> Phased
     return acc
 
 
-def train(acc: PhasedAccelerator, model: nn.Module, opt: object, start: int, stop: int,
-          save_to: str | None = None) -> tuple[list[int], list[int]]:
+def train(
+    acc: PhasedAccelerator, model: nn.Module, opt: object, start: int, stop: int, save_to: str | None = None
+) -> tuple[list[int], list[int]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches()
     expected = []
@@ -115,7 +120,7 @@ def train(acc: PhasedAccelerator, model: nn.Module, opt: object, start: int, sto
                 opt.zero_grad()
         if save_to is not None and acc.schedule_step == SAVE_AT:
             acc.save_state(save_to)
-    return acc.comm_counter.history[-(stop - start):], expected
+    return acc.comm_counter.history[-(stop - start) :], expected
 
 
 def bf16_run() -> dict[str, object]:
@@ -126,16 +131,20 @@ def bf16_run() -> dict[str, object]:
     model, prepared_opt = acc.prepare(model, opt)
     groups = acc.groups
     assert groups is not None
-    before = {g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)])
-              for g in groups.names}
+    before = {
+        g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)]) for g in groups.names
+    }
     counted, expected = train(acc, model, prepared_opt, 0, 4)
-    after = {g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)])
-             for g in groups.names}
+    after = {g: torch.cat([p.full_tensor().detach().float().flatten() for p in groups.params(g)]) for g in groups.names}
     changed = [g for g in groups.names if not torch.equal(after[g], before[g])]
     final = full(model)
-    return {"changed": changed, "counted": counted, "expected": expected,
-            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "digest": hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in final.values())).hexdigest()}
+    return {
+        "changed": changed,
+        "counted": counted,
+        "expected": expected,
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "digest": hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in final.values())).hexdigest(),
+    }
 
 
 def per_group_run() -> tuple[float, int]:

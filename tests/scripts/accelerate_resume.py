@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
     sys.path.insert(0, str(REPO))
 
-from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import (  # noqa: E402
     LR,
     RESUME_POLICY,
@@ -44,6 +43,7 @@ from tests.scripts.accelerate_checks import (  # noqa: E402
     fresh_model,
     loader,
 )
+from tests.support.digests import state_sha  # noqa: E402
 
 
 def optimizer_state(opt: GroupedOptimizer) -> dict[str, Any]:
@@ -59,17 +59,22 @@ def main() -> None:
     out = Path(sys.argv[1])
     acc = PhasedAccelerator(Alternating(RESUME_SCHEDULE), gradient_accumulation_steps=2)
     model = fresh_model()
-    opt = GroupedOptimizer(ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR),
-                           state_policy=RESUME_POLICY)
+    opt = GroupedOptimizer(
+        ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR), state_policy=RESUME_POLICY
+    )
     ddp, prepared_opt, dl = acc.prepare(model, opt, loader(2 * 2 * RESUME_STEPS))
     phase_at_prepare = acc.phase.name if acc.phase else None
 
     acc.load_state(str(out / "ckpt"))
     inner_groups = [g for o in opt.inner.values() for g in o.param_groups]
-    after_load = {"schedule_step": acc.schedule_step, "phase": acc.phase.name if acc.phase else None,
-                  "active": sorted(opt.active), "optimizer_state": optimizer_state(opt),
-                  # LR schedulers act on opt.param_groups: they must be the inner optimizers' live dicts
-                  "param_groups_live": all(a is b for a, b in zip(opt.param_groups, inner_groups))}
+    after_load = {
+        "schedule_step": acc.schedule_step,
+        "phase": acc.phase.name if acc.phase else None,
+        "active": sorted(opt.active),
+        "optimizer_state": optimizer_state(opt),
+        # LR schedulers act on opt.param_groups: they must be the inner optimizers' live dicts
+        "param_groups_live": all(a is b for a, b in zip(opt.param_groups, inner_groups)),
+    }
 
     for x, y in acc.skip_first_batches(dl, 2 * RESUME_SAVE_AT):
         with acc.accumulate(ddp):
@@ -81,15 +86,19 @@ def main() -> None:
 
     uninterrupted = torch.load(out / f"uninterrupted_rank{acc.process_index}.pt")
     state = model.state_dict()
-    write_rank_result(out / "resume", {
-        "phase_at_prepare": phase_at_prepare,
-        "after_load": after_load,
-        "steps": acc.schedule_step,
-        "bitwise_equal_to_uninterrupted": all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
-        "max_abs_diff": max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted),
-        "param_sha256": state_sha(model),
-        "models_registered": len(acc._models),
-    }, rank=int(os.environ.get("RANK", "0")))
+    write_rank_result(
+        out / "resume",
+        {
+            "phase_at_prepare": phase_at_prepare,
+            "after_load": after_load,
+            "steps": acc.schedule_step,
+            "bitwise_equal_to_uninterrupted": all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
+            "max_abs_diff": max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted),
+            "param_sha256": state_sha(model),
+            "models_registered": len(acc._models),
+        },
+        rank=int(os.environ.get("RANK", "0")),
+    )
 
 
 if __name__ == "__main__":

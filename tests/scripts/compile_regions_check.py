@@ -95,12 +95,20 @@ def train(acc: PhasedAccelerator, model: nn.Module, net: nn.Module, opt: Any) ->
         opt.zero_grad()
         digests.append(param_sha(net))
         frames.append(int(counters["frames"]["ok"]))
-    return {"digests": digests, "frames": frames, "states": [[list(s) for s in step] for step in states],
-            "phases": [r.phase for r in acc.switch_records]}
+    return {
+        "digests": digests,
+        "frames": frames,
+        "states": [[list(s) for s in step] for step in states],
+        "phases": [r.phase for r in acc.switch_records],
+    }
 
 
-def run(name: str, *, dynamo_plugin: Optional[TorchDynamoPlugin] = None,
-        before_prepare: Optional[Callable[[nn.Module], None]] = None) -> dict[str, Any]:
+def run(
+    name: str,
+    *,
+    dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+    before_prepare: Optional[Callable[[nn.Module], None]] = None,
+) -> dict[str, Any]:
     accelerate_internals.fresh_accelerator_state()  # each run its own dynamo plugin
     torch._dynamo.reset()  # each run compiles from scratch (and the recompile limit counts it alone)
     counters.clear()
@@ -116,8 +124,10 @@ def run(name: str, *, dynamo_plugin: Optional[TorchDynamoPlugin] = None,
     assert acc.comm_counter is not None
     result.update(
         allreduce_bytes_measured=list(acc.comm_counter.history),
-        allreduce_bytes_expected=[sum(groups.nbytes(g) for g in acc.schedule.phase_at(s).trainable)  # type: ignore[union-attr]
-                                  for s in range(STEPS)],
+        allreduce_bytes_expected=[
+            sum(groups.nbytes(g) for g in acc.schedule.phase_at(s).trainable)  # type: ignore[union-attr]
+            for s in range(STEPS)
+        ],
         prepared_is_ddp_of_model=getattr(model, "module", None) is net,
         compiled_regions=sorted(n for n, m in net.named_modules() if _compiled(m)),
         regions=sorted(name for name, _ in regions(net)),
@@ -196,8 +206,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenarios: dict[str, Callable[[], Any]] = {
         "plain": lambda: run("plain"),
-        "plugin": lambda: run("plugin", dynamo_plugin=TorchDynamoPlugin(backend="eager",
-                                                                        use_regional_compilation=True)),
+        "plugin": lambda: run(
+            "plugin", dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True)
+        ),
         "by_hand": by_hand,
         "refusals": refusals,
     }

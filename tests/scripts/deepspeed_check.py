@@ -72,9 +72,17 @@ SCHEDULES: dict[str, tuple[Callable[[], Any], int]] = {  # kind -> (schedule, st
 
 def model_() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=SEQ, tie_word_embeddings=False, attention_dropout=0.0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -139,21 +147,33 @@ class Recorder:
         weights = self.weights()
         everyone: list[Any] = [None] * world()
         dist.all_gather_object(everyone, weights)
-        entry: dict[str, Any] = {"step": step, "trainable": self.trainable, "after": after, "weights": weights,
-                                 "ranks_identical": all(e == weights for e in everyone), "loss": loss}
+        entry: dict[str, Any] = {
+            "step": step,
+            "trainable": self.trainable,
+            "after": after,
+            "weights": weights,
+            "ranks_identical": all(e == weights for e in everyone),
+            "loss": loss,
+        }
         if owner is not None and hasattr(owner, "census"):
             entry["census"] = owner.census()
             entry["fp32"] = {g: sha(owner.master_partitions(g)) for g in self.groups.names}
         if comm is not None and comm.history:
             entry["comm_bytes"] = comm.history[-1]
-        entry["trainable_bytes"] = sum(p.numel() * p.element_size() for g in self.trainable
-                                       for p in self.groups.params(g))
+        entry["trainable_bytes"] = sum(
+            p.numel() * p.element_size() for g in self.trainable for p in self.groups.params(g)
+        )
         self.steps.append(entry)
 
     def result(self, seconds: float) -> dict[str, Any]:
-        return {"initial": self.initial, "steps": self.steps, "seconds": seconds,
-                "group_bytes": {g: sum(p.numel() * p.element_size() for p in self.groups.params(g))
-                                for g in self.groups.names}}
+        return {
+            "initial": self.initial,
+            "steps": self.steps,
+            "seconds": seconds,
+            "group_bytes": {
+                g: sum(p.numel() * p.element_size() for p in self.groups.params(g)) for g in self.groups.names
+            },
+        }
 
 
 # ------------------------------------------------------------------------------------------------ the Trainer
@@ -173,24 +193,43 @@ class Meter(TrainerCallback):
         switcher = self.freeze.switcher
         assert switcher is not None
         assert self.freeze.phase is not None
-        self.recorder.end(state.global_step, switcher.state_owner, self.freeze.comm, None,
-                          sorted(self.freeze.phase.trainable))
+        self.recorder.end(
+            state.global_step, switcher.state_owner, self.freeze.comm, None, sorted(self.freeze.phase.trainable)
+        )
 
 
-def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, save: int = 0,
-                resume: Optional[str] = None) -> dict[str, Any]:
+def trainer_run(
+    name: str, out: Path, kind: str, mode: str, *, stage: int = 0, save: int = 0, resume: Optional[str] = None
+) -> dict[str, Any]:
     make, steps = SCHEDULES[kind]
     schedule = make()
     model = model_()
     common: dict[str, Any] = dict(
-        output_dir=str(out / name), max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
-        weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1, report_to=[], optim="adamw_torch",
-        adam_epsilon=EPS, seed=0, disable_tqdm=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
-        save_strategy="steps" if save else "no", save_steps=save or 500)
+        output_dir=str(out / name),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        optim="adamw_torch",
+        adam_epsilon=EPS,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+        save_strategy="steps" if save else "no",
+        save_steps=save or 500,
+    )
     base = Tokens(steps * BATCH)
     if mode == "ds":
-        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                  "gradient_clipping": "auto", "zero_optimization": {"stage": stage}}
+        config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage},
+        }
         args = TrainingArguments(deepspeed=config, **common)
         data: Any = base
     else:
@@ -206,12 +245,22 @@ def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, s
     optimizers: Any = (None, None)
     if mode == "ddp":  # the library's DDP path with the same decay split and idle-state policy
         groups = groups_of(model)
-        optimizers = (grouped_optimizer(groups, torch.optim.AdamW, lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                        state_policy=schedule.idle_state if kind != "alternating" else "keep"), None)
+        optimizers = (
+            grouped_optimizer(
+                groups,
+                torch.optim.AdamW,
+                lr=LR,
+                eps=EPS,
+                weight_decay=WEIGHT_DECAY,
+                state_policy=schedule.idle_state if kind != "alternating" else "keep",
+            ),
+            None,
+        )
         freeze = AlternatingFreeze(groups, schedule)
         recorder = Recorder(groups)
-    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers,
-                      callbacks=[freeze, Meter(freeze, recorder)])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, optimizers=optimizers, callbacks=[freeze, Meter(freeze, recorder)]
+    )
     recorder.groups = freeze.groups if freeze.groups is not None else recorder.groups
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
@@ -226,8 +275,17 @@ def trainer_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, s
 
 
 # ------------------------------------------------------------------------------------------------ Accelerate
-def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0, save_after: int = 0,
-                   load: Optional[str] = None, bf16: bool = False) -> dict[str, Any]:
+def accelerate_run(
+    name: str,
+    out: Path,
+    kind: str,
+    mode: str,
+    *,
+    stage: int = 0,
+    save_after: int = 0,
+    load: Optional[str] = None,
+    bf16: bool = False,
+) -> dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -245,17 +303,28 @@ def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         # On CPU Accelerate counts one process per DeepSpeed rank (each reads every batch): the global batch
         # DeepSpeed checks against its world is given, not derived from Accelerate's count.
-        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
-                  "train_batch_size": BATCH * accumulation * world(), "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "gradient_accumulation_steps": accumulation,
+            "train_batch_size": BATCH * accumulation * world(),
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
+        }
         plugin: Optional[DeepSpeedPlugin] = DeepSpeedPlugin(hf_ds_config=config)
         if stage == 1:  # as `accelerate launch` with a DeepSpeed config passes it: the environment, a config file
             path = out / f"ds_config_zero1_rank{dist.get_rank()}.json"  # one each: no rank reads a half-written one
             path.write_text(json.dumps(config))
             os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(path)
             plugin = None
-        acc = PhasedAccelerator(make(), groups=groups, deepspeed_plugin=plugin, count_comm=True,
-                                gradient_accumulation_steps=accumulation, mixed_precision="bf16" if bf16 else "no")
+        acc = PhasedAccelerator(
+            make(),
+            groups=groups,
+            deepspeed_plugin=plugin,
+            count_comm=True,
+            gradient_accumulation_steps=accumulation,
+            mixed_precision="bf16" if bf16 else "no",
+        )
         os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
         rows = Tokens(steps * BATCH * accumulation)
     else:
@@ -287,8 +356,13 @@ def accelerate_run(name: str, out: Path, kind: str, mode: str, *, stage: int = 0
             optimizer.zero_grad()
         if acc.sync_gradients:
             assert acc.switcher is not None
-            recorder.end(acc.schedule_step, acc.switcher.state_owner, acc.comm_counter, float(loss.detach()),
-                         sorted(acc.phase.trainable) if acc.phase is not None else [])
+            recorder.end(
+                acc.schedule_step,
+                acc.switcher.state_owner,
+                acc.comm_counter,
+                float(loss.detach()),
+                sorted(acc.phase.trainable) if acc.phase is not None else [],
+            )
             if save_after and acc.schedule_step == save_after:
                 acc.save_state(str(out / f"{name}_state_{save_after}"))
     seconds = time.perf_counter() - started
@@ -307,8 +381,13 @@ def refusals(out: Path) -> dict[str, Any]:
 
     def trainer_with(config: dict[str, Any], **kwargs: Any) -> None:
         model = model_()
-        args = TrainingArguments(output_dir=str(out / "refused"), max_steps=1, report_to=[], deepspeed=config,
-                                 per_device_train_batch_size=BATCH)
+        args = TrainingArguments(
+            output_dir=str(out / "refused"),
+            max_steps=1,
+            report_to=[],
+            deepspeed=config,
+            per_device_train_batch_size=BATCH,
+        )
         freeze = AlternatingFreeze(groups_of, SCHEDULES["lisa"][0]())
         Trainer(model=model, args=args, train_dataset=Tokens(4), callbacks=[freeze], **kwargs)
 
@@ -316,9 +395,11 @@ def refusals(out: Path) -> dict[str, Any]:
         import deepspeed
 
         model = model_()
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                                          config={"train_micro_batch_size_per_gpu": BATCH,
-                                                  "zero_optimization": {"stage": 2}})
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+            config={"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 2}},
+        )
         switcher = PhaseSwitcher(groups_of(model), SCHEDULES["lisa"][0]())
         switcher.step_to(0)
         switcher.attach(engine)
@@ -328,8 +409,9 @@ def refusals(out: Path) -> dict[str, Any]:
         "optimizers_given": lambda: trainer_with(base, optimizers=(torch.optim.AdamW(model_().parameters()), None)),
         "optimizer_section": lambda: trainer_with({**base, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}),
         "zero3": lambda: trainer_with({**base, "zero_optimization": {"stage": 3}}),
-        "offload": lambda: trainer_with({**base, "zero_optimization": {"stage": 2,
-                                                                        "offload_optimizer": {"device": "cpu"}}}),
+        "offload": lambda: trainer_with(
+            {**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        ),
         "unsplit_engine": unsplit_engine,
     }
     found: dict[str, Any] = {}
@@ -353,20 +435,23 @@ def main(out: Path) -> None:
     runs: dict[str, Callable[[], dict[str, Any]]] = {}
     for stage in (1, 2):
         for kind in ("lisa", "badam", "alternating", "full"):
-            runs[f"zero{stage}_{kind}"] = (lambda s=stage, k=kind: trainer_run(
-                f"zero{s}_{k}", out, k, "ds", stage=s, save=3 if (s, k) == (2, "lisa") else 0))
-    runs["zero2_lisa_resumed"] = lambda: trainer_run("zero2_lisa_resumed", out, "lisa", "ds", stage=2,
-                                                     resume=str(out / "zero2_lisa" / "checkpoint-3"))
+            runs[f"zero{stage}_{kind}"] = lambda s=stage, k=kind: trainer_run(
+                f"zero{s}_{k}", out, k, "ds", stage=s, save=3 if (s, k) == (2, "lisa") else 0
+            )
+    runs["zero2_lisa_resumed"] = lambda: trainer_run(
+        "zero2_lisa_resumed", out, "lisa", "ds", stage=2, resume=str(out / "zero2_lisa" / "checkpoint-3")
+    )
     for kind in ("lisa", "badam", "alternating"):
         runs[f"ddp_{kind}"] = lambda k=kind: trainer_run(f"ddp_{k}", out, k, "ddp")
     for stage in (1, 2):
         for kind in ("lisa", "badam", "alternating"):
             runs[f"acc_zero{stage}_{kind}"] = lambda s=stage, k=kind: accelerate_run(
-                f"acc_zero{s}_{k}", out, k, "ds", stage=s, save_after=3 if (s, k) == (2, "lisa") else 0)
-    runs["acc_zero2_lisa_bf16"] = lambda: accelerate_run("acc_zero2_lisa_bf16", out, "lisa", "ds", stage=2,
-                                                         bf16=True)
-    runs["acc_zero2_lisa_resumed"] = lambda: accelerate_run("acc_zero2_lisa_resumed", out, "lisa", "ds", stage=2,
-                                                            load=str(out / "acc_zero2_lisa_state_3"))
+                f"acc_zero{s}_{k}", out, k, "ds", stage=s, save_after=3 if (s, k) == (2, "lisa") else 0
+            )
+    runs["acc_zero2_lisa_bf16"] = lambda: accelerate_run("acc_zero2_lisa_bf16", out, "lisa", "ds", stage=2, bf16=True)
+    runs["acc_zero2_lisa_resumed"] = lambda: accelerate_run(
+        "acc_zero2_lisa_resumed", out, "lisa", "ds", stage=2, load=str(out / "acc_zero2_lisa_state_3")
+    )
     for kind in ("lisa", "badam", "alternating"):
         runs[f"acc_ddp_{kind}"] = lambda k=kind: accelerate_run(f"acc_ddp_{k}", out, k, "ddp")
     runs["refusals"] = lambda: refusals(out)

@@ -62,11 +62,15 @@ def accelerate_case(when: str, find_unused: bool = False) -> dict[str, Any]:
     model = TwoHeads()
     # the helper's case: the phase trains head "a" alone, the trunk (in every forward) is idle; the
     # advice case: the phase trains trunk + "a", and the loop runs head "b" instead
-    specs = ({"trunk_a": ["trunk.*", "a.*"], "b": "b.*"} if when == "advice"
-             else {"a": "a.*", "trunk": "trunk.*", "b": "b.*"})
+    specs = (
+        {"trunk_a": ["trunk.*", "a.*"], "b": "b.*"}
+        if when == "advice"
+        else {"a": "a.*", "trunk": "trunk.*", "b": "b.*"}
+    )
     groups = ParamGroups(model, specs)
-    acc = PhasedAccelerator(Alternating({list(specs)[0]: 20, "b": 1}), groups=groups, cpu=True,
-                            find_unused_parameters=find_unused)
+    acc = PhasedAccelerator(
+        Alternating({list(specs)[0]: 20, "b": 1}), groups=groups, cpu=True, find_unused_parameters=find_unused
+    )
     prepared, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     error, seen = None, []
     with warnings.catch_warnings(record=True) as caught:
@@ -87,8 +91,13 @@ def accelerate_case(when: str, find_unused: bool = False) -> dict[str, Any]:
                 break
             opt.zero_grad()
         seen_warnings = [str(w.message) for w in caught if "hf_altparams" in str(w.message)]
-    result = {"error": error, "unchanged": seen, "digest": param_sha(model), "warnings": seen_warnings,
-              "steps": acc.schedule_step}
+    result = {
+        "error": error,
+        "unchanged": seen,
+        "digest": param_sha(model),
+        "warnings": seen_warnings,
+        "steps": acc.schedule_step,
+    }
     shutdown(prepared, destroy=False)  # the wrapper's reducer freed before the next case's
     acc.free_memory()
     return result
@@ -116,9 +125,16 @@ def trainer_case(out: str) -> dict[str, Any]:
                 model.requires_grad_(True)
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, report_to=[],
-                             use_cpu=True, save_strategy="no", logging_strategy="no",
-                             ddp_find_unused_parameters=False)
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        ddp_find_unused_parameters=False,
+    )
     freeze = AlternatingFreeze({"a": "a.*", "trunk": "trunk.*", "b": "b.*"}, Alternating({"a": 20, "trunk": 1}))
     trainer = Trainer(model=Model(), args=args, train_dataset=Data(), callbacks=[freeze, Helper()])
     try:

@@ -52,8 +52,8 @@ from torch.nn.parallel.distributed import _MixedPrecision
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, register_comm_counter, rss_bytes
 from hf_altparams.engine.ddp import _surgery as _ddp
 from hf_altparams.engine.ddp import free_reducer
-from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.engine.memory import malloc_trim
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import SwitchError
 from hf_altparams.plan import (
     Alternating,
@@ -162,64 +162,101 @@ class Case:
     switcher_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-CASES: dict[str, Case] = {c.name: c for c in [
-    Case("PhaseSequence",
-         lambda: PhaseSequence([("head", 2), (["l2", "head"], 3), (["l0", "l1"], 2)], repeat=True),
-         grouped(SGD, "keep")),
-    Case("Alternating",
-         lambda: Alternating({("l0", "l1"): 2, "l2": 1, "head": 1}),
-         grouped(ADAM, {"l0": "keep", "l1": "offload", "l2": "drop", "head": "keep"})),
-    Case("GradualUnfreeze",
-         lambda: GradualUnfreeze(["l0", "l1", "l2"], every=3, always=["head"]),
-         single(ADAMW)),
-    Case("ProgressiveFreeze",
-         lambda: ProgressiveFreeze(["l0", "l1", "l2", "head"], every=3),
-         grouped({"l0": SGD, "l1": SGD, "l2": ADAM, "head": ADAM}, "drop")),
-    Case("PerTaskCycle",
-         lambda: PerTaskCycle(["l0", "l1"], ["t0", "t1"], every=2),
-         grouped(ADAMW, "offload"),
-         build=TwoTasks, group_modules=dict(TASK_GROUPS), forward=_task_forward),
-    Case("RandomBlocks",
-         lambda: RandomBlocks(["l0", "l1", "l2"], k=1, every=2, seed=3, always=["head"]),
-         grouped(ADAM, "drop")),
-    Case("FnSchedule",
-         lambda: FnSchedule(_every_step_fn, groups=list(GROUP_LAYERS), name="every_step"),
-         single(SGD)),
-    Case("Chain",
-         lambda: Chain([(GradualUnfreeze(["l1", "l2"], every=2, always=["head"]), 4),
-                        (Alternating(["l0", "head"]), None)]),
-         grouped(ADAM, "keep")),
-    # A phase that trains nothing: DDP is a pass-through, then training resumes.
-    Case("EmptyPhase",
-         lambda: PhaseSequence([("l1", 2), (Phase([]), 3), (["l0", "head"], 4)], allow_empty=True),
-         grouped(SGD, "keep"), steps=9),
-    # Frozen when DDP was built, unfrozen later (plain DDP silently never syncs it).
-    Case("UnfreezeLater",
-         lambda: PhaseSequence([(["l0", "l1", "head"], 3), (list(GROUP_LAYERS), 3)]),
-         single(SGD), steps=6),
-    Case("StaticGraph",
-         lambda: Alternating(["l2", ("l0", "head")], every=2),
-         grouped(ADAM, "keep"), ddp_kwargs={"static_graph": True}),
-    # Rank 1's rebuild raises once at the switch into step 4; the loop retries the switch.
-    Case("Rollback",
-         lambda: Alternating(["l1", "head"], every=2),
-         grouped(ADAM, "keep"), steps=9, fail_switch_at=4),
-    Case("Fp16Hook",
-         lambda: Alternating(["l0", "l2"]),
-         grouped(SGD, "keep"), steps=6, hook="fp16", reference=False),
-    # keep_reducers: idle phases' reducers re-installed at a switch back. Three phases
-    # every step, ``head`` in two of them (an idle reducer's hooks fire on it).
-    Case("KeptReducers",
-         lambda: FnSchedule(_every_step_fn, groups=list(GROUP_LAYERS), name="every_step"),
-         grouped(ADAM, "keep"), switcher_kwargs={"keep_reducers": 2}),
-    Case("KeptReducersBucketView",
-         lambda: Alternating(["l0", ("l2", "head")]),
-         grouped(SGD, "drop"), steps=10, ddp_kwargs={"gradient_as_bucket_view": True},
-         switcher_kwargs={"keep_reducers": 1}),
-    Case("KeptReducersRollback",
-         lambda: Alternating(["l1", "head"]),
-         grouped(ADAM, "keep"), steps=9, fail_switch_at=5, switcher_kwargs={"keep_reducers": 1}),
-]}
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in [
+        Case(
+            "PhaseSequence",
+            lambda: PhaseSequence([("head", 2), (["l2", "head"], 3), (["l0", "l1"], 2)], repeat=True),
+            grouped(SGD, "keep"),
+        ),
+        Case(
+            "Alternating",
+            lambda: Alternating({("l0", "l1"): 2, "l2": 1, "head": 1}),
+            grouped(ADAM, {"l0": "keep", "l1": "offload", "l2": "drop", "head": "keep"}),
+        ),
+        Case("GradualUnfreeze", lambda: GradualUnfreeze(["l0", "l1", "l2"], every=3, always=["head"]), single(ADAMW)),
+        Case(
+            "ProgressiveFreeze",
+            lambda: ProgressiveFreeze(["l0", "l1", "l2", "head"], every=3),
+            grouped({"l0": SGD, "l1": SGD, "l2": ADAM, "head": ADAM}, "drop"),
+        ),
+        Case(
+            "PerTaskCycle",
+            lambda: PerTaskCycle(["l0", "l1"], ["t0", "t1"], every=2),
+            grouped(ADAMW, "offload"),
+            build=TwoTasks,
+            group_modules=dict(TASK_GROUPS),
+            forward=_task_forward,
+        ),
+        Case(
+            "RandomBlocks",
+            lambda: RandomBlocks(["l0", "l1", "l2"], k=1, every=2, seed=3, always=["head"]),
+            grouped(ADAM, "drop"),
+        ),
+        Case(
+            "FnSchedule", lambda: FnSchedule(_every_step_fn, groups=list(GROUP_LAYERS), name="every_step"), single(SGD)
+        ),
+        Case(
+            "Chain",
+            lambda: Chain(
+                [(GradualUnfreeze(["l1", "l2"], every=2, always=["head"]), 4), (Alternating(["l0", "head"]), None)]
+            ),
+            grouped(ADAM, "keep"),
+        ),
+        # A phase that trains nothing: DDP is a pass-through, then training resumes.
+        Case(
+            "EmptyPhase",
+            lambda: PhaseSequence([("l1", 2), (Phase([]), 3), (["l0", "head"], 4)], allow_empty=True),
+            grouped(SGD, "keep"),
+            steps=9,
+        ),
+        # Frozen when DDP was built, unfrozen later (plain DDP silently never syncs it).
+        Case(
+            "UnfreezeLater",
+            lambda: PhaseSequence([(["l0", "l1", "head"], 3), (list(GROUP_LAYERS), 3)]),
+            single(SGD),
+            steps=6,
+        ),
+        Case(
+            "StaticGraph",
+            lambda: Alternating(["l2", ("l0", "head")], every=2),
+            grouped(ADAM, "keep"),
+            ddp_kwargs={"static_graph": True},
+        ),
+        # Rank 1's rebuild raises once at the switch into step 4; the loop retries the switch.
+        Case(
+            "Rollback", lambda: Alternating(["l1", "head"], every=2), grouped(ADAM, "keep"), steps=9, fail_switch_at=4
+        ),
+        Case(
+            "Fp16Hook", lambda: Alternating(["l0", "l2"]), grouped(SGD, "keep"), steps=6, hook="fp16", reference=False
+        ),
+        # keep_reducers: idle phases' reducers re-installed at a switch back. Three phases
+        # every step, ``head`` in two of them (an idle reducer's hooks fire on it).
+        Case(
+            "KeptReducers",
+            lambda: FnSchedule(_every_step_fn, groups=list(GROUP_LAYERS), name="every_step"),
+            grouped(ADAM, "keep"),
+            switcher_kwargs={"keep_reducers": 2},
+        ),
+        Case(
+            "KeptReducersBucketView",
+            lambda: Alternating(["l0", ("l2", "head")]),
+            grouped(SGD, "drop"),
+            steps=10,
+            ddp_kwargs={"gradient_as_bucket_view": True},
+            switcher_kwargs={"keep_reducers": 1},
+        ),
+        Case(
+            "KeptReducersRollback",
+            lambda: Alternating(["l1", "head"]),
+            grouped(ADAM, "keep"),
+            steps=9,
+            fail_switch_at=5,
+            switcher_kwargs={"keep_reducers": 1},
+        ),
+    ]
+}
 
 
 def sha256(tensors: list[torch.Tensor]) -> str:
@@ -247,9 +284,9 @@ def _fail_rebuild_once() -> None:
 def _state(model: nn.Module, ddp: Optional[DDP]) -> dict[str, Any]:
     return {
         "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "reduced": [] if ddp is None else sorted(
-            n for n, p in model.named_parameters() if any(p is q for q in _ddp.reduced_parameters(ddp))
-        ),
+        "reduced": []
+        if ddp is None
+        else sorted(n for n, p in model.named_parameters() if any(p is q for q in _ddp.reduced_parameters(ddp))),
     }
 
 
@@ -293,29 +330,44 @@ def train(case: Case, *, distributed: bool) -> dict[str, Any]:
         if distributed and case.fail_switch_at == step + 1:
             rollback = _failed_switch(case, switcher, wrapped, model, optimizer, counter, step, rank, world)
         record = switcher.step_to(step + 1)
-        steps.append({
-            "step": step,
-            "trainable": sorted(phase.trainable),
-            "bytes_counted": sent,
-            "fp16_exact_grads": fp16_exact,
-            "switch": None if record is None else {
-                "phase": sorted(record.trainable_groups),
-                "allreduce_bytes_per_step": record.allreduce_bytes_per_step,
-                "trainable_bytes": record.trainable_bytes,
-                "seconds": record.seconds,
-            },
-        })
+        steps.append(
+            {
+                "step": step,
+                "trainable": sorted(phase.trainable),
+                "bytes_counted": sent,
+                "fp16_exact_grads": fp16_exact,
+                "switch": None
+                if record is None
+                else {
+                    "phase": sorted(record.trainable_groups),
+                    "allreduce_bytes_per_step": record.allreduce_bytes_per_step,
+                    "trainable_bytes": record.trainable_bytes,
+                    "seconds": record.seconds,
+                },
+            }
+        )
     kept = switcher.backend.cache if isinstance(wrapped, DDP) else None
-    return {"model": model, "steps": steps, "rollback": rollback,
-            "records": len(switcher.records),
-            "reducers_reused": kept.hits if kept is not None else 0,
-            "kept_reducer_bytes": switcher.backend.kept_reducer_bytes(),
-            "final_phase": sorted(switcher.current.trainable) if switcher.current is not None else None}
+    return {
+        "model": model,
+        "steps": steps,
+        "rollback": rollback,
+        "records": len(switcher.records),
+        "reducers_reused": kept.hits if kept is not None else 0,
+        "kept_reducer_bytes": switcher.backend.kept_reducer_bytes(),
+        "final_phase": sorted(switcher.current.trainable) if switcher.current is not None else None,
+    }
 
 
 def _failed_switch(
-    case: Case, switcher: PhaseSwitcher, ddp: nn.Module, model: nn.Module,
-    optimizer: torch.optim.Optimizer, counter: Any, step: int, rank: int, world: int,
+    case: Case,
+    switcher: PhaseSwitcher,
+    ddp: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    counter: Any,
+    step: int,
+    rank: int,
+    world: int,
 ) -> dict[str, Any]:
     """Switch with a rebuild failure injected on rank 1; probe the restored reducer; no update."""
     assert isinstance(ddp, DDP)
@@ -334,8 +386,14 @@ def _failed_switch(
     probe_bytes = counter.end_step()
     with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
     optimizer.zero_grad(set_to_none=True)
-    return {"error": error, "before": before, "after": after, "probe_bytes": probe_bytes,
-            "probe_params_with_grad": with_grad, "phase_after": sorted(switcher.current.trainable)}
+    return {
+        "error": error,
+        "before": before,
+        "after": after,
+        "probe_bytes": probe_bytes,
+        "probe_params_with_grad": with_grad,
+        "phase_after": sorted(switcher.current.trainable),
+    }
 
 
 def run_cases(out_dir: Path, rank: int, world: int) -> dict[str, Any]:
@@ -343,8 +401,7 @@ def run_cases(out_dir: Path, rank: int, world: int) -> dict[str, Any]:
     for name, case in CASES.items():
         run = train(case, distributed=True)
         model = run.pop("model")
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                   out_dir / f"{name}_rank{rank}.pt")
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out_dir / f"{name}_rank{rank}.pt")
         run["params_sha256"] = sha256(list(model.parameters()))
         results[name] = run
     return results
@@ -369,7 +426,7 @@ def run_plain_ddp(rank: int, world: int) -> dict[str, Any]:
         sent = []
         for step in range(6):
             if step == 3:
-                for p in (l2 if what == "unfreeze" else l0):
+                for p in l2 if what == "unfreeze" else l0:
                     p.requires_grad_(what == "unfreeze")
             x, y = batch(step, rank, world)
             F.mse_loss(ddp(x), y).backward()
@@ -413,15 +470,17 @@ def run_buckets(rank: int, world: int) -> list[dict[str, Any]]:
         deadline = time.monotonic() + 2.0
         while not all(r.expired() for r in refs) and time.monotonic() < deadline:
             time.sleep(0.01)
-        log.append({
-            "switched": record is not None,
-            "n_storages": len(refs),
-            "grad_bytes": grad_bytes,
-            "storage_bytes": storage_bytes,
-            "alive_after_zero_grad": alive_before,
-            "expired_at_switch": expired_at_switch,
-            "expired_after_switch": [r.expired() for r in refs],
-        })
+        log.append(
+            {
+                "switched": record is not None,
+                "n_storages": len(refs),
+                "grad_bytes": grad_bytes,
+                "storage_bytes": storage_bytes,
+                "alive_after_zero_grad": alive_before,
+                "expired_at_switch": expired_at_switch,
+                "expired_after_switch": [r.expired() for r in refs],
+            }
+        )
     return log
 
 
@@ -450,9 +509,15 @@ def run_rss(rank: int, world: int, steps: int = 600, warmup: int = 100) -> dict[
             gc.collect()
             malloc_trim()
             rss[step + 1] = rss_bytes()
-    return {"rss_warm": rss[warmup], "rss_end": rss[steps], "warmup": warmup, "steps": steps,
-            "switches": switcher.history.count, "records_kept": len(switcher.records),
-            "window": switcher.history.window}
+    return {
+        "rss_warm": rss[warmup],
+        "rss_end": rss[steps],
+        "warmup": warmup,
+        "steps": steps,
+        "switches": switcher.history.count,
+        "records_kept": len(switcher.records),
+        "window": switcher.history.window,
+    }
 
 
 # ---------------------------------------------------------------- DDP settings
@@ -471,8 +536,12 @@ class SpareModel(nn.Module):
 
 SETTINGS: dict[str, dict[str, Any]] = {
     # The unused `spare` parameter trains in the "head" phase: needs find_unused_parameters.
-    "A": {"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.002,
-          "broadcast_buffers": False},
+    "A": {
+        "find_unused_parameters": True,
+        "gradient_as_bucket_view": True,
+        "bucket_cap_mb": 0.002,
+        "broadcast_buffers": False,
+    },
     "B": {"static_graph": True, "broadcast_buffers": True, "bucket_cap_mb": 0.003},
 }
 SETTINGS_PHASES = [["l0", "l1"], ["l2", "head"], ["l0", "l1", "l2"]]
@@ -486,15 +555,19 @@ def _settings_groups(model: SpareModel, variant: str) -> ParamGroups:
 
 
 def _ddp_view(ddp: DDP) -> dict[str, Any]:
-    return {"find_unused_parameters": ddp.find_unused_parameters,
-            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
-            "static_graph": ddp.static_graph, "bucket_bytes_cap": ddp.bucket_bytes_cap,
-            "broadcast_buffers": ddp.broadcast_buffers,
-            "comm_hooks": [h.__qualname__ for h, _ in ddp._comm_hooks]}
+    return {
+        "find_unused_parameters": ddp.find_unused_parameters,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": ddp.static_graph,
+        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+        "broadcast_buffers": ddp.broadcast_buffers,
+        "comm_hooks": [h.__qualname__ for h, _ in ddp._comm_hooks],
+    }
 
 
-def _train_steps(ddp: DDP, model: SpareModel, counter: Any, opt: torch.optim.Optimizer,
-                 first: int, n: int, rank: int, world: int) -> list[int]:
+def _train_steps(
+    ddp: DDP, model: SpareModel, counter: Any, opt: torch.optim.Optimizer, first: int, n: int, rank: int, world: int
+) -> list[int]:
     buckets = []
     for step in range(first, first + n):
         x, y = batch(step, rank, world)
@@ -535,9 +608,13 @@ def run_settings(rank: int, world: int) -> dict[str, Any]:
             fresh_buckets.append(_train_steps(twin_ddp, twin, twin_counter, twin_opt, first, per_phase, rank, world))
             del twin_ddp, twin
             buckets.append(_train_steps(ddp, model, counter, opt, first, per_phase, rank, world))
-        out[variant] = {"views": views, "buckets": buckets, "fresh_buckets": fresh_buckets,
-                        "marker": float(model.marker.item()),
-                        "params_sha256": sha256(list(model.parameters()))}
+        out[variant] = {
+            "views": views,
+            "buckets": buckets,
+            "fresh_buckets": fresh_buckets,
+            "marker": float(model.marker.item()),
+            "params_sha256": sha256(list(model.parameters())),
+        }
     return out
 
 
@@ -625,7 +702,8 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
     mp_model = build_model()
     mp_ddp = DDP(mp_model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
     out["mixed_precision"] = _outcome(
-        lambda: PhaseSwitcher(make_groups(mp_model), Alternating(["l0", "head"]), model=mp_ddp))
+        lambda: PhaseSwitcher(make_groups(mp_model), Alternating(["l0", "head"]), model=mp_ddp)
+    )
     mp_ddp = None  # freed before the next check
 
     saved = torch._dynamo.config.optimize_ddp
@@ -637,7 +715,8 @@ def run_bad_inputs(rank: int, world: int) -> dict[str, Any]:
         torch._dynamo.config.optimize_ddp = saved
     out["python_reducer_detected"] = bool(py_ddp._use_python_reducer)
     out["python_reducer"] = _outcome(
-        lambda: PhaseSwitcher(make_groups(py_model), Alternating(["l0", "head"])).attach(py_ddp))
+        lambda: PhaseSwitcher(make_groups(py_model), Alternating(["l0", "head"])).attach(py_ddp)
+    )
     return out
 
 
@@ -655,8 +734,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--only", nargs="*", default=None,
-                        help=f"scenarios to run (default all): cases {' '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help=f"scenarios to run (default all): cases {' '.join(SCENARIOS)}"
+    )
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

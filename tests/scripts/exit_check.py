@@ -54,7 +54,6 @@ def _rank(mode: str) -> None:
         shutdown(ddp)
 
 
-
 def _trainer() -> None:
     import tempfile
 
@@ -76,9 +75,17 @@ def _trainer() -> None:
     torch.manual_seed(0)
     rows = [{"x": torch.randn(16), "labels": torch.randn(())} for _ in range(32)]
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, report_to=[],
-                                 save_strategy="no", logging_strategy="no", use_cpu=True,
-                                 ddp_find_unused_parameters=False, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=4,
+            per_device_train_batch_size=4,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            ddp_find_unused_parameters=False,
+            disable_tqdm=True,
+        )
         freeze = AlternatingFreeze({"a": "a.*", "b": "b.*"}, Alternating(["a", "b"]))
         Trainer(model=Net(), args=args, train_dataset=rows, callbacks=[freeze]).train()
 

@@ -80,12 +80,13 @@ def main() -> int:
     options = {} if collective_timeout == "none" else {"collective_timeout": float(collective_timeout)}
     _file_barrier(os.environ["FAULT_SYNC_DIR"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     acc = PhasedAccelerator(
-        Alternating(["a", "b"], every=SWITCH_AT), switcher_options=options,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=group_timeout))])
+        Alternating(["a", "b"], every=SWITCH_AT),
+        switcher_options=options,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=group_timeout))],
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = GroupedOptimizer(ParamGroups(model, {"a": "0.*", "b": "2.*"}),
-                           lambda params: torch.optim.SGD(params, lr=0.1))
+    opt = GroupedOptimizer(ParamGroups(model, {"a": "0.*", "b": "2.*"}), lambda params: torch.optim.SGD(params, lr=0.1))
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=MEET_WITHIN))  # gloo: its own timeout
     if mode == "late" and acc.process_index == 1:
         time.sleep(LATE_BY)
@@ -107,12 +108,26 @@ def main() -> int:
             opt.zero_grad()
         except Exception as exc:  # what the test checks; the process group is unusable now
             waited = time.perf_counter() - started
-            print("FAULT-RESULT " + json.dumps({"type": type(exc).__name__, "message": str(exc),
-                                                "waited": waited, "at": time.time()}), flush=True)
+            print(
+                "FAULT-RESULT "
+                + json.dumps({"type": type(exc).__name__, "message": str(exc), "waited": waited, "at": time.time()}),
+                flush=True,
+            )
             raise  # as in a user's script: the error ends the process
     if acc.process_index == 0:
-        print("FAULT-RESULT " + json.dumps({"type": None, "message": "", "waited": prepared_in,
-                                            "at": time.time(), "switches": len(acc.switch_records)}), flush=True)
+        print(
+            "FAULT-RESULT "
+            + json.dumps(
+                {
+                    "type": None,
+                    "message": "",
+                    "waited": prepared_in,
+                    "at": time.time(),
+                    "switches": len(acc.switch_records),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

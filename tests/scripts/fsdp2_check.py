@@ -41,8 +41,9 @@ class Counting(DefaultReduceScatter):
 
 def build() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(),
-                               torch.nn.Linear(6, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    )
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -78,8 +79,10 @@ def train(model, steps, sharded, rank, world, schedule="alternating"):
 
 
 def full(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def shard(model, mp=None):
@@ -132,20 +135,29 @@ def train_state(sharded, rank, world, policy=None, per_task=False):
     if sharded:  # memory_report counts this rank's shards: parameters and optimizer state
         held = sum(p.to_local().nbytes for p in model.parameters()) + sum(
             v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
-            for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+            for s in opt.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
         idle_bytes.append(memory_report(switcher).total() - held)
     return full(model), idle_bytes
 
 
 def state_checks(rank, world):
     out = {}
-    for name, kwargs in {"keep": {"policy": "keep"}, "offload": {"policy": "offload"},
-                         "drop": {"policy": "drop"}, "per_task": {"per_task": True}}.items():
+    for name, kwargs in {
+        "keep": {"policy": "keep"},
+        "offload": {"policy": "offload"},
+        "drop": {"policy": "drop"},
+        "per_task": {"per_task": True},
+    }.items():
         got, idle_bytes = train_state(True, rank, world, **kwargs)
         ref, _ = train_state(False, rank, world, **kwargs)
-        out[name] = {"max_diff": max(float((got[n] - ref[n]).abs().max()) for n in ref),
-                     "digest": hashlib.sha256(b"".join(t.numpy().tobytes() for t in got.values())).hexdigest(),
-                     "idle_state_bytes": idle_bytes}
+        out[name] = {
+            "max_diff": max(float((got[n] - ref[n]).abs().max()) for n in ref),
+            "digest": hashlib.sha256(b"".join(t.numpy().tobytes() for t in got.values())).hexdigest(),
+            "idle_state_bytes": idle_bytes,
+        }
     return out
 
 
@@ -165,11 +177,16 @@ def main() -> None:
         results[schedule] = {"max_diff": diff, "counted": counted, "expected": expected, "digest": digest}
     # the planner's FSDP2 mode against this run: reduce-scatter bytes per step, rank 0's parameter shards
     plain = build()
-    plan = plan_cost(plain, ParamGroups(plain, {"a": "0.*", "b": "2.*", "c": "4.*"}), SCHEDULES["alternating"](),
-                     world_size=world, backend="fsdp2", optimizer="sgd")
+    plan = plan_cost(
+        plain,
+        ParamGroups(plain, {"a": "0.*", "b": "2.*", "c": "4.*"}),
+        SCHEDULES["alternating"](),
+        world_size=world,
+        backend="fsdp2",
+        optimizer="sgd",
+    )
     results["planner"] = {
-        "reduce_scatter": [plan.row(SCHEDULES["alternating"]().phase_at(s).name).allreduce_bytes
-                           for s in range(steps)],
+        "reduce_scatter": [plan.row(SCHEDULES["alternating"]().phase_at(s).name).allreduce_bytes for s in range(steps)],
         "param_bytes": plan.phases[0].param_bytes,
         "local_param_bytes": sum(p.to_local().nbytes for p in shard(build()).parameters()),
     }
@@ -178,9 +195,17 @@ def main() -> None:
     bf16_counted, bf16_expected = train(bf16, 4, True, rank, world)
     after = full(bf16)
     bf16_moved = {n: bool((after[n] - before[n]).abs().max() > 0) for n in after}
-    write_rank_result(sys.argv[1], {"schedules": results, "bf16_counted": bf16_counted,
-                                    "bf16_expected": bf16_expected, "bf16_moved": bf16_moved,
-                                    "state": state_checks(rank, world), "world": world})
+    write_rank_result(
+        sys.argv[1],
+        {
+            "schedules": results,
+            "bf16_counted": bf16_counted,
+            "bf16_expected": bf16_expected,
+            "bf16_moved": bf16_moved,
+            "state": state_checks(rank, world),
+            "world": world,
+        },
+    )
     del bf16  # FSDP2 states hold reference cycles: free every sharded model before the group goes
     gc.collect()
     dist.barrier()

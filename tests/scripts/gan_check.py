@@ -67,7 +67,8 @@ def reference() -> dict[str, torch.Tensor]:
         opt_d.zero_grad(set_to_none=True)
         opt_g.zero_grad(set_to_none=True)
     return {f"generator.{n}": p.detach().clone() for n, p in gen.named_parameters()} | {
-        f"discriminator.{n}": p.detach().clone() for n, p in disc.named_parameters()}
+        f"discriminator.{n}": p.detach().clone() for n, p in disc.named_parameters()
+    }
 
 
 def main() -> None:
@@ -91,17 +92,28 @@ def main() -> None:
         opt_d.zero_grad()
         opt_g.zero_grad()
         model = acc.unwrap_model(disc if phase == "discriminator" else gen)
-        steps.append({"phase": phase, "reduced": acc.comm_counter.history[-1],
-                      "active_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+        steps.append(
+            {
+                "phase": phase,
+                "reduced": acc.comm_counter.history[-1],
+                "active_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            }
+        )
     weights = {f"generator.{n}": p.detach() for n, p in acc.unwrap_model(gen).named_parameters()} | {
-        f"discriminator.{n}": p.detach() for n, p in acc.unwrap_model(disc).named_parameters()}
+        f"discriminator.{n}": p.detach() for n, p in acc.unwrap_model(disc).named_parameters()
+    }
     expected = reference()
     digest = hashlib.sha256(b"".join(weights[n].numpy().tobytes() for n in sorted(weights))).hexdigest()
-    write_rank_result(out, {
-        "steps": steps, "digest": digest, "wrappers": len(acc.switcher.wrappers),
-        "max_diff": max(float((weights[n] - expected[n]).abs().max()) for n in expected),
-        "switches": acc.switch_history.count,
-    })
+    write_rank_result(
+        out,
+        {
+            "steps": steps,
+            "digest": digest,
+            "wrappers": len(acc.switcher.wrappers),
+            "max_diff": max(float((weights[n] - expected[n]).abs().max()) for n in expected),
+            "switches": acc.switch_history.count,
+        },
+    )
     shutdown(gen, disc)
 
 

@@ -126,8 +126,12 @@ def drift_at_save(out: Path) -> dict[str, Any]:
     acc.load_state(latest)  # the earlier checkpoint, untouched: both ranks equal again
     shas: list[Any] = [None, None]
     dist.all_gather_object(shas, state_sha(model))
-    return {"error": error, "loaded_step": acc.schedule_step, "loaded_is_saved": state_sha(model) == saved_sha,
-            "ranks_equal_after_load": shas[0] == shas[1]}
+    return {
+        "error": error,
+        "loaded_step": acc.schedule_step,
+        "loaded_is_saved": state_sha(model) == saved_sha,
+        "ranks_equal_after_load": shas[0] == shas[1],
+    }
 
 
 def drift_every_n() -> dict[str, Any]:
@@ -181,9 +185,11 @@ def damaged(out: Path) -> dict[str, Any]:
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])
     dist.barrier()
-    return {"no_model": caught(lambda: acc.load_state(folders["model"])),
-            "half_optimizer": caught(lambda: acc.load_state(folders["optimizer"])),
-            "missing_folder": caught(lambda: acc.load_state(str(out / "damaged" / "never_saved")))}
+    return {
+        "no_model": caught(lambda: acc.load_state(folders["model"])),
+        "half_optimizer": caught(lambda: acc.load_state(folders["optimizer"])),
+        "missing_folder": caught(lambda: acc.load_state(str(out / "damaged" / "never_saved"))),
+    }
 
 
 def other_groups(out: Path) -> dict[str, Any]:
@@ -226,8 +232,13 @@ def total_limit(out: Path) -> dict[str, Any]:
     after_one = listing()
     acc.save_state()  # checkpoint_5: 0 goes
     dist.barrier()
-    return {"torn": torn, "after_torn": after_torn, "after_one_complete": after_one,
-            "after_two_complete": listing(), "latest": acc.latest_checkpoint()}
+    return {
+        "torn": torn,
+        "after_torn": after_torn,
+        "after_one_complete": after_one,
+        "after_two_complete": listing(),
+        "latest": acc.latest_checkpoint(),
+    }
 
 
 def unreached() -> dict[str, Any]:

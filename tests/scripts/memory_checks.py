@@ -155,9 +155,13 @@ def train_tasks(distributed: bool, rank: int = 0, world: int = 2) -> tuple[Multi
         entry: dict[str, Any] = {"step": step, "task": task}
         if task in left:  # the head came back: was it kept bit-identical while away?
             entry["returned_identical"] = head_digest(model, task) == left.pop(task)
-        x, y = batch(step, rank) if distributed else (
-            torch.cat([batch(step, r)[0] for r in range(world)]),
-            torch.cat([batch(step, r)[1] for r in range(world)]),
+        x, y = (
+            batch(step, rank)
+            if distributed
+            else (
+                torch.cat([batch(step, r)[0] for r in range(world)]),
+                torch.cat([batch(step, r)[1] for r in range(world)]),
+            )
         )
         sent.clear()
         F.mse_loss(wrapped(x, task), y).backward()
@@ -167,7 +171,8 @@ def train_tasks(distributed: bool, rank: int = 0, world: int = 2) -> tuple[Multi
             assert counter is not None
             entry["allreduced"] = counter.end_step()
             entry["expected_allreduce"] = sum(
-                p.numel() * p.element_size() for p in [*model.trunk.parameters(), *model.heads[task].parameters()])
+                p.numel() * p.element_size() for p in [*model.trunk.parameters(), *model.heads[task].parameters()]
+            )
             entry["broadcast"] = list(sent)
             entry["ignore"] = sorted(wrapped.parameters_to_ignore)  # type: ignore[union-attr]
         record = switcher.step_to(step + 1)
@@ -240,9 +245,13 @@ def run_buffer_case(
             out["records"].append(record.as_log(prefix=""))
     plan = switcher.buffer_sync.plan
     assert plan is not None
-    out["plan"] = {"broadcast": plan.broadcast, "bytes_per_forward": plan.bytes_per_forward,
-                   "saved_bytes_per_forward": plan.saved_bytes_per_forward,
-                   "eval_modules": list(plan.eval_modules), "reason": plan.reason}
+    out["plan"] = {
+        "broadcast": plan.broadcast,
+        "bytes_per_forward": plan.bytes_per_forward,
+        "saved_bytes_per_forward": plan.saved_bytes_per_forward,
+        "eval_modules": list(plan.eval_modules),
+        "reason": plan.reason,
+    }
     out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
     out["will_sync"] = bool(ddp.will_sync_module_buffers())
     out["norm_training_in_forward"] = mode_in_forward
@@ -262,8 +271,9 @@ def run_buffers(rank: int, world: int) -> dict[str, Any]:
         "no_buffers_auto": run_buffer_case(rank, mlp_model, mlp_specs, ab, buffer_sync="auto"),
         "bn_default": run_buffer_case(rank, bn_model, bn_specs, ab),
         "bn_auto_eval": run_buffer_case(rank, bn_model, bn_specs, ab, buffer_sync="auto", frozen_norms="eval"),
-        "bn_auto_trainable": run_buffer_case(rank, bn_model, bn_specs, with_norm,
-                                             buffer_sync="auto", frozen_norms="eval"),
+        "bn_auto_trainable": run_buffer_case(
+            rank, bn_model, bn_specs, with_norm, buffer_sync="auto", frozen_norms="eval"
+        ),
     }
 
 

@@ -58,8 +58,16 @@ from tests.support.meters import PeakMemory  # noqa: E402
 from tests.support.models import TwoHalves  # noqa: E402
 
 MIB = 2**20
-HALF_SCENARIOS = ("alone_a", "alone_b", "naive", "alt_keep", "alt_drop", "alt_offload",
-                  "alt_offload_prefetch", "alt_offload_auto")
+HALF_SCENARIOS = (
+    "alone_a",
+    "alone_b",
+    "naive",
+    "alt_keep",
+    "alt_drop",
+    "alt_offload",
+    "alt_offload_prefetch",
+    "alt_offload_auto",
+)
 TASK_SCENARIOS = ("tasks", "tasks_resident")
 AdamW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
@@ -76,16 +84,22 @@ class MultiTask(nn.Module):
         return self.heads[task](torch.tanh(self.trunk(x)))
 
 
-def _step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, *args: Any,
-          zero: tuple[torch.optim.Optimizer, ...] = ()) -> None:
+def _step(
+    model: nn.Module,
+    x: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    *args: Any,
+    zero: tuple[torch.optim.Optimizer, ...] = (),
+) -> None:
     model(x, *args).pow(2).mean().backward()
     opt.step()
     for o in (opt, *zero):
         o.zero_grad(set_to_none=True)
 
 
-def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any],
-               memory: PeakMemory, rank: int) -> dict[str, Any]:
+def run_halves(
+    args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any], memory: PeakMemory, rank: int
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TwoHalves(args.size_mib, names=("a", "b")).to(device)
     width = model.a.in_features
@@ -112,8 +126,7 @@ def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[
         prefetch: Any = {"alt_offload_prefetch": True, "alt_offload_auto": "auto"}.get(s, False)
         groups = ParamGroups(model, {"a": "a.*", "b": "b.*"})
         opt = GroupedOptimizer(groups, AdamW, state_policy=policy)
-        switcher = PhaseSwitcher(groups, Alternating(["a", "b"], every=args.every), optimizer=opt,
-                                 prefetch=prefetch)
+        switcher = PhaseSwitcher(groups, Alternating(["a", "b"], every=args.every), optimizer=opt, prefetch=prefetch)
         switcher.step_to(0)
         ddp = DDP(model, **ddp_kwargs)
         switcher.attach(ddp)
@@ -126,8 +139,9 @@ def run_halves(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[
     return out
 
 
-def run_tasks(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any],
-              memory: PeakMemory, rank: int) -> dict[str, Any]:
+def run_tasks(
+    args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[str, Any], memory: PeakMemory, rank: int
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = MultiTask(args.trunk_mib, args.head_mib, args.tasks)  # built on the CPU
     width = model.trunk.in_features
@@ -147,8 +161,11 @@ def run_tasks(args: argparse.Namespace, device: torch.device, ddp_kwargs: dict[s
     switcher.attach(ddp)
     started = time.perf_counter()
     for step in range(args.steps):
-        task = names.index(switcher.current.task) if args.scenario == "tasks" else \
-            names.index(sorted(switcher.current.trainable - {"trunk"})[0])
+        task = (
+            names.index(switcher.current.task)
+            if args.scenario == "tasks"
+            else names.index(sorted(switcher.current.trainable - {"trunk"})[0])
+        )
         _step(ddp, x, opt, task)
         switcher.step_to(step + 1)
     head = model.heads[0]
@@ -172,8 +189,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2)
     parser.add_argument("--trunk-mib", type=float, default=32.0)
     parser.add_argument("--head-mib", type=float, default=16.0)
-    parser.add_argument("--policy", default="keep", choices=["keep", "offload", "drop"],
-                        help="idle-state policy of the task groups")
+    parser.add_argument(
+        "--policy", default="keep", choices=["keep", "offload", "drop"], help="idle-state policy of the task groups"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -190,13 +208,19 @@ def main() -> None:
     run: Callable[..., dict[str, Any]] = run_tasks if args.scenario in TASK_SCENARIOS else run_halves
     result = run(args, device, ddp_kwargs, memory, rank)
     peak = memory.peak()
-    result.update({
-        "scenario": args.scenario, "device": device.type, "world_size": world,
-        "baseline_bytes": memory.baseline, "peak_bytes": peak, "peak_growth_bytes": peak - memory.baseline,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    })
+    result.update(
+        {
+            "scenario": args.scenario,
+            "device": device.type,
+            "world_size": world,
+            "baseline_bytes": memory.baseline,
+            "peak_bytes": peak,
+            "peak_growth_bytes": peak - memory.baseline,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+        }
+    )
     write_rank_result(args.out_dir, result, rank=rank)
     dist.barrier()
     shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)

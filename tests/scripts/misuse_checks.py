@@ -78,8 +78,12 @@ def ddp_before_phase() -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         switcher.step_to(step + 1)
-    return {"warnings": [str(w.message) for w in caught], "reducer_after_attach": reducer_after_attach,
-            "phase_a_params": sorted(groups.trainable_param_names(frozenset({"a"}))), "sha": param_sha(model)}
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "reducer_after_attach": reducer_after_attach,
+        "phase_a_params": sorted(groups.trainable_param_names(frozenset({"a"}))),
+        "sha": param_sha(model),
+    }
 
 
 def forgot_attach() -> dict[str, Any]:
@@ -97,12 +101,16 @@ def forgot_attach() -> dict[str, Any]:
         switcher.step_to(1)
     except SwitchError as exc:
         error = str(exc)
-    return {"error": error, "phase": switcher.current.name if switcher.current else None,
-            "b_trainable": [p.requires_grad for p in model[2].parameters()]}
+    return {
+        "error": error,
+        "phase": switcher.current.name if switcher.current else None,
+        "b_trainable": [p.requires_grad for p in model[2].parameters()],
+    }
 
 
-def _accelerate_run(schedule: Any, loop: Callable[[PhasedAccelerator, nn.Module, Any, Any], dict[str, Any]],
-                    batches: int = 3) -> dict[str, Any]:
+def _accelerate_run(
+    schedule: Any, loop: Callable[[PhasedAccelerator, nn.Module, Any, Any], dict[str, Any]], batches: int = 3
+) -> dict[str, Any]:
     acc = PhasedAccelerator(schedule, log_switches=False)
     model = net()
     groups = ParamGroups(model, SPECS)
@@ -127,13 +135,19 @@ def unwrapped_forward() -> dict[str, Any]:
             opt.step()
         except AltParamsError as exc:
             error = str(exc)
-        return {"error": error, "unchanged": param_sha(acc.unwrap_model(model)) == before, "sha": before,
-                "steps": acc.schedule_step}
+        return {
+            "error": error,
+            "unchanged": param_sha(acc.unwrap_model(model)) == before,
+            "sha": before,
+            "steps": acc.schedule_step,
+        }
+
     return _accelerate_run(Alternating(["a", "b"]), loop)
 
 
 def doubled_step() -> dict[str, Any]:
     """``optimizer.step()`` twice after one backward (no switch in between): refused as a second step."""
+
     def loop(acc: PhasedAccelerator, model: nn.Module, opt: Any, loader: Any) -> dict[str, Any]:
         acc.backward(model(batch(0)).square().mean())
         opt.step()
@@ -143,8 +157,13 @@ def doubled_step() -> dict[str, Any]:
             opt.step()  # the same gradients again
         except AltParamsError as exc:
             error = str(exc)
-        return {"error": error, "unchanged": param_sha(acc.unwrap_model(model)) == after_first,
-                "steps": acc.schedule_step, "sha": after_first}
+        return {
+            "error": error,
+            "unchanged": param_sha(acc.unwrap_model(model)) == after_first,
+            "steps": acc.schedule_step,
+            "sha": after_first,
+        }
+
     return _accelerate_run(Alternating(["a", "b"], every=4), loop)
 
 
@@ -164,9 +183,15 @@ def epochs(set_epoch: bool, only_first: bool = False) -> dict[str, Any]:
                         opt.zero_grad()
             except AltParamsError as exc:
                 error = str(exc)
-        return {"error": error, "phases": phases, "steps": acc.schedule_step, "per_epoch": len(loader),
-                "warnings": [str(w.message) for w in seen if "set_epoch" in str(w.message)],
-                "sha": param_sha(acc.unwrap_model(model))}
+        return {
+            "error": error,
+            "phases": phases,
+            "steps": acc.schedule_step,
+            "per_epoch": len(loader),
+            "warnings": [str(w.message) for w in seen if "set_epoch" in str(w.message)],
+            "sha": param_sha(acc.unwrap_model(model)),
+        }
+
     return _accelerate_run(Alternating(["a", "b"], unit="epoch"), loop)
 
 

@@ -96,11 +96,15 @@ def main() -> None:
     measured(alone_a, 2)  # warm-up, not reported
     growth = {"alt_drop": measured(alt_drop, args.steps), "alone_a": measured(alone_a, args.steps)}
     heap = host_heap()
-    write_rank_result(args.out_dir, {
-        "applied": applied, "peak_growth_bytes": growth,
-        "half_bytes": half_bytes[0],
-        "heap": dataclasses.asdict(heap) if heap else None,
-    })
+    write_rank_result(
+        args.out_dir,
+        {
+            "applied": applied,
+            "peak_growth_bytes": growth,
+            "half_bytes": half_bytes[0],
+            "heap": dataclasses.asdict(heap) if heap else None,
+        },
+    )
     dist.barrier()
     shutdown()
 

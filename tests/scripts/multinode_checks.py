@@ -60,8 +60,8 @@ from hf_altparams.engine import GroupedOptimizer
 from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.errors import AltParamsError
 from hf_altparams.integrations import accelerate_checkpoints as checkpoints
-from hf_altparams.integrations.accelerate_checkpoints import writes_state_files
 from hf_altparams.integrations.accelerate import PhasedAccelerator
+from hf_altparams.integrations.accelerate_checkpoints import writes_state_files
 from hf_altparams.plan import Alternating, ParamGroups
 from hf_altparams.testing.launch import write_rank_result
 
@@ -70,7 +70,6 @@ if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the scrip
     sys.path.insert(0, str(REPO))
 
 from tests.scripts import engine_check  # noqa: E402
-from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import (  # noqa: E402
     LR,
     RESUME_POLICY,
@@ -82,6 +81,7 @@ from tests.scripts.accelerate_checks import (  # noqa: E402
     loader,
     per_task_scenario,
 )
+from tests.support.digests import state_sha  # noqa: E402
 
 GA = 2
 # Saved at the first step of the l1 phase (steps 3-4): a phase boundary. On more than two ranks a
@@ -96,6 +96,7 @@ def _recording(name: str, original: Callable[..., None]) -> Callable[..., None]:
     def record(output_dir: str, **state: Any) -> None:
         WRITES.append(name)
         original(output_dir, **state)
+
     return record
 
 
@@ -104,19 +105,27 @@ checkpoints.mark_complete = _recording("marker", checkpoints.mark_complete)  # t
 
 
 def ranks_scenario(acc: PhasedAccelerator) -> dict[str, Any]:
-    return {"RANK": int(os.environ["RANK"]), "LOCAL_RANK": int(os.environ["LOCAL_RANK"]),
-            "GROUP_RANK": int(os.environ["GROUP_RANK"]), "process_index": acc.process_index,
-            "local_process_index": acc.local_process_index, "is_local_main_process": acc.is_local_main_process,
-            "num_processes": acc.num_processes, "backend": dist.get_backend()}
+    return {
+        "RANK": int(os.environ["RANK"]),
+        "LOCAL_RANK": int(os.environ["LOCAL_RANK"]),
+        "GROUP_RANK": int(os.environ["GROUP_RANK"]),
+        "process_index": acc.process_index,
+        "local_process_index": acc.local_process_index,
+        "is_local_main_process": acc.is_local_main_process,
+        "num_processes": acc.num_processes,
+        "backend": dist.get_backend(),
+    }
 
 
 def _run(project_dir: Path, on_each_node: bool) -> tuple[PhasedAccelerator, nn.Module, Any, Any, Any]:
-    config = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True,
-                                  save_on_each_node=on_each_node)
+    config = ProjectConfiguration(
+        project_dir=str(project_dir), automatic_checkpoint_naming=True, save_on_each_node=on_each_node
+    )
     acc = PhasedAccelerator(Alternating(RESUME_SCHEDULE), gradient_accumulation_steps=GA, project_config=config)
     model = fresh_model()
-    opt = GroupedOptimizer(ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR),
-                           state_policy=RESUME_POLICY)
+    opt = GroupedOptimizer(
+        ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=LR), state_policy=RESUME_POLICY
+    )
     ddp, prepared_opt, dl = acc.prepare(model, opt, loader(acc.num_processes * GA * RESUME_STEPS))
     return acc, model, ddp, prepared_opt, dl
 
@@ -131,7 +140,7 @@ def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: tu
     """Train to RESUME_STEPS; save at each step of ``save_at`` (top of an iteration: a step boundary)."""
     saved: list[str] = []
     for x, y in batches:
-        if acc.schedule_step in save_at[len(saved):len(saved) + 1]:
+        if acc.schedule_step in save_at[len(saved) : len(saved) + 1]:
             saved.append(str(acc.save_state()))
         with acc.accumulate(ddp):
             acc.backward(nn.functional.mse_loss(ddp(x), y))
@@ -142,8 +151,9 @@ def _train(acc: PhasedAccelerator, ddp: Any, opt: Any, batches: Any, save_at: tu
     return saved
 
 
-def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
-            uninterrupted: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _resume(
+    project_dir: Path, on_each_node: bool, folder: str | None, uninterrupted: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """A fresh accelerator loads ``folder`` (None: automatic, the latest complete) and trains to the end."""
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
     latest = acc.latest_checkpoint()  # a collective: the same answer on every rank
@@ -154,39 +164,55 @@ def _resume(project_dir: Path, on_each_node: bool, folder: str | None,
     except AltParamsError as exc:
         acc.free_memory()
         return {"load_error": str(exc)}
-    result: dict[str, Any] = {"load_error": "", "phase_after_load": acc.phase.name if acc.phase else None,
-                              "step_after_load": acc.schedule_step,
-                              "latest_checkpoint": os.path.basename(latest) if latest else None,
-                              "next_save_iteration": acc.project_configuration.iteration,
-                              "load_warnings": [str(w.message) for w in caught if "load_state" in str(w.message)]}
+    result: dict[str, Any] = {
+        "load_error": "",
+        "phase_after_load": acc.phase.name if acc.phase else None,
+        "step_after_load": acc.schedule_step,
+        "latest_checkpoint": os.path.basename(latest) if latest else None,
+        "next_save_iteration": acc.project_configuration.iteration,
+        "load_warnings": [str(w.message) for w in caught if "load_state" in str(w.message)],
+    }
     _train(acc, ddp, opt, acc.skip_first_batches(dl, GA * acc.schedule_step))
     state = model.state_dict()
-    result.update(resumed_steps=acc.schedule_step, resumed_sha256=state_sha(model),
-                  bitwise_equal_to_uninterrupted=all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
-                  max_abs_diff=max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted))
+    result.update(
+        resumed_steps=acc.schedule_step,
+        resumed_sha256=state_sha(model),
+        bitwise_equal_to_uninterrupted=all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted),
+        max_abs_diff=max(float((state[k] - uninterrupted[k]).abs().max()) for k in uninterrupted),
+    )
     acc.free_memory()
     return result
 
 
-def checkpoint_scenario(project_dir: Path, on_each_node: bool, save_at: tuple[int, ...] = (SAVE_AT,),
-                        resume_from: tuple[int | None, ...] = (None,),
-                        before_resume: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+def checkpoint_scenario(
+    project_dir: Path,
+    on_each_node: bool,
+    save_at: tuple[int, ...] = (SAVE_AT,),
+    resume_from: tuple[int | None, ...] = (None,),
+    before_resume: Callable[[list[str]], None] | None = None,
+) -> dict[str, Any]:
     """The uninterrupted run saving at ``save_at``; ``before_resume(saved folders)``; then one resume per
     ``resume_from`` entry (an index into the saves, or None: ``load_state()`` with automatic naming)."""
     WRITES.clear()
     acc, model, ddp, opt, dl = _run(project_dir, on_each_node)
     saved = _train(acc, ddp, opt, dl, save_at=save_at)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
-    result: dict[str, Any] = {"saved": saved, "writes": list(WRITES), "writes_state_files": writes_state_files(acc),
-                              "uninterrupted_sha256": state_sha(model), "steps": acc.schedule_step}
+    result: dict[str, Any] = {
+        "saved": saved,
+        "writes": list(WRITES),
+        "writes_state_files": writes_state_files(acc),
+        "uninterrupted_sha256": state_sha(model),
+        "steps": acc.schedule_step,
+    }
     acc.wait_for_everyone()
     result["files_seen"] = sorted(os.listdir(saved[0])) if saved and os.path.isdir(saved[0]) else []
     if before_resume is not None:
         before_resume(saved)
     acc.wait_for_everyone()
     acc.free_memory()
-    result["resumes"] = [_resume(project_dir, on_each_node, None if i is None else saved[i], uninterrupted)
-                         for i in resume_from]
+    result["resumes"] = [
+        _resume(project_dir, on_each_node, None if i is None else saved[i], uninterrupted) for i in resume_from
+    ]
     return result
 
 
@@ -202,11 +228,13 @@ def main() -> None:
     results["engine"] = engine_check.run_cases(node_dir, dist.get_rank(), dist.get_world_size())
     results["ga1"] = equivalence("ga1", Alternating({"l0": 2, "l1": 1, "head": 1}), ga=1, clip=None, out=node_dir)
     results["per_task"] = per_task_scenario()
-    results["each_node"] = checkpoint_scenario(node_dir / "each_node", on_each_node=True,
-                                               save_at=(SAVE_AT, SAVE_AT + 1), before_resume=tear_on_node1)
+    results["each_node"] = checkpoint_scenario(
+        node_dir / "each_node", on_each_node=True, save_at=(SAVE_AT, SAVE_AT + 1), before_resume=tear_on_node1
+    )
     # saves at step 3 (phase boundary) and 4 (mid-phase); resumes from the first, then from the latest
-    results["shared"] = checkpoint_scenario(out / "shared", on_each_node=False, save_at=(SAVE_AT, SAVE_AT + 1),
-                                            resume_from=(0, None))
+    results["shared"] = checkpoint_scenario(
+        out / "shared", on_each_node=False, save_at=(SAVE_AT, SAVE_AT + 1), resume_from=(0, None)
+    )
     results["main_only_separate"] = checkpoint_scenario(node_dir / "main_only", on_each_node=False)
     write_rank_result(out, results)
 

@@ -58,14 +58,22 @@ ADAPTERS = ("a", "b")
 
 def base_model() -> BertForSequenceClassification:
     torch.manual_seed(0)  # the same base weights on every rank and at reload
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
 def lora() -> LoraConfig:
-    return LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value", "word_embeddings"],
-                      init_lora_weights=False)  # B != 0: every LoRA parameter gets a gradient at step one
+    return LoraConfig(
+        task_type="SEQ_CLS", r=2, target_modules=["query", "value", "word_embeddings"], init_lora_weights=False
+    )  # B != 0: every LoRA parameter gets a gradient at step one
 
 
 def peft_model() -> nn.Module:
@@ -87,8 +95,9 @@ def forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def setup(hooked: bool, schedule: Schedule) -> tuple[PhasedAccelerator, Any, Any, ParamGroups,
-                                                      dict[str, Iterator[Any]], Any]:
+def setup(
+    hooked: bool, schedule: Schedule
+) -> tuple[PhasedAccelerator, Any, Any, ParamGroups, dict[str, Iterator[Any]], Any]:
     model = peft_model()
     groups = adapter_groups(model, base="base")
     accelerator = PhasedAccelerator(schedule, groups=groups, count_comm=True)
@@ -120,8 +129,14 @@ def phased(out: Path) -> dict[str, Any]:
         before = group_digests(groups)
         task = step(accelerator, ddp, optimizer, batches)
         after = group_digests(groups)
-        trace.append({"task": task, "active": seen[-1], "adapter_bytes": groups.nbytes(task),
-                      "changed": sorted(g for g in before if before[g] != after[g])})
+        trace.append(
+            {
+                "task": task,
+                "active": seen[-1],
+                "adapter_bytes": groups.nbytes(task),
+                "changed": sorted(g for g in before if before[g] != after[g]),
+            }
+        )
     measured = accelerator.comm_counter.history if accelerator.comm_counter else []
 
     # Evaluate the adapter the phase does not train (phase "a" now), then check nothing was left behind.
@@ -131,8 +146,11 @@ def phased(out: Path) -> dict[str, Any]:
     ids = torch.arange(1, 9).unsqueeze(0)
     peft.eval()  # no dropout: the logits are compared with the reloaded adapter's below
     with adapters.visiting(idle):
-        visit = {"active": list(peft.active_adapters), "grad_enabled": torch.is_grad_enabled(),
-                 "logits": peft(input_ids=ids).logits.tolist()}
+        visit = {
+            "active": list(peft.active_adapters),
+            "grad_enabled": torch.is_grad_enabled(),
+            "logits": peft(input_ids=ids).logits.tolist(),
+        }
     peft.train()
     trainable = groups.trainable_param_names(phase.trainable)
     visit["after_active"] = list(peft.active_adapters)
@@ -151,12 +169,19 @@ def phased(out: Path) -> dict[str, Any]:
     with torch.no_grad():
         reloaded.set_adapter(idle)
         reloaded_logits = reloaded(input_ids=ids).logits.tolist()
-    reload_diff = {a: max(float((mine[n] - theirs[n]).abs().max()) for n in names)
-                   for a, names in adapter_parameters(peft).items()}
-    result = {"trace": trace, "measured": measured, "digests": group_digests(groups), "visit": visit,
-              "reload_max_abs_diff": reload_diff, "reloaded_idle_logits": reloaded_logits,
-              "adapter_param_names": {a: list(n) for a, n in adapter_parameters(peft).items()},
-              "group_names": {g: list(groups.param_names(g)) for g in groups.names}}
+    reload_diff = {
+        a: max(float((mine[n] - theirs[n]).abs().max()) for n in names) for a, names in adapter_parameters(peft).items()
+    }
+    result = {
+        "trace": trace,
+        "measured": measured,
+        "digests": group_digests(groups),
+        "visit": visit,
+        "reload_max_abs_diff": reload_diff,
+        "reloaded_idle_logits": reloaded_logits,
+        "adapter_param_names": {a: list(n) for a, n in adapter_parameters(peft).items()},
+        "group_names": {g: list(groups.param_names(g)) for g in groups.names},
+    }
     adapters.close()
     accelerator.free_memory()
     return result
@@ -197,9 +222,12 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message=".*modules_to_save.*")
-    results = {"phased": phased(out), "behind_back": behind_back(hooked=False),
-               "behind_back_hooked": behind_back(hooked=True),
-               "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    results = {
+        "phased": phased(out),
+        "behind_back": behind_back(hooked=False),
+        "behind_back_hooked": behind_back(hooked=True),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+    }
     write_rank_result(out, results, rank=int(os.environ.get("RANK", "0")))
 
 

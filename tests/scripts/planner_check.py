@@ -114,8 +114,9 @@ def run_scenario(argv: list[str], rank: int) -> list[dict[str, Any]]:
         forward_loss(ddp, rank, step).backward()
         optimizer.step()
         assert switcher.current is not None
-        records.append({"step": step, "phase": switcher.current.name, "allreduce": counter.end_step(),
-                        **census(model, optimizer)})
+        records.append(
+            {"step": step, "phase": switcher.current.name, "allreduce": counter.end_step(), **census(model, optimizer)}
+        )
         optimizer.zero_grad(set_to_none=True)
         if step + 1 < args.steps:
             switcher.step_to(step + 1)

@@ -74,14 +74,18 @@ class Case:
         return Alternating(["l0", "l1", "l2", "head"], every=2)
 
 
-CASES = {c.name: c for c in [
-    Case("offload", "offload", "offload", "alternating"),
-    Case("drop", "drop", "drop", "lisa"),
-    Case("accum3_fp32_wire", "offload", "offload", "alternating", accumulation=3, allreduce_dtype="float32"),
-    Case("accum2", "drop", "drop", "lisa", accumulation=2),
-    Case("accum2_fp32_wire_view", "drop", "drop", "lisa", accumulation=2, allreduce_dtype="float32",
-         bucket_view=True),
-]}
+CASES = {
+    c.name: c
+    for c in [
+        Case("offload", "offload", "offload", "alternating"),
+        Case("drop", "drop", "drop", "lisa"),
+        Case("accum3_fp32_wire", "offload", "offload", "alternating", accumulation=3, allreduce_dtype="float32"),
+        Case("accum2", "drop", "drop", "lisa", accumulation=2),
+        Case(
+            "accum2_fp32_wire_view", "drop", "drop", "lisa", accumulation=2, allreduce_dtype="float32", bucket_view=True
+        ),
+    ]
+}
 #: the cases run at each world size (4 ranks on 2 CI cores are slow: the fp32-wire accumulation only)
 CASES_AT = {2: list(CASES), 4: ["offload", "drop", "accum3_fp32_wire"]}
 
@@ -89,8 +93,13 @@ CASES_AT = {2: list(CASES), 4: ["offload", "drop", "accum3_fp32_wire"]}
 def build_model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-        nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, OUT_FEATURES),
+        nn.Linear(IN_FEATURES, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 24),
+        nn.Tanh(),
+        nn.Linear(24, OUT_FEATURES),
     ).to(torch.bfloat16)
 
 
@@ -110,11 +119,14 @@ class Run:
         self.case, self.distributed, self.world = case, distributed, world
         self.model = build_model(seed)
         self.groups = ParamGroups(self.model, GROUPS)
-        self.optimizer = PrecisionOptimizer(self.groups, ADAMW, storage_dtype=torch.bfloat16,
-                                            master_policy=case.master_policy,
-                                            state_policy=case.state_policy,
-                                            allreduce_dtype=getattr(torch, case.allreduce_dtype)
-                                            if case.allreduce_dtype else None)
+        self.optimizer = PrecisionOptimizer(
+            self.groups,
+            ADAMW,
+            storage_dtype=torch.bfloat16,
+            master_policy=case.master_policy,
+            state_policy=case.state_policy,
+            allreduce_dtype=getattr(torch, case.allreduce_dtype) if case.allreduce_dtype else None,
+        )
         self.switcher = PhaseSwitcher(self.groups, case.build_schedule(), optimizer=self.optimizer)
         self.switcher.step_to(0)
         self.wrapped: nn.Module = self.model
@@ -134,13 +146,16 @@ class Run:
                     x, y = batch(step, rank, self.world, micro)
                     F.mse_loss(self.wrapped(x), y).backward()
         else:
-            assert self.case.accumulation == 1 and self.case.allreduce_dtype is None, "reference() covers these"  # what DDP computes: per-shard bf16 grads, each / world in bf16, summed
+            assert self.case.accumulation == 1 and self.case.allreduce_dtype is None, (
+                "reference() covers these"
+            )  # what DDP computes: per-shard bf16 grads, each / world in bf16, summed
             shards = []
             for r in range(self.world):
                 x, y = batch(step, r, self.world)
                 F.mse_loss(self.model(x), y).backward()
-                shards.append({n: p.grad.div(self.world) for n, p in self.model.named_parameters()
-                               if p.grad is not None})
+                shards.append(
+                    {n: p.grad.div(self.world) for n, p in self.model.named_parameters() if p.grad is not None}
+                )
                 self.optimizer.zero_grad(set_to_none=True)
             for n, p in self.model.named_parameters():
                 if n in shards[0]:
@@ -153,13 +168,18 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         sent = self.counter.end_step() if self.counter is not None else None
         self.switcher.step_to(step + 1)
-        return {"bytes": sent, "trainable_numel": trainable,
-                "master_bytes": self.optimizer.master_bytes()}
+        return {"bytes": sent, "trainable_numel": trainable, "master_bytes": self.optimizer.master_bytes()}
 
     def state(self) -> bytes:
         buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "switcher": self.switcher.state_dict()}, buf)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "switcher": self.switcher.state_dict(),
+            },
+            buf,
+        )
         return buf.getvalue()
 
     def load(self, blob: bytes, step: int) -> None:
@@ -221,8 +241,7 @@ def reference(case: Case, world: int) -> nn.Module:
     """
     model = build_model()
     schedule = case.build_schedule()
-    members = {g: [p for n, p in model.named_parameters() if n.startswith(pat[:-1])]
-               for g, pat in GROUPS.items()}
+    members = {g: [p for n, p in model.named_parameters() if n.startswith(pat[:-1])] for g, pat in GROUPS.items()}
     masters: dict[str, list[torch.Tensor]] = {}
     optims: dict[str, torch.optim.Optimizer] = {}
     active: frozenset[str] = frozenset()

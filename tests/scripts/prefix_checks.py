@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tests.scripts, tests.support: however the script is started
     sys.path.insert(0, str(REPO))
 
-from tests.support.digests import state_sha  # noqa: E402
 from tests.scripts.accelerate_checks import ListTracker  # noqa: E402
+from tests.support.digests import state_sha  # noqa: E402
 from tests.support.models import TinyEncoder  # noqa: E402
 
 N, SEQ, BATCH, LAYERS, EPOCHS = 32, 6, 4, 4, 6
@@ -51,8 +51,7 @@ DROPOUT = 0.1
 
 def schedule(kind: str) -> Schedule:
     if kind == "gradual":
-        return GradualUnfreeze(["emb", "layer0", "layer1", "layer2", "layer3"], every=2, unit="epoch",
-                               always=["head"])
+        return GradualUnfreeze(["emb", "layer0", "layer1", "layer2", "layer3"], every=2, unit="epoch", always=["head"])
     return ProgressiveFreeze(["emb", "layer0", "layer1"], every=2, unit="epoch", always=["layer2", "layer3", "head"])
 
 
@@ -62,11 +61,20 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y, torch.arange(N))  # the index travels with the sample
 
 
-def setup(kind: str, option: FrozenPrefix, ga: int, shard: bool = True,
-          ) -> tuple[PhasedAccelerator, Any, Any, Any, ListTracker]:
+def setup(
+    kind: str,
+    option: FrozenPrefix,
+    ga: int,
+    shard: bool = True,
+) -> tuple[PhasedAccelerator, Any, Any, Any, ListTracker]:
     tracker = ListTracker()
-    acc = PhasedAccelerator(schedule(kind), frozen_prefix=option, gradient_accumulation_steps=ga,
-                            log_with=[tracker], dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    acc = PhasedAccelerator(
+        schedule(kind),
+        frozen_prefix=option,
+        gradient_accumulation_steps=ga,
+        log_with=[tracker],
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     acc.init_trackers(kind)
     torch.manual_seed(0)
     model = TinyEncoder(layers=LAYERS, dropout=DROPOUT)
@@ -75,16 +83,18 @@ def setup(kind: str, option: FrozenPrefix, ga: int, shard: bool = True,
         sampler = ShardSampler(N, acc.num_processes, acc.process_index, seed=5)
         ddp, opt = acc.prepare(model, opt)
         # its own generator: iterating must not draw from the global RNG the dropout uses (resume)
-        loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=sampler,
-                                             generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(
+            dataset(), batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(0)
+        )
         return acc, ddp, opt, loader, tracker
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=True)
     ddp, opt, loader = acc.prepare(model, opt, loader)
     return acc, ddp, opt, loader, tracker
 
 
-def run_epochs(acc: PhasedAccelerator, ddp: Any, opt: Any, loader: Any, start: int = 0, skip: int = 0,
-               save: Optional[Path] = None) -> None:
+def run_epochs(
+    acc: PhasedAccelerator, ddp: Any, opt: Any, loader: Any, start: int = 0, skip: int = 0, save: Optional[Path] = None
+) -> None:
     """The stock Accelerate loop; the batch's third tensor is the dataset index."""
     for epoch in range(start, EPOCHS):
         acc.set_epoch(epoch)
@@ -104,8 +114,10 @@ def run_epochs(acc: PhasedAccelerator, ddp: Any, opt: Any, loader: Any, start: i
 def records(acc: PhasedAccelerator) -> list[dict[str, Any]]:
     assert acc.frozen_prefix is not None
     cache = acc.frozen_prefix
-    return [{"depth": r.depth, "hit": r.hit_samples, "miss": r.miss_samples, "memory_bytes": r.memory_bytes}
-            for r in [*cache.records, cache.record]]
+    return [
+        {"depth": r.depth, "hit": r.hit_samples, "miss": r.miss_samples, "memory_bytes": r.memory_bytes}
+        for r in [*cache.records, cache.record]
+    ]
 
 
 def equivalence(kind: str, ga: int, shard: bool = True) -> dict[str, Any]:
@@ -136,16 +148,24 @@ def resume(out_dir: Path, option: FrozenPrefix) -> dict[str, Any]:
     acc, ddp, opt, loader, _ = setup("progressive", option, 1)
     acc.load_state(str(ckpt))  # restores the RNG states too
     run_epochs(acc, ddp, opt, loader, start=SAVE_EPOCH, skip=SAVE_BATCH)
-    result = {"uninterrupted_sha": uninterrupted, "resumed_sha": state_sha(acc.unwrap_model(ddp)),
-              "records_uninterrupted": held_at_end, "records_resumed": records(acc)}
+    result = {
+        "uninterrupted_sha": uninterrupted,
+        "resumed_sha": state_sha(acc.unwrap_model(ddp)),
+        "records_uninterrupted": held_at_end,
+        "records_resumed": records(acc),
+    }
     acc.free_memory(ddp, opt)
     return result
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    result = {"progressive": equivalence("progressive", ga=2), "gradual": equivalence("gradual", ga=1),
-              "global_shuffle": equivalence("progressive", ga=1, shard=False), "resume": resume(out_dir, FrozenPrefix())}
+    result = {
+        "progressive": equivalence("progressive", ga=2),
+        "gradual": equivalence("gradual", ga=1),
+        "global_shuffle": equivalence("progressive", ga=1, shard=False),
+        "resume": resume(out_dir, FrozenPrefix()),
+    }
     write_rank_result(out_dir, result)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -43,8 +43,9 @@ def main() -> None:
     out["settle_all_agree"] = _outcome(lambda: list(settle(None, A, 7, None, None)))
     out["settle_last_disagrees"] = _outcome(lambda: list(settle(None, B if rank == last else A, 7, None, None)))
     out["settle_first_disagrees"] = _outcome(lambda: list(settle(None, B if rank == 0 else A, 7, None, None)))
-    out["settle_other_step"] = _outcome(lambda: list(settle(None, B if rank == 1 else A, 8 if rank == 1 else 7,
-                                                           None, None)))
+    out["settle_other_step"] = _outcome(
+        lambda: list(settle(None, B if rank == 1 else A, 8 if rank == 1 else 7, None, None))
+    )
     out["settle_one_refuses"] = _outcome(lambda: list(settle(None, A, 7, "busy" if rank == 1 else None, None)))
     out["settle_all_refuse"] = _outcome(lambda: list(settle(None, A, 7, f"busy on {rank}", None)))
     out["settle_one_fails"] = _outcome(lambda: list(settle(None, A, 7, None, "OOM" if rank == last else None)))

@@ -24,10 +24,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from hf_altparams.engine.shutdown import shutdown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hf_altparams.engine.shutdown import shutdown
 from hf_altparams.testing.launch import free_port, write_rank_result
 
 

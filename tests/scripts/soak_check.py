@@ -46,8 +46,15 @@ from hf_altparams.testing.launch import write_rank_result
 
 BLOCKS = ["b0", "b1", "b2", "b3"]
 SPECS = {"trunk": "trunk.*", **{b: f"blocks.{b[1]}.*" for b in BLOCKS}, "t0": "t0.*", "t1": "t1.*"}
-POLICY: dict[str, StatePolicy] = {"trunk": "keep", "b0": "offload", "b1": "drop", "b2": "offload", "b3": "drop",
-                                  "t0": "offload", "t1": "drop"}
+POLICY: dict[str, StatePolicy] = {
+    "trunk": "keep",
+    "b0": "offload",
+    "b1": "drop",
+    "b2": "offload",
+    "b3": "drop",
+    "t0": "offload",
+    "t1": "drop",
+}
 
 
 class SoakNet(nn.Module):
@@ -120,8 +127,9 @@ def main() -> None:
     acc = PhasedAccelerator(random_schedule(args.seed), log_switches=False)
     torch.manual_seed(0)
     model = SoakNet()
-    opt = GroupedOptimizer(ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=1e-3),
-                           state_policy=POLICY)
+    opt = GroupedOptimizer(
+        ParamGroups(model, SPECS), functools.partial(torch.optim.AdamW, lr=1e-3), state_policy=POLICY
+    )
     ddp, opt = acc.prepare(model, opt)
     gen = torch.Generator().manual_seed(1000 + acc.process_index)  # each rank its own data
     batches = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(16)]
@@ -146,18 +154,22 @@ def main() -> None:
     seconds = time.perf_counter() - started
     if not rss or rss[-1][0] != history.count:
         rss.append((history.count, settled_rss()))
-    write_rank_result(Path(args.out), {
-        "digest": digest(model.state_dict(), opt.state_dict()),
-        "steps": steps,
-        "switches": history.count,
-        "records_kept": len(acc.switch_records),
-        "window": history.window,
-        "phase_kinds_per_step": dict(kinds),
-        "switch_seconds_total": history.seconds,
-        "seconds_total": seconds,
-        "rss_samples": rss,
-        "rss_growth_after_warmup": rss[-1][1] - rss[0][1],
-    }, rank=acc.process_index)
+    write_rank_result(
+        Path(args.out),
+        {
+            "digest": digest(model.state_dict(), opt.state_dict()),
+            "steps": steps,
+            "switches": history.count,
+            "records_kept": len(acc.switch_records),
+            "window": history.window,
+            "phase_kinds_per_step": dict(kinds),
+            "switch_seconds_total": history.seconds,
+            "seconds_total": seconds,
+            "rss_samples": rss,
+            "rss_growth_after_warmup": rss[-1][1] - rss[0][1],
+        },
+        rank=acc.process_index,
+    )
     acc.end_training()
 
 

@@ -59,8 +59,10 @@ class Expected(TrainerCallback):
 
 
 def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) -> dict[str, Any]:
@@ -70,10 +72,14 @@ def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) ->
     expected = Expected(freeze)
     saving = {"save_strategy": "steps", "save_steps": SAVE_AT} if save else {}
     fresh_accelerator_state()  # the Trainer's Accelerator reads its own FSDP plugin (or none)
-    args = arguments(out / ("fsdp2" if fsdp else "ddp"), max_steps=STEPS, use_cpu=not torch.cuda.is_available(),
-                     **(FSDP if fsdp else {}), **saving)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64 * STEPS),
-                      callbacks=[freeze, expected])
+    args = arguments(
+        out / ("fsdp2" if fsdp else "ddp"),
+        max_steps=STEPS,
+        use_cpu=not torch.cuda.is_available(),
+        **(FSDP if fsdp else {}),
+        **saving,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64 * STEPS), callbacks=[freeze, expected])
     if fsdp and not trainer.is_fsdp_enabled:  # CPU ranks, or a single GPU: Accelerate skips FSDP
         use_accelerate_fsdp2(trainer.accelerator, FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
         trainer.is_fsdp_enabled = True
@@ -82,15 +88,24 @@ def run(out: Path, fsdp: bool, save: bool = False, resume: str | None = None) ->
     class Sums(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             groups = freeze.groups
-            sums.append({g: sha([p.full_tensor() if hasattr(p, "full_tensor") else p for p in groups.params(g)])
-                         for g in groups.names})
+            sums.append(
+                {
+                    g: sha([p.full_tensor() if hasattr(p, "full_tensor") else p for p in groups.params(g)])
+                    for g in groups.names
+                }
+            )
 
     trainer.add_callback(Sums())
     trainer.train(resume_from_checkpoint=resume)
     params = full(trainer.model)
-    return {"params": params, "sums": sums, "counted": freeze.comm.history if freeze.comm else None,
-            "expected": expected.per_step, "sharded": type(trainer.model).__name__.startswith("FSDP"),
-            "phases": [r.phase for r in freeze.records]}
+    return {
+        "params": params,
+        "sums": sums,
+        "counted": freeze.comm.history if freeze.comm else None,
+        "expected": expected.per_step,
+        "sharded": type(trainer.model).__name__.startswith("FSDP"),
+        "phases": [r.phase for r in freeze.records],
+    }
 
 
 def check(out: Path) -> dict[str, Any]:
@@ -119,8 +134,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     trainer = check(out)
     (out / "accelerate").mkdir(exist_ok=True)
-    write_rank_result(out, {"trainer": trainer, "accelerate": accelerate_check(str(out / "accelerate"))},
-                      rank=dist.get_rank())
+    write_rank_result(
+        out, {"trainer": trainer, "accelerate": accelerate_check(str(out / "accelerate"))}, rank=dist.get_rank()
+    )
 
 
 if __name__ == "__main__":

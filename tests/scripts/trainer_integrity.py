@@ -76,8 +76,9 @@ def caught(call: Callable[[], Any]) -> dict[str, Any]:
     return {"type": None, "message": ""}
 
 
-def trainer(out: Path, model: nn.Module, freeze: AlternatingFreeze, *extra: TrainerCallback,
-            **overrides: Any) -> Trainer:
+def trainer(
+    out: Path, model: nn.Module, freeze: AlternatingFreeze, *extra: TrainerCallback, **overrides: Any
+) -> Trainer:
     fresh_accelerator_state()  # the Trainer's Accelerator reads its own FSDP plugin (or none)
     args = arguments(out, **{"max_steps": 3, "gradient_accumulation_steps": 1, **overrides})
     built = Trainer(model=model, args=args, train_dataset=TokenDataset(64), callbacks=[freeze, *extra])
@@ -96,8 +97,7 @@ def drifting(out: Path, options: dict[str, Any], **overrides: Any) -> dict[str, 
 
 
 def swapped_layers(model: nn.Module) -> ParamGroups:
-    return ParamGroups(model, {"layer0": "bert.encoder.layer.1.*", "layer1": "bert.encoder.layer.0.*",
-                               **EXTRA_GROUPS})
+    return ParamGroups(model, {"layer0": "bert.encoder.layer.1.*", "layer1": "bert.encoder.layer.0.*", **EXTRA_GROUPS})
 
 
 def resumes(out: Path) -> dict[str, Any]:
@@ -106,15 +106,21 @@ def resumes(out: Path) -> dict[str, Any]:
     trainer(saved, tiny_bert(), AlternatingFreeze(groups_of, schedule), save_strategy="steps", save_steps=2).train()
     dist.barrier()
     checkpoint = saved / "checkpoint-2"
-    other = caught(lambda: trainer(out / "other", tiny_bert(), AlternatingFreeze(swapped_layers, schedule))
-                   .train(resume_from_checkpoint=str(checkpoint)))
+    other = caught(
+        lambda: trainer(out / "other", tiny_bert(), AlternatingFreeze(swapped_layers, schedule)).train(
+            resume_from_checkpoint=str(checkpoint)
+        )
+    )
     damaged = out / "damaged" / "checkpoint-2"
     if dist.get_rank() == 0:
         shutil.copytree(checkpoint, damaged)
         os.remove(damaged / "optimizer.pt")
     dist.barrier()
-    no_optimizer = caught(lambda: trainer(out / "damaged_run", tiny_bert(), AlternatingFreeze(groups_of, schedule))
-                          .train(resume_from_checkpoint=str(damaged)))
+    no_optimizer = caught(
+        lambda: trainer(out / "damaged_run", tiny_bert(), AlternatingFreeze(groups_of, schedule)).train(
+            resume_from_checkpoint=str(damaged)
+        )
+    )
     return {"other_groups": other, "no_optimizer_file": no_optimizer}
 
 
@@ -130,20 +136,26 @@ def unreached(out: Path) -> dict[str, Any]:
     config = tiny_bert().config
     torch.manual_seed(0)
     model = WithAux(config)
-    freeze = AlternatingFreeze({"aux": "aux.*", "head": ["bert.pooler.*", "classifier.*"]},
-                               Alternating(["aux", "head"]))
+    freeze = AlternatingFreeze(
+        {"aux": "aux.*", "head": ["bert.pooler.*", "classifier.*"]}, Alternating(["aux", "head"])
+    )
     return {"error": caught(lambda: trainer(out, model, freeze).train())}
 
 
 def full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def fsdp2_run(out: Path, resume: str | None = None) -> dict[str, torch.Tensor]:
     model = tiny_bert(layers=6)
-    freeze = AlternatingFreeze(layers="bert.encoder.layer", extra=EXTRA_GROUPS,
-                               schedule=GradualUnfreeze(["layer4", "layer5"], every=2, always=["head"]))
+    freeze = AlternatingFreeze(
+        layers="bert.encoder.layer",
+        extra=EXTRA_GROUPS,
+        schedule=GradualUnfreeze(["layer4", "layer5"], every=2, always=["head"]),
+    )
     built = trainer(out, model, freeze, max_steps=6, save_strategy="steps", save_steps=2, **FSDP)
     built.train(resume_from_checkpoint=resume)
     return full(built.model)
@@ -159,8 +171,12 @@ def fsdp2_resume_save(out: Path) -> dict[str, Any]:
     first = caught(lambda: resume("first", out / "uninterrupted" / "checkpoint-2"))  # saves at 4 and 6
     second = caught(lambda: resume("second", out / "first" / "checkpoint-4"))
     equal = {name: all(torch.equal(got[n], p) for n, p in reference.items()) for name, got in resumed.items()}
-    return {"first_resume": first, "second_resume": second, "bitwise_equal": equal,
-            "checkpoints_of_first": sorted(p.name for p in (out / "first").glob("checkpoint-*"))}
+    return {
+        "first_resume": first,
+        "second_resume": second,
+        "bitwise_equal": equal,
+        "checkpoints_of_first": sorted(p.name for p in (out / "first").glob("checkpoint-*")),
+    }
 
 
 def main() -> None:

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
-from hf_altparams.errors import SwitchError
 from hf_altparams.engine.shutdown import shutdown
+from hf_altparams.errors import SwitchError
 from hf_altparams.integrations.trainer import AlternatingFreeze, grouped_optimizer
 from hf_altparams.plan.groups import ParamGroups
 from hf_altparams.plan.schedules import Alternating, PhaseSequence
@@ -66,9 +66,16 @@ SEQ_LEN = 12
 def tiny_bert(layers: int = 2) -> BertForSequenceClassification:
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=SEQ_LEN, type_vocab_size=1,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ_LEN,
+        type_vocab_size=1,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
     )
     return BertForSequenceClassification(config)
 
@@ -85,8 +92,11 @@ class TokenDataset(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long),
-                "labels": self.labels[i]}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long),
+            "labels": self.labels[i],
+        }
 
 
 def sha(tensors: list[torch.Tensor]) -> str:
@@ -118,8 +128,9 @@ class Recorder(TrainerCallback):
         self.sums.append(self.snapshot())
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        self.logs.append({"step": state.global_step, **{k: v for k, v in (logs or {}).items()
-                                                         if isinstance(v, (int, float, str))}})
+        self.logs.append(
+            {"step": state.global_step, **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float, str))}}
+        )
 
 
 class PlainUnfreeze(TrainerCallback):
@@ -140,18 +151,36 @@ def arguments(out: Path, **overrides: Any) -> TrainingArguments:
         key = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
         overrides[key] = True
     base: dict[str, Any] = dict(
-        output_dir=str(out), max_steps=MAIN_STEPS, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, ddp_find_unused_parameters=False, seed=0, disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=MAIN_STEPS,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        ddp_find_unused_parameters=False,
+        seed=0,
+        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     base.update(overrides)
     return TrainingArguments(**base)
 
 
-def run(name: str, out_dir: Path, *, schedule: Any = None, resume: str | None = None,
-        optimizer_fn: Any = None, naive_unfreeze_at: int | None = None, evaluate_first: bool = False,
-        bf16_model: bool = False, **overrides: Any) -> dict[str, Any]:
+def run(
+    name: str,
+    out_dir: Path,
+    *,
+    schedule: Any = None,
+    resume: str | None = None,
+    optimizer_fn: Any = None,
+    naive_unfreeze_at: int | None = None,
+    evaluate_first: bool = False,
+    bf16_model: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
     model = tiny_bert().to(torch.bfloat16) if bf16_model else tiny_bert()
     groups = groups_of(model)
     callbacks: list[TrainerCallback] = []
@@ -171,8 +200,14 @@ def run(name: str, out_dir: Path, *, schedule: Any = None, resume: str | None = 
     callbacks.append(recorder)
     args = arguments(out_dir / name, **overrides)
     data = TokenDataset(64 * MAIN_STEPS)
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks, optimizers=optimizers,
-                      eval_dataset=TokenDataset(16, seed=1) if evaluate_first else None)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        callbacks=callbacks,
+        optimizers=optimizers,
+        eval_dataset=TokenDataset(16, seed=1) if evaluate_first else None,
+    )
     if evaluate_first:
         trainer.evaluate()
         try:
@@ -190,8 +225,13 @@ def run(name: str, out_dir: Path, *, schedule: Any = None, resume: str | None = 
     if freeze is not None:
         result["comm"] = freeze.comm.history if freeze.comm is not None else None
         result["records"] = [
-            {"step": r.step, "phase": r.phase, "rebuilt_ddp": r.rebuilt_ddp,
-             "allreduce_bytes_per_step": r.allreduce_bytes_per_step, "seconds": r.seconds}
+            {
+                "step": r.step,
+                "phase": r.phase,
+                "rebuilt_ddp": r.rebuilt_ddp,
+                "allreduce_bytes_per_step": r.allreduce_bytes_per_step,
+                "seconds": r.seconds,
+            }
             for r in freeze.records
         ]
         result["find_unused_parameters"] = freeze.find_unused_parameters
@@ -205,23 +245,46 @@ def main() -> None:
     main_schedule = PhaseSequence([(g, n) for g, n in MAIN_PHASES])
     results["main"] = run("main", out_dir, schedule=main_schedule, save_strategy="steps", save_steps=SAVE_STEPS)
     dist.barrier()
-    results["resume"] = run("resume", out_dir, schedule=PhaseSequence([(g, n) for g, n in MAIN_PHASES]),
-                            resume=str(out_dir / "main" / f"checkpoint-{SAVE_STEPS}"),
-                            save_strategy="steps", save_steps=SAVE_STEPS)
-    results["bf16_gc"] = run("bf16_gc", out_dir, schedule=Alternating(["layer1", "head"]), max_steps=4,
-                             gradient_accumulation_steps=1, bf16=True, checkpointing=True,
-                             ddp_find_unused_parameters=True)
-    results["grouped"] = run("grouped", out_dir, schedule=Alternating({"layer0": 1, "head": 2}), max_steps=4,
-                             optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, weight_decay=0.01,
-                                                                      state_policy="offload"))
+    results["resume"] = run(
+        "resume",
+        out_dir,
+        schedule=PhaseSequence([(g, n) for g, n in MAIN_PHASES]),
+        resume=str(out_dir / "main" / f"checkpoint-{SAVE_STEPS}"),
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+    )
+    results["bf16_gc"] = run(
+        "bf16_gc",
+        out_dir,
+        schedule=Alternating(["layer1", "head"]),
+        max_steps=4,
+        gradient_accumulation_steps=1,
+        bf16=True,
+        checkpointing=True,
+        ddp_find_unused_parameters=True,
+    )
+    results["grouped"] = run(
+        "grouped",
+        out_dir,
+        schedule=Alternating({"layer0": 1, "head": 2}),
+        max_steps=4,
+        optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, weight_decay=0.01, state_policy="offload"),
+    )
     results["bf16_fp32_wire"] = run(
-        "bf16_fp32_wire", out_dir, schedule=Alternating({"layer0": 1, "head": 2}), max_steps=4, bf16_model=True,
-        optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, allreduce_dtype=torch.float32))
+        "bf16_fp32_wire",
+        out_dir,
+        schedule=Alternating({"layer0": 1, "head": 2}),
+        max_steps=4,
+        bf16_model=True,
+        optimizer_fn=lambda g: grouped_optimizer(g, lr=1e-3, allreduce_dtype=torch.float32),
+    )
     results["naive"] = run("naive", out_dir, naive_unfreeze_at=2, max_steps=5)
-    results["eval_first"] = run("eval_first", out_dir, schedule=Alternating(["head", "layer1"]), max_steps=2,
-                                evaluate_first=True)
-    write_rank_result(out_dir, {"world_size": dist.get_world_size(), "scenarios": results,
-                                "pid": os.getpid()}, rank=dist.get_rank())
+    results["eval_first"] = run(
+        "eval_first", out_dir, schedule=Alternating(["head", "layer1"]), max_steps=2, evaluate_first=True
+    )
+    write_rank_result(
+        out_dir, {"world_size": dist.get_world_size(), "scenarios": results, "pid": os.getpid()}, rank=dist.get_rank()
+    )
     dist.barrier()
     shutdown()  # gloo threads finish, then the group goes (see hf_altparams.engine.shutdown)
 

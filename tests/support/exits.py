@@ -57,8 +57,14 @@ def _one_run(mode: str, env: dict[str, str], timeout: float) -> tuple[bool, Opti
     procs = []
     for rank in range(2):
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-        procs.append(subprocess.Popen([sys.executable, str(script_path("exit_check.py")), mode], env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script_path("exit_check.py")), mode],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outputs, codes = [], []
     for proc in procs:
         try:
@@ -109,5 +115,3 @@ def repeat_exits(mode: str, runs: int, *, load: int = 0, timeout: float = 120.0)
             burner.join(timeout=5)
     tally.seconds = time.perf_counter() - started
     return tally
-
-

@@ -18,8 +18,7 @@ from torch import nn
 from hf_altparams.engine.backend import Backend
 from hf_altparams.engine.driver import PhaseSource
 from hf_altparams.engine.memory import StatePolicy
-from hf_altparams.engine.strategies import (Capabilities, Collective, Placement, Pricing, Strategy, register,
-                                            unregister)
+from hf_altparams.engine.strategies import Capabilities, Collective, Placement, Pricing, Strategy, register, unregister
 from hf_altparams.plan import ParamGroups
 
 
@@ -81,8 +80,9 @@ class FakeOwner:
         phase = None if self.source is None else self.source.current
         return frozenset(self.groups.names) if phase is None else frozenset(phase.trainable)
 
-    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self, source: PhaseSource, idle_state: Optional[StatePolicy] = None, idle_master: Optional[StatePolicy] = None
+    ) -> None:
         self.source = source
 
     def enter_phase(self, trainable: Iterable[str]) -> None:
@@ -106,10 +106,16 @@ class FakeStrategy(Strategy):
     name = "fake"
     aliases = ("fake-zero",)
     label = "Fake"
-    capabilities = Capabilities(wraps_module=True, synchronises_gradients=True, owns_optimizer_state=True,
-                                per_task_residency=False)
-    pricing = Pricing(optimizer_state=Placement.SHARDED, masters=Placement.SHARDED, buckets=True,
-                      collective=Collective.ALL_REDUCE, compare_with="ddp")
+    capabilities = Capabilities(
+        wraps_module=True, synchronises_gradients=True, owns_optimizer_state=True, per_task_residency=False
+    )
+    pricing = Pricing(
+        optimizer_state=Placement.SHARDED,
+        masters=Placement.SHARDED,
+        buckets=True,
+        collective=Collective.ALL_REDUCE,
+        compare_with="ddp",
+    )
 
     def __init__(self) -> None:
         self.backends: list[FakeBackend] = []

@@ -17,7 +17,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["NO_FRAMES", "block_groups", "diff_groups", "site", "snapshot", "start_recording", "stop_recording", "top_groups"]
+__all__ = [
+    "NO_FRAMES",
+    "block_groups",
+    "diff_groups",
+    "site",
+    "snapshot",
+    "start_recording",
+    "stop_recording",
+    "top_groups",
+]
 
 #: The group of blocks without a recorded stack (allocated before recording, or from C++ only).
 NO_FRAMES = "<no Python frames: allocated before recording started, or by a C++ thread (autograd's device thread)>"
@@ -63,8 +72,9 @@ def block_groups(snap: dict[str, Any], depth: int = 2) -> dict[str, dict[str, in
     return groups
 
 
-def diff_groups(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]],
-                top: int = 10) -> list[dict[str, Any]]:
+def diff_groups(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], top: int = 10
+) -> list[dict[str, Any]]:
     """The sites whose live bytes changed from ``before`` to ``after``, largest change first (``top`` of them).
 
     Example:

@@ -122,8 +122,12 @@ class ModelStateMeter:
         0
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 device_type: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        device_type: Optional[str] = None,
+    ) -> None:
         self.model, self.optimizer = model, optimizer
         self.device_type = device_type
         self.buckets: dict[int, torch.Tensor] = {}

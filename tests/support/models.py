@@ -45,9 +45,18 @@ class TwoHalves(nn.Module):
         return second(torch.tanh(first(x)))
 
 
-def llama_decoder(layers: int = 2, hidden: int = 64, intermediate: int = 172, heads: int = 4, vocab: int = 256,
-                  *, max_positions: int = 4096, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                  seed: int = 0) -> nn.Module:
+def llama_decoder(
+    layers: int = 2,
+    hidden: int = 64,
+    intermediate: int = 172,
+    heads: int = 4,
+    vocab: int = 256,
+    *,
+    max_positions: int = 4096,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> nn.Module:
     """A Llama-style causal decoder from a transformers ``LlamaConfig`` (random weights).
 
     ``device="meta"`` builds it without memory (for the planner); ``**LLAMA_7B``
@@ -62,9 +71,16 @@ def llama_decoder(layers: int = 2, hidden: int = 64, intermediate: int = 172, he
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in `dtype` directly: no transient fp32 copy
@@ -111,8 +127,9 @@ class TinyEncoder(nn.Module):
         torch.Size([3, 4])
     """
 
-    def __init__(self, layers: int = 4, width: int = 16, vocab: int = 50, classes: int = 4,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, layers: int = 4, width: int = 16, vocab: int = 50, classes: int = 4, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embeddings = _Embeddings(vocab, width, dropout)
         self.layers = nn.ModuleList(_Block(width, dropout) for _ in range(layers))

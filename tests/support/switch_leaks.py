@@ -114,8 +114,11 @@ def _probe_hook(probe: BucketProbe, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 # DDP checks a hook's annotations are the real types (this module's annotations are strings).
-_probe_hook.__annotations__ = {"probe": BucketProbe, "bucket": dist.GradBucket,
-                               "return": torch.futures.Future[torch.Tensor]}
+_probe_hook.__annotations__ = {
+    "probe": BucketProbe,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 @dataclass
@@ -154,8 +157,9 @@ class FreedBySwitch:
         >>> # freed = FreedBySwitch(ddp); ...step...; freed.before(); switcher.step_to(s); freed.after(s)
     """
 
-    def __init__(self, ddp: DistributedDataParallel, probe: Optional[BucketProbe] = None,
-                 allowed_reducers: int = 0) -> None:
+    def __init__(
+        self, ddp: DistributedDataParallel, probe: Optional[BucketProbe] = None, allowed_reducers: int = 0
+    ) -> None:
         self.ddp = ddp
         self.probe = probe
         self.allowed = allowed_reducers
@@ -249,8 +253,9 @@ class NewStorages(TorchDispatchMode):
         super().__init__()
         self._refs: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         for tensor in _tensors(out):
@@ -319,9 +324,17 @@ class Alternation:
         >>> # rig = Alternation(size_mib=0.05); rig.iterate(0); rig.close()
     """
 
-    def __init__(self, *, size_mib: float = 0.05, gradient_as_bucket_view: bool = False, probe: bool = False,
-                 leak: Leak = "none", switcher_options: Optional[dict[str, Any]] = None,
-                 device: Optional[torch.device] = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        size_mib: float = 0.05,
+        gradient_as_bucket_view: bool = False,
+        probe: bool = False,
+        leak: Leak = "none",
+        switcher_options: Optional[dict[str, Any]] = None,
+        device: Optional[torch.device] = None,
+        seed: int = 0,
+    ) -> None:
         from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher
         from hf_altparams.plan import Alternating, ParamGroups
         from tests.support.models import TwoHalves
@@ -334,15 +347,19 @@ class Alternation:
         self.model = TwoHalves(size_mib, names=("a", "b")).to(self.device)
         groups = ParamGroups(self.model, {"a": "a.*", "b": "b.*"})
         self.optimizer = GroupedOptimizer(groups, lambda params: torch.optim.Adam(params, lr=1e-3))
-        self.switcher = PhaseSwitcher(groups, Alternating(["a", "b"]), optimizer=self.optimizer,
-                                      **(switcher_options or {}))
+        self.switcher = PhaseSwitcher(
+            groups, Alternating(["a", "b"]), optimizer=self.optimizer, **(switcher_options or {})
+        )
         self.switcher.step_to(0)
         kwargs: dict[str, Any] = {"gradient_as_bucket_view": gradient_as_bucket_view}
         if self.device.type == "cuda":
             kwargs["device_ids"] = [self.device.index]
         self.ddp = DistributedDataParallel(self.model, **kwargs)
-        self.probe = BucketProbe(keep=leak == "buckets") if probe or (leak == "buckets" and
-                                                                       not gradient_as_bucket_view) else None
+        self.probe = (
+            BucketProbe(keep=leak == "buckets")
+            if probe or (leak == "buckets" and not gradient_as_bucket_view)
+            else None
+        )
         if self.probe is not None:
             self.probe.register(self.ddp)
         self.switcher.attach(self.ddp)
@@ -386,14 +403,25 @@ class GuardReport:
     graced: int  # switches after which a bucket storage outlived the switch briefly (a gloo thread)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"switches": self.switches, "census_warm": list(self.census_warm),
-                "census_end": list(self.census_end), "kept": [list(k) for k in self.kept],
-                "windows": list(self.windows), "graced": self.graced}
+        return {
+            "switches": self.switches,
+            "census_warm": list(self.census_warm),
+            "census_end": list(self.census_end),
+            "kept": [list(k) for k in self.kept],
+            "windows": list(self.windows),
+            "graced": self.graced,
+        }
 
 
-def guard_alternation(rig: Alternation, *, warmup: int = 6, census_switches: int = 40,
-                      windows: tuple[int, int] = (6, 16), allowed_reducers: int = 0,
-                      grace_s: float = 2.0) -> GuardReport:
+def guard_alternation(
+    rig: Alternation,
+    *,
+    warmup: int = 6,
+    census_switches: int = 40,
+    windows: tuple[int, int] = (6, 16),
+    allowed_reducers: int = 0,
+    grace_s: float = 2.0,
+) -> GuardReport:
     """Run ``rig`` and fail (:class:`SwitchLeakError`) on anything a switch leaves behind.
 
     1. After every switch: the old reducer, its logger and its bucket storages
@@ -408,8 +436,10 @@ def guard_alternation(rig: Alternation, *, warmup: int = 6, census_switches: int
     count.
     """
     if census_switches % 2 or any(w % 2 for w in windows) or windows[0] == windows[1]:
-        raise ValueError(f"the switch counts must be even (the same phase at both ends) and the windows differ; "
-                         f"got census_switches={census_switches}, windows={windows}")
+        raise ValueError(
+            f"the switch counts must be even (the same phase at both ends) and the windows differ; "
+            f"got census_switches={census_switches}, windows={windows}"
+        )
     freed = FreedBySwitch(rig.ddp, rig.probe, allowed_reducers)
     rig.on_before_switch = freed.before
     step = 0
@@ -437,13 +467,15 @@ def guard_alternation(rig: Alternation, *, warmup: int = 6, census_switches: int
         if census_end != census_warm:
             raise SwitchLeakError(
                 f"live tensors changed over {census_switches} switches after the warm-up: {census_warm[0]} "
-                f"storages of {census_warm[1]} B, then {census_end[0]} of {census_end[1]} B")
+                f"storages of {census_warm[1]} B, then {census_end[0]} of {census_end[1]} B"
+            )
         kept = [storages_kept(lambda count=count: run(count)) for count in windows]  # type: ignore[misc]
         if kept[0] != kept[1]:
             raise SwitchLeakError(
                 f"the storages created over {windows[0]} switches and still alive (C++ holders included): "
                 f"{kept[0][0]} of {kept[0][1]} B; over {windows[1]} switches: {kept[1][0]} of {kept[1][1]} B, "
-                f"about {(kept[1][1] - kept[0][1]) // (windows[1] - windows[0])} B more per switch")
+                f"about {(kept[1][1] - kept[0][1]) // (windows[1] - windows[0])} B more per switch"
+            )
     finally:
         rig.on_before_switch = None
         if enabled:

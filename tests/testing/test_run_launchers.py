@@ -34,8 +34,9 @@ def _alive(pid: int) -> bool:
 def test_a_rank_whose_launcher_died_first_is_stopped_too(tmp_path: Path) -> None:
     pid_file = tmp_path / "rank.pid"
     polls: list[int] = []
-    (done,), timed_out = run_launchers([[sys.executable, "-c", LAUNCHER, str(pid_file)]], launch_env(), timeout=120,
-                                       on_poll=lambda: polls.append(1))
+    (done,), timed_out = run_launchers(
+        [[sys.executable, "-c", LAUNCHER, str(pid_file)]], launch_env(), timeout=120, on_poll=lambda: polls.append(1)
+    )
     assert done.returncode == 1 and not timed_out and polls, done.stdout
     pid = int(pid_file.read_text())
     try:

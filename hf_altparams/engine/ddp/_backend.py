@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ...errors import SwitchError
+from ..backend import Backend
 from ..collective import any_rank_failed, is_distributed
 from . import _surgery as _ddp
 from ._reducer_cache import ReducerCache, why_not_cacheable
-from ..backend import Backend
 
 __all__ = ["DDPBackend", "backend_of", "free_reducer"]
 
 #: The backend driving each DDP wrapper (held weakly on both sides: neither keeps the other alive).
-_BACKENDS: "weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[DDPBackend]]" = weakref.WeakKeyDictionary()
+_BACKENDS: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.ref[DDPBackend]] = weakref.WeakKeyDictionary()
 
 
 class DDPBackend(Backend):
@@ -78,8 +78,10 @@ class DDPBackend(Backend):
         local = None
         if actual is not None and actual != wanted:
             extra, missing = sorted(actual - wanted), sorted(wanted - actual)
-            local = (f"buckets {len(extra)} parameter(s) the phase freezes (e.g. {extra[:3]}) and misses "
-                     f"{len(missing)} it trains (e.g. {missing[:3]})")
+            local = (
+                f"buckets {len(extra)} parameter(s) the phase freezes (e.g. {extra[:3]}) and misses "
+                f"{len(missing)} it trains (e.g. {missing[:3]})"
+            )
         if is_distributed(group):
             if any_rank_failed(group, local is not None) and local is None:
                 local = "matches here but not on another rank"
@@ -91,8 +93,10 @@ class DDPBackend(Backend):
 
     def precondition_error(self, *, in_accumulation_window: bool = False) -> str | None:
         if not in_accumulation_window and not self.ddp.require_backward_grad_sync:
-            return ("called inside `no_sync()` (a gradient-accumulation window): switch only at "
-                    "an optimizer-step boundary, after optimizer.step() and zero_grad()")
+            return (
+                "called inside `no_sync()` (a gradient-accumulation window): switch only at "
+                "an optimizer-step boundary, after optimizer.step() and zero_grad()"
+            )
         return self.hook_error() or _ddp.unfinished_reduction_error(self.ddp, self.inputs)
 
     def hook_error(self) -> str | None:

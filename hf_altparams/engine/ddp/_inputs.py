@@ -59,9 +59,7 @@ class ReducerInputs:
         #: ``named_modules()`` once: DDP assumes the module tree is fixed after wrapping.
         self.modules: list[tuple[str, nn.Module]] = list(module.named_modules())
 
-    def parameters(
-        self, ignore: AbstractSet[str]
-    ) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
+    def parameters(self, ignore: AbstractSet[str]) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
         """``(parameters, expect_sparse_gradient, index -> name)``, as DDP's two methods build them."""
         params: list[nn.Parameter] = []
         sparse: list[bool] = []
@@ -89,23 +87,36 @@ class ReducerInputs:
 
     def module_parameters(self, ignore: AbstractSet[str]) -> list[nn.Parameter]:
         """``[p for n, p in module.named_parameters() if n not in ignore]`` (DDP's ``_module_parameters``)."""
-        return [tensor for name, tensor in self._named("_parameters")
-                if name not in ignore and isinstance(tensor, nn.Parameter)]
+        return [
+            tensor
+            for name, tensor in self._named("_parameters")
+            if name not in ignore and isinstance(tensor, nn.Parameter)
+        ]
 
     def buffers(self, ignore: AbstractSet[str]) -> dict[str, torch.Tensor]:
         """``named_buffers()`` not in ``ignore``, in order (DDP's ``named_module_buffers``)."""
         return {name: tensor for name, tensor in self._named("_buffers") if name not in ignore}
 
-    def same_as(self, ignore: AbstractSet[str], parameters: Sequence[torch.Tensor], sparse: Sequence[bool],
-                names: Mapping[int, str], named_buffers: Mapping[str, torch.Tensor],
-                buffers: Sequence[torch.Tensor]) -> bool:
+    def same_as(
+        self,
+        ignore: AbstractSet[str],
+        parameters: Sequence[torch.Tensor],
+        sparse: Sequence[bool],
+        names: Mapping[int, str],
+        named_buffers: Mapping[str, torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+    ) -> bool:
         """Whether this builds exactly what DDP's own methods built (same tensors, flags, names, order)."""
         ours, our_sparse, our_names = self.parameters(ignore)
         our_buffers = self.buffers(ignore)
-        return (_same(ours, parameters) and our_sparse == list(sparse) and our_names == dict(names)
-                and list(our_buffers) == list(named_buffers)
-                and _same(list(our_buffers.values()), list(named_buffers.values()))
-                and _same(list(our_buffers.values()), buffers))
+        return (
+            _same(ours, parameters)
+            and our_sparse == list(sparse)
+            and our_names == dict(names)
+            and list(our_buffers) == list(named_buffers)
+            and _same(list(our_buffers.values()), list(named_buffers.values()))
+            and _same(list(our_buffers.values()), buffers)
+        )
 
     def clear_grads(self) -> None:
         """``p.grad = None`` for every parameter of the module."""
@@ -131,6 +142,7 @@ class ReducerInputs:
 #: --compare-inputs`` times both ways in one run; a way out if the fast path is suspected).
 fast_inputs = True
 
+
 class InputsVerdict:
     """Per wrapper: its :class:`ReducerInputs` once checked against DDP's own methods.
 
@@ -144,8 +156,9 @@ class InputsVerdict:
         self.inputs: Optional[ReducerInputs] = None
 
 
-def reducer_inputs(ddp: DistributedDataParallel, verdict: Optional[InputsVerdict] = None
-                   ) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
+def reducer_inputs(
+    ddp: DistributedDataParallel, verdict: Optional[InputsVerdict] = None
+) -> tuple[list[nn.Parameter], list[bool], dict[int, str]]:
     """What a new reducer is built over, for the current flags and ignore list; assigns the buffers.
 
     Returns what ``ddp._build_params_for_reducer()`` and
@@ -168,7 +181,8 @@ def reducer_inputs(ddp: DistributedDataParallel, verdict: Optional[InputsVerdict
     names = ddp._build_debug_param_to_name_mapping(parameters)
     if verdict is not None and fast_inputs and not verdict.checked and parameters:  # nothing trains: no verdict
         ours = ReducerInputs(ddp.module)
-        same = ours.same_as(ddp.parameters_to_ignore, parameters, list(sparse), names,
-                            ddp.named_module_buffers, ddp.modules_buffers)
+        same = ours.same_as(
+            ddp.parameters_to_ignore, parameters, list(sparse), names, ddp.named_module_buffers, ddp.modules_buffers
+        )
         verdict.checked, verdict.inputs = True, (ours if same else None)
     return parameters, sparse, names

@@ -39,8 +39,10 @@ PER_BUCKET_HOOK_STATE = ("error_dict", "p_memory_dict", "q_memory_dict")
 def check_keep_reducers(count: object) -> int:
     """Validate ``keep_reducers``: a whole number of idle reducers, 0 or more."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise PlanError(f"`keep_reducers` must be a whole number >= 0 (how many idle phases' DDP reducers "
-                        f"to keep; 0 keeps none, 1 suits two sets alternating), got {count!r}")
+        raise PlanError(
+            f"`keep_reducers` must be a whole number >= 0 (how many idle phases' DDP reducers "
+            f"to keep; 0 keeps none, 1 suits two sets alternating), got {count!r}"
+        )
     return count
 
 
@@ -85,7 +87,7 @@ class ReducerCache:
     def __init__(self, size: int) -> None:
         self.size = size
         self.hits = 0
-        self._kept: "OrderedDict[Hashable, _Kept]" = OrderedDict()
+        self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()
         self._live: Optional[tuple[Hashable, Any, int]] = None  # key, reducer, bytes
 
     @staticmethod
@@ -144,4 +146,3 @@ class ReducerCache:
 
     def __len__(self) -> int:
         return len(self._kept)
-

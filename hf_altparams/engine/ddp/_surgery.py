@@ -250,8 +250,7 @@ def check_comm_hooks(ddp: DistributedDataParallel) -> None:
         _check_hook_state(ddp, state)
 
 
-def unfinished_reduction_error(ddp: DistributedDataParallel,
-                               inputs: Optional[InputsVerdict] = None) -> Optional[str]:
+def unfinished_reduction_error(ddp: DistributedDataParallel, inputs: Optional[InputsVerdict] = None) -> Optional[str]:
     """Why the last backward left gradients un-all-reduced, or ``None`` (the switch's precondition).
 
     With ``find_unused_parameters=False`` a bucket is all-reduced once every
@@ -276,22 +275,32 @@ def unfinished_reduction_error(ddp: DistributedDataParallel,
         else:  # the live reducer was built for the current flags and ignore list
             names = ddp._build_debug_param_to_name_mapping(ddp._build_params_for_reducer()[0])
         unused = [names.get(i, f"#{i}") for i in indices]
-        which = (f"{len(unused)} trainable parameter(s) of the current phase got no gradient in the last "
-                 f"backward (e.g. {unused[:6]})" if unused else
-                 "a trainable parameter of the current phase got no gradient in the last backward")
-        return Refusal(f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
-                       "and the ranks would diverge. Which fix depends on why: if the loop ran the wrong branch, task "
-                       "or adapter for this phase, fix the loop (read the phase at the top of the iteration); if the "
-                       "forward skips them on purpose, build DDP with find_unused_parameters=True "
-                       "(PhasedAccelerator(find_unused_parameters=True); "
-                       "TrainingArguments(ddp_find_unused_parameters=True)); "
-                       "if they should not train in this phase, leave them out of its groups",
-                       Cause.TRAINABLE_PARAM_UNUSED)
+        which = (
+            f"{len(unused)} trainable parameter(s) of the current phase got no gradient in the last "
+            f"backward (e.g. {unused[:6]})"
+            if unused
+            else "a trainable parameter of the current phase got no gradient in the last backward"
+        )
+        return Refusal(
+            f"{which}, so with find_unused_parameters=False DDP never all-reduced their gradient bucket "
+            "and the ranks would diverge. Which fix depends on why: if the loop ran the wrong branch, task "
+            "or adapter for this phase, fix the loop (read the phase at the top of the iteration); if the "
+            "forward skips them on purpose, build DDP with find_unused_parameters=True "
+            "(PhasedAccelerator(find_unused_parameters=True); "
+            "TrainingArguments(ddp_find_unused_parameters=True)); "
+            "if they should not train in this phase, leave them out of its groups",
+            Cause.TRAINABLE_PARAM_UNUSED,
+        )
     return None
 
 
-def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None = None, *,
-                    inputs: Optional[InputsVerdict] = None, cache: Optional[ReducerCache] = None) -> None:
+def rebuild_reducer(
+    ddp: DistributedDataParallel,
+    ignore: Iterable[str] | None = None,
+    *,
+    inputs: Optional[InputsVerdict] = None,
+    cache: Optional[ReducerCache] = None,
+) -> None:
     """Rebuild ``ddp``'s reducer in place for the current ``requires_grad`` flags.
 
     Args:
@@ -334,8 +343,10 @@ def rebuild_reducer(ddp: DistributedDataParallel, ignore: Iterable[str] | None =
     if ignore is not None and (known is None or ignore != ddp.parameters_to_ignore):
         ddp.parameters_to_ignore = ignore
         ddp._module_parameters = (
-            known.module_parameters(ddp.parameters_to_ignore) if known is not None else
-            [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore])
+            known.module_parameters(ddp.parameters_to_ignore)
+            if known is not None
+            else [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        )
     if cache is not None:
         cache.keep(ddp)  # put aside (keep_reducers), not freed
     # The logger holds the reducer; dropping both frees the old reducer and its

@@ -28,9 +28,22 @@ from ._backend import ZeroBackend, ZeroStateOwner
 from ._surface import TESTED_DEEPSPEED, USES, count_collectives, engine_class, missing_names, skip_shm_comm_build
 from .layout import GROUP_TAG, is_split, split_optimizer_class, split_param_groups
 
-__all__ = ["GROUP_TAG", "TESTED_DEEPSPEED", "USES", "ZeroBackend", "ZeroStateOwner", "count_zero_comm",
-           "engine_stage", "is_deepspeed_engine", "is_split", "missing_names", "optimizer_chain", "skip_shm_comm_build",
-           "split_optimizer_class", "split_param_groups"]
+__all__ = [
+    "GROUP_TAG",
+    "TESTED_DEEPSPEED",
+    "USES",
+    "ZeroBackend",
+    "ZeroStateOwner",
+    "count_zero_comm",
+    "engine_stage",
+    "is_deepspeed_engine",
+    "is_split",
+    "missing_names",
+    "optimizer_chain",
+    "skip_shm_comm_build",
+    "split_optimizer_class",
+    "split_param_groups",
+]
 
 
 def is_deepspeed_engine(model: Any) -> bool:

@@ -30,9 +30,11 @@ from ._surface import check_deepspeed, refused_features, zero12_class
 __all__ = ["ZeroBackend", "ZeroStateOwner"]
 
 #: How a refusal names the way to an optimizer split per group, per integration.
-SPLIT_HOWTO = ("pass the torch optimizer to `PhasedAccelerator.prepare` together with the model (it splits it per "
-               "group before DeepSpeed partitions it), or add AlternatingFreeze to `Trainer(callbacks=...)` without "
-               "`optimizers=` (it has the Trainer build it split)")
+SPLIT_HOWTO = (
+    "pass the torch optimizer to `PhasedAccelerator.prepare` together with the model (it splits it per "
+    "group before DeepSpeed partitions it), or add AlternatingFreeze to `Trainer(callbacks=...)` without "
+    "`optimizers=` (it has the Trainer build it split)"
+)
 
 
 class ZeroBackend(Backend):
@@ -58,26 +60,35 @@ class ZeroBackend(Backend):
             raise AltParamsError(
                 f"the DeepSpeed engine's optimizer is a {type(zero).__name__}, not ZeRO-1/2's DeepSpeedZeroOptimizer "
                 "that the phases drive (BF16_Optimizer comes with `data_types.grad_accum_dtype='fp32'` at ZeRO-1: "
-                "leave it out or use ZeRO-2; without ZeRO, stage 0, train with DDP)", cause=Cause.STRATEGY_REFUSED)
+                "leave it out or use ZeRO-2; without ZeRO, stage 0, train with DDP)",
+                cause=Cause.STRATEGY_REFUSED,
+            )
         refused = refused_features(zero)
         if refused:
-            raise AltParamsError(f"the phases cannot drive DeepSpeed with {', '.join(refused)}: untested; turn it "
-                                 "off (ZeRO-1/2 without offload)", cause=Cause.STRATEGY_REFUSED)
+            raise AltParamsError(
+                f"the phases cannot drive DeepSpeed with {', '.join(refused)}: untested; turn it "
+                "off (ZeRO-1/2 without offload)",
+                cause=Cause.STRATEGY_REFUSED,
+            )
         self.partitions = ZeroPartitions(zero)
         problems = self.partitions.problems()
         untagged = [i for i, tag in enumerate(self.partitions.tags) if tag is None]
         if problems or untagged:
             self.partitions.close()
         if problems:
-            raise AltParamsError(f"deepspeed's ZeRO optimizer is not laid out as hf_altparams expects "
-                                 f"({problems[:3]}); install a tested deepspeed (0.19)", cause=Cause.STRATEGY_REFUSED)
+            raise AltParamsError(
+                f"deepspeed's ZeRO optimizer is not laid out as hf_altparams expects "
+                f"({problems[:3]}); install a tested deepspeed (0.19)",
+                cause=Cause.STRATEGY_REFUSED,
+            )
         if untagged:
             raise AltParamsError(
                 f"{len(untagged)} param group(s) of the DeepSpeed optimizer (e.g. {untagged[:3]}) are not one library "
                 f"group's (no {GROUP_TAG!r} key): ZeRO flattens each param group into partitions that mix the "
                 f"groups, so an idle group could not be skipped, left out of the all-gather or freed. {SPLIT_HOWTO}. "
                 "A DeepSpeed `optimizer` config section builds one param group over everything: remove it",
-                cause=Cause.STRATEGY_REFUSED)
+                cause=Cause.STRATEGY_REFUSED,
+            )
         self._owner: Optional[ZeroStateOwner] = None
 
     @property
@@ -99,9 +110,11 @@ class ZeroBackend(Backend):
         flags = self.partitions.flags()
         mixed = [self.partitions.tags[i] for i, flag in enumerate(flags) if flag is None]
         if mixed:
-            raise AltParamsError(f"the parameters of group(s) {mixed[:3]} disagree on `requires_grad`; one group is "
-                                 "one ZeRO param group and trains or idles whole",
-                                 cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE)
+            raise AltParamsError(
+                f"the parameters of group(s) {mixed[:3]} disagree on `requires_grad`; one group is "
+                "one ZeRO param group and trains or idles whole",
+                cause=Cause.REQUIRES_GRAD_BEHIND_SCHEDULE,
+            )
         self.partitions.set_active(frozenset(i for i, flag in enumerate(flags) if flag))
 
     def snapshot(self) -> frozenset[int]:
@@ -142,15 +155,23 @@ class ZeroStateOwner:
         self.partitions = partitions
         unknown = sorted({t for t in partitions.tags if t is not None} - set(groups.names))
         if unknown:
-            raise PlanError(f"the DeepSpeed optimizer's param groups name group(s) {unknown} that the run's groups "
-                            f"{list(groups.names)} do not have; split the optimizer over these groups")
+            raise PlanError(
+                f"the DeepSpeed optimizer's param groups name group(s) {unknown} that the run's groups "
+                f"{list(groups.names)} do not have; split the optimizer over these groups"
+            )
         covered = {id(p) for i, tag in enumerate(partitions.tags) if tag is not None for p in partitions.params(i)}
-        missing = [f"{name}: {param_name}" for name in sorted({t for t in partitions.tags if t is not None})
-                   for param_name, param in groups.named_params(name) if id(param) not in covered]
+        missing = [
+            f"{name}: {param_name}"
+            for name in sorted({t for t in partitions.tags if t is not None})
+            for param_name, param in groups.named_params(name)
+            if id(param) not in covered
+        ]
         if missing:
-            raise PlanError(f"DeepSpeed's optimizer leaves out {len(missing)} parameter(s) of the groups it trains "
-                            f"(e.g. {missing[:3]}): they were frozen at `deepspeed.initialize`, so ZeRO never "
-                            "partitions them. Every parameter the schedule trains must be trainable then")
+            raise PlanError(
+                f"DeepSpeed's optimizer leaves out {len(missing)} parameter(s) of the groups it trains "
+                f"(e.g. {missing[:3]}): they were frozen at `deepspeed.initialize`, so ZeRO never "
+                "partitions them. Every parameter the schedule trains must be trainable then"
+            )
         self.names = tuple(groups.names)
         self._state = {name: StatePolicy.KEEP for name in self.names}
         self._master = dict(self._state)
@@ -164,8 +185,9 @@ class ZeroStateOwner:
     def active(self) -> frozenset[str]:
         return self._active
 
-    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self, source: PhaseSource, idle_state: Optional[StatePolicy] = None, idle_master: Optional[StatePolicy] = None
+    ) -> None:
         for name in self.names:
             self._state[name] = idle_state or StatePolicy.KEEP
             self._master[name] = idle_master or idle_state or StatePolicy.KEEP
@@ -200,8 +222,10 @@ class ZeroStateOwner:
     def summary(self, idle: Iterable[str], source: str) -> str:
         idle = sorted(idle)
         policies = sorted({f"state {self._state[g].value}, fp32 partition {self._master[g].value}" for g in idle})
-        return (f"idle groups {idle[:4]}{'...' if len(idle) > 4 else ''} on DeepSpeed ZeRO: "
-                f"{'; '.join(policies)} ({source})")
+        return (
+            f"idle groups {idle[:4]}{'...' if len(idle) > 4 else ''} on DeepSpeed ZeRO: "
+            f"{'; '.join(policies)} ({source})"
+        )
 
     def master_partitions(self, group: str) -> list[torch.Tensor]:
         """This rank's fp32 partitions of ``group`` (while idle under ``drop`` / ``offload``: its bit16 partitions)."""

@@ -29,8 +29,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..memory import StatePolicy, TensorMover
-from ._surface import (AllGatherFilter, bit16_partition, fp32_partition, group_params, relink_views,
-                       surface_problems)
+from ._surface import AllGatherFilter, bit16_partition, fp32_partition, group_params, relink_views, surface_problems
 
 __all__ = ["GROUP_TAG", "ZeroPartitions"]
 
@@ -38,7 +37,7 @@ __all__ = ["GROUP_TAG", "ZeroPartitions"]
 GROUP_TAG = "altparams_group"
 
 #: The ZeroPartitions driving each ZeRO optimizer now (by id; one per optimizer).
-_LIVE: dict[int, "ZeroPartitions"] = {}
+_LIVE: dict[int, ZeroPartitions] = {}
 
 
 class ZeroPartitions:
@@ -63,7 +62,7 @@ class ZeroPartitions:
         self.mover = TensorMover()
         previous = _LIVE.get(id(zero))
         if previous is not None and previous.zero is zero:  # a new run on the same engine (the Trainer's next
-            previous.close()                                # train()): what the last one placed is where it is
+            previous.close()  # train()): what the last one placed is where it is
             self.aliased, self.host_masters = previous.aliased, previous.host_masters
             self.host_state = previous.host_state
             self.master_dtype = previous.master_dtype
@@ -128,8 +127,9 @@ class ZeroPartitions:
             size = _state_bytes(held)
             if state is StatePolicy.OFFLOAD:
                 host = torch.device("cpu")
-                self.host_state[index] = {k: self.mover.to_host(v, host) if _is_tensor(v) else v
-                                          for k, v in held.items()}
+                self.host_state[index] = {
+                    k: self.mover.to_host(v, host) if _is_tensor(v) else v for k, v in held.items()
+                }
             elif state is StatePolicy.KEEP:
                 self.inner.state[partition] = held
                 size = 0
@@ -157,7 +157,8 @@ class ZeroPartitions:
         if held is not None:
             self.mover.settle()
             self.inner.state[partition] = {
-                k: self.mover.to_device(v, partition.device) if _is_tensor(v) else v for k, v in held.items()}
+                k: self.mover.to_device(v, partition.device) if _is_tensor(v) else v for k, v in held.items()
+            }
             back += _state_bytes(self.inner.state[partition])
         return back
 

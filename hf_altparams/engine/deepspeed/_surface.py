@@ -47,35 +47,65 @@ import torch.distributed as dist
 from ..._compat import check_library_at_import
 from ...errors import AltParamsError, Cause
 
-__all__ = ["TESTED_DEEPSPEED", "USES", "AllGatherFilter", "bit16_partition", "check_deepspeed", "count_collectives",
-           "missing_names",
-           "engine_class", "fp32_partition", "group_params", "relink_views", "skip_shm_comm_build",
-           "surface_problems", "zero12_class"]
+__all__ = [
+    "TESTED_DEEPSPEED",
+    "USES",
+    "AllGatherFilter",
+    "bit16_partition",
+    "check_deepspeed",
+    "count_collectives",
+    "missing_names",
+    "engine_class",
+    "fp32_partition",
+    "group_params",
+    "relink_views",
+    "skip_shm_comm_build",
+    "surface_problems",
+    "zero12_class",
+]
 
 #: Inclusive range of (major, minor) deepspeed releases these uses were checked on.
 TESTED_DEEPSPEED: tuple[tuple[int, int], tuple[int, int]] = ((0, 19), (0, 19))
 
 #: Each use and the deepspeed names it relies on.
 USES: dict[str, tuple[str, ...]] = {
-    "partitions": ("DeepSpeedZeroOptimizer.optimizer", "DeepSpeedZeroOptimizer.bit16_groups",
-                   "DeepSpeedZeroOptimizer.parallel_partitioned_bit16_groups",
-                   "DeepSpeedZeroOptimizer.real_dp_process_group"),
-    "relink_views": ("DeepSpeedZeroOptimizer._link_all_hp_params",
-                     "DeepSpeedZeroOptimizer._hp_optimizer_states_linked"),
-    "all_gather_filter": ("deepspeed.runtime.zero.stage_1_and_2.all_gather_dp_groups",
-                          "DeepSpeedZeroOptimizer.bit16_groups_flat"),
+    "partitions": (
+        "DeepSpeedZeroOptimizer.optimizer",
+        "DeepSpeedZeroOptimizer.bit16_groups",
+        "DeepSpeedZeroOptimizer.parallel_partitioned_bit16_groups",
+        "DeepSpeedZeroOptimizer.real_dp_process_group",
+    ),
+    "relink_views": (
+        "DeepSpeedZeroOptimizer._link_all_hp_params",
+        "DeepSpeedZeroOptimizer._hp_optimizer_states_linked",
+    ),
+    "all_gather_filter": (
+        "deepspeed.runtime.zero.stage_1_and_2.all_gather_dp_groups",
+        "DeepSpeedZeroOptimizer.bit16_groups_flat",
+    ),
     "refusals": ("DeepSpeedZeroOptimizer.cpu_offload", "DeepSpeedZeroOptimizer.has_moe_layers"),
     "count_collectives": ("deepspeed.comm.comm.cdb",),
     "skip_shm_comm_build": ("deepspeed.ops.__compatible_ops__",),
 }
 
 _ALL_GATHER = "all_gather_dp_groups"
-_ALL_GATHER_ARGS = ("groups_flat", "partitioned_param_groups", "dp_process_group", "start_alignment_factor",
-                    "allgather_bucket_size")
+_ALL_GATHER_ARGS = (
+    "groups_flat",
+    "partitioned_param_groups",
+    "dp_process_group",
+    "start_alignment_factor",
+    "allgather_bucket_size",
+)
 #: The collectives of deepspeed's comm backend that :func:`count_collectives` counts, and which tensor
 #: argument is the full tensor the collective works on (all-gather: its output).
-_COUNTED = {"all_reduce": 0, "inference_all_reduce": 0, "reduce": 0, "reduce_scatter_tensor": 1,
-            "all_gather_into_tensor": 0, "all_reduce_coalesced": 0}
+_COUNTED = {
+    "all_reduce": 0,
+    "inference_all_reduce": 0,
+    "reduce": 0,
+    "reduce_scatter_tensor": 1,
+    "all_gather_into_tensor": 0,
+    "all_reduce_coalesced": 0,
+}
 
 
 def engine_class() -> Optional[type]:
@@ -123,8 +153,9 @@ def check_deepspeed() -> None:
         return
     import deepspeed
 
-    check_library_at_import("deepspeed", str(deepspeed.__version__), TESTED_DEEPSPEED, missing_names(),
-                            "DeepSpeed ZeRO internals")
+    check_library_at_import(
+        "deepspeed", str(deepspeed.__version__), TESTED_DEEPSPEED, missing_names(), "DeepSpeed ZeRO internals"
+    )
     _CHECKED = True
 
 
@@ -145,8 +176,9 @@ def surface_problems(zero: Any) -> list[str]:
         return problems
     for i, group in enumerate(inner.param_groups):
         if len(group["params"]) != 1:
-            problems.append(f"param group {i} of the inner optimizer holds {len(group['params'])} tensors, not one "
-                            "fp32 partition")
+            problems.append(
+                f"param group {i} of the inner optimizer holds {len(group['params'])} tensors, not one fp32 partition"
+            )
         elif fp32_partition(zero, i).numel() != bit16_partition(zero, i).numel():
             problems.append(f"param group {i}: the fp32 and bit16 partitions differ in size")
     return problems
@@ -213,8 +245,13 @@ class AllGatherFilter:
 
         original = getattr(zero12, _ALL_GATHER)
 
-        def all_gather_active_groups(groups_flat: list, partitioned_param_groups: list, dp_process_group: list,
-                                     start_alignment_factor: int, allgather_bucket_size: int) -> Any:
+        def all_gather_active_groups(
+            groups_flat: list,
+            partitioned_param_groups: list,
+            dp_process_group: list,
+            start_alignment_factor: int,
+            allgather_bucket_size: int,
+        ) -> Any:
             key = id(groups_flat)
             idle = cls._idle.get(key, frozenset()) if key in cls._armed else frozenset()
             cls._armed.discard(key)
@@ -223,8 +260,9 @@ class AllGatherFilter:
                 groups_flat = [groups_flat[i] for i in keep]
                 partitioned_param_groups = [partitioned_param_groups[i] for i in keep]
                 dp_process_group = [dp_process_group[i] for i in keep]
-            return original(groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor,
-                            allgather_bucket_size)
+            return original(
+                groups_flat, partitioned_param_groups, dp_process_group, start_alignment_factor, allgather_bucket_size
+            )
 
         setattr(all_gather_active_groups, "altparams_original", original)
         setattr(zero12, _ALL_GATHER, all_gather_active_groups)
@@ -265,8 +303,11 @@ def count_collectives(counter: Any) -> None:
 
     backend = comm.cdb
     if backend is None:
-        raise AltParamsError("deepspeed's comm backend is not initialised (no `deepspeed.init_distributed` yet); "
-                             "count after `deepspeed.initialize`", cause=Cause.STRATEGY_REFUSED)
+        raise AltParamsError(
+            "deepspeed's comm backend is not initialised (no `deepspeed.init_distributed` yet); "
+            "count after `deepspeed.initialize`",
+            cause=Cause.STRATEGY_REFUSED,
+        )
     if _Counting.wrapped != id(backend):
         for name, index in _COUNTED.items():
             method = getattr(backend, name, None)
@@ -280,7 +321,8 @@ def count_collectives(counter: Any) -> None:
 def _counted(method: Callable[..., Any], index: int) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
-            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)
+        ]
         if not tensors and args and isinstance(args[0], (list, tuple)):  # all_reduce_coalesced
             tensors = [t for t in args[0] if isinstance(t, torch.Tensor)]
             size = sum(t.numel() * t.element_size() for t in tensors)

@@ -57,8 +57,10 @@ def split_param_groups(optimizer: Optimizer, groups: ParamGroups) -> int:
     if is_split(optimizer):
         return len(optimizer.param_groups)
     if any(optimizer.state.values()):
-        raise PlanError("the optimizer has stepped already: it must be split per group before DeepSpeed partitions "
-                        "it, i.e. before its first step; pass a fresh optimizer")
+        raise PlanError(
+            "the optimizer has stepped already: it must be split per group before DeepSpeed partitions "
+            "it, i.e. before its first step; pass a fresh optimizer"
+        )
     group_of = _group_of(groups)
     split: list[dict[str, Any]] = []
     for group in optimizer.param_groups:

@@ -78,8 +78,11 @@ def _check_version() -> None:
             f"{tested}; found torch {found}. Install a tested torch, or set {ALLOW_UNTESTED_ENV}=1 to "
             "try anyway (tests/engine/test_fsdp2_fence.py checks it)."
         )
-    warnings.warn(f"hf_altparams: torch {found} is outside the tested range {tested}; "
-                  f"{ALLOW_UNTESTED_ENV}=1 is set, trying the FSDP2 backend anyway.", stacklevel=3)
+    warnings.warn(
+        f"hf_altparams: torch {found} is outside the tested range {tested}; "
+        f"{ALLOW_UNTESTED_ENV}=1 is set, trying the FSDP2 backend anyway.",
+        stacklevel=3,
+    )
 
 
 def _missing(obj: Any, owner: str) -> list[str]:
@@ -195,8 +198,12 @@ class FSDP2Backend(Backend):
         if local.size() != padded_size:  # this rank's shard is short: pad it, as FSDP2 stores it
             if local.device.type == "cpu" and param.device.type == "cuda":
                 torch.cuda.current_stream(param.device).synchronize()  # the copy to host may be in flight
-            padded = torch.zeros(padded_size, dtype=local.dtype, device=local.device,
-                                 pin_memory=local.device.type == "cpu" and local.is_pinned())
+            padded = torch.zeros(
+                padded_size,
+                dtype=local.dtype,
+                device=local.device,
+                pin_memory=local.device.type == "cpu" and local.is_pinned(),
+            )
             padded.narrow(dim, 0, local.size(dim)).copy_(local)
             local = padded.narrow(dim, 0, local.size(dim))
         else:
@@ -211,8 +218,12 @@ class FSDP2Backend(Backend):
             policy = group.mp_policy
             for fp in group.fsdp_params:
                 if fp.sharded_param.requires_grad:
-                    dtype = (getattr(group, "_reduce_dtype", None) or policy.reduce_dtype
-                             or policy.param_dtype or fp.sharded_param.dtype)
+                    dtype = (
+                        getattr(group, "_reduce_dtype", None)
+                        or policy.reduce_dtype
+                        or policy.param_dtype
+                        or fp.sharded_param.dtype
+                    )
                     size = torch.empty((), dtype=dtype).element_size()
                     total += fp.padded_sharded_param_size.numel() * group.mesh_info.shard_mesh_size * size
         return total

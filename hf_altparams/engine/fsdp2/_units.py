@@ -28,11 +28,16 @@ from ...plan.groups import ParamGroups
 from ..backend import Residency
 from ._dtensor import fsdp2_units, is_fsdp2, unit_params
 
-__all__ = ["check_groups_fit_units", "check_residency_fits_units", "install_unit_guards", "mixed_units",
-           "shard_by_groups"]
+__all__ = [
+    "check_groups_fit_units",
+    "check_residency_fits_units",
+    "install_unit_guards",
+    "mixed_units",
+    "shard_by_groups",
+]
 
 #: The unit guards' hook handles per model (replaced when a switcher attaches again).
-_GUARDS: "weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]]" = weakref.WeakKeyDictionary()
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 
 
 def _unit_names(model: nn.Module) -> dict[int, str]:
@@ -74,7 +79,9 @@ def check_groups_fit_units(model: nn.Module, groups: ParamGroups) -> None:
             f"hf_altparams: fully_shard unit {unit!r} holds parameters of groups {held}: FSDP2 all-gathers "
             "a unit whole, so while some of them are frozen the unit still all-gathers (and holds unsharded) "
             "their parameters; only its reduce-scatter shrinks. Shard one unit per group with "
-            "`hf_altparams.engine.shard_by_groups(model, groups)`.", stacklevel=4)
+            "`hf_altparams.engine.shard_by_groups(model, groups)`.",
+            stacklevel=4,
+        )
 
 
 def check_residency_fits_units(model: nn.Module, off_names: Iterable[str]) -> None:
@@ -140,8 +147,9 @@ def _pure_modules(model: nn.Module, members: set[int]) -> list[tuple[str, nn.Mod
     return out
 
 
-def shard_by_groups(model: nn.Module, groups: ParamGroups, *, per_module: bool = False,
-                    **fully_shard_kwargs: Any) -> ParamGroups:
+def shard_by_groups(
+    model: nn.Module, groups: ParamGroups, *, per_module: bool = False, **fully_shard_kwargs: Any
+) -> ParamGroups:
     """``fully_shard`` one unit per group (the largest modules holding only that group), then the root.
 
     Each group's unit is the list of the largest sub-modules whose parameters
@@ -173,7 +181,7 @@ def shard_by_groups(model: nn.Module, groups: ParamGroups, *, per_module: bool =
         raise SwitchError("`model` is already sharded (it holds fully_shard units); pass the unsharded model")
     for name in groups.names:
         modules = _pure_modules(model, {id(p) for p in groups.params(name)})
-        for unit in ([[m] for _, m in modules] if per_module else [[m for _, m in modules]]):
+        for unit in [[m] for _, m in modules] if per_module else [[m for _, m in modules]]:
             if unit:
                 fully_shard(unit if len(unit) > 1 else unit[0], **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)

@@ -105,8 +105,9 @@ class StatePolicy(str, Enum):
 StatePolicyLike = Union[StatePolicy, Literal["keep", "offload", "drop"]]
 
 
-def run_idle_policies(recipe_idle_state: str, recipe: str, given: Optional[object] = None
-                      ) -> tuple[StatePolicy, StatePolicy, str]:
+def run_idle_policies(
+    recipe_idle_state: str, recipe: str, given: Optional[object] = None
+) -> tuple[StatePolicy, StatePolicy, str]:
     """``(optimizer state, fp32 masters, why)`` of idle groups where the optimizer leaves them open.
 
     ``given`` (the run's ``idle_state``) when set; else the recipe's assumption
@@ -127,6 +128,7 @@ def run_idle_policies(recipe_idle_state: str, recipe: str, given: Optional[objec
         return StatePolicy.DROP, StatePolicy.DROP, f"the {recipe} recipe's assumption"
     return StatePolicy.KEEP, StatePolicy.OFFLOAD, "the default"
 
+
 #: Tensors of a parameter's shape that a torch optimizer keeps per parameter, by class name, with the
 #: options that add one (``SGD``'s momentum, ``Adam``'s amsgrad, ...) read by :func:`state_tensors`.
 #: Adafactor's factored moments are a small fraction of the parameter, whatever its shape: 0.1 is an estimate.
@@ -136,11 +138,17 @@ STATE_TENSORS: dict[str, float] = {
 }  # fmt: skip
 #: Options that add a state tensor of the parameter's shape when set: ``(class name, option)``.
 _EXTRA_STATE: tuple[tuple[str, str], ...] = (
-    ("SGD", "momentum"), ("Adam", "amsgrad"), ("AdamW", "amsgrad"), ("RMSprop", "momentum"), ("RMSprop", "centered"),
+    ("SGD", "momentum"),
+    ("Adam", "amsgrad"),
+    ("AdamW", "amsgrad"),
+    ("RMSprop", "momentum"),
+    ("RMSprop", "centered"),
 )
 #: The optimizer names the planner accepts (``--optimizer``), with their state tensors per parameter.
 OPTIMIZER_STATES: dict[str, float] = {
-    "adam": STATE_TENSORS["Adam"], "adamw": STATE_TENSORS["AdamW"], "sgd": STATE_TENSORS["SGD"],
+    "adam": STATE_TENSORS["Adam"],
+    "adamw": STATE_TENSORS["AdamW"],
+    "sgd": STATE_TENSORS["SGD"],
     "sgd-momentum": STATE_TENSORS["SGD"] + 1,
 }
 #: Unknown optimizer classes are assumed to keep as much as Adam.
@@ -235,8 +243,9 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return nn.Parameter(torch.empty(tensor.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-def tensor_sizes(params: Iterable[tuple[str, torch.Tensor]], state_bytes: Callable[[str, torch.Tensor], int],
-                 storage: Storage) -> Sizes:
+def tensor_sizes(
+    params: Iterable[tuple[str, torch.Tensor]], state_bytes: Callable[[str, torch.Tensor], int], storage: Storage
+) -> Sizes:
     """The :class:`Sizes` of ``params`` (``(name, tensor)``; a DTensor's local shard for per-rank bytes).
 
     ``state_bytes(name, tensor)`` gives a parameter's optimizer state; ``tensor``
@@ -269,8 +278,9 @@ def tensor_sizes(params: Iterable[tuple[str, torch.Tensor]], state_bytes: Callab
     return total
 
 
-def buffer_owners(module: nn.Module, group_of: Callable[[str], Optional[str]],
-                  storage: Storage = Storage()) -> list[tuple[frozenset[Optional[str]], int]]:
+def buffer_owners(
+    module: nn.Module, group_of: Callable[[str], Optional[str]], storage: Storage = Storage()
+) -> list[tuple[frozenset[Optional[str]], int]]:
     """Per module holding buffers: the groups of its own parameters (``None``: ungrouped or none) and their bytes.
 
     A module's buffers leave the device only with its own parameters, when all
@@ -283,8 +293,11 @@ def buffer_owners(module: nn.Module, group_of: Callable[[str], Optional[str]],
     for mname, sub in module.named_modules():
         own = list(sub.named_parameters(recurse=False))
         follows = any(p.is_floating_point() for _, p in own)
-        held = sum(b.numel() * (storage.stored(b) if follows else b.dtype).itemsize
-                   for b in sub.buffers(recurse=False) if b is not None)
+        held = sum(
+            b.numel() * (storage.stored(b) if follows else b.dtype).itemsize
+            for b in sub.buffers(recurse=False)
+            if b is not None
+        )
         if held:
             groups = [group_of(f"{mname}.{n}" if mname else n) for n, _ in own]
             out.append((frozenset(groups or [None]), held))
@@ -308,8 +321,13 @@ class Layout:
     masters: Mapping[str, str] = field(default_factory=dict)
 
 
-def layout(active: Iterable[str], off: Iterable[str], trained: Iterable[str],
-           state_policy: Mapping[str, StatePolicy], master_policy: Mapping[str, StatePolicy]) -> Layout:
+def layout(
+    active: Iterable[str],
+    off: Iterable[str],
+    trained: Iterable[str],
+    state_policy: Mapping[str, StatePolicy],
+    master_policy: Mapping[str, StatePolicy],
+) -> Layout:
     """The :class:`Layout` of a phase training ``active``, with ``off`` non-resident.
 
     ``trained``: the groups that have state or masters by the phase's peak (those
@@ -362,9 +380,13 @@ class Footprint:
         return self.params + self.buffers + self.grads + self.buckets + self.optimizer + self.masters
 
 
-def footprint(sizes: Mapping[str, Sizes], where: Layout,
-              owners: Sequence[tuple[frozenset[Optional[str]], int]],
-              ddp: bool = True, bucket_view: bool = False) -> Footprint:
+def footprint(
+    sizes: Mapping[str, Sizes],
+    where: Layout,
+    owners: Sequence[tuple[frozenset[Optional[str]], int]],
+    ddp: bool = True,
+    bucket_view: bool = False,
+) -> Footprint:
     """The :class:`Footprint` of the phase laid out as ``where``.
 
     Args:
@@ -391,8 +413,9 @@ def footprint(sizes: Mapping[str, Sizes], where: Layout,
         buckets=total(where.active, "bucket_kept" if bucket_view else "bucket") if ddp else 0,
         optimizer=total(at(where.state, DEVICE), "state"),
         masters=total(at(where.masters, DEVICE), "master"),
-        host=total(where.off, "param") + buffers_off + total(at(where.state, HOST), "state")
+        host=total(where.off, "param")
+        + buffers_off
+        + total(at(where.state, HOST), "state")
         + total(at(where.masters, HOST), "master"),
         allreduced=total(where.active, "reduced"),
     )
-

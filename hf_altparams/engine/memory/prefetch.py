@@ -20,8 +20,10 @@ PrefetchSetting = Union[bool, int, str]
 
 def check_prefetch(setting: object) -> None:
     """Validate the ``prefetch`` setting: ``False``, ``True``, ``"auto"`` or a byte budget."""
-    if not (setting in (True, False, "auto") or
-            (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)):
+    if not (
+        setting in (True, False, "auto")
+        or (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)
+    ):
         raise SwitchError(f"`prefetch` is {setting!r}; accepted: False, True, 'auto' or a byte budget (int >= 0)")
 
 

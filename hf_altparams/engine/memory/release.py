@@ -34,7 +34,6 @@ heap that no live tensor uses. :func:`host_heap` shows it;
 :func:`mmap_large_host_allocations` is the opt-in that stops it.
 """
 
-
 from __future__ import annotations
 
 import ctypes
@@ -75,7 +74,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MAX_MMAP_THRESHOLD: int = 4 * 2**20 * ctypes.sizeof(ctypes.c_long) if sys.maxsize > 2**32 else 512 * 2**10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _glibc() -> Optional[ctypes.CDLL]:
     """The process's glibc, or None (not Linux, or another C library such as musl)."""
     if not sys.platform.startswith("linux"):
@@ -142,13 +141,17 @@ def mmap_large_host_allocations(threshold: int = 2**20) -> bool:
         True
     """
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Integral):
-        raise AltParamsError(f"`threshold` is {threshold!r} ({type(threshold).__name__}); "
-                             f"accepted: an int number of bytes, 1 to {MAX_MMAP_THRESHOLD} (e.g. 1 << 20)")
+        raise AltParamsError(
+            f"`threshold` is {threshold!r} ({type(threshold).__name__}); "
+            f"accepted: an int number of bytes, 1 to {MAX_MMAP_THRESHOLD} (e.g. 1 << 20)"
+        )
     threshold = int(threshold)
     if not 1 <= threshold <= MAX_MMAP_THRESHOLD:
-        raise AltParamsError(f"`threshold` is {threshold} bytes; accepted: 1 to {MAX_MMAP_THRESHOLD} "
-                             f"(the cap of glibc's dynamic mmap threshold on "
-                             f"this platform), e.g. 1 << 20")
+        raise AltParamsError(
+            f"`threshold` is {threshold} bytes; accepted: 1 to {MAX_MMAP_THRESHOLD} "
+            f"(the cap of glibc's dynamic mmap threshold on "
+            f"this platform), e.g. 1 << 20"
+        )
     libc = _glibc()
     if libc is None:
         return False
@@ -175,9 +178,21 @@ class HostHeap:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-        "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def host_heap() -> Optional[HostHeap]:
@@ -195,8 +210,9 @@ def host_heap() -> Optional[HostHeap]:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
-    return HostHeap(arena_bytes=info.arena, in_use_bytes=info.uordblks, free_bytes=info.fordblks,
-                    mmapped_bytes=info.hblkhd)
+    return HostHeap(
+        arena_bytes=info.arena, in_use_bytes=info.uordblks, free_bytes=info.fordblks, mmapped_bytes=info.hblkhd
+    )
 
 
 def release_memory(
@@ -272,8 +288,16 @@ class ReleasePolicy:
         self.min_steps = min_steps
         self._held = 0  # the largest expected footprint since the last release
 
-    def decide(self, previous: Optional[Phase], phase: Phase, step: Optional[int], schedule: Schedule, *,
-               held: Optional[int], coming: int) -> tuple[bool, str]:
+    def decide(
+        self,
+        previous: Optional[Phase],
+        phase: Phase,
+        step: Optional[int],
+        schedule: Schedule,
+        *,
+        held: Optional[int],
+        coming: int,
+    ) -> tuple[bool, str]:
         """``(release now?, why)`` for a switch from ``previous`` to ``phase`` at ``step``.
 
         ``held`` and ``coming``: the expected footprints (device bytes,
@@ -289,12 +313,15 @@ class ReleasePolicy:
         self._held = max(self._held, held)
         held = self._held
         if held - coming < max(_MIB, held // 32):
-            return False, (f"skipped: the coming phase needs as much memory as the last "
-                           f"({_size(coming)} vs {_size(held)})")
+            return False, (
+                f"skipped: the coming phase needs as much memory as the last ({_size(coming)} vs {_size(held)})"
+            )
         lasts = self._lasts(schedule, step)
         if lasts is not None and lasts < self.min_steps:
-            return False, (f"skipped: the coming phase is smaller ({_size(coming)} vs {_size(held)}) "
-                           f"but lasts {lasts} step(s) < {self.min_steps}")
+            return False, (
+                f"skipped: the coming phase is smaller ({_size(coming)} vs {_size(held)}) "
+                f"but lasts {lasts} step(s) < {self.min_steps}"
+            )
         self._held = coming
         return True, f"released: the coming phase needs {_size(coming)} of the {_size(held)} held"
 

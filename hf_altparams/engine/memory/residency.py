@@ -58,14 +58,13 @@ from ..driver import PhaseSource
 from ..fsdp2 import set_data
 from .transfer import TensorMover, nbytes, optimizer_of
 
-__all__ = ["DataPlacer", "DeviceLike", "ForwardGuards", "Owner", "ResidencyManager", "as_device",
-           "non_resident_groups"]
+__all__ = ["DataPlacer", "DeviceLike", "ForwardGuards", "Owner", "ResidencyManager", "as_device", "non_resident_groups"]
 
 DeviceLike = Union[str, torch.device]
 #: How a moved copy becomes a tensor's data: ``placer(tensor, moved_copy)``.
 DataPlacer = Callable[[torch.Tensor, torch.Tensor], None]
 #: The ignore-list entries a manager wrote on a module (not the user's own), per module.
-_WRITTEN: "weakref.WeakKeyDictionary[nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+_WRITTEN: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _never(group: str) -> bool:
@@ -92,14 +91,14 @@ def as_device(value: DeviceLike, argument: str) -> torch.device:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
-        raise PlanError(
-            f"`{argument}` is {value!r}, which is not a torch device; pass e.g. 'cpu' or 'cuda:0'"
-        ) from exc
+        raise PlanError(f"`{argument}` is {value!r}, which is not a torch device; pass e.g. 'cpu' or 'cuda:0'") from exc
     if device.type == "cuda":  # a CUDA build takes any index (a bare int too) without a check
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index is not None and device.index >= count or count == 0:
-            raise PlanError(f"`{argument}` is {value!r} ({device}), but this process sees {count} CUDA "
-                            f"device(s); pass 'cpu'{f' or cuda:0..cuda:{count - 1}' if count else ''}")
+            raise PlanError(
+                f"`{argument}` is {value!r} ({device}), but this process sees {count} CUDA "
+                f"device(s); pass 'cpu'{f' or cuda:0..cuda:{count - 1}' if count else ''}"
+            )
     return device
 
 

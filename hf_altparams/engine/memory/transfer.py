@@ -240,8 +240,9 @@ class TensorMover:
                     moved += nbytes(value)
         return moved
 
-    def misplaced_state(self, optimizer: Optimizer, params: Iterable[nn.Parameter]
-                        ) -> list[tuple[nn.Parameter, Hashable, torch.Tensor, torch.device]]:
+    def misplaced_state(
+        self, optimizer: Optimizer, params: Iterable[nn.Parameter]
+    ) -> list[tuple[nn.Parameter, Hashable, torch.Tensor, torch.device]]:
         """``(param, key, tensor, target)`` for each state tensor of ``params`` not where torch keeps it."""
         groups_of: Optional[dict[int, Mapping[str, Any]]] = None
         out = []
@@ -266,8 +267,9 @@ class TensorMover:
             moved += nbytes(tensor)
         return moved
 
-    def prefetch_state(self, optimizer: Optimizer, params: Iterable[nn.Parameter],
-                       max_bytes: Optional[int] = None) -> int:
+    def prefetch_state(
+        self, optimizer: Optimizer, params: Iterable[nn.Parameter], max_bytes: Optional[int] = None
+    ) -> int:
         """Start copying the misplaced state of ``params`` back (:meth:`prefetch`), up to ``max_bytes``."""
         started = 0
         for param, key, tensor, target in self.misplaced_state(optimizer, params):

@@ -149,30 +149,42 @@ def match_to_groups(
     matched: dict[str, tuple[str, Optimizer]] = {}
     for label, opt in optimizers:
         held = [by_id.get(id(p)) for p in _held(opt)]
-        touched = sorted({g for g in (groups.group_of(n) for n in held if n is not None) if g is not None},
-                         key=groups.names.index)
+        touched = sorted(
+            {g for g in (groups.group_of(n) for n in held if n is not None) if g is not None}, key=groups.names.index
+        )
         what = f"{label} ({type(opt).__name__})"
         if len(touched) > 1:
-            raise PlanError(f"{what} holds parameters of groups {touched}; with several optimizers each must "
-                            f"hold exactly one group's parameters. {forms}")
+            raise PlanError(
+                f"{what} holds parameters of groups {touched}; with several optimizers each must "
+                f"hold exactly one group's parameters. {forms}"
+            )
         if not touched:
             outside = [n if n is not None else "<a parameter outside the model>" for n in held]
-            raise PlanError(f"{what} holds no parameter of any group ({_preview(outside)}); known groups: "
-                            f"{list(groups.names)}. {forms}")
+            raise PlanError(
+                f"{what} holds no parameter of any group ({_preview(outside)}); known groups: "
+                f"{list(groups.names)}. {forms}"
+            )
         name = touched[0]
         if name in matched:
-            raise PlanError(f"{matched[name][0]} and {what} both hold group {name!r}'s parameters; give each "
-                            f"group one optimizer. {forms}")
+            raise PlanError(
+                f"{matched[name][0]} and {what} both hold group {name!r}'s parameters; give each "
+                f"group one optimizer. {forms}"
+            )
         missing, extra = _mismatch(groups, name, opt)
         if missing or extra:
-            raise PlanError(f"{what} holds group {name!r}'s parameters but must hold exactly them; missing: "
-                            f"{_preview(missing)}; extra (not in group {name!r}): {_preview(extra)}. {forms}")
+            raise PlanError(
+                f"{what} holds group {name!r}'s parameters but must hold exactly them; missing: "
+                f"{_preview(missing)}; extra (not in group {name!r}): {_preview(extra)}. {forms}"
+            )
         matched[name] = (label, opt)
     left = [g for g in groups.names if g not in matched]
     if left:
-        raise PlanError(f"no optimizer holds group(s) {left} (the optimizers hold {list(matched)}); their "
-                        f"parameters would never be updated; add one optimizer per group left out, or leave "
-                        f"those groups out of the ParamGroups. {forms}", cause=Cause.OPTIMIZER_MISSES_PARAMETERS)
+        raise PlanError(
+            f"no optimizer holds group(s) {left} (the optimizers hold {list(matched)}); their "
+            f"parameters would never be updated; add one optimizer per group left out, or leave "
+            f"those groups out of the ParamGroups. {forms}",
+            cause=Cause.OPTIMIZER_MISSES_PARAMETERS,
+        )
     return {g: matched[g][1] for g in groups.names}
 
 
@@ -241,8 +253,10 @@ def uncovered_message(
 
 def _returning(optimizer: Optimizer) -> Callable[[list[nn.Parameter]], Optimizer]:
     """A factory that returns ``optimizer`` (built by the user on exactly the group's parameters)."""
+
     def factory(params: list[nn.Parameter]) -> Optimizer:
         return optimizer
+
     return factory
 
 
@@ -292,7 +306,6 @@ def as_factories(groups: ParamGroups, optimizers: Any) -> dict[str, Callable[[li
     if not callable(optimizers):
         raise PlanError(f"`optimizers` is a {type(optimizers).__name__}; " + _FORMS)
     return {name: optimizers for name in groups.names}
-
 
 
 class GroupedOptimizer(Optimizer):
@@ -360,8 +373,9 @@ class GroupedOptimizer(Optimizer):
         #: a GroupedLRScheduler advances, whatever phase a switch right after the step applied
         self.last_stepped: Optional[frozenset[str]] = None
         #: the groups that step when the optimizer is used on its own (``set_active``)
-        self._own: frozenset[str] = frozenset(n for n in (groups.names if active is None else active)
-                                              if n in self.inner)
+        self._own: frozenset[str] = frozenset(
+            n for n in (groups.names if active is None else active) if n in self.inner
+        )
         self._source: Optional[PhaseSource] = None  # a run's driver, once a switcher took the optimizer
         self.enter_phase(self.active)
 
@@ -379,8 +393,10 @@ class GroupedOptimizer(Optimizer):
             raise AttributeError("GroupedOptimizer.state is the union of the inner optimizers' state")
 
     def __repr__(self) -> str:
-        parts = [f"  {n} ({'active' if n in self.active else 'idle'}, {self.policies[n]}): "
-                 f"{type(o).__name__}" for n, o in self.inner.items()]
+        parts = [
+            f"  {n} ({'active' if n in self.active else 'idle'}, {self.policies[n]}): {type(o).__name__}"
+            for n, o in self.inner.items()
+        ]
         return "GroupedOptimizer(\n" + "\n".join(parts) + "\n)"
 
     # ----------------------------------------------------------------- phases
@@ -401,8 +417,9 @@ class GroupedOptimizer(Optimizer):
         """Group ``name``'s idle-state policy now."""
         return self._given.get(name) or self._run_policy
 
-    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self, source: PhaseSource, idle_state: Optional[StatePolicy] = None, idle_master: Optional[StatePolicy] = None
+    ) -> None:
         """Take the groups that step from ``source`` (a run's :class:`~hf_altparams.engine.PhaseDriver`).
 
         The :class:`~hf_altparams.engine.PhaseSwitcher` that takes this optimizer
@@ -425,8 +442,10 @@ class GroupedOptimizer(Optimizer):
             PlanError: the optimizer follows a run's driver (the phase decides).
         """
         if self._source is not None:
-            raise PlanError("this GroupedOptimizer follows a run's phases (a PhaseSwitcher took it): the groups "
-                            "that step are the driver's phase; switch phases through the run instead")
+            raise PlanError(
+                "this GroupedOptimizer follows a run's phases (a PhaseSwitcher took it): the groups "
+                "that step are the driver's phase; switch phases through the run instead"
+            )
         self._own = frozenset(n for n in names if n in self.inner)
         self.last_stepped = None  # no step in this phase yet: a GroupedLRScheduler advances the new groups
         self.enter_phase(self._own)
@@ -580,12 +599,14 @@ class GroupedOptimizer(Optimizer):
             groups_out[name] = {
                 "state": {index_to_name[i]: s for i, s in inner["state"].items()},
                 "param_groups": [
-                    {**g, "params": [index_to_name[i] for i in g["params"]]}
-                    for g in inner["param_groups"]
+                    {**g, "params": [index_to_name[i] for i in g["params"]]} for g in inner["param_groups"]
                 ],
             }
-        return {"format": STATE_DICT_FORMAT,
-                "policies": {n: p.value for n, p in self.policies.items()}, "groups": groups_out}
+        return {
+            "format": STATE_DICT_FORMAT,
+            "policies": {n: p.value for n, p in self.policies.items()},
+            "groups": groups_out,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a :meth:`state_dict`; then re-apply the idle-state policy.
@@ -611,16 +632,16 @@ class GroupedOptimizer(Optimizer):
             unknown = sorted(set(entry["state"]) - set(name_to_index))
             if unknown:
                 raise PlanError(
-                    f"GroupedOptimizer.load_state_dict: group {name!r} has state for unknown "
-                    f"parameters {unknown[:5]}"
+                    f"GroupedOptimizer.load_state_dict: group {name!r} has state for unknown parameters {unknown[:5]}"
                 )
-            opt.load_state_dict({
-                "state": {name_to_index[n]: s for n, s in entry["state"].items()},
-                "param_groups": [
-                    {**g, "params": [name_to_index[n] for n in g["params"]]}
-                    for g in entry["param_groups"]
-                ],
-            })
+            opt.load_state_dict(
+                {
+                    "state": {name_to_index[n]: s for n, s in entry["state"].items()},
+                    "param_groups": [
+                        {**g, "params": [name_to_index[n] for n in g["params"]]} for g in entry["param_groups"]
+                    ],
+                }
+            )
         self.refresh_param_groups()
         self._mover.cancel_prefetch()
         self.enter_phase(self.active)

@@ -60,8 +60,10 @@ def optional_policies(value: Any, names: tuple[str, ...], argument: str) -> dict
             raise PlanError(f"`{argument}` names unknown groups {unknown}; known groups: {list(names)}")
         missing = [n for n in names if n not in value]
         if missing:
-            raise PlanError(f"`{argument}` has no entry for groups {missing}; give one per group, "
-                            f"or a single value for all of {list(names)}")
+            raise PlanError(
+                f"`{argument}` has no entry for groups {missing}; give one per group, "
+                f"or a single value for all of {list(names)}"
+            )
         return {name: StatePolicy.parse(value[name], f"`{argument}` for group {name!r}") for name in names}
     return {name: StatePolicy.parse(value, f"`{argument}` for group {name!r}") for name in names}
 
@@ -92,8 +94,13 @@ class IdleState:
         ([], [('cpu', 56)])
     """
 
-    def __init__(self, groups_of: Callable[[], ParamGroups], optimizer_of: Callable[[str], Optimizer],
-                 policy_of: Callable[[str], StatePolicy], mover: TensorMover) -> None:
+    def __init__(
+        self,
+        groups_of: Callable[[], ParamGroups],
+        optimizer_of: Callable[[str], Optimizer],
+        policy_of: Callable[[str], StatePolicy],
+        mover: TensorMover,
+    ) -> None:
         self._groups_of = groups_of
         self._optimizer_of = optimizer_of
         self._policy_of = policy_of
@@ -165,7 +172,7 @@ class IdleState:
             for device, n in self.bytes(name).items():
                 held[device] = held.get(device, 0) + n
         where = ", ".join(f"{_mib(n)} on {device}" for device, n in sorted(held.items())) or "none"
-        return (f"idle optimizer state: {'/'.join(policies)} ({source}); {len(idle)} idle group(s) hold {where}")
+        return f"idle optimizer state: {'/'.join(policies)} ({source}); {len(idle)} idle group(s) hold {where}"
 
 
 class PlainOptimizerState:
@@ -209,8 +216,12 @@ class PlainOptimizerState:
     def policies(self) -> dict[str, StatePolicy]:
         return {name: self.policy for name in self.groups.names}
 
-    def follow(self, source: Optional[PhaseSource], idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self,
+        source: Optional[PhaseSource],
+        idle_state: Optional[StatePolicy] = None,
+        idle_master: Optional[StatePolicy] = None,
+    ) -> None:
         """Follow ``source``'s phases; idle groups' state follows ``idle_state`` (default ``keep``)."""
         self._source = source
         self.policy = idle_state or StatePolicy.KEEP

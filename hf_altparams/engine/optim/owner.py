@@ -57,8 +57,9 @@ class StateOwner(Protocol):
     def active(self) -> frozenset[str]:
         """The groups whose state is in use (the followed phase's)."""
 
-    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self, source: PhaseSource, idle_state: Optional[StatePolicy] = None, idle_master: Optional[StatePolicy] = None
+    ) -> None:
         """Follow ``source``'s phases; the run's policies where the optimizer left them open."""
 
     def enter_phase(self, trainable: Iterable[str]) -> None:

@@ -74,12 +74,13 @@ from ...plan.groups import ParamGroups
 from ..collective import is_distributed
 from ..comm import CommCounter, register_comm_counter
 from ..ddp import comm_hook_states
-from ..memory import StatePolicy, StatePolicyLike
 from ..driver import PhaseSource
+from ..memory import StatePolicy, StatePolicyLike
 from .grouped import GroupedOptimizer, OptimizerFactory
 from .idle import optional_policies
 
 __all__ = ["DynamicLossScale", "Fp32Grads", "MasterPolicy", "PrecisionOptimizer", "masters_in_place", "store_model"]
+
 
 def store_model(module: nn.Module, dtype: torch.dtype) -> list[str]:
     """Store ``module`` in ``dtype``: cast its floating parameters and their modules' floating buffers in place.
@@ -154,7 +155,7 @@ class DynamicLossScale:
         8.0
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, dynamic: bool = True) -> None:
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, dynamic: bool = True) -> None:
         if not init_scale > 0:
             raise PlanError(f"`loss_scale` must be positive; got {init_scale!r}")
         self.scale = float(init_scale)
@@ -258,8 +259,9 @@ class Fp32Grads:
                 self._added.add(id(param))
             grad.copy_(total)  # rounded: the window's gradient, for DDP and anyone reading param.grad
 
-    def bucket_input(self, params: Sequence[torch.Tensor], buffer: torch.Tensor,
-                     dtype: Optional[torch.dtype]) -> torch.Tensor:
+    def bucket_input(
+        self, params: Sequence[torch.Tensor], buffer: torch.Tensor, dtype: Optional[torch.dtype]
+    ) -> torch.Tensor:
         """What a DDP bucket all-reduces in ``dtype``: its gradients, the fp32 sums where there are some."""
         dtype = dtype or buffer.dtype
         if dtype != torch.float32:
@@ -269,7 +271,7 @@ class Fp32Grads:
         for param in params:
             total = self.accumulated.pop(id(param), None)
             if total is not None:
-                flat[offset:offset + param.numel()].copy_(total.view(-1))
+                flat[offset : offset + param.numel()].copy_(total.view(-1))
             offset += param.numel()
         return flat
 
@@ -281,7 +283,7 @@ class Fp32Grads:
         offset = 0
         for param in params:
             if id(param) in managed:
-                self.reduced[id(param)] = reduced[offset:offset + param.numel()].view(param.shape)
+                self.reduced[id(param)] = reduced[offset : offset + param.numel()].view(param.shape)
             offset += param.numel()
 
     def take(self, param: nn.Parameter) -> Optional[torch.Tensor]:
@@ -310,7 +312,7 @@ class Fp32Grads:
 
 #: The hook of each module that feeds a PrecisionOptimizer's fp32 gradients (one per module: a later
 #: PrecisionOptimizer on the same model takes it over).
-_GRADS32_HOOKS: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
+_GRADS32_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
 
 #: An idle group's fp32 master follows the same three policies as its optimizer state.
 MasterPolicy = StatePolicy
@@ -377,8 +379,10 @@ class PrecisionOptimizer(GroupedOptimizer):
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
             raise PlanError(f"`storage_dtype` is {storage_dtype!r}; accepted: {list(STORAGE_DTYPES)} or None")
         if allreduce_dtype is not None and allreduce_dtype not in STORAGE_DTYPES:
-            raise PlanError(f"`allreduce_dtype` is {allreduce_dtype!r}; accepted: None (the storage dtype) "
-                            f"or one of {list(STORAGE_DTYPES)}")
+            raise PlanError(
+                f"`allreduce_dtype` is {allreduce_dtype!r}; accepted: None (the storage dtype) "
+                f"or one of {list(STORAGE_DTYPES)}"
+            )
         given = optional_policies(master_policy, groups.names, "master_policy")
         if storage_dtype is not None:
             store_model(groups.module, storage_dtype)
@@ -428,9 +432,11 @@ class PrecisionOptimizer(GroupedOptimizer):
             return None
         others = [type(s).__name__ for s in comm_hook_states(ddp) if not isinstance(s, CommCounter)]
         if others:
-            raise SwitchError(f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
-                              f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
-                              "one hook per wrapper: drop the other hook or `allreduce_dtype`")
+            raise SwitchError(
+                f"PrecisionOptimizer(allreduce_dtype={self.allreduce_dtype}) needs its own DDP "
+                f"comm hook, but the wrapper has one already (state {others[0]}); DDP runs "
+                "one hook per wrapper: drop the other hook or `allreduce_dtype`"
+            )
         return register_comm_counter(ddp, dtype=self.allreduce_dtype, grads=self._grads32)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -479,8 +485,9 @@ class PrecisionOptimizer(GroupedOptimizer):
         """Group ``name``'s idle-master policy now."""
         return self._given_master.get(name) or self._run_master
 
-    def follow(self, source: PhaseSource, idle_state: Optional[StatePolicy] = None,
-               idle_master: Optional[StatePolicy] = None) -> None:
+    def follow(
+        self, source: PhaseSource, idle_state: Optional[StatePolicy] = None, idle_master: Optional[StatePolicy] = None
+    ) -> None:
         """As :meth:`GroupedOptimizer.follow`; ``idle_master`` is the run's policy for masters left open
         (``None``: ``offload``)."""
         super().follow(source, idle_state, idle_master)
@@ -603,14 +610,14 @@ class PrecisionOptimizer(GroupedOptimizer):
             raise AltParamsError(
                 "PrecisionOptimizer.state_dict: called between backward passes of a gradient-accumulation "
                 f"window ({self._grads32.pending()} bytes of fp32 gradient sums pending, not saved); save after "
-                "optimizer.step() and zero_grad(), where a resumed run is exact")
+                "optimizer.step() and zero_grad(), where a resumed run is exact"
+            )
         out = super().state_dict()
         self._mover.settle()
         out["precision"] = {
             "format": PRECISION_FORMAT,
             "master_policies": {n: p.value for n, p in self.master_policies.items()},
-            "masters": {n: {p: t.detach().to("cpu", copy=True) for p, t in m.items()}
-                        for n, m in self.masters.items()},
+            "masters": {n: {p: t.detach().to("cpu", copy=True) for p, t in m.items()} for n, m in self.masters.items()},
             "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
@@ -627,16 +634,21 @@ class PrecisionOptimizer(GroupedOptimizer):
             )
         saved = precision["masters"]
         if set(saved) != set(self.masters):
-            raise PlanError(f"PrecisionOptimizer.load_state_dict: saved groups {sorted(saved)} "
-                            f"differ from this optimizer's groups {sorted(self.masters)}")
+            raise PlanError(
+                f"PrecisionOptimizer.load_state_dict: saved groups {sorted(saved)} "
+                f"differ from this optimizer's groups {sorted(self.masters)}"
+            )
         params = {n: dict(self.groups.named_params(n)) for n in self.groups.names}
         for name, masters in saved.items():
             unknown = sorted(set(masters) - set(params[name]))
             if unknown:
-                raise PlanError(f"PrecisionOptimizer.load_state_dict: group {name!r} has masters "
-                                f"for unknown parameters {unknown[:5]}")
-            self.masters[name] = {p: t.to(device=params[name][p].device, dtype=torch.float32, copy=True)
-                                  for p, t in masters.items()}
+                raise PlanError(
+                    f"PrecisionOptimizer.load_state_dict: group {name!r} has masters "
+                    f"for unknown parameters {unknown[:5]}"
+                )
+            self.masters[name] = {
+                p: t.to(device=params[name][p].device, dtype=torch.float32, copy=True) for p, t in masters.items()
+            }
         if self.loss_scale is not None and precision.get("loss_scale") is not None:
             self.loss_scale.load_state_dict(precision["loss_scale"])
         self.skipped_steps = int(precision.get("skipped_steps", 0))
@@ -648,7 +660,11 @@ class PrecisionOptimizer(GroupedOptimizer):
             for pname, param in self.groups.named_params(name):
                 for key, value in saved_state.get(pname, {}).items():
                     current = opt.state.get(param, {}).get(key)
-                    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
-                            and value.is_floating_point() and current.dtype != value.dtype:
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and isinstance(current, torch.Tensor)
+                        and value.is_floating_point()
+                        and current.dtype != value.dtype
+                    ):
                         opt.state[param][key] = value.to(device=current.device, copy=True)
         self.enter_phase(self.active)  # masters and state placed per policy

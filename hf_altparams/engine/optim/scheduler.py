@@ -46,8 +46,7 @@ class GroupedLRScheduler:
     ) -> None:
         if not isinstance(optimizer, GroupedOptimizer):
             raise PlanError(
-                f"GroupedLRScheduler: `optimizer` is {type(optimizer).__name__}; "
-                "a GroupedOptimizer is required"
+                f"GroupedLRScheduler: `optimizer` is {type(optimizer).__name__}; a GroupedOptimizer is required"
             )
         self.optimizer = optimizer
         self.advance_idle = advance_idle
@@ -82,8 +81,10 @@ class GroupedLRScheduler:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"advance_idle": self.advance_idle,
-                "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()}}
+        return {
+            "advance_idle": self.advance_idle,
+            "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for name, sched in self.schedulers.items():

@@ -11,5 +11,12 @@ from .cache import FrozenPrefixCache, PrefixRecord, find_stages
 from .config import FrozenPrefix, as_frozen_prefix
 from .sampler import ShardSampler
 
-__all__ = ["ActivationStore", "FrozenPrefix", "FrozenPrefixCache", "PrefixRecord", "ShardSampler",
-           "as_frozen_prefix", "find_stages"]
+__all__ = [
+    "ActivationStore",
+    "FrozenPrefix",
+    "FrozenPrefixCache",
+    "PrefixRecord",
+    "ShardSampler",
+    "as_frozen_prefix",
+    "find_stages",
+]

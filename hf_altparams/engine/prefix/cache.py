@@ -119,7 +119,9 @@ def find_stages(model: nn.Module, config: FrozenPrefix) -> tuple[list[str], list
         table = getter() if callable(getter) else None
         names = {id(m): n for n, m in model.named_modules()}
         if table is None or id(table) not in names:
-            raise PlanError(f"cannot find the embeddings of {type(model).__name__}; pass `FrozenPrefix(embeddings=...)`")
+            raise PlanError(
+                f"cannot find the embeddings of {type(model).__name__}; pass `FrozenPrefix(embeddings=...)`"
+            )
         emb_name = names[id(table)]
         parent = emb_name.rpartition(".")[0]
         if parent.endswith("embeddings"):
@@ -173,8 +175,13 @@ class FrozenPrefixCache:
         self.stage_names, self.stages = find_stages(model, config)
         self._stage_params = [list(m.parameters()) for m in self.stages]
         if config.cache and not config.eval_frozen:
-            drops = [n for n, m in model.named_modules() if isinstance(m, DROPOUT_BASE) and float(m.p) > 0
-                     and any(m is s or any(m is x for x in s.modules()) for s in self.stages)]
+            drops = [
+                n
+                for n, m in model.named_modules()
+                if isinstance(m, DROPOUT_BASE)
+                and float(m.p) > 0
+                and any(m is s or any(m is x for x in s.modules()) for s in self.stages)
+            ]
             if drops:
                 raise PlanError(
                     f"`FrozenPrefix(eval_frozen=False)` with `cache=True`: the stages hold dropout {drops[:3]}, so the "
@@ -256,7 +263,7 @@ class FrozenPrefixCache:
                 module.forward = previous
         self._installed = []
         if self.config.eval_frozen:  # stages leaving the prefix train again with the model
-            for stage in self.stages[depth: self.depth]:
+            for stage in self.stages[depth : self.depth]:
                 stage.train(self.model.training)
         if self.record.hit_samples or self.record.miss_samples:
             self.records.append(self.record)
@@ -320,8 +327,11 @@ class FrozenPrefixCache:
                 "pass `FrozenPrefix(missing_index='recompute')` to run the prefix for such batches"
             )
         if not self._warned:
-            warnings.warn(f"frozen-prefix cache: a training batch came without `{key}`; its prefix is recomputed "
-                          "and nothing is cached for it", stacklevel=4)
+            warnings.warn(
+                f"frozen-prefix cache: a training batch came without `{key}`; its prefix is recomputed "
+                "and nothing is cached for it",
+                stacklevel=4,
+            )
             self._warned = True
 
     def _stage_forward(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -342,8 +352,11 @@ class FrozenPrefixCache:
                 return _like(self._formats[i], _hidden_in(args, kwargs))
             if self._mode != _MISS:
                 return original(*args, **kwargs)
-            self._refuse_trainable([k for k, v in (*enumerate(args), *kwargs.items())
-                                    if isinstance(v, torch.Tensor) and v.requires_grad], "input {} of", i)
+            self._refuse_trainable(
+                [k for k, v in (*enumerate(args), *kwargs.items()) if isinstance(v, torch.Tensor) and v.requires_grad],
+                "input {} of",
+                i,
+            )
             if i == 0:
                 self._started = time.perf_counter()
             elif self._checking:
@@ -377,7 +390,8 @@ class FrozenPrefixCache:
         self.record.memory_bytes, self.record.disk_bytes = self.store.memory_bytes, self.store.disk_bytes
         if self._checking and self.depth < len(self.stages):
             self._check_hook = self.stages[self.depth].register_forward_pre_hook(
-                lambda m, a, k: self._check_input(self.depth, _hidden_in(a, k)), with_kwargs=True)
+                lambda m, a, k: self._check_input(self.depth, _hidden_in(a, k)), with_kwargs=True
+            )
         elif self._checking:
             self._checking = False
 

@@ -86,7 +86,9 @@ class FrozenPrefix:
             )
 
 
-def as_frozen_prefix(value: Union[None, bool, FrozenPrefix, Any], argument: str = "frozen_prefix") -> Optional[FrozenPrefix]:
+def as_frozen_prefix(
+    value: Union[None, bool, FrozenPrefix, Any], argument: str = "frozen_prefix"
+) -> Optional[FrozenPrefix]:
     """``None``/``False`` -> ``None``; ``True`` -> defaults; a :class:`FrozenPrefix` as is."""
     if value is None or value is False:
         return None

@@ -45,7 +45,12 @@ class ShardSampler(Sampler[int]):
     def __init__(self, size: int, num_replicas: int, rank: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if not isinstance(size, int) or size < 1:
             raise PlanError(f"`size` must be an int >= 1, got {size!r}")
-        if not isinstance(num_replicas, int) or num_replicas < 1 or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        if (
+            not isinstance(num_replicas, int)
+            or num_replicas < 1
+            or not isinstance(rank, int)
+            or not 0 <= rank < num_replicas
+        ):
             raise PlanError(f"need 0 <= `rank` < `num_replicas`, got rank={rank!r}, num_replicas={num_replicas!r}")
         self.size, self.num_replicas, self.rank = size, num_replicas, rank
         self.seed, self.shuffle, self.epoch = int(seed), bool(shuffle), 0

@@ -97,8 +97,11 @@ def strategy_named(name: str, *, argument: str = "`strategy`") -> Strategy:
         if isinstance(name, str) and name.lower() in _names(strategy):
             return strategy
     aliases = ", ".join(f"{a!r} for {s.name!r}" for s in registered() for a in s.aliases)
-    raise PlanError(f"{argument} must be one of the registered strategies {[s.name for s in registered()]}"
-                    + (f" (aliases: {aliases})" if aliases else "") + f", got {name!r}")
+    raise PlanError(
+        f"{argument} must be one of the registered strategies {[s.name for s in registered()]}"
+        + (f" (aliases: {aliases})" if aliases else "")
+        + f", got {name!r}"
+    )
 
 
 def is_registered(name: str) -> bool:
@@ -127,14 +130,18 @@ def register(strategy: Strategy, *, before: Optional[str] = None) -> Strategy:
         raise PlanError(f"`strategy` {type(strategy).__name__} has no `name`; give the class a `name`")
     taken = sorted(set(_names(strategy)) & {n for s in registered() for n in _names(s)})
     if taken:
-        raise PlanError(f"`strategy` {type(strategy).__name__} takes the name(s) {taken} of a registered strategy; "
-                        f"registered: {[s.name for s in registered()]}")
+        raise PlanError(
+            f"`strategy` {type(strategy).__name__} takes the name(s) {taken} of a registered strategy; "
+            f"registered: {[s.name for s in registered()]}"
+        )
     at = len(_REGISTERED)
     if before is not None:
         at = next((i for i, s in enumerate(_REGISTERED) if before in _names(s)), -1)
         if at < 0:
-            raise PlanError(f"`before` must name a registered strategy (the one-process fallback comes last "
-                            f"anyway), got {before!r}; registered: {[s.name for s in _REGISTERED]}")
+            raise PlanError(
+                f"`before` must name a registered strategy (the one-process fallback comes last "
+                f"anyway), got {before!r}; registered: {[s.name for s in _REGISTERED]}"
+            )
     _REGISTERED.insert(at, strategy)
     return strategy
 
@@ -149,5 +156,7 @@ def unregister(name: str) -> Strategy:
         if name in _names(strategy):
             _REGISTERED.remove(strategy)
             return strategy
-    raise PlanError(f"`name` {name!r} is no removable registered strategy; registered: "
-                    f"{[s.name for s in _REGISTERED]} (one process stays as the fallback)")
+    raise PlanError(
+        f"`name` {name!r} is no removable registered strategy; registered: "
+        f"{[s.name for s in _REGISTERED]} (one process stays as the fallback)"
+    )

@@ -277,8 +277,10 @@ class Strategy(ABC):
         Raises:
             PlanError: the strategy cannot count (``capabilities.counts_comm`` is false).
         """
-        raise PlanError(f"`count_comm=True`: {self.label} has no comm counter (it communicates no gradients, or "
-                        "counting is not implemented for it); leave `count_comm` out")
+        raise PlanError(
+            f"`count_comm=True`: {self.label} has no comm counter (it communicates no gradients, or "
+            "counting is not implemented for it); leave `count_comm` out"
+        )
 
     def state_owner(self, optimizer: Optional[Optimizer], groups: ParamGroups) -> Optional[StateOwner]:
         """Who decides where ``optimizer``'s state (and fp32 masters) of idle groups lives.

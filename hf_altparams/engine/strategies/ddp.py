@@ -43,8 +43,14 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     label = "DDP"
-    capabilities = Capabilities(wraps_module=True, wrapper_per_model=True, synchronises_gradients=True,
-                                rebuckets_at_switch=True, kept_reducers=True, counts_comm=True)
+    capabilities = Capabilities(
+        wraps_module=True,
+        wrapper_per_model=True,
+        synchronises_gradients=True,
+        rebuckets_at_switch=True,
+        kept_reducers=True,
+        counts_comm=True,
+    )
     pricing = Pricing(buckets=True, collective=Collective.ALL_REDUCE)
 
     def recognises(self, model: nn.Module) -> bool:

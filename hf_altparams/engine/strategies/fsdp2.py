@@ -38,10 +38,23 @@ class FSDP2Strategy(Strategy):
 
     name = "fsdp2"
     label = "FSDP2"
-    capabilities = Capabilities(synchronises_gradients=True, rebinds_parameters=True, shards_parameters=True,
-                                frozen_prefix=False, counts_comm=True)
-    pricing = Pricing(parameters=_SHARDED, gradients=_SHARDED, optimizer_state=_SHARDED, masters=_SHARDED,
-                      buckets=False, collective=Collective.REDUCE_SCATTER, compare_with="ddp", unit_transient=True)
+    capabilities = Capabilities(
+        synchronises_gradients=True,
+        rebinds_parameters=True,
+        shards_parameters=True,
+        frozen_prefix=False,
+        counts_comm=True,
+    )
+    pricing = Pricing(
+        parameters=_SHARDED,
+        gradients=_SHARDED,
+        optimizer_state=_SHARDED,
+        masters=_SHARDED,
+        buckets=False,
+        collective=Collective.REDUCE_SCATTER,
+        compare_with="ddp",
+        unit_transient=True,
+    )
 
     def recognises(self, model: nn.Module) -> bool:
         return is_fsdp2(model)
