@@ -44,10 +44,16 @@ from ...errors import AltParamsError, Cause
 from ...plan.groups import ParamGroups
 from ..backend import Backend
 from ..comm import CommCounter
-from ..deepspeed import (ZeroBackend, count_zero_comm, engine_stage, is_deepspeed_engine, optimizer_chain,
-                         split_param_groups)
+from ..deepspeed import (
+    ZeroBackend,
+    count_zero_comm,
+    engine_stage,
+    is_deepspeed_engine,
+    optimizer_chain,
+    split_param_groups,
+)
 from ..optim import StateOwner
-from .base import Capabilities, Collective, Placement, Pricing, StepBoundary, Strategy
+from .base import Capabilities, Collective, Gather, Placement, Pricing, StepBoundary, Strategy
 
 __all__ = ["ZERO_STAGES", "ZeroStrategy"]
 
@@ -62,14 +68,22 @@ def _pricing(stage: int) -> Pricing:
 
     ZeRO-1/2 all-reduce the trainable gradients (what each rank feeds the
     collective; the post-step all-gather of the updated partitions moves as
-    much again); ZeRO-3 reduce-scatters them, and all-gathers every weight
-    for the forward.
+    much again: ``Gather.UPDATED``); ZeRO-3 reduce-scatters them, and
+    all-gathers every weight for the forward (``Gather.EVERY``). Every stage
+    keeps fp32 partitions of the optimized weights, fp32 weights included.
     """
-    return Pricing(parameters=_SHARDED if stage >= 3 else _REPLICATED,
-                   gradients=_SHARDED if stage >= 2 else _REPLICATED,
-                   optimizer_state=_SHARDED, masters=_SHARDED, buckets=False,
-                   collective=Collective.REDUCE_SCATTER if stage >= 3 else Collective.ALL_REDUCE,
-                   compare_with="ddp", unit_transient=stage >= 3)
+    return Pricing(
+        parameters=_SHARDED if stage >= 3 else _REPLICATED,
+        gradients=_SHARDED if stage >= 2 else _REPLICATED,
+        optimizer_state=_SHARDED,
+        masters=_SHARDED,
+        buckets=False,
+        collective=Collective.REDUCE_SCATTER if stage >= 3 else Collective.ALL_REDUCE,
+        compare_with="ddp",
+        unit_transient=stage >= 3,
+        gathers=Gather.EVERY if stage >= 3 else Gather.UPDATED,
+        fp32_masters=True,
+    )
 
 
 class ZeroStrategy(Strategy):
@@ -81,12 +95,19 @@ class ZeroStrategy(Strategy):
         self.aliases = (f"deepspeed-zero{self.stage}",)
         self.label = f"DeepSpeed ZeRO-{self.stage}"
         self.capabilities = Capabilities(
-            wraps_module=True, synchronises_gradients=True, owns_optimizer_state=True,
-            shards_parameters=self.stage >= 3, per_task_residency=False, frozen_prefix=False, counts_comm=True,
-            step_boundary=StepBoundary.BACKWARD, builds_with_every_group=True,
-            trains=self.stage in ZERO_STAGES)
+            wraps_module=True,
+            synchronises_gradients=True,
+            owns_optimizer_state=True,
+            shards_parameters=self.stage >= 3,
+            per_task_residency=False,
+            frozen_prefix=False,
+            counts_comm=True,
+            step_boundary=StepBoundary.BACKWARD,
+            builds_with_every_group=True,
+            trains=self.stage in ZERO_STAGES,
+        )
         self.pricing = _pricing(self.stage)
-        self._backends: "weakref.WeakValueDictionary[int, ZeroBackend]" = weakref.WeakValueDictionary()
+        self._backends: weakref.WeakValueDictionary[int, ZeroBackend] = weakref.WeakValueDictionary()
 
     def recognises(self, model: nn.Module) -> bool:
         return is_deepspeed_engine(model) and engine_stage(model) == self.stage
@@ -99,8 +120,11 @@ class ZeroStrategy(Strategy):
     def backend(self, wrapper: nn.Module) -> Backend:
         """The engine's :class:`~hf_altparams.engine.deepspeed.ZeroBackend` (its optimizer checked first)."""
         if not self.capabilities.trains:
-            raise AltParamsError(f"{self.label} is priced by the planner but not driven: see the refusal table "
-                                 "(hf_altparams.integrations.refusals)", cause=Cause.STRATEGY_REFUSED)
+            raise AltParamsError(
+                f"{self.label} is priced by the planner but not driven: see the refusal table "
+                "(hf_altparams.integrations.refusals)",
+                cause=Cause.STRATEGY_REFUSED,
+            )
         backend = ZeroBackend(wrapper)
         for obj in backend.optimizers:  # the state owner is asked for by any of them (state_owner below)
             self._backends[id(obj)] = backend
