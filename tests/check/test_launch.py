@@ -128,6 +128,14 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before it runs the check: SIGINT, SIGTERM and SIGHUP at their defaults, as a user's shell starts
+    a command. A test run in the background of a non-interactive shell (`nohup bash -c '...' &`) inherits SIGINT
+    ignored, and the check rightly leaves an ignored signal ignored: Ctrl-C would then not be what is tested."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
 def run(
     cmd: list[str],
     env: dict[str, str],
@@ -144,7 +152,14 @@ def run(
     out, err = tmp / f"out-{tag}", tmp / f"err-{tag}"
     seen: set[int] = set()
     with out.open("w") as stdout, err.open("w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, TAG: tag}, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**env, TAG: tag},
+            stdout=stdout,
+            stderr=stderr,
+            preexec_fn=_as_from_a_terminal if signal_when is not None else None,
+        )
         ends = time.monotonic() + timeout
         try:
             while proc.poll() is None:
