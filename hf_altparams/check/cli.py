@@ -49,6 +49,7 @@ from .workload import (
     model_task,
     schedule_for,
 )
+from .zero import deepspeed_config, refusal, stage_of, strategy_config, strategy_name
 
 __all__ = ["build_parser", "main"]
 
@@ -129,9 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         metavar="{" + ",".join(CONFIGURABLE) + "}",
         help="the registered strategy to run (default: as Accelerate is configured); fsdp2: shard "
-        "with FSDP2, also on CPU ranks",
+        "with FSDP2, also on CPU ranks; zero1, zero2: DeepSpeed ZeRO at that stage (as --deepspeed 1, 2)",
     )
     run.add_argument("--fsdp2", action="store_true", help="the same as --strategy fsdp2")
+    run.add_argument(
+        "--deepspeed",
+        metavar="CONFIG|STAGE",
+        help="train under DeepSpeed ZeRO through Accelerate's DeepSpeedPlugin, also on CPU ranks: a DeepSpeed "
+        "config file (JSON) or a ZeRO stage (1, 2; the library refuses 3, and so does the check, with its "
+        "reason); --strategy zero1 / zero2 is the same as the stage",
+    )
     run.add_argument("--warmup", type=int, default=2, help="switches left out of the memory judgement")
     run.add_argument(
         "--run-steps",
@@ -190,8 +198,13 @@ def _setup_maker(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return make
 
 
-#: The strategies the check sets up itself through Accelerate (``--strategy``): plain DDP, or FSDP2's plugin.
-CONFIGURABLE = ("ddp", "fsdp2")
+#: The strategies the check sets up itself through Accelerate (``--strategy``): plain DDP, FSDP2's plugin, or
+#: DeepSpeed's plugin at a ZeRO stage (:data:`ZERO_STAGES`).
+CONFIGURABLE = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+
+#: The ZeRO stage of each DeepSpeed strategy ``--strategy`` names (zero3: set up, and refused as the library
+#: refuses it, with its reason).
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -206,6 +219,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         flags = (["--schedule"] if kind else []) + [SCHEDULES.option(o).flag for o in options]
         raise PlanError(f"`--setup` builds its own schedule: leave out {', '.join(flags)}")
     SCHEDULES.resolve(kind, options, CHECK_DEFAULTS)  # before any rank starts; the groups are checked on the ranks
+    args.deepspeed_config = None if args.deepspeed is None else deepspeed_config(args.deepspeed)
     if args.strategy is not None:
         name = strategy_named(args.strategy, argument="`--strategy`").name
         if name not in CONFIGURABLE:
@@ -215,7 +229,16 @@ def _check_flags(args: argparse.Namespace) -> None:
             )
         if args.fsdp2 and name != "fsdp2":
             raise PlanError(f"`--fsdp2` and `--strategy {args.strategy}` disagree; give one of them")
-        args.fsdp2 = name == "fsdp2"  # the one flag the rest of the check reads
+        if args.deepspeed_config is not None and name != strategy_name(args.deepspeed_config):
+            raise PlanError(
+                f"`--deepspeed {args.deepspeed}` (ZeRO stage {stage_of(args.deepspeed_config)}) and "
+                f"`--strategy {args.strategy}` disagree; give one of them"
+            )
+        if name in ZERO_STAGES and args.deepspeed_config is None:
+            args.deepspeed_config = strategy_config(ZERO_STAGES[name])
+        args.fsdp2 = name == "fsdp2"  # with deepspeed_config, the flags the rest of the check reads
+    if args.fsdp2 and args.deepspeed_config is not None:
+        raise PlanError("`--fsdp2` and `--deepspeed` exclude each other: FSDP2 or DeepSpeed ZeRO, not both")
     for flag in ("task", "model_class"):
         if getattr(args, flag) and not args.model:
             raise PlanError(f"`--{flag.replace('_', '-')}` says how to build `--model`; give --model PATH")
@@ -266,7 +289,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PlanError as err:
         print(f"python -m hf_altparams check: error: {err}", file=sys.stderr)
         return 2
-    options = CheckOptions(steps=args.steps, fsdp2=args.fsdp2, timeout=args.timeout)
+    if args.deepspeed_config is not None and not started_by_check():
+        refused = refusal(args.deepspeed_config)
+        if refused is not None:  # the library's refusal table, before any rank starts (exit 2, as a bad flag)
+            return _refuse(
+                args, Cause.STRATEGY_REFUSED, refused, header="hf_altparams check: refused before any rank started"
+            )
+    options = CheckOptions(steps=args.steps, fsdp2=args.fsdp2, timeout=args.timeout, deepspeed=args.deepspeed_config)
     if started_by_check():  # a rank of the check's own launch: train, write, never launch
         folder = os.environ[RESULTS_ENV]
         rank = int(os.environ.get("RANK", "0"))
@@ -303,7 +332,12 @@ def _launch_and_judge(argv: Sequence[str], args: argparse.Namespace) -> int:
             print(plan.line(), file=sys.stderr, flush=True)
             priced = _preflight(args, plan.processes)
             outcome = self_launch(
-                plan, deadline_left(started, args.deadline), args.steps, priced, allowed=args.deadline
+                plan,
+                deadline_left(started, args.deadline),
+                args.steps,
+                priced,
+                allowed=args.deadline,
+                deepspeed=args.deepspeed_config is not None,
             )
     except LaunchRefused as refused:  # the launch (exit 2) or the pre-flight (exit 1) refused it
         return _refuse(args, refused.cause, refused.detail)
@@ -352,6 +386,7 @@ def _preflight(args: argparse.Namespace, processes: int) -> Optional[str]:
             ranks=processes,
             steps=args.steps,
             fsdp2=args.fsdp2,
+            strategy=None if args.deepspeed_config is None else strategy_name(args.deepspeed_config),
             model_class=args.model_class,
             task=args.task,
             dtype=args.dtype if args.model else None,
@@ -380,8 +415,9 @@ def _refuse(
 ) -> int:
     """Report a check stopped before the ranks gave a verdict (refused, interrupted); its exit code.
 
-    2 for a launch refused (like a bad flag), 1 for what the pre-flight refused
-    (a failure of the run: ``wont_fit``, ``setup_refused``).
+    2 for a launch refused (like a bad flag): a config that starts one process, a
+    strategy the library refuses (``--deepspeed 3``); 1 for what the pre-flight
+    refused (a failure of the run: ``wont_fit``, ``setup_refused``).
     """
     failure: dict[str, Any] = {"cause": cause, "rank": None, "detail": detail}
     verdict = judge([], header=header, stopped=[failure])
@@ -392,7 +428,7 @@ def _refuse(
     else:
         title, fix = CAUSES[cause]
         print(f"{verdict.header}\n\nFAILED: {title} ({cause}): {detail}\n  fix: {fix}")
-    return 2 if cause is Cause.LAUNCH_STARTS_ONE_PROCESS else 1
+    return 2 if cause in (Cause.LAUNCH_STARTS_ONE_PROCESS, Cause.STRATEGY_REFUSED) else 1
 
 
 def _tolerances(results: Sequence[Optional[RankResult]], args: argparse.Namespace) -> Optional[Tolerances]:

@@ -54,6 +54,7 @@ from ..integrations.accelerate_internals import (
 from ..testing.launch import run_launchers, write_rank_result
 from .rank import RankResult
 from .watch import Watch
+from .zero import CPU_ENV
 
 __all__ = [
     "RESULTS_ENV",
@@ -295,7 +296,12 @@ class LaunchOutcome:
 
 
 def self_launch(
-    plan: LaunchPlan, deadline: float, steps: int, priced: Optional[str] = None, allowed: Optional[float] = None
+    plan: LaunchPlan,
+    deadline: float,
+    steps: int,
+    priced: Optional[str] = None,
+    allowed: Optional[float] = None,
+    deepspeed: bool = False,
 ) -> LaunchOutcome:
     """Start ``plan``, wait for it at most ``deadline`` seconds, and read what the ranks wrote.
 
@@ -303,13 +309,18 @@ def self_launch(
     pre-flight's price, quoted when a rank is killed; ``allowed``: the ``--deadline``
     the report names (default ``deadline``; less may be left once the check has
     priced the run). :class:`Interrupted` (inside :func:`signals_interrupt`) passes
-    through, once every process is stopped.
+    through, once every process is stopped. ``deepspeed``: the ranks run DeepSpeed,
+    so their environment is a plain ``torchrun`` one, without ``ACCELERATE_USE_CPU``
+    (with it Accelerate drops DeepSpeed); else CPU ranks get it (without it
+    Accelerate runs each CPU rank alone).
     """
     allowed = deadline if allowed is None else allowed
     with tempfile.TemporaryDirectory(prefix="hf_altparams_check_") as folder:
         env = dict(os.environ, **{RESULTS_ENV: folder})
-        if not torch.cuda.is_available():
-            env.setdefault("ACCELERATE_USE_CPU", "1")  # else Accelerate runs each CPU rank alone
+        if deepspeed:
+            env.pop(CPU_ENV, None)  # Accelerate would drop DeepSpeed
+        elif not torch.cuda.is_available():
+            env.setdefault(CPU_ENV, "1")  # else Accelerate runs each CPU rank alone
         watch = Watch(folder, plan.processes)
         (done,), timed_out = run_launchers([plan.command], env, timeout=deadline, on_poll=watch.poll)
         tail = "\n".join((done.stdout or "").splitlines()[-40:])

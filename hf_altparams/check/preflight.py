@@ -9,7 +9,8 @@ will build, and priced per rank:
   whole on every rank, even under FSDP2 (it shards at ``prepare``);
 * **the plan's worst phase**: :func:`~hf_altparams.planner.plan_cost`'s largest
   device figure over the check's steps (parameters, gradients, optimizer state,
-  DDP buckets; sharded under ``--fsdp2``; no DDP for one process);
+  DDP buckets; sharded under ``--fsdp2``, as ZeRO shards it under ``--deepspeed``;
+  no DDP for one process);
 * **the process itself**: this process's resident set now (the interpreter,
   torch and the libraries every rank also loads).
 
@@ -209,9 +210,13 @@ def price(
     steps: int,
     device: str,
     gpu_free: Sequence[int] = (),
+    strategy: Optional[str] = None,
 ) -> Price:
-    """Price a run of ``ranks`` processes on this host (see the module docstring); ``model`` may be on ``meta``."""
-    backend = "local" if ranks == 1 else ("fsdp2" if fsdp2 else "ddp")
+    """Price a run of ``ranks`` processes on this host (see the module docstring); ``model`` may be on ``meta``.
+
+    ``strategy`` names the registered strategy the ranks run (``zero2``); default DDP, or FSDP2 with ``fsdp2``.
+    """
+    backend = "local" if ranks == 1 else (strategy or ("fsdp2" if fsdp2 else "ddp"))
     with warnings.catch_warnings():  # the schedule's share warning: the ranks give it, where it is read
         warnings.simplefilter("ignore")
         plan = plan_cost(model, groups, schedule, steps=steps, world_size=ranks, backend=backend, bf16_check=None)
@@ -236,6 +241,7 @@ def price_check(
     ranks: int,
     steps: int,
     fsdp2: bool,
+    strategy: Optional[str] = None,
     model_class: Optional[str] = None,
     task: Optional[str] = None,
     dtype: Optional[str] = None,
@@ -246,6 +252,8 @@ def price_check(
 ) -> Price:
     """Price the check the flags describe (the built-in model, or ``--model``), on this machine.
 
+    ``strategy``: the registered strategy the ranks run, where the flags name one
+    other than DDP or FSDP2 (``zero2`` for ``--deepspeed 2``).
     ``schedule`` and ``schedule_options`` are the schedule flags given (``SCHEDULES.given(args)``),
     built as the ranks build them (:func:`~hf_altparams.check.workload.schedule_for`).
 
@@ -265,6 +273,7 @@ def price_check(
         built=built,
         ranks=ranks,
         fsdp2=fsdp2,
+        strategy=strategy,
         steps=steps,
         device=device,
         gpu_free=gpu_free_bytes() if device == "cuda" else (),

@@ -5,8 +5,10 @@ The loop is the stock Accelerate loop (``prepare``, then per optimizer step
 ``optimizer.step()``, ``zero_grad``) on the user's devices and process group,
 DDP or FSDP2 as Accelerate is configured (``--fsdp2``: FSDP2 also on CPU ranks,
 where Accelerate would run DDP; the model is then sharded one ``fully_shard``
-unit per group, :func:`~hf_altparams.engine.shard_by_groups`). Around it, each
-rank records:
+unit per group, :func:`~hf_altparams.engine.shard_by_groups`), or DeepSpeed ZeRO
+(``--deepspeed``: Accelerate's ``DeepSpeedPlugin``, :mod:`.zero`; the update and
+the switch then run inside the sync-boundary ``backward``, so ``before_step``
+comes after the update there). Around it, each rank records:
 
 * before ``prepare``: whether the ranks built the same weights
   (:func:`.weights.differing_at_start`); under DDP, whose constructor copies
@@ -14,18 +16,23 @@ rank records:
 * the precision: Accelerate's mixed precision and the dtypes of the weights;
 * per optimizer step: the phase, the bytes its gradients hold (what DDP must
   all-reduce), the bytes the counting comm hook saw all-reduced (or
-  reduce-scattered), the memory held at the end of the step (weights, gradients
-  and optimizer state, activations gone; read from a step post-hook) and the
-  step's seconds;
+  reduce-scattered; under ZeRO every collective DeepSpeed ran, against what the
+  strategy declares for the phase's trainable bytes: their reduction, once per
+  micro-batch where it reduces each, and the all-gather of the updated
+  partitions), the memory held at the end of the step (weights, gradients and
+  optimizer state, activations gone; read from a step post-hook, or under ZeRO
+  once the sync-boundary ``backward`` returned) and the step's seconds;
 * per switch: the switch's seconds, the memory held after it, the memory
   model's prediction for the new phase (``expected_peak``), and the optimizer
   state that idle groups whose policy is ``drop`` (or, on a GPU, ``offload``)
-  still hold on the training device, read from the optimizer itself;
+  still hold on the training device, read from the optimizer itself (under ZeRO
+  from its owner's census: optimizer state and fp32 partition per group);
 * per phase visit: the peak memory, activations included;
 * the weights compared across ranks after every switch and at the end (the
   switch's drift check, ``drift_check="switch"``), and each idle group's
   weights on this rank against their reading when it went idle
-  (:class:`.weights.IdleWatch`);
+  (:class:`.weights.IdleWatch`; idle includes a group the phase trains whose
+  flags code outside the schedule turned off);
 * at the end: what the memory held is made of (:func:`_census`) and what the
   device has left (:func:`_available`);
 * what went wrong, if anything: the stage, the exception and its cause (the
@@ -46,7 +53,7 @@ import time
 import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -55,12 +62,13 @@ from torch.optim import Optimizer
 from ..engine import memory_report, shard_by_groups
 from ..engine.collective import is_collective_failure
 from ..engine.memory import StatePolicy, optimizer_of
-from ..engine.strategies import Collective
-from ..errors import AltParamsError, AltParamsWarning, Cause
+from ..engine.strategies import Collective, Gather, StepBoundary, Strategy, is_registered, strategy_named
+from ..errors import AltParamsError, AltParamsWarning, Cause, PlanError
 from ..plan import ParamGroups, Schedule
 from .readings import MemoryGauge, live_tensor_bytes, storage_keys
-from .weights import IdleChange, IdleWatch, copy_rank0, differing_at_start
+from .weights import IdleChange, IdleWatch, copy_rank0, differing_at_start, frozen_groups
 from .workload import CheckSetup
+from .zero import CPU_ENV, complete, copied
 
 __all__ = ["CheckOptions", "Failure", "IdleChange", "RankResult", "StepRow", "SwitchRow", "run_rank"]
 
@@ -80,11 +88,15 @@ class CheckOptions:
             ranks too, where Accelerate would otherwise run plain DDP.
         timeout: seconds a rank waits for the others in a collective before it
             reports them lost.
+        deepspeed: the DeepSpeed config to train under (Accelerate's
+            ``DeepSpeedPlugin``; :mod:`.zero`), ``None`` for none; on CPU ranks
+            too, where the process environment lacks ``ACCELERATE_USE_CPU``.
     """
 
     steps: int = 60
     fsdp2: bool = False
     timeout: float = 120.0
+    deepspeed: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -242,6 +254,15 @@ def _accelerator(options: CheckOptions) -> Any:
     if options.fsdp2:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
         kwargs["fsdp_plugin"] = plugin
+    if options.deepspeed is not None:
+        from accelerate.utils import DeepSpeedPlugin
+
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=copied(options.deepspeed))
+    if options.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        if not torch.cuda.is_available():
+            from ..engine.deepspeed import skip_shm_comm_build
+
+            skip_shm_comm_build()  # else DeepSpeed compiles a C++ op at its first init_distributed (minutes)
     acc = PhasedAccelerator(
         count_comm=True,
         log_switches=False,
@@ -250,10 +271,47 @@ def _accelerator(options: CheckOptions) -> Any:
     )
     if plugin is not None and acc.num_processes > 1 and acc.distributed_type != DistributedType.FSDP:
         run_fsdp_state(acc, plugin)  # CPU ranks: Accelerate chose plain DDP; run its FSDP2 code instead
+    if options.deepspeed is not None and acc.distributed_type != DistributedType.DEEPSPEED:
+        raise PlanError(
+            f"`--deepspeed`: Accelerate did not start DeepSpeed (distributed_type {acc.distributed_type.value}): "
+            f"{CPU_ENV}={os.environ.get(CPU_ENV)!r} is set, and with it Accelerate drops DeepSpeed. Leave "
+            f"{CPU_ENV} out of the environment of DeepSpeed ranks (plain `torchrun`), also on CPU ranks"
+        )
     return acc
 
 
+def _configured(acc: Any) -> Optional[Strategy]:
+    """The registered strategy Accelerate is configured to run, where it names one (FSDP2, DeepSpeed ZeRO)."""
+    from ..integrations.accelerate import configuration
+
+    name = configuration(acc).strategy_name
+    return strategy_named(name) if name is not None and is_registered(name) else None
+
+
+def _world(acc: Any) -> int:
+    """The ranks of the job: torch.distributed's (Accelerate counts one process per DeepSpeed rank on CPU)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else int(acc.num_processes)
+
+
+def _rank(acc: Any) -> int:
+    """This rank's index in the job (the batches differ per rank, as a sharded loader gives)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(acc.process_index)
+
+
+def _steps_in_backward(acc: Any) -> bool:
+    """Whether the update (and the switch) run inside the sync-boundary ``backward`` (DeepSpeed's engine)."""
+    strategy = _configured(acc)
+    return strategy is not None and strategy.capabilities.step_boundary is StepBoundary.BACKWARD
+
+
 def _parallel(acc: Any) -> str:
+    strategy = _configured(acc)
+    if strategy is not None and not acc.is_fsdp2:  # DeepSpeed ZeRO: one Accelerate process per rank on CPU
+        return strategy.label
     if acc.num_processes == 1:
         return "none (one process: Accelerate wraps no DDP)"
     return "FSDP2" if acc.is_fsdp2 else "DDP"
@@ -426,7 +484,7 @@ def _start_equal(acc: Any, setup: CheckSetup, options: CheckOptions, result: Ran
     """
     import torch.distributed as dist
 
-    if acc.num_processes == 1 or not dist.is_initialized():
+    if _world(acc) == 1 or not dist.is_initialized():
         return True
     group = dist.new_group(backend="gloo")  # the model is still on the host: a group that carries CPU tensors
     result.start_differs = differing_at_start(setup.groups, group)
@@ -506,8 +564,11 @@ def _train(
     """The stock loop, with the readings of the module docstring; ``False`` when it stopped before training."""
     model = setup.model
     result.model_class = type(model).__name__
+    if acc.state.deepspeed_plugin is not None:  # no dataloader in `prepare`: the batch sizes DeepSpeed books
+        setup.accumulation = complete(acc.state.deepspeed_plugin.deepspeed_config, setup.accumulation, _world(acc))
     result.accumulation = setup.accumulation
     acc.gradient_accumulation_steps = setup.accumulation
+    in_backward = _steps_in_backward(acc)
     if setup.ddp is not None:
         acc.ddp_handler = setup.ddp
     if not _start_equal(acc, setup, options, result):
@@ -530,7 +591,9 @@ def _train(
         held[0] = gauge.level()
         hook_seconds[0] += time.perf_counter() - began
 
-    handle = raw.register_step_post_hook(read_held)
+    # the end of a step: the inner optimizer's step post-hook; where the update runs inside the sync-boundary
+    # backward (DeepSpeed steps the inner optimizer once per param group), once that backward returned
+    handle = None if in_backward else raw.register_step_post_hook(read_held)
     prepared, optimizer = acc.prepare(model, raw)
     switcher = acc.switcher
     groups: ParamGroups = switcher.groups
@@ -548,23 +611,18 @@ def _train(
             phase = current.name
             if setup.on_step is not None:
                 setup.on_step(acc.unwrap_model(prepared), step)
+            _note_idle(result, watch.flags(step, frozen_groups(groups, current)))
             hook_seconds[0], held[0] = 0.0, None
             began = time.perf_counter()
             grad_bytes, unused_bytes = _micro_batches(acc, setup, prepared, optimizer, params, step)
             seconds = time.perf_counter() - began - hook_seconds[0]
+            if in_backward:
+                read_held()
             counter = acc.comm_counter
             reduced = counter.history[-1] if counter is not None and counter.history else None
-            # what the strategy feeds its collective: a reduce-scatter the padded trainable gradients (the
-            # switch's figure), an all-reduce the gradients themselves
-            expected = (
-                None
-                if counter is None
-                else (
-                    switcher.reduced_bytes(current)
-                    if switcher.strategy.pricing.collective is Collective.REDUCE_SCATTER
-                    else grad_bytes + unused_bytes
-                )
-            )
+            if in_backward:  # the gradients are gone with the update: the phase's trainable bytes
+                grad_bytes = _trainable_bytes(groups, current)
+            expected = None if counter is None else _expected_bytes(switcher, current, grad_bytes + unused_bytes, setup)
             result.steps.append(
                 StepRow(
                     step=step,
@@ -603,9 +661,37 @@ def _train(
         result.census = _census(model, raw, gauge)
         result.available = _available(acc.device)
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
         gauge.thaw()
     return True
+
+
+def _trainable_bytes(groups: ParamGroups, phase: Any) -> int:
+    """Bytes of the parameters ``phase`` trains (their gradients' bytes, in the weights' dtype)."""
+    return sum(p.numel() * p.element_size() for g in phase.trainable for p in groups.params(g))
+
+
+def _expected_bytes(switcher: Any, phase: Any, trainable: int, setup: CheckSetup) -> int:
+    """What the strategy declares it communicates in one optimizer step of ``phase`` (:class:`Pricing`).
+
+    ``trainable``: the bytes of the phase's gradients (with DDP's unused ones).
+    A reduce-scatter is fed the padded trainable gradients (the switch's figure);
+    an all-reduce the gradients themselves, once per micro-batch where the
+    strategy reduces each (ZeRO-2); plus what it all-gathers besides (ZeRO-1/2:
+    the updated partitions, as many bytes again).
+    """
+    pricing = switcher.strategy.pricing
+    if pricing.collective is Collective.REDUCE_SCATTER:
+        fed = switcher.reduced_bytes(phase)
+    else:
+        fed = trainable * (setup.accumulation if pricing.reduces_per_micro_batch else 1)
+    every = (
+        sum(p.numel() * p.element_size() for p in switcher.groups.module.parameters())
+        if pricing.gathers is Gather.EVERY
+        else 0
+    )
+    return fed + pricing.gathers.gathered_bytes(trainable=trainable, every=every)
 
 
 def _micro_batches(
@@ -620,7 +706,7 @@ def _micro_batches(
     grad_bytes = unused_bytes = 0
     finds_unused = bool(getattr(acc.switcher.ddp, "find_unused_parameters", False))
     for micro in range(setup.accumulation):
-        batch = setup.make_batch(step * setup.accumulation + micro, acc.process_index, acc.device)
+        batch = setup.make_batch(step * setup.accumulation + micro, _rank(acc), acc.device)
         with acc.accumulate(model):
             loss = setup.compute_loss(model(**batch))
             acc.backward(loss)
@@ -655,6 +741,9 @@ def _idle_state_on_device(switcher: Any, optimizer: Optimizer, device: torch.dev
         return 0, [], 0
     leaving = {StatePolicy.DROP} | ({StatePolicy.OFFLOAD} if device.type != "cpu" else set())
     policies = switcher.idle_state_policies
+    owner = switcher.state_owner
+    if isinstance(owner, _OwnerCensus):  # the wrapper keeps the state (DeepSpeed ZeRO): its owner counts it
+        return _idle_held_by_census(owner, switcher, current, leaving)
     inner = getattr(optimizer, "inner", None)
     held, names, checked = 0, [], 0
     for group in switcher.groups.names:
@@ -672,5 +761,35 @@ def _idle_state_on_device(switcher: Any, optimizer: Optimizer, device: torch.dev
         )
         if found:
             held += found
+            names.append(group)
+    return held, names, checked
+
+
+@runtime_checkable
+class _OwnerCensus(Protocol):
+    """A state owner that counts what it holds per group (DeepSpeed ZeRO's: optimizer state and fp32 partition)."""
+
+    def census(self) -> dict[str, dict[str, int]]: ...
+
+
+def _idle_held_by_census(
+    owner: _OwnerCensus, switcher: Any, current: Any, leaving: set[StatePolicy]
+) -> tuple[int, list[str], int]:
+    """:func:`_idle_state_on_device` from the owner's census: each idle group's optimizer state (against the
+    run's state policy) and fp32 partition (against its master policy) on this rank."""
+    census = owner.census()
+    policies = switcher.idle_state_policies
+    master_policy = switcher.idle_policies()[1]
+    held, names, checked = 0, [], 0
+    for group in switcher.groups.names:
+        if group in current.trainable:
+            continue
+        counted = census.get(group, {})
+        state = counted.get("state", 0) if policies.get(group) in leaving else 0
+        master = counted.get("master", 0) if master_policy in leaving else 0
+        if policies.get(group) in leaving or master_policy in leaving:
+            checked += 1
+        if state or master:
+            held += state + master
             names.append(group)
     return held, names, checked

@@ -127,7 +127,10 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.IDLE_GROUP_CHANGED: (
         "a group changed while it was idle",
         "code outside the schedule writes the weights of groups that do not train in the phase (weight decay "
-        "or momentum applied to frozen parameters, an EMA, a load); let only the phase's groups change",
+        "or momentum applied to frozen parameters, an EMA, a load), or freezes groups itself where the "
+        "optimizer still steps them (a LISA callback of one's own under DeepSpeed ZeRO, whose optimizer "
+        "steps every partition it was built with); let the schedule freeze (hf_altparams' lisa / badam "
+        "schedules) and only the phase's groups change",
     ),
     Cause.BYTES_MISMATCH: (
         "bytes all-reduced differ from the trainable bytes",
@@ -145,8 +148,10 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     ),
     Cause.STRATEGY_REFUSED: (
         "the parallel strategy cannot run phases",
-        "DeepSpeed, FSDP1, compiled DDP and the like fix the trainable set when they are built; shard with FSDP2 "
-        "(`FullyShardedDataParallelPlugin(fsdp_version=2)`) or run plain DDP, as the message says",
+        "the message names the strategy or setting the phases cannot drive (DeepSpeed ZeRO-3, stage 0, offload "
+        "or an `optimizer` section; FSDP1; a whole-model compile) and why; train with what it names instead: "
+        "ZeRO-1/2 without offload (`--deepspeed 2`), FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`) "
+        "or plain DDP",
     ),
     Cause.OUT_OF_MEMORY: (
         "a rank ran out of memory",
@@ -486,8 +491,9 @@ def _notes(results: Sequence[RankResult]) -> list[str]:
         out.append(
             f"the set-up builds different weights on each rank ({_groups(differs.start_differs)} differ before "
             f"`prepare`: the model's construction is not seeded). {differs.parallel} makes them equal here "
-            "(DDP's constructor copies rank 0's parameters and buffers to every rank; the check made that "
-            "copy before its first comparison), so this run trains from rank 0's weights, as yours will. "
+            f"({'its engine' if differs.parallel.startswith('DeepSpeed') else 'the DDP constructor'} copies rank "
+            "0's parameters and buffers to every rank; the check made that copy before its first comparison), "
+            "so this run trains from rank 0's weights, as yours will. "
             "Seed it anyway (`torch.manual_seed(0)` before building the model): FSDP2 shards each rank's own "
             "weights, and a drift check before DDP is built (`drift_check='switch'`) would see them differ."
         )
@@ -554,10 +560,12 @@ def _idle_changes(results: Sequence[RankResult], failures: list[dict[str, Any]])
         )
     r = changed[0]
     spans = "; ".join(
-        f"{c.group!r} idle in phase {c.phase!r}, changed between steps {c.since} and {c.until}"
+        f"{c.group!r} {'frozen by its requires_grad flags' if c.frozen else 'idle'} in phase {c.phase!r}, "
+        f"changed between steps {c.since} and {c.until}"
         for c in r.idle_changes[:4]
     )
     groups = sorted({c.group for c in r.idle_changes})
+    frozen = sorted({c.group for c in r.idle_changes if c.frozen})
     detail = (
         f"rank {r.rank}: {_groups(groups)} changed while not training ({r.idle_changed} time(s)): {spans}"
         f"{'; ...' if r.idle_changed > 4 else ''}. Likely: an optimizer that updates every parameter it holds, "
@@ -565,6 +573,19 @@ def _idle_changes(results: Sequence[RankResult], failures: list[dict[str, Any]])
         "parameter whose `.grad` is None), per-step code that writes every weight (`p.mul_()`, a weight "
         "constraint), or an EMA or a checkpoint copied back into the model"
     )
+    if frozen:
+        detail += (
+            f". {_groups(frozen)} had every `requires_grad` off while the schedule trained them: code outside "
+            "the schedule froze them (a LISA callback of one's own: freeze all, unfreeze the drawn layers), "
+            f"and {r.parallel}'s optimizer still stepped them"
+            + (
+                " (DeepSpeed ZeRO steps every partition it was built with: a frozen parameter gets a zero "
+                "gradient, and weight decay and the optimizer's moments move it)"
+                if r.parallel.startswith("DeepSpeed")
+                else ""
+            )
+            + "; let the schedule freeze them (hf_altparams' lisa schedule, AlternatingFreeze or PhasedAccelerator)"
+        )
     return _judged(name, detail, True, "idle_group_changed", r.rank, failures)
 
 
@@ -589,7 +610,16 @@ def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Fin
     name = "bytes all-reduced = trainable bytes"
     if results[0].parallel.startswith("none"):
         return Finding(name, "info", "one process: nothing is all-reduced")
-    verb = "reduce-scattered" if results[0].parallel == "FSDP2" else "all-reduced"
+    verb = (
+        "reduce-scattered"
+        if results[0].parallel == "FSDP2"
+        else (
+            "reduced and all-gathered (every DeepSpeed collective: the trainable gradients' reduction and the "
+            "updated partitions' all-gather, as the strategy declares)"
+            if results[0].parallel.startswith("DeepSpeed")
+            else "all-reduced"
+        )
+    )
     checked, wrong = 0, []
     for r in results:
         for row in r.steps:

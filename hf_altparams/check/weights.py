@@ -35,7 +35,7 @@ from ..engine.collective import gather_rows
 from ..engine.drift import UNGROUPED, find_drift, local_digests
 from ..plan import ParamGroups, Phase
 
-__all__ = ["IdleChange", "IdleWatch", "copy_rank0", "differing_at_start"]
+__all__ = ["IdleChange", "IdleWatch", "copy_rank0", "differing_at_start", "frozen_groups"]
 
 
 def _entries(groups: ParamGroups) -> list[str]:
@@ -69,18 +69,27 @@ class IdleChange:
     """A group whose weights changed on this rank while it did not train.
 
     ``phase`` is the phase in which the change was seen: the group was idle
-    from step ``since`` (the phase's first step) and had changed by step
-    ``until`` (the next switch, or the end of the run).
+    from step ``since`` (the phase's first step, or the step its flags froze it)
+    and had changed by step ``until`` (the next switch, the next change of the
+    flags, or the end of the run). ``frozen``: the phase trains the group, but
+    every parameter of it had ``requires_grad`` off (code outside the schedule
+    froze it, as a LISA callback of one's own does).
     """
 
     group: str
     phase: str
     since: int
     until: int
+    frozen: bool = False
 
 
 class IdleWatch:
     """Each group's digest on this rank at every phase boundary; the idle ones must not have changed.
+
+    Idle: a group the phase does not train, or one the phase trains whose
+    parameters all had ``requires_grad`` off (:meth:`flags`: frozen behind the
+    schedule, so it must not change either). A boundary is a switch, a change
+    of the groups so frozen, and the end of the run.
 
     Args:
         groups: the groups of the prepared model (after ``fully_shard``: the rebound ones).
@@ -92,6 +101,8 @@ class IdleWatch:
         ... # at each switch, before the next step:
         changes += watch.boundary(step, accelerator.phase)
         changes += watch.boundary(steps, None)  # the end of the run
+        # and before each step's forward, the groups frozen behind the schedule:
+        changes += watch.flags(step, frozen_groups(switcher.groups, accelerator.phase))
     """
 
     def __init__(self, groups: ParamGroups, phase: Phase) -> None:
@@ -100,6 +111,7 @@ class IdleWatch:
         self.trains_ungrouped = groups.ungrouped == "trainable"
         self.digests = self._read()
         self.phase, self.since = phase, 0
+        self.frozen: frozenset[str] = frozenset()
 
     def _read(self) -> list[tuple[int, int]]:
         row = local_digests(self.groups)
@@ -108,13 +120,13 @@ class IdleWatch:
     def _idle(self, entry: str, phase: Phase) -> bool:
         if entry == UNGROUPED:
             return not self.trains_ungrouped
-        return entry not in phase.trainable
+        return entry not in phase.trainable or entry in self.frozen
 
     def boundary(self, step: int, coming: Optional[Phase]) -> list[IdleChange]:
         """The changes of the groups idle since the last boundary; then ``coming`` (``None``: the end) trains."""
         now = self._read()
         changed = [
-            IdleChange(entry, self.phase.name, self.since, step)
+            IdleChange(entry, self.phase.name, self.since, step, frozen=entry in self.frozen)
             for entry, before, after in zip(self.entries, self.digests, now)
             if before != after and self._idle(entry, self.phase)
         ]
@@ -122,3 +134,32 @@ class IdleWatch:
         if coming is not None:
             self.phase, self.since = coming, step
         return changed
+
+    def flags(self, step: int, frozen: frozenset[str]) -> list[IdleChange]:
+        """Before step ``step``'s forward: ``frozen``, the phase's groups whose flags are all off now.
+
+        When they differ from the last reading, the segment since the last
+        boundary ends here (its changes returned) and the next one judges them
+        idle. A run whose flags follow the schedule never reads here.
+        """
+        if frozen == self.frozen:
+            return []
+        changed = self.boundary(step, self.phase)
+        self.frozen = frozen
+        return changed
+
+
+def frozen_groups(groups: ParamGroups, phase: Phase) -> frozenset[str]:
+    """The groups ``phase`` trains whose every parameter has ``requires_grad`` off now (frozen behind it).
+
+    Example:
+        >>> from hf_altparams.plan import Alternating
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+        >>> _ = net[1].requires_grad_(False)
+        >>> sorted(frozen_groups(groups, Alternating([("a", "b")]).phase_at(0)))
+        ['b']
+    """
+    return frozenset(
+        g for g in phase.trainable if groups.params(g) and all(not p.requires_grad for p in groups.params(g))
+    )

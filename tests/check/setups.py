@@ -8,6 +8,7 @@ asserts that it fails naming that cause. A small Llama (4 layers) keeps each run
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -41,6 +42,33 @@ def lisa_small() -> CheckSetup:
 def alternating_small() -> CheckSetup:
     """Correct: every group in turn (state kept)."""
     return _small("alternating")
+
+
+def lisa_callback_of_ones_own() -> CheckSetup:
+    """The usual LISA callback instead of the library's schedule: before every step, freeze every layer and
+    unfreeze one drawn at random (the same draws on every rank); the schedule trains every group (one phase).
+
+    Under DDP or one process the frozen layers get no gradient and torch's AdamW skips them; under DeepSpeed
+    ZeRO the optimizer steps every partition it was built with, and the undrawn layers move.
+    """
+    model = builtin_model(layers=4, hidden=128, vocab=512)
+    groups = layer_groups(model)
+    draws = random.Random(0)
+
+    def freeze_all_unfreeze_drawn(model: nn.Module, step: int) -> None:
+        layers = model.model.layers
+        for param in layers.parameters():
+            param.requires_grad_(False)
+        for index in draws.sample(range(len(layers)), 1):
+            for param in layers[index].parameters():
+                param.requires_grad_(True)
+
+    return CheckSetup(
+        groups,
+        Alternating([tuple(groups.names)]),
+        on_step=freeze_all_unfreeze_drawn,
+        description="small Llama, a LISA callback of one's own",
+    )
 
 
 def requires_grad_behind() -> CheckSetup:

@@ -198,6 +198,11 @@ class Pricing:
             its optimizer was given, made when the wrapper is built, even of a
             parameter stored in fp32 (DeepSpeed's fp32 partitions); placed as
             ``masters`` says, kept, offloaded or dropped with the optimizer state.
+        reduces_per_micro_batch: under gradient accumulation the gradients go
+            through the collective at every micro-batch, not only at the sync
+            boundary (DeepSpeed ZeRO-2 reduces each micro-batch's gradients into
+            their partitions; DDP and FSDP2 under Accelerate's ``accumulate``
+            communicate at the boundary only).
     """
 
     parameters: Placement = Placement.REPLICATED
@@ -210,6 +215,7 @@ class Pricing:
     unit_transient: bool = False
     gathers: Gather = Gather.NONE
     fp32_masters: bool = False
+    reduces_per_micro_batch: bool = False
 
     @property
     def sharded(self) -> bool:

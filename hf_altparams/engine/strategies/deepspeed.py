@@ -71,6 +71,8 @@ def _pricing(stage: int) -> Pricing:
     much again: ``Gather.UPDATED``); ZeRO-3 reduce-scatters them, and
     all-gathers every weight for the forward (``Gather.EVERY``). Every stage
     keeps fp32 partitions of the optimized weights, fp32 weights included.
+    From ZeRO-2 on, the gradients are reduced into their partitions at every
+    micro-batch of an accumulation window (ZeRO-1 reduces at the boundary).
     """
     return Pricing(
         parameters=_SHARDED if stage >= 3 else _REPLICATED,
@@ -83,6 +85,7 @@ def _pricing(stage: int) -> Pricing:
         unit_transient=stage >= 3,
         gathers=Gather.EVERY if stage >= 3 else Gather.UPDATED,
         fp32_masters=True,
+        reduces_per_micro_batch=stage >= 2,
     )
 
 

@@ -1,0 +1,156 @@
+"""``python -m hf_altparams check --deepspeed``: ZeRO-1/2 judged on CPU ranks, ZeRO-3 refused before any rank starts.
+
+The flags are checked in this process (nothing starts); two launches run the
+check for real under DeepSpeed on 2 CPU ranks (plain ``torchrun`` environment,
+no C++ op built): the library's LISA passes, the usual LISA callback (freeze all
+layers, unfreeze the drawn one, the schedule training everything) fails naming
+``idle_group_changed``. The launches are skipped without deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hf_altparams.check import main
+from hf_altparams.check.weights import IdleWatch, frozen_groups
+from hf_altparams.check.zero import complete, deepspeed_config, refusal, strategy_config
+from hf_altparams.engine.strategies import strategy_named
+from hf_altparams.plan import Alternating, ParamGroups
+from tests.check.test_check_runs import check
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("flags", [("--deepspeed", "3"), ("--strategy", "zero3"), ("--strategy", "deepspeed-zero3")])
+def test_zero3_is_refused_before_any_rank_starts_with_the_librarys_reason(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, str]
+) -> None:
+    code, verdict = _refused(capsys, *flags)
+    assert code == 2 and not verdict["passed"] and verdict["causes"] == ["strategy_refused"]
+    detail = verdict["failures"][0]["detail"]
+    assert detail == refusal(strategy_config(3))  # the refusal table's own message, its measured reason
+    assert "ZeRO-3 all-gathers every weight" in detail and "Use ZeRO-2" in detail
+    assert verdict["ranks"] == []  # nothing was started
+
+
+def test_a_config_file_the_library_refuses_is_named_with_its_setting(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    code, verdict = _refused(capsys, "--deepspeed", str(config))
+    assert code == 2 and verdict["causes"] == ["strategy_refused"]
+    assert "offload_optimizer" in verdict["failures"][0]["detail"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--deepspeed", "no-such.json"], "`--deepspeed` takes a ZeRO stage (1, 2) or a DeepSpeed config file"),
+        (["--deepspeed", "2", "--fsdp2"], "`--fsdp2` and `--deepspeed` exclude each other"),
+        (["--deepspeed", "1", "--strategy", "zero2"], "`--deepspeed 1` (ZeRO stage 1) and `--strategy zero2` disagree"),
+        (["--strategy", "zero2", "--fsdp2"], "`--fsdp2` and `--strategy zero2` disagree"),
+    ],
+)
+def test_bad_deepspeed_flags_exit_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    assert main(argv) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text("[1, 2]")
+    with pytest.raises(Exception, match="holds a JSON list, not a DeepSpeed config"):
+        deepspeed_config(str(config))
+
+
+def test_the_config_is_completed_for_the_loop_and_its_own_figures_kept() -> None:
+    own = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "zero_optimization": {"stage": 1}}
+    assert complete(own, accumulation=1, world=2) == 3  # the config's accumulation is the one trained
+    assert own["train_batch_size"] == 4 * 3 * 2  # the ranks of the job, not Accelerate's one process per rank
+    left = strategy_config(2)
+    assert complete(left, accumulation=2, world=2) == 2
+    assert (left["train_micro_batch_size_per_gpu"], left["train_batch_size"]) == (1, 4)
+
+
+def test_zero2_declares_a_reduction_per_micro_batch_and_zero1_one_per_step() -> None:
+    assert strategy_named("zero2").pricing.reduces_per_micro_batch
+    assert not strategy_named("zero1").pricing.reduces_per_micro_batch
+    assert not strategy_named("ddp").pricing.reduces_per_micro_batch
+
+
+def test_a_group_frozen_behind_the_schedule_that_changes_is_an_idle_change() -> None:
+    """The phase trains both groups; code outside the schedule froze ``b``, and something stepped it anyway."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    groups = ParamGroups(net, {"a": "0.*", "b": "1.*"})
+    phase = Alternating([("a", "b")]).phase_at(0)
+    watch = IdleWatch(groups, phase)
+    net[1].requires_grad_(False)
+    assert frozen_groups(groups, phase) == {"b"}
+    assert watch.flags(0, frozen_groups(groups, phase)) == []  # nothing changed before step 0
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # the trained group moves: fine
+        net[1].weight.mul_(0.5)  # the frozen one moves too
+    changes = watch.boundary(1, phase)
+    assert [(c.group, c.since, c.until, c.frozen) for c in changes] == [("b", 0, 1, True)]
+    net[1].requires_grad_(True)
+    assert watch.flags(1, frozen_groups(groups, phase)) == []  # unfrozen: judged as the schedule says again
+    with torch.no_grad():
+        net[1].weight.mul_(0.5)
+    assert watch.boundary(2, None) == []
+
+
+@pytest.mark.distributed
+def test_zero2_with_the_librarys_lisa_passes_every_judgement(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    code, verdict = check(
+        "--setup",
+        "tests.check.setups:lisa_small",
+        "--strategy",
+        "zero2",
+        steps=12,
+        env={"TORCH_EXTENSIONS_DIR": str(extensions), "ACCELERATE_USE_CPU": "1"},  # the check's launch drops it
+    )
+    assert code == 0 and verdict["passed"], verdict["failures"]
+    assert list(extensions.iterdir()) == []  # no C++ op built
+    status = {f["check"]: f for f in verdict["findings"]}
+    for name in (
+        "ranks bit-identical after each switch",
+        "bytes all-reduced = trainable bytes",
+        "idle groups unchanged",
+        "idle optimizer state as its policy says",
+        "memory held vs plan",
+    ):
+        assert status[name]["status"] == "pass", status[name]
+    assert all(r["parallel"] == "DeepSpeed ZeRO-2" and r["world"] == 2 for r in verdict["ranks"])
+    for result in verdict["ranks"]:
+        for step in result["steps"]:  # what DeepSpeed ran: the reduction plus the all-gather of the updated part
+            assert step["reduced_bytes"] == step["expected_reduced"] > step["grad_bytes"], step
+            assert step["grad_bytes"] < result["trainable_everything"]
+        assert sum(s["idle_checked"] for s in result["switches"]) > 0
+
+
+@pytest.mark.distributed
+def test_the_usual_lisa_callback_under_zero_fails_naming_the_layers_that_moved(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_zero1.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}))
+    code, verdict = check(
+        "--setup", "tests.check.setups:lisa_callback_of_ones_own", "--deepspeed", str(config), steps=6
+    )
+    assert code == 1 and "idle_group_changed" in verdict["causes"], verdict["failures"]
+    failure = next(f for f in verdict["failures"] if f["cause"] == "idle_group_changed")
+    assert "frozen by its requires_grad flags" in failure["detail"]
+    assert "DeepSpeed ZeRO steps every partition it was built with" in failure["detail"]
