@@ -12,6 +12,7 @@ Ctrl-C, 143 SIGTERM).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -295,6 +296,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _refuse(
                 args, Cause.STRATEGY_REFUSED, refused, header="hf_altparams check: refused before any rank started"
             )
+        if importlib.util.find_spec("deepspeed") is None:
+            print(
+                "python -m hf_altparams check: error: `--deepspeed` trains under DeepSpeed, which is not installed "
+                "here: `pip install hf_altparams[deepspeed]`",
+                file=sys.stderr,
+            )
+            return 2
     options = CheckOptions(steps=args.steps, fsdp2=args.fsdp2, timeout=args.timeout, deepspeed=args.deepspeed_config)
     if started_by_check():  # a rank of the check's own launch: train, write, never launch
         folder = os.environ[RESULTS_ENV]
