@@ -101,7 +101,16 @@ class CheckOptions:
 
 @dataclass
 class StepRow:
-    """One optimizer step on one rank (bytes in bytes, memory in bytes above the baseline)."""
+    """One optimizer step on one rank (bytes in bytes, memory in bytes above the baseline).
+
+    ``reduced_slack``: bytes the count may exceed ``expected_reduced`` by without
+    a finding: 0 where the counter sees the gradients' collective alone (DDP's
+    comm hook, FSDP2's reduce-scatter); under DeepSpeed, whose counter sees
+    every collective it runs, less than the smallest group's bytes (its scalar
+    collectives, a gradient norm per param group and an overflow flag, and the
+    padding of its flat partitions: any group's gradients or partition crossing
+    the network exceed it).
+    """
 
     step: int
     phase: str
@@ -110,6 +119,7 @@ class StepRow:
     expected_reduced: Optional[int]
     held: Optional[int]
     seconds: float
+    reduced_slack: int = 0
 
 
 @dataclass
@@ -604,6 +614,7 @@ def _train(
     last = switcher.history.last
     phase_started = acc.phase.name
     watch = IdleWatch(groups, acc.phase)
+    slack = _smallest_group(groups) - 1 if in_backward else 0  # see StepRow.reduced_slack
     gauge.reset_peak()
     try:
         for step in range(options.steps):
@@ -632,6 +643,7 @@ def _train(
                     expected_reduced=expected,
                     held=held[0],
                     seconds=seconds,
+                    reduced_slack=slack,
                 )
             )
             told("step", step + 1)
@@ -665,6 +677,12 @@ def _train(
             handle.remove()
         gauge.thaw()
     return True
+
+
+def _smallest_group(groups: ParamGroups) -> int:
+    """The bytes of the smallest group's parameters (at least 1)."""
+    sizes = [sum(p.numel() * p.element_size() for p in groups.params(g)) for g in groups.names]
+    return max(1, min((n for n in sizes if n), default=1))
 
 
 def _trainable_bytes(groups: ParamGroups, phase: Any) -> int:
