@@ -609,18 +609,11 @@ def _identical(results: Sequence[RankResult]) -> Finding:
 
 def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Finding:
     name = "bytes all-reduced = trainable bytes"
-    if results[0].parallel.startswith("none"):
+    parallel = results[0].parallel
+    if parallel.startswith("none"):
         return Finding(name, "info", "one process: nothing is all-reduced")
-    verb = (
-        "reduce-scattered"
-        if results[0].parallel == "FSDP2"
-        else (
-            "reduced and all-gathered (every DeepSpeed collective: the trainable gradients' reduction and the "
-            "updated partitions' all-gather, as the strategy declares)"
-            if results[0].parallel.startswith("DeepSpeed")
-            else "all-reduced"
-        )
-    )
+    zero = parallel.startswith("DeepSpeed")
+    verb = "reduce-scattered" if parallel == "FSDP2" else ("communicated" if zero else "all-reduced")
     checked, wrong = 0, []
     for r in results:
         for row in r.steps:
@@ -634,32 +627,42 @@ def _bytes(results: Sequence[RankResult], failures: list[dict[str, Any]]) -> Fin
         return Finding(name, "info", "no step was counted")
     if wrong:
         rank, row = wrong[0]
+        against = (
+            f"{format_bytes(row.expected_reduced or 0)} that {parallel} declares for the phase's "
+            f"{format_bytes(row.grad_bytes)} of trainable gradients (their reduction and the all-gather of the "
+            "updated partitions)"
+            if zero
+            else f"{format_bytes(row.expected_reduced or 0)} of trainable gradients"
+        )
         detail = (
             f"{len(wrong)} of {checked} rank-steps differ; e.g. rank {rank} step {row.step} (phase "
-            f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} for "
-            f"{format_bytes(row.expected_reduced or 0)} of trainable gradients"
+            f"{row.phase!r}): {format_bytes(row.reduced_bytes or 0)} {verb} against {against}"
         )
         return _judged(name, detail, True, "bytes_mismatch", rank, failures)
     sizes = sorted({row.reduced_bytes or 0 for r in results for row in r.steps if row.reduced_bytes is not None})
     span = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])} to {format_bytes(sizes[-1])}"
     everything = results[0].trainable_everything
     share = f" (the whole model: {format_bytes(everything)})" if everything else ""
-    overs = [
-        (row.reduced_bytes or 0) - (row.expected_reduced or 0)
-        for r in results
-        for row in r.steps
-        if row.reduced_bytes is not None and row.expected_reduced is not None
-    ]
-    extra = (
-        f"; {min(overs)} to {max(overs)} bytes more per step: DeepSpeed's scalar collectives (gradient norms, the "
-        "overflow flag) and the padding of its partitions, under the smallest group's bytes"
-        if overs and max(overs) > 0
-        else ""
+    if not zero:
+        return Finding(
+            name, "pass", f"{checked} rank-steps: {span} {verb} per step, equal to the trainable gradients{share}"
+        )
+    overs = sorted(
+        {
+            (row.reduced_bytes or 0) - (row.expected_reduced or 0)
+            for r in results
+            for row in r.steps
+            if row.reduced_bytes is not None and row.expected_reduced is not None
+        }
     )
+    extra = f"{overs[0]}" if len(overs) == 1 else f"{overs[0]} to {overs[-1]}"
     return Finding(
         name,
         "pass",
-        f"{checked} rank-steps: {span} {verb} per step, equal to the trainable gradients{share}{extra}",
+        f"{checked} rank-steps: {span} of DeepSpeed collectives per step, what {parallel} declares for the "
+        f"phase's trainable gradients{share}: their reduction and the all-gather of the updated partitions, plus "
+        f"{extra} bytes of its scalar collectives (gradient norms, the overflow flag) and partition padding, "
+        "under the smallest group's bytes",
     )
 
 

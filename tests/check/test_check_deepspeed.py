@@ -156,3 +156,27 @@ def test_the_usual_lisa_callback_under_zero_fails_naming_the_layers_that_moved(t
     failure = next(f for f in verdict["failures"] if f["cause"] == "idle_group_changed")
     assert "frozen by its requires_grad flags" in failure["detail"]
     assert "DeepSpeed ZeRO steps every partition it was built with" in failure["detail"]
+
+
+@pytest.mark.parametrize(("over", "passes"), [(0, True), (24, True), (-4, False), (4096, False)])
+def test_under_zero_the_count_may_exceed_the_declared_figure_by_scalars_not_by_a_group(over: int, passes: bool) -> None:
+    """DeepSpeed's counter sees its scalar collectives too (24 bytes a step measured); a group's gradients or
+    partition (here 4 KiB, the smallest group) beyond the declared figure, or anything short of it, is a finding."""
+    from hf_altparams.check import judge
+    from tests.check.test_judgement import CPU, result
+
+    ranks = [result(0), result(1)]
+    for r in ranks:
+        r.parallel = "DeepSpeed ZeRO-2"
+        for row in r.steps:
+            row.expected_reduced = 2 * row.grad_bytes
+            row.reduced_bytes = row.expected_reduced + over
+            row.reduced_slack = 4096 - 1
+    verdict = judge(ranks, CPU)
+    found = next(f for f in verdict.findings if f.check == "bytes all-reduced = trainable bytes")
+    assert (found.status == "pass") is passes, found.detail
+    assert ("bytes_mismatch" in verdict.causes) is not passes
+    if passes:
+        assert f"plus {over} bytes of its scalar collectives" in found.detail
+    else:
+        assert "that DeepSpeed ZeRO-2 declares for the phase's" in found.detail

@@ -66,6 +66,17 @@ def test_the_split_keeps_each_param_groups_settings_and_order() -> None:
     assert split_param_groups(opt, groups) == 5  # split already: unchanged
 
 
+def test_ungrouped_parameters_frozen_for_the_run_are_left_out_of_the_split() -> None:
+    """``AdamW(model.parameters())`` over a model whose final norm is in no group (frozen): ZeRO's
+    ``initialize`` stopped with an IndexError on the param group of nothing to optimize."""
+    net, groups = _net()
+    net[2].bias.requires_grad_(False)  # in no group, frozen for the run (ungrouped="frozen")
+    opt = torch.optim.AdamW(net.parameters(), lr=0.5)
+    assert split_param_groups(opt, groups) == 2
+    assert [g[GROUP_TAG] for g in opt.param_groups] == ["a", "b"] and is_split(opt)
+    assert all(p is not net[2].bias for g in opt.param_groups for p in g["params"])
+
+
 def test_an_optimizer_that_stepped_is_not_split() -> None:
     net, groups = _net()
     opt = torch.optim.AdamW(net.parameters())

@@ -10,8 +10,12 @@ every rank holds an equal slice of each group (any phase is balanced).
 
 Both splits keep each param group's settings (``weight_decay``, ``lr``, ...) and
 its order, splitting it by library group in the order the groups' parameters
-come; a parameter in no group keeps an untagged group of its own settings.
-Pure torch: nothing here touches DeepSpeed.
+come; a parameter in no group keeps an untagged group of its own settings,
+unless none of them requires a gradient (ungrouped parameters frozen for the
+run, such as a final norm in no group): that piece is left out of the
+optimizer, since ZeRO leaves frozen parameters out of its partitions and stops
+``deepspeed.initialize`` on a param group with none to optimize (deepspeed
+0.19: an ``IndexError``). Pure torch: nothing here touches DeepSpeed.
 
 Example:
     >>> import torch
@@ -67,7 +71,11 @@ def split_param_groups(optimizer: Optimizer, groups: ParamGroups) -> int:
         pieces: dict[Optional[str], list[nn.Parameter]] = {}
         for param in group["params"]:
             pieces.setdefault(group_of.get(id(param)), []).append(param)
-        split += [{**group, "params": params, GROUP_TAG: name} for name, params in pieces.items()]
+        split += [
+            {**group, "params": params, GROUP_TAG: name}
+            for name, params in pieces.items()
+            if name is not None or any(p.requires_grad for p in params)  # ungrouped and frozen: never optimized
+        ]
     optimizer.param_groups[:] = split
     return len(split)
 
