@@ -121,7 +121,9 @@ def live_tensor_bytes(device_type: str = "cpu") -> dict[int, int]:
     if gc.get_freeze_count():
         raise RuntimeError("live_tensor_bytes cannot see frozen objects: MemoryGauge.thaw() first")
     gc.collect()
-    return storage_keys((o for o in gc.get_objects() if isinstance(o, torch.Tensor)), device_type)
+    # type(), not isinstance(): isinstance reads ``__class__``, which some objects compute (a deprecated
+    # torch.distributed name warns when read that way)
+    return storage_keys((o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)), device_type)
 
 
 class MemoryGauge:
