@@ -268,7 +268,9 @@ def test_the_check_cli_takes_a_strategy_name_through_the_registry(capsys: pytest
     assert main(["--strategy", "deepspeed"]) == 2  # refused before any rank starts
     assert "`--strategy` must be one of the registered strategies" in capsys.readouterr().err
     assert main(["--strategy", "none"]) == 2
-    assert "the check sets up ['ddp', 'fsdp2'] through Accelerate; run local under your own" in capsys.readouterr().err
+    refused = capsys.readouterr().err
+    assert "the check sets up ['ddp', 'fsdp2', 'zero1', 'zero2', 'zero3'] through Accelerate" in refused
+    assert "run local under your own launcher and config instead" in refused
     assert main(["--strategy", "ddp", "--fsdp2"]) == 2
     assert "`--fsdp2` and `--strategy ddp` disagree" in capsys.readouterr().err
 
