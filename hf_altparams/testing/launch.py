@@ -118,6 +118,8 @@ from typing import IO, Any, Literal
 
 import psutil  # required by accelerate, so always installed with hf_altparams (which does not name it)
 
+from .forked import ForkServer, server_for
+
 __all__ = [
     "LAUNCH_TAG_ENV",
     "LaunchError",
@@ -127,12 +129,13 @@ __all__ = [
     "launch_env",
     "launch_nodes",
     "node_command",
+    "rank_env",
     "rank_results",
     "run_launchers",
     "write_rank_result",
 ]
 
-Launcher = Literal["torchrun", "accelerate"]
+Launcher = Literal["torchrun", "accelerate", "forked"]
 
 _TAIL_LINES = 200  # lines of output a LaunchError quotes (shared among the nodes of launch_nodes)
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
@@ -172,8 +175,11 @@ def launch_command(
     launcher: Launcher = "torchrun",
     port: int,
 ) -> list[str]:
-    """Return the argv that :func:`launch` runs (useful for printing or debugging by hand)."""
-    if launcher == "torchrun":
+    """Return the argv that :func:`launch` runs (useful for printing or debugging by hand).
+
+    For ``launcher="forked"`` (no command of its own) it is the equivalent ``torchrun`` command.
+    """
+    if launcher in ("torchrun", "forked"):
         head = [
             sys.executable, "-m", "torch.distributed.run",
             "--nproc_per_node", str(nproc),
@@ -191,7 +197,7 @@ def launch_command(
             "--main_process_port", str(port),
         ]  # fmt: skip
     else:
-        raise ValueError(f"`launcher` must be 'torchrun' or 'accelerate', got {launcher!r}")
+        raise ValueError(f"`launcher` must be 'torchrun', 'accelerate' or 'forked', got {launcher!r}")
     return [*head, os.fspath(script), *script_args]
 
 
@@ -389,19 +395,137 @@ def run_launchers(
 
 
 def _run_with_port_retry(
-    cmds_for_port: Callable[[int], list[list[str]]],
-    env: Mapping[str, str],
-    timeout: float,
-    cwd: str | os.PathLike[str] | None,
+    run: Callable[[int], tuple[list[subprocess.CompletedProcess[str]], bool]],
 ) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
-    """:func:`run_launchers` on a free port; once more on a new port if the first was taken in the meantime."""
+    """``run`` on a free port; once more on a new port if the first was taken in the meantime."""
     for attempt in (1, 2):
-        results, timed_out = run_launchers(cmds_for_port(free_port()), env, timeout=timeout, cwd=cwd)
+        results, timed_out = run(free_port())
         if timed_out or all(r.returncode == 0 for r in results):
             break
         if attempt == 1 and any(_ADDRESS_IN_USE.search(r.stdout or "") for r in results):
             continue  # port race with another process: one more try on a new port
         break
+    return results, timed_out
+
+
+def _launchers_on(
+    cmds_for_port: Callable[[int], list[list[str]]],
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None,
+) -> Callable[[int], tuple[list[subprocess.CompletedProcess[str]], bool]]:
+    """A run of :func:`run_launchers` with the commands for a port (for :func:`_run_with_port_retry`)."""
+    return lambda port: run_launchers(cmds_for_port(port), env, timeout=timeout, cwd=cwd)
+
+
+def rank_env(
+    env: Mapping[str, str], *, rank: int, nproc: int, port: int, error_file: str | os.PathLike[str]
+) -> dict[str, str]:
+    """The environment of rank `rank` of a one-node run of `nproc` ranks: `env` plus what torchrun gives a rank.
+
+    The variables and their values are those torch 2.13's ``torchrun`` sets, but
+    ``TORCHELASTIC_USE_AGENT_STORE`` is ``"False"``: no agent holds a store, so
+    rank 0 serves the rendezvous on ``MASTER_PORT`` itself (``env://``).
+
+    Example:
+        >>> e = rank_env({}, rank=1, nproc=2, port=29500, error_file="/tmp/err1.json")
+        >>> e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["MASTER_PORT"], e["TORCHELASTIC_USE_AGENT_STORE"]
+        ('1', '1', '2', '29500', 'False')
+    """
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": os.fspath(error_file),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+def _stop_ranks(server: ForkServer, pids: Sequence[int]) -> dict[int, int]:
+    """SIGKILL the process group of every rank not yet reaped; every rank's exit code once the server reaped it."""
+    reaped = server.exits()
+    for pid in pids:
+        if pid in reaped:
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the rank's own session (setsid): the rank and what it started
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # still before its setsid
+    return server.wait_exits(pids, timeout=60)
+
+
+def _run_forked(
+    script: str | os.PathLike[str],
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None,
+    port: int,
+) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+    """One ``launcher="forked"`` run: `nproc` ranks forked from :func:`server_for`'s server, watched as
+    :func:`run_launchers` watches launchers (grace after a failure, timeout, every rank stopped on the way out).
+
+    Returns one finished "process" per rank (``args``: the equivalent torchrun command, ``returncode``: the
+    rank's exit status, ``stdout``: its output) and whether the run timed out.
+    """
+    server = server_for(env)
+    tag = uuid.uuid4().hex
+    pids: list[int] = []
+    timed_out = False
+    clean = False
+    codes: dict[int, int] = {}
+    with tempfile.TemporaryDirectory(prefix="hf_altparams_forked_") as folder:
+        logs = [Path(folder) / f"rank{rank}.log" for rank in range(nproc)]
+        try:
+            for rank in range(nproc):
+                renv = rank_env(env, rank=rank, nproc=nproc, port=port, error_file=Path(folder) / f"error{rank}.json")
+                renv[LAUNCH_TAG_ENV] = tag
+                pids.append(server.start_rank(script, script_args, renv, cwd=cwd or os.getcwd(), log=logs[rank]))
+            deadline = time.monotonic() + timeout
+            while True:
+                reaped = server.exits(timeout=0.1)
+                states = [reaped.get(pid) for pid in pids]
+                if all(code is not None for code in states):
+                    clean = all(code == 0 for code in states)
+                    break
+                if any(code not in (None, 0) for code in states):  # one failed: the others may wait forever
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+                if time.monotonic() > deadline:
+                    timed_out = all(code in (None, 0) for code in states)
+                    break
+        finally:  # a timeout, one failed rank, an interrupt: leave no rank behind
+            with _signals_held():
+                codes = _stop_ranks(server, pids)
+                server.forget(pids)
+                if not clean:
+                    _kill_tagged(tag)  # what a rank started in a session of its own
+        command = launch_command(script, *script_args, nproc=nproc, launcher="torchrun", port=port)
+        results = [
+            subprocess.CompletedProcess(
+                command,
+                codes.get(pid, -int(signal.SIGKILL)),  # not reported reaped within a minute of its SIGKILL
+                log.read_text("utf-8", "replace") if log.exists() else "",
+                None,
+            )
+            for pid, log in zip(pids, logs)
+        ]
     return results, timed_out
 
 
@@ -439,11 +563,37 @@ def launch(
     """
     if nproc < 1:
         raise ValueError(f"`nproc` must be >= 1, got {nproc}")
+    launch_command(script, nproc=nproc, launcher=launcher, port=0)  # a bad `launcher` fails here, before any start
+    full_env = launch_env(launcher, env)
+    if launcher == "forked":
+        if not hasattr(os, "fork"):
+            raise ValueError("`launcher='forked'` needs os.fork (Linux, macOS); use launcher='torchrun'")
+
+        def forked_on(port: int) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+            return _run_forked(script, script_args, nproc=nproc, env=full_env, timeout=timeout, cwd=cwd, port=port)
+
+        ranks, timed_out = _run_with_port_retry(forked_on)
+        failed = [rank.returncode for rank in ranks if rank.returncode != 0]
+        output = "\n".join(
+            f"--- rank {r} (exit code {rank.returncode}) ---\n{rank.stdout}" for r, rank in enumerate(ranks)
+        )
+        if not failed and not timed_out:
+            return subprocess.CompletedProcess(ranks[0].args, 0, output, None)
+        what = f"timed out after {timeout:g} s" if timed_out else f"failed (exit codes {[r.returncode for r in ranks]})"
+        tail_lines = max(1, _TAIL_LINES // nproc)
+        raise LaunchError(
+            f"forked run of {os.fspath(script)} with {nproc} processes {what}.\n"
+            f"command (torchrun equivalent): {subprocess.list2cmdline(ranks[0].args)}\n"
+            + "\n".join(
+                f"--- rank {r}: exit code {rank.returncode}; last {tail_lines} lines ---\n{_tail(rank.stdout, tail_lines)}"
+                for r, rank in enumerate(ranks)
+            )
+        )
 
     def cmds_for_port(port: int) -> list[list[str]]:
         return [launch_command(script, *script_args, nproc=nproc, launcher=launcher, port=port)]
 
-    (result,), timed_out = _run_with_port_retry(cmds_for_port, launch_env(launcher, env), timeout, cwd)
+    (result,), timed_out = _run_with_port_retry(_launchers_on(cmds_for_port, full_env, timeout, cwd))
     if result.returncode == 0 and not timed_out:
         return result
     what = f"timed out after {timeout:g} s" if timed_out else f"exited with code {result.returncode}"
@@ -514,7 +664,7 @@ def launch_nodes(
             for n in range(nnodes)
         ]
 
-    results, timed_out = _run_with_port_retry(cmds_for_port, launch_env("torchrun", env), timeout, cwd)
+    results, timed_out = _run_with_port_retry(_launchers_on(cmds_for_port, launch_env("torchrun", env), timeout, cwd))
     if not timed_out and all(r.returncode == 0 for r in results):
         return results
     what = f"timed out after {timeout:g} s" if timed_out else "failed"

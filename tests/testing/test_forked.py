@@ -1,0 +1,177 @@
+"""``launch(..., launcher="forked")``: ranks forked from a warm server behave, to the test, as torchrun's ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hf_altparams.testing import LaunchError, launch, rank_results
+from hf_altparams.testing.forked import server_for, server_key
+from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env
+
+# What a rank sees of its process: environment, argv, cwd, sys.path[0], parent, what is already imported.
+_REPORT = textwrap.dedent("""
+    import os, sys
+    preloaded = "torch" in sys.modules
+    from hf_altparams.testing import write_rank_result
+    write_rank_result(sys.argv[1], {
+        "env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+        "ppid": os.getppid(), "pid": os.getpid(), "pgid": os.getpgid(0), "torch_preloaded": preloaded,
+    })
+""")
+
+# Rank 1 fails at once; rank 0 would wait for it forever (a collective, in a real run).
+_FAILING = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    Path(sys.argv[1], "pid" + os.environ["RANK"]).write_text(str(os.getpid()))
+    if os.environ["RANK"] == "1":
+        while not Path(sys.argv[1], "pid0").exists():
+            time.sleep(0.05)
+        raise RuntimeError("boom from rank 1")
+    time.sleep(120)  # bounded, in case the kill under test fails
+""")
+
+# Both ranks hang, each with a child process of its own (in its process group), past the timeout.
+_HANGING = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from pathlib import Path
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    Path(sys.argv[1], "pid" + os.environ["RANK"]).write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(120)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _script(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.distributed
+def test_a_forked_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path) -> None:
+    script = _script(tmp_path, "report.py", _REPORT)
+    results = {}
+    for launcher in ("torchrun", "forked"):
+        out = tmp_path / launcher
+        launch(script, str(out), nproc=2, launcher=launcher, cwd=tmp_path, timeout=300)
+        results[launcher] = rank_results(out, nproc=2)
+    for rank, (real, forked) in enumerate(zip(results["torchrun"], results["forked"])):
+        assert sorted(forked["env"]) == sorted(real["env"]), rank
+        differ = sorted(k for k in real["env"] if real["env"][k] != forked["env"][k])
+        # per run: the port, the tag, the error file's folder; no agent holds a store under the forked launcher
+        assert differ == sorted(
+            ["MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE", LAUNCH_TAG_ENV]
+        ), differ
+        assert forked["env"]["RANK"] == forked["env"]["LOCAL_RANK"] == str(rank)
+        assert forked["argv"] == [str(script), str(tmp_path / "forked")]
+        assert real["argv"] == [str(script), str(tmp_path / "torchrun")]
+        assert forked["cwd"] == real["cwd"] == str(tmp_path)
+        assert forked["path0"] == real["path0"] == str(tmp_path)
+        assert forked["pgid"] == forked["pid"], "each forked rank leads a session of its own"
+        assert forked["torch_preloaded"] and not real["torch_preloaded"]
+
+
+@pytest.mark.distributed
+def test_a_second_launch_reuses_the_server(tmp_path: Path) -> None:
+    script = _script(tmp_path, "report.py", _REPORT)
+    server = server_for(launch_env("forked"))
+    parents = []
+    for run in ("first", "second"):
+        launch(script, str(tmp_path / run), nproc=2, launcher="forked", timeout=300)
+        parents.append({r["ppid"] for r in rank_results(tmp_path / run, nproc=2)})
+    assert parents == [{server.pid}, {server.pid}], "every rank of both runs is a child of the one warm server"
+    assert server_for(launch_env("forked")) is server
+
+
+@pytest.mark.distributed
+def test_a_launch_whose_import_time_environment_differs_gets_its_own_server(tmp_path: Path) -> None:
+    script = _script(tmp_path, "report.py", _REPORT)
+    launch(script, str(tmp_path / "plain"), nproc=2, launcher="forked", timeout=300)
+    launch(script, str(tmp_path / "omp"), nproc=2, launcher="forked", env={"OMP_NUM_THREADS": "2"}, timeout=300)
+    plain, omp = rank_results(tmp_path / "plain", nproc=2), rank_results(tmp_path / "omp", nproc=2)
+    assert plain[0]["ppid"] != omp[0]["ppid"]
+    assert psutil.Process(omp[0]["ppid"]).environ()["OMP_NUM_THREADS"] == "2", "the server imported with it"
+    assert [r["env"]["OMP_NUM_THREADS"] for r in omp] == ["2", "2"]
+
+
+def test_the_server_key_ignores_what_a_launch_sets_per_run() -> None:
+    base = launch_env("forked")
+    per_run = {**base, "MASTER_PORT": "1234", "RANK": "1", LAUNCH_TAG_ENV: "x", "TORCHELASTIC_RUN_ID": "none"}
+    assert server_key(per_run) == server_key(base)
+    for name, value in [("ACCELERATE_USE_CPU", "1"), ("HF_HOME", "/elsewhere"), ("PYTHONPATH", "/x")]:
+        assert server_key({**base, name: value}) != server_key(base), name
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_raises_with_its_traceback_and_the_other_rank_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules["hf_altparams.testing.launch"], "_GRACE_AFTER_FAILURE", 2.0)
+    script = _script(tmp_path, "failing.py", _FAILING)
+    with pytest.raises(LaunchError) as info:
+        launch(script, str(tmp_path), nproc=2, launcher="forked", timeout=300)
+    message = str(info.value)
+    assert "exit codes [-9, 1]" in message, message
+    assert "torch.distributed.run" in message and str(script) in message
+    assert "Traceback" in message and "RuntimeError: boom from rank 1" in message
+    assert not _alive(int((tmp_path / "pid0").read_text()))
+
+
+@pytest.mark.distributed
+def test_a_hanging_run_past_the_timeout_leaves_no_process(tmp_path: Path) -> None:
+    script = _script(tmp_path, "hanging.py", _HANGING)
+    with pytest.raises(LaunchError, match="timed out after 15 s"):
+        launch(script, str(tmp_path), nproc=2, launcher="forked", timeout=15)
+    pids = [int(pid) for f in sorted(tmp_path.glob("pid*")) for pid in f.read_text().split()]
+    assert len(pids) == 4, "both ranks and their children should have started within the timeout"
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.distributed
+def test_the_script_s_exit_code_is_the_rank_s(tmp_path: Path) -> None:
+    script = _script(tmp_path, "exits.py", "import os, sys\nsys.exit(3 + int(os.environ['RANK']))\n")
+    with pytest.raises(LaunchError, match=r"exit codes \[3, 4\]"):
+        launch(script, nproc=2, launcher="forked", timeout=300)
+
+
+def test_the_server_ends_when_its_client_is_gone(tmp_path: Path) -> None:
+    # A client that starts a server, then dies without closing it (no atexit handler runs).
+    client = (
+        "import os, sys\n"
+        "from hf_altparams.testing.forked import server_for\n"
+        "from hf_altparams.testing.launch import launch_env\n"
+        "print(server_for(launch_env('forked')).pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", client], capture_output=True, text=True, timeout=300, env={**os.environ}
+    )
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the server outlived its client"
+
+
+def test_json_protocol_carries_any_environment(tmp_path: Path) -> None:
+    # Values with newlines and non-ASCII text reach the rank unchanged.
+    script = _script(tmp_path, "env.py", "import os, sys\nopen(sys.argv[1], 'w').write(os.environ['ODD'])\n")
+    odd = "line one\nline two: é"
+    launch(script, str(tmp_path / "odd.txt"), nproc=1, launcher="forked", env={"ODD": odd}, timeout=300)
+    assert (tmp_path / "odd.txt").read_text() == odd
