@@ -1,7 +1,8 @@
 """Test a multi-process training set-up on CPU ranks (``docs/testing.md``).
 
-* :func:`launch` runs a script as ``nproc`` real processes (``torchrun`` or
-  ``accelerate launch``, gloo on the CPU, offline) and raises
+* :func:`launch` runs a script as ``nproc`` real processes (``torchrun``,
+  ``accelerate launch``, or forked from a warm server that imported the heavy
+  modules once, :mod:`hf_altparams.testing.forked`; gloo on the CPU, offline) and raises
   :class:`LaunchError` with the output's tail when it fails or hangs;
   :func:`write_rank_result` / :func:`rank_results` carry each rank's figures
   back to the test (see :mod:`hf_altparams.testing.launch` for the example).

@@ -26,10 +26,20 @@ Each forked rank, before it runs the script:
   folder, as ``python script.py`` does (plus the ``PYTHONPATH`` entries not yet
   on ``sys.path``);
 
+* gets fresh entropy for numpy's global random state (Python's ``random``
+  reseeds itself in a fork; torch's default generator starts from its fixed
+  default seed in any process);
+
 then runs the script with ``runpy.run_path(script, run_name="__main__")`` and
 ends as ``python script.py`` would: ``sys.exit(code)`` is honoured, an uncaught
 exception prints its traceback (to the log) and exits 1, and ``atexit``
 handlers and non-daemon threads run as usual.
+
+What a fork cannot give: every rank of a server shares its string-hash seed
+(``PYTHONHASHSEED``, drawn once per interpreter), so the iteration order of a
+``set`` of strings is the same on every forked rank, where ranks of torchrun
+may differ; code whose ranks must agree on an order has to be tested under
+torchrun for that.
 
 Which server: modules read some environment variables when they are imported
 (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, ``HF_HOME``, ``TRANSFORMERS_*``,
@@ -364,6 +374,9 @@ def _become_rank(request: Mapping[str, Any], replies: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGTERM", "SIGHUP", "SIGCHLD", "SIGPIPE"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+    numpy_random = sys.modules.get("numpy.random")  # Python's `random` reseeds itself in a fork; numpy's does not
+    if numpy_random is not None:
+        numpy_random.seed()  # fresh entropy: every rank its own stream, as in a fresh interpreter
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -1,7 +1,8 @@
 """Run a script as real separate processes (gloo on CPU), to test a multi-process set-up.
 
-:func:`launch` runs a script under ``torchrun`` or ``accelerate launch`` on a
-free local port, with an environment that keeps it on the CPU and offline, and
+:func:`launch` runs a script under ``torchrun`` or ``accelerate launch`` (or
+forks its ranks from a warm server, ``launcher="forked"``, see
+:mod:`hf_altparams.testing.forked`) on a free local port, with an environment that keeps it on the CPU and offline, and
 raises :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a
 failure) with the command and the tail of the output when anything goes wrong.
 :func:`launch_nodes` does the same for several simulated nodes (one
@@ -497,7 +498,8 @@ def _run_forked(
             for rank in range(nproc):
                 renv = rank_env(env, rank=rank, nproc=nproc, port=port, error_file=Path(folder) / f"error{rank}.json")
                 renv[LAUNCH_TAG_ENV] = tag
-                pids.append(server.start_rank(script, script_args, renv, cwd=cwd or os.getcwd(), log=logs[rank]))
+                with _signals_held():  # a Ctrl-C between the request and its pid would leave the rank unknown
+                    pids.append(server.start_rank(script, script_args, renv, cwd=cwd or os.getcwd(), log=logs[rank]))
             deadline = time.monotonic() + timeout
             while True:
                 reaped = server.exits(timeout=0.1)
@@ -544,8 +546,11 @@ def launch(
         script: path of the Python script every rank runs.
         *script_args: arguments passed to the script (strings).
         nproc: number of processes (ranks).
-        launcher: ``"torchrun"`` (``python -m torch.distributed.run``) or
-            ``"accelerate"`` (``accelerate launch --multi_gpu``).
+        launcher: ``"torchrun"`` (``python -m torch.distributed.run``),
+            ``"accelerate"`` (``accelerate launch --multi_gpu``) or ``"forked"``
+            (ranks forked from a server that imported torch, transformers,
+            accelerate and hf_altparams once, :mod:`hf_altparams.testing.forked`;
+            a torchrun rank's environment, no agent; ``docs/testing.md``).
         env: extra environment variables; they override the defaults listed in
             the module docstring.
         timeout: seconds before the launcher and all its ranks are killed.
@@ -553,7 +558,9 @@ def launch(
 
     Returns:
         The finished process; ``stdout`` holds stdout and stderr of the launcher
-        and all ranks, interleaved; ``stderr`` is None.
+        and all ranks, interleaved (``"forked"``: each rank's output in turn,
+        under a ``--- rank r (exit code c) ---`` line; ``args`` is the equivalent
+        torchrun command); ``stderr`` is None.
 
     Raises:
         LaunchError: on a non-zero exit or a timeout, with the command and the

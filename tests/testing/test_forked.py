@@ -20,10 +20,12 @@ from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env
 _REPORT = textwrap.dedent("""
     import os, sys
     preloaded = "torch" in sys.modules
+    import numpy
     from hf_altparams.testing import write_rank_result
     write_rank_result(sys.argv[1], {
         "env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
         "ppid": os.getppid(), "pid": os.getpid(), "pgid": os.getpgid(0), "torch_preloaded": preloaded,
+        "numpy_draw": int(numpy.random.randint(2**31)),
     })
 """)
 
@@ -84,6 +86,7 @@ def test_a_forked_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path) -> None:
         assert forked["path0"] == real["path0"] == str(tmp_path)
         assert forked["pgid"] == forked["pid"], "each forked rank leads a session of its own"
         assert forked["torch_preloaded"] and not real["torch_preloaded"]
+    assert results["forked"][0]["numpy_draw"] != results["forked"][1]["numpy_draw"], "numpy's global state reseeded"
 
 
 @pytest.mark.distributed
@@ -175,3 +178,30 @@ def test_json_protocol_carries_any_environment(tmp_path: Path) -> None:
     odd = "line one\nline two: é"
     launch(script, str(tmp_path / "odd.txt"), nproc=1, launcher="forked", env={"ODD": odd}, timeout=300)
     assert (tmp_path / "odd.txt").read_text() == odd
+
+
+# What Accelerate made of its launch: the state a script's Accelerator reads.
+_ACCELERATE_STATE = textwrap.dedent("""
+    import sys
+    from accelerate import Accelerator
+    from hf_altparams.testing import write_rank_result
+    accelerator = Accelerator()
+    state = accelerator.state
+    write_rank_result(sys.argv[1], {
+        "distributed_type": str(state.distributed_type), "num_processes": state.num_processes,
+        "process_index": state.process_index, "local_process_index": state.local_process_index,
+        "mixed_precision": str(state.mixed_precision), "device": str(state.device),
+        "dynamo_backend": str(state.dynamo_plugin.backend), "backend": str(state.backend),
+    })
+""")
+
+
+@pytest.mark.distributed
+def test_forked_with_accelerate_use_cpu_gives_accelerate_launch_s_state(tmp_path: Path) -> None:
+    script = _script(tmp_path, "state.py", _ACCELERATE_STATE)
+    launch(script, str(tmp_path / "accelerate"), nproc=2, launcher="accelerate", timeout=300)
+    launch(script, str(tmp_path / "forked"), nproc=2, launcher="forked", env={"ACCELERATE_USE_CPU": "1"}, timeout=300)
+    real, forked = rank_results(tmp_path / "accelerate", nproc=2), rank_results(tmp_path / "forked", nproc=2)
+    assert forked == real
+    assert [r["distributed_type"] for r in forked] == ["DistributedType.MULTI_CPU"] * 2
+    assert [r["num_processes"] for r in forked] == [2, 2]
