@@ -439,7 +439,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[CostPl
         "error",
     ]
     scenarios = {name: base + extra for name, extra in SCENARIOS.items()}
-    launch(script_path("planner_check.py"), str(folder / "out"), json.dumps(scenarios), nproc=2)
+    launch(script_path("planner_check.py"), str(folder / "out"), json.dumps(scenarios), nproc=2, launcher="forked")
     ranks = rank_results(folder / "out", nproc=2)
     return {name: (plan_from_argv(argv)[1], [r["scenarios"][name] for r in ranks]) for name, argv in scenarios.items()}
 

@@ -29,7 +29,7 @@ def bn_buffer_bytes() -> int:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("memory_buffers")
-    launch(script_path("memory_checks.py"), str(out), "--only", "buffers", nproc=NPROC, timeout=300)
+    launch(script_path("memory_checks.py"), str(out), "--only", "buffers", nproc=NPROC, launcher="forked", timeout=300)
     return [r["buffers"] for r in rank_results(out, nproc=NPROC)]
 
 

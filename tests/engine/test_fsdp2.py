@@ -13,7 +13,7 @@ from tests.scripts import script_path
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp2_schedules_match_reference_and_count_trainable_bytes(tmp_out: Path, nproc: int) -> None:
-    launch(script_path("fsdp2_check.py"), str(tmp_out), nproc=nproc, launcher="torchrun")
+    launch(script_path("fsdp2_check.py"), str(tmp_out), nproc=nproc, launcher="forked")
     ranks = rank_results(tmp_out, nproc=nproc)
     rank0 = ranks[0]
     assert rank0["world"] == nproc

@@ -143,6 +143,7 @@ def test_per_step_drop_alternation_peaks_at_one_half_alone_with_the_opt_in(tmp_p
         "--mmap-threshold",
         str(MIB),
         nproc=2,
+        launcher="forked",
         timeout=300,
     )
     for rank in rank_results(tmp_path, nproc=2):

@@ -20,7 +20,14 @@ NPROC = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("misuse_checks")
-    launch(script_path("misuse_checks.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    launch(
+        script_path("misuse_checks.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out, nproc=NPROC)
 
 

@@ -44,7 +44,7 @@ def launched(
 ) -> tuple[int, Path, list[dict[str, Any]]]:
     nproc = request.param
     out = tmp_path_factory.mktemp(f"precision_{nproc}")
-    launch(script_path("precision_check.py"), str(out), nproc=nproc, timeout=300)
+    launch(script_path("precision_check.py"), str(out), nproc=nproc, launcher="forked", timeout=300)
     return nproc, out, rank_results(out, nproc=nproc)
 
 

@@ -54,7 +54,9 @@ def head_names(task: int) -> set[str]:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("memory_residency")
-    launch(script_path("memory_checks.py"), str(out), "--only", "residency", nproc=NPROC, timeout=300)
+    launch(
+        script_path("memory_checks.py"), str(out), "--only", "residency", nproc=NPROC, launcher="forked", timeout=300
+    )
     results = rank_results(out, nproc=NPROC)
     assert all(r["world_size"] == NPROC for r in results)
     return [r["residency"] for r in results]

@@ -20,7 +20,7 @@ NPROC = 3
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("settle3")
-    launch(script_path("settle_check.py"), str(out), nproc=NPROC, launcher="torchrun", timeout=180)
+    launch(script_path("settle_check.py"), str(out), nproc=NPROC, launcher="forked", timeout=180)
     return rank_results(out, nproc=NPROC)
 
 

@@ -43,7 +43,7 @@ COUNTED_CASES = [name for name, case in check.CASES.items() if case.hook == "cou
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("engine_check")
-    launch(script_path("engine_check.py"), str(out), nproc=NPROC, timeout=300)
+    launch(script_path("engine_check.py"), str(out), nproc=NPROC, launcher="forked", timeout=300)
     return out
 
 

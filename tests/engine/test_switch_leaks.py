@@ -163,7 +163,7 @@ def test_the_memory_checks_catch_what_the_weak_references_do_not_watch(gloo_worl
 
 @pytest.mark.distributed
 def test_two_ranks_free_every_old_reducer_and_bucket(tmp_out: Path) -> None:
-    launch(SCRIPT, str(tmp_out), nproc=2, timeout=240)
+    launch(SCRIPT, str(tmp_out), nproc=2, launcher="forked", timeout=240)
     ranks = rank_results(tmp_out, nproc=2)
     for rank in ranks:
         for mode in ("copy_grads", "bucket_view"):
