@@ -32,14 +32,28 @@ NPROC = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("accelerate_checks")
-    launch(script_path("accelerate_checks.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    launch(
+        script_path("accelerate_checks.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return out, rank_results(out, nproc=NPROC)
 
 
 @pytest.fixture(scope="module")
 def resumed(ranks: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out, _ = ranks
-    launch(script_path("accelerate_resume.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    launch(
+        script_path("accelerate_resume.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out / "resume", nproc=NPROC)
 
 

@@ -42,7 +42,14 @@ COMPILED = ("plugin", "by_hand")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("compile_regions")
-    launch(script_path("compile_regions_check.py"), str(out), nproc=NPROC, env={"ACCELERATE_USE_CPU": "1"}, timeout=420)
+    launch(
+        script_path("compile_regions_check.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=420,
+    )
     return rank_results(out, nproc=NPROC)
 
 

@@ -25,7 +25,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         script_path("divergence_check.py"),
         str(out),
         nproc=2,
-        launcher="torchrun",
+        launcher="forked",
         env={"ACCELERATE_USE_CPU": "1"},
         timeout=300,
     )

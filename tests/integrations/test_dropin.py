@@ -36,7 +36,7 @@ def test_accelerates_own_test_scripts_pass_with_the_class_rebound(script: str, t
         script,
         str(tmp_out),
         nproc=2,
-        launcher="torchrun",
+        launcher="forked",
         env={"ACCELERATE_USE_CPU": "1"},
         timeout=600,
     )
@@ -51,7 +51,7 @@ def gan(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         script_path("gan_check.py"),
         str(out),
         nproc=2,
-        launcher="torchrun",
+        launcher="forked",
         env={"ACCELERATE_USE_CPU": "1"},
         timeout=300,
     )

@@ -66,7 +66,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         script_path("trainer_fsdp2_check.py"),
         str(out),
         nproc=2,
-        launcher="torchrun",
+        launcher="forked",
         env={"ACCELERATE_USE_CPU": "1"},
         timeout=300,
     )

@@ -19,7 +19,14 @@ NPROC = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("integrity")
-    launch(script_path("integrity_checks.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=600)
+    launch(
+        script_path("integrity_checks.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=600,
+    )
     return rank_results(out, nproc=NPROC)
 
 

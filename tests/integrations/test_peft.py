@@ -343,7 +343,7 @@ def test_load_state_lands_on_the_saved_phase_s_adapter(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- two ranks
 @pytest.mark.distributed
 def test_two_ranks_one_adapter_per_task(tmp_path: Path) -> None:
-    launch(SCRIPT, str(tmp_path), nproc=2, launcher="accelerate", timeout=420)
+    launch(SCRIPT, str(tmp_path), nproc=2, launcher="forked", env={"ACCELERATE_USE_CPU": "1"}, timeout=420)
     rank0, rank1 = rank_results(tmp_path, nproc=2)
     assert rank0["world_size"] == 2
     phased = rank0["phased"]

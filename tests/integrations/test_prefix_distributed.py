@@ -18,7 +18,14 @@ PER_RANK = N // NPROC
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("prefix_checks")
-    launch(script_path("prefix_checks.py"), str(out), nproc=NPROC, launcher="accelerate", timeout=300)
+    launch(
+        script_path("prefix_checks.py"),
+        str(out),
+        nproc=NPROC,
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
+        timeout=300,
+    )
     return rank_results(out, nproc=NPROC)
 
 

@@ -31,7 +31,8 @@ def test_random_schedule_soak_keeps_ranks_bit_identical_and_history_bounded(tmp_
         "--sample-every",
         "100",
         nproc=2,
-        launcher="accelerate",
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},
         timeout=300,
     )
     ranks = rank_results(tmp_out, nproc=2)

@@ -71,7 +71,7 @@ def _fresh_accelerate_state() -> Any:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("trainer_phases")
-    launch(script_path("trainer_phases.py"), str(out), nproc=NPROC, timeout=300)
+    launch(script_path("trainer_phases.py"), str(out), nproc=NPROC, launcher="forked", timeout=300)
     return rank_results(out, nproc=NPROC)
 
 

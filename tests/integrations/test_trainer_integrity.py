@@ -19,7 +19,7 @@ NPROC = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("trainer_integrity")
-    launch(script_path("trainer_integrity.py"), str(out), nproc=NPROC, launcher="torchrun", timeout=900)
+    launch(script_path("trainer_integrity.py"), str(out), nproc=NPROC, launcher="forked", timeout=900)
     return rank_results(out, nproc=NPROC)
 
 
