@@ -2,7 +2,8 @@
 
 :func:`launch` runs a script under ``torchrun`` or ``accelerate launch`` (or
 forks its ranks from a warm server, ``launcher="forked"``, see
-:mod:`hf_altparams.testing.forked`) on a free local port, with an environment that keeps it on the CPU and offline, and
+:mod:`hf_altparams.testing.forked`) on a free local port, with an environment
+that keeps it on the CPU and offline, and
 raises :class:`LaunchError` (an ``AssertionError``, so pytest shows it as a
 failure) with the command and the tail of the output when anything goes wrong.
 :func:`launch_nodes` does the same for several simulated nodes (one
@@ -480,8 +481,11 @@ def _run_forked(
     cwd: str | os.PathLike[str] | None,
     port: int,
 ) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
-    """One ``launcher="forked"`` run: `nproc` ranks forked from :func:`server_for`'s server, watched as
-    :func:`run_launchers` watches launchers (grace after a failure, timeout, every rank stopped on the way out).
+    """One ``launcher="forked"`` run: `nproc` ranks forked from :func:`server_for`'s server.
+
+    The ranks are watched as :func:`run_launchers` watches launchers: the others get the grace period once
+    one failed, every rank still running is stopped (its process group SIGKILLed) on a timeout, after that
+    grace or on an interrupt, with SIGINT, SIGTERM and SIGHUP held back meanwhile.
 
     Returns one finished "process" per rank (``args``: the equivalent torchrun command, ``returncode``: the
     rank's exit status, ``stdout``: its output) and whether the run timed out.
