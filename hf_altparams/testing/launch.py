@@ -129,6 +129,7 @@ __all__ = [
     "launch",
     "launch_command",
     "launch_env",
+    "launch_ranks",
     "launch_nodes",
     "node_command",
     "rank_env",
@@ -535,6 +536,73 @@ def _run_forked(
     return results, timed_out
 
 
+def _forked_ranks(
+    script: str | os.PathLike[str],
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None,
+) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+    """:func:`_run_forked` on a free port (retried once on a new one if it was taken in the meantime)."""
+    if not hasattr(os, "fork"):
+        raise ValueError("`launcher='forked'` needs os.fork (Linux, macOS); use launcher='torchrun'")
+
+    def forked_on(port: int) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
+        return _run_forked(script, script_args, nproc=nproc, env=env, timeout=timeout, cwd=cwd, port=port)
+
+    return _run_with_port_retry(forked_on)
+
+
+def _forked_failure(
+    script: str | os.PathLike[str], ranks: Sequence[subprocess.CompletedProcess[str]], timed_out: bool, timeout: float
+) -> str:
+    """What a :class:`LaunchError` of a forked run says: what went wrong, the command, each rank's tail."""
+    what = f"timed out after {timeout:g} s" if timed_out else f"failed (exit codes {[r.returncode for r in ranks]})"
+    tail_lines = max(1, _TAIL_LINES // len(ranks))
+    return (
+        f"forked run of {os.fspath(script)} with {len(ranks)} processes {what}.\n"
+        f"command (torchrun equivalent): {subprocess.list2cmdline(ranks[0].args)}\n"
+        + "\n".join(
+            f"--- rank {r}: exit code {rank.returncode}; last {tail_lines} lines ---\n{_tail(rank.stdout, tail_lines)}"
+            for r, rank in enumerate(ranks)
+        )
+    )
+
+
+def launch_ranks(
+    script: str | os.PathLike[str],
+    *script_args: str,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script`` as :func:`launch` with ``launcher="forked"`` does, and return how each rank ended.
+
+    For a test that expects ranks to fail: a non-zero exit is not an error
+    here, each rank's exit code and output (stdout and stderr) are returned, in
+    rank order. Only a run past ``timeout`` raises (every rank stopped first).
+
+    Raises:
+        LaunchError: the run timed out, with every rank's exit code and output's tail.
+
+    Example (a script whose ranks exit with ``10 + rank``)::
+
+        ends = launch_ranks("exits.py", nproc=2)
+        [end.returncode for end in ends]  # [10, 11]
+    """
+    if nproc < 1:
+        raise ValueError(f"`nproc` must be >= 1, got {nproc}")
+    ranks, timed_out = _forked_ranks(
+        script, script_args, nproc=nproc, env=launch_env("forked", env), timeout=timeout, cwd=cwd
+    )
+    if timed_out:
+        raise LaunchError(_forked_failure(script, ranks, timed_out, timeout))
+    return ranks
+
+
 def launch(
     script: str | os.PathLike[str],
     *script_args: str,
@@ -577,29 +645,13 @@ def launch(
     launch_command(script, nproc=nproc, launcher=launcher, port=0)  # a bad `launcher` fails here, before any start
     full_env = launch_env(launcher, env)
     if launcher == "forked":
-        if not hasattr(os, "fork"):
-            raise ValueError("`launcher='forked'` needs os.fork (Linux, macOS); use launcher='torchrun'")
-
-        def forked_on(port: int) -> tuple[list[subprocess.CompletedProcess[str]], bool]:
-            return _run_forked(script, script_args, nproc=nproc, env=full_env, timeout=timeout, cwd=cwd, port=port)
-
-        ranks, timed_out = _run_with_port_retry(forked_on)
-        failed = [rank.returncode for rank in ranks if rank.returncode != 0]
+        ranks, timed_out = _forked_ranks(script, script_args, nproc=nproc, env=full_env, timeout=timeout, cwd=cwd)
+        if timed_out or any(rank.returncode != 0 for rank in ranks):
+            raise LaunchError(_forked_failure(script, ranks, timed_out, timeout))
         output = "\n".join(
             f"--- rank {r} (exit code {rank.returncode}) ---\n{rank.stdout}" for r, rank in enumerate(ranks)
         )
-        if not failed and not timed_out:
-            return subprocess.CompletedProcess(ranks[0].args, 0, output, None)
-        what = f"timed out after {timeout:g} s" if timed_out else f"failed (exit codes {[r.returncode for r in ranks]})"
-        tail_lines = max(1, _TAIL_LINES // nproc)
-        raise LaunchError(
-            f"forked run of {os.fspath(script)} with {nproc} processes {what}.\n"
-            f"command (torchrun equivalent): {subprocess.list2cmdline(ranks[0].args)}\n"
-            + "\n".join(
-                f"--- rank {r}: exit code {rank.returncode}; last {tail_lines} lines ---\n{_tail(rank.stdout, tail_lines)}"
-                for r, rank in enumerate(ranks)
-            )
-        )
+        return subprocess.CompletedProcess(ranks[0].args, 0, output, None)
 
     def cmds_for_port(port: int) -> list[list[str]]:
         return [launch_command(script, *script_args, nproc=nproc, launcher=launcher, port=port)]

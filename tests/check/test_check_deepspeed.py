@@ -21,7 +21,7 @@ from hf_altparams.check.weights import IdleWatch, frozen_groups
 from hf_altparams.check.zero import complete, deepspeed_config, refusal, strategy_config
 from hf_altparams.engine.strategies import strategy_named
 from hf_altparams.plan import Alternating, ParamGroups
-from tests.check.test_check_runs import check
+from tests.check.test_check_runs import check, check_launched
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -149,8 +149,8 @@ def test_the_usual_lisa_callback_under_zero_fails_naming_the_layers_that_moved(t
     pytest.importorskip("deepspeed")
     config = tmp_path / "ds_zero1.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}))
-    code, verdict = check(
-        "--setup", "tests.check.setups:lisa_callback_of_ones_own", "--deepspeed", str(config), steps=6
+    code, verdict = check_launched(  # the user's own launcher, without ACCELERATE_USE_CPU (it would drop DeepSpeed)
+        "--setup", "tests.check.setups:lisa_callback_of_ones_own", "--deepspeed", str(config), steps=6, cpu=False
     )
     assert code == 1 and "idle_group_changed" in verdict["causes"], verdict["failures"]
     failure = next(f for f in verdict["failures"] if f["cause"] == "idle_group_changed")

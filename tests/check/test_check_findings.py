@@ -1,7 +1,9 @@
 """``check`` run for real on what a user tried: no false alarm on correct set-ups, no silent pass, every model kind.
 
-Each run self-launches its ranks (one where nothing needs two: the readings of
-one rank are what is judged) and prints its verdict as JSON. The set-ups are in
+The runs "with every default" self-launch their ranks as a user's ``python -m
+hf_altparams check`` does; the others run as the ranks of the user's own launcher
+(``check_launched``; one rank where nothing needs two: the readings of one rank
+are what is judged). Each prints its verdict as JSON. The set-ups are in
 :mod:`tests.check.setups`; the judgement of each reading on made-up figures is
 in ``tests/check/test_judgement.py``.
 """
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.check.test_check_runs import check
+from tests.check.test_check_runs import check, check_launched
 
 pytestmark = pytest.mark.distributed
 
@@ -50,7 +52,7 @@ def test_a_plain_module_passes_with_the_default_flags() -> None:
 
 
 def test_an_unseeded_setup_under_fsdp2_fails_before_training_naming_the_fix() -> None:
-    code, verdict = check("--fsdp2", "--setup", "tests.check.setups:unseeded_small", steps=4)
+    code, verdict = check_launched("--fsdp2", "--setup", "tests.check.setups:unseeded_small", steps=4)
     assert code == 1 and verdict["causes"] == ["unseeded_setup"], verdict["failures"]
     assert "nothing makes them equal" in verdict["failures"][0]["detail"]
     assert all(not r["steps"] for r in verdict["ranks"])
@@ -61,7 +63,7 @@ def test_a_leak_under_the_switch_tolerance_fails_with_the_default_steps(setup: s
     """``total_loss += loss`` without ``.item()`` (~120 KiB a step of graphs) and 256 KiB a step kept in a list:
     under the switch-to-switch tolerance over 60 steps (the judgement of both figures in
     ``tests/check/test_judgement.py``)."""
-    code, verdict = check("--setup", f"tests.check.setups:{setup}", ranks=1, steps=60)
+    code, verdict = check_launched("--setup", f"tests.check.setups:{setup}", ranks=1, steps=60)
     assert code == 1 and "memory_grows_per_step" in verdict["causes"], verdict["findings"]
     assert status(verdict)["memory flat after warm-up"] == "pass"  # what let it through before
 
@@ -103,7 +105,9 @@ def _config(folder: Path, kind: str) -> Path:
 def test_each_model_kind_trains_with_batches_that_fit_its_head(
     tmp_path: Path, kind: str, ranks: int, model_class: str
 ) -> None:
-    code, verdict = check("--model", str(_config(tmp_path, kind)), "--schedule", "alternating", ranks=ranks, steps=6)
+    code, verdict = check_launched(
+        "--model", str(_config(tmp_path, kind)), "--schedule", "alternating", ranks=ranks, steps=6
+    )
     assert code == 0 and verdict["passed"], verdict["failures"]
     assert f"{model_class}:" in verdict["header"] or f"({model_class}," in verdict["header"]
     assert "float32 weights, mixed precision no" in verdict["header"]
@@ -118,7 +122,7 @@ def test_each_model_kind_trains_with_batches_that_fit_its_head(
 def test_setup_options_reach_ddp_the_loop_and_the_hook(tmp_path: Path) -> None:
     """``ddp`` (a head unused at every step: DDP must find it), ``accumulation`` 2 and ``before_step``."""
     log = tmp_path / "hook.log"
-    code, verdict = check(
+    code, verdict = check_launched(
         "--setup", "tests.check.setups:multi_task_with_options", steps=6, env={"CHECK_HOOK_LOG": str(log)}
     )
     assert code == 0 and verdict["passed"], verdict["failures"]

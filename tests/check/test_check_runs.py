@@ -1,8 +1,10 @@
 """``python -m hf_altparams check`` run for real on CPU ranks: it passes a correct set-up, fails each broken one.
 
-Each run self-launches its ranks (torchrun, gloo) and prints its verdict as
-JSON; the broken set-ups of :mod:`tests.check.setups` each make one mistake the
-library guards against, and the check must name that cause.
+The runs a user starts (``check``) self-launch their ranks (torchrun, gloo) and
+print the verdict as JSON; the broken set-ups of :mod:`tests.check.setups`, each
+making one mistake the library guards against, run as the ranks of the user's
+own launcher (``check_launched``: forked from the suite's warm server, which
+spares each run its processes' start-up), and the check must name that cause.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+
+from hf_altparams.testing.launch import launch_ranks
+from tests.scripts import script_path
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
@@ -47,6 +53,42 @@ def check(
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
+
+
+def check_launched(
+    *args: str, ranks: int = 2, steps: int = 12, env: Optional[dict[str, str]] = None, cpu: bool = True
+) -> tuple[int, dict[str, Any]]:
+    """The check as the ranks of the user's own launcher; ``(exit code, verdict)``.
+
+    The ranks are forked from the suite's warm server (``launch_ranks``: what a
+    ``torchrun`` rank sees, without a fresh interpreter per rank and run); the
+    check judges on rank 0, as under the user's own ``torchrun``, and every rank
+    exits with the verdict's code. ``cpu``: ``ACCELERATE_USE_CPU=1``, as a user's
+    own launch on CPU ranks needs (not for DeepSpeed, which it would drop). The
+    check's self-launch is tested as a user starts it in ``check`` and
+    ``tests/check/test_launch.py``.
+    """
+    with tempfile.TemporaryDirectory(prefix="check_verdict_") as folder:
+        out = Path(folder) / "verdict.json"
+        ends = launch_ranks(
+            script_path("check_cli.py"),
+            "--steps",
+            str(steps),
+            "--json-out",
+            str(out),
+            *args,
+            nproc=ranks,
+            env={**({"ACCELERATE_USE_CPU": "1"} if cpu else {}), **(env or {})},
+            cwd=ROOT,
+            timeout=500,
+        )
+        assert out.is_file(), "\n".join(
+            f"--- rank {r}: exit {e.returncode}\n{e.stdout[-3000:]}" for r, e in enumerate(ends)
+        )
+        verdict = json.loads(out.read_text())
+    codes = [end.returncode for end in ends]
+    assert len(set(codes)) == 1, f"the ranks exited with {codes}: every rank exits with the verdict's code"
+    return codes[0], verdict
 
 
 def under_torchrun(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
@@ -93,10 +135,14 @@ def assert_lisa_passed(code: int, verdict: dict[str, Any], ranks: int) -> None:
         assert len(phases) == 12 and changes >= 5 and len(result["switches"]) in (changes, changes + 1)
 
 
-@pytest.mark.parametrize("ranks", [1, 4])  # 2 ranks: under the user's own torchrun, below
-def test_a_correct_lisa_setup_passes(ranks: int) -> None:
-    code, verdict = check("--setup", "tests.check.setups:lisa_small", ranks=ranks)
-    assert_lisa_passed(code, verdict, ranks)
+def test_a_correct_lisa_setup_passes_on_four_self_launched_ranks() -> None:
+    code, verdict = check("--setup", "tests.check.setups:lisa_small", ranks=4)
+    assert_lisa_passed(code, verdict, 4)
+
+
+def test_a_correct_lisa_setup_passes_on_one_rank() -> None:
+    code, verdict = check_launched("--setup", "tests.check.setups:lisa_small", ranks=1)
+    assert_lisa_passed(code, verdict, 1)
 
 
 def test_the_builtin_default_passes_and_reports_the_lean_idle_state() -> None:
@@ -125,7 +171,7 @@ def test_the_builtin_default_passes_and_reports_the_lean_idle_state() -> None:
     ],
 )
 def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str, ranks: int, steps: int) -> None:
-    code, verdict = check("--setup", f"tests.check.setups:{setup}", ranks=ranks, steps=steps)
+    code, verdict = check_launched("--setup", f"tests.check.setups:{setup}", ranks=ranks, steps=steps)
     assert code == 1 and not verdict["passed"]
     assert verdict["causes"][0] == cause, verdict["failures"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from hf_altparams.testing import LaunchError, launch, rank_results
 from hf_altparams.testing.forked import server_for, server_key
-from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env
+from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env, launch_ranks
 from tests.scripts import script_path
 
 # What a rank sees of its process: environment, argv, cwd, sys.path[0], parent, what is already imported.
@@ -153,6 +153,15 @@ def test_the_script_s_exit_code_is_the_rank_s(tmp_path: Path) -> None:
     script = _script(tmp_path, "exits.py", "import os, sys\nsys.exit(3 + int(os.environ['RANK']))\n")
     with pytest.raises(LaunchError, match=r"exit codes \[3, 4\]"):
         launch(script, nproc=2, launcher="forked", timeout=300)
+    # launch_ranks returns them (a test that expects ranks to fail), with each rank's own output
+    script = _script(
+        tmp_path,
+        "says.py",
+        "import os, sys\nprint('rank', os.environ['RANK'])\nsys.exit(3 + int(os.environ['RANK']))\n",
+    )
+    ends = launch_ranks(script, nproc=2, timeout=300)
+    assert [end.returncode for end in ends] == [3, 4]
+    assert [end.stdout.split() for end in ends] == [["rank", "0"], ["rank", "1"]]
 
 
 def test_the_server_ends_when_its_client_is_gone(tmp_path: Path) -> None:
