@@ -1,4 +1,11 @@
-"""The Accelerate examples run under `accelerate launch` with two CPU processes, and print what they claim."""
+"""The Accelerate examples run on two CPU ranks and print what they claim.
+
+The first runs under `accelerate launch`, as the examples' docstrings say; the
+others as the ranks of a launcher forked from the suite's warm server with
+``ACCELERATE_USE_CPU=1``, the state `accelerate launch` gives a CPU rank
+(``tests/testing/test_forked.py`` checks that the two agree), to spare CI a
+fresh interpreter per rank.
+"""
 
 from __future__ import annotations
 
@@ -76,7 +83,8 @@ def test_gradual_unfreeze_minilm_allreduces_the_trainable_layers() -> None:
         "--unfreeze-every",
         "2",
         nproc=2,
-        launcher="accelerate",
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},  # what `accelerate launch` gives a CPU rank
         timeout=300,
     ).stdout
 
@@ -102,7 +110,8 @@ def test_gan_trains_each_player_only_in_its_phases_and_ranks_end_identical(tmp_p
         "--out",
         str(tmp_path),
         nproc=2,
-        launcher="accelerate",
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},  # what `accelerate launch` gives a CPU rank
         timeout=300,
     ).stdout
     ranks = rank_results(tmp_path, nproc=2)
@@ -130,7 +139,8 @@ def test_multitask_feeds_each_task_its_data_and_visits_every_head(tmp_path: Path
         "--out",
         str(tmp_path),
         nproc=2,
-        launcher="accelerate",
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},  # what `accelerate launch` gives a CPU rank
         timeout=300,
     ).stdout
     ranks = rank_results(tmp_path, nproc=2)
@@ -162,7 +172,8 @@ def test_peft_adapters_one_per_task_allreduce_the_active_adapter_and_save_each(t
         "--out",
         str(out_dir),
         nproc=2,
-        launcher="accelerate",
+        launcher="forked",
+        env={"ACCELERATE_USE_CPU": "1"},  # what `accelerate launch` gives a CPU rank
         timeout=420,
     ).stdout
     ranks = rank_results(out_dir, nproc=2)
