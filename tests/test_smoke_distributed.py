@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_altparams.testing import LaunchError, launch, rank_results
+from hf_altparams.testing.launch import Launcher
 from tests.scripts import script_path
 
 NPROC = 2
@@ -86,10 +87,15 @@ def test_timeout_kills_launcher_and_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_port_taken_in_the_meantime_is_retried_once(tmp_out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", "forked"])
+def test_port_taken_in_the_meantime_is_retried_once(
+    tmp_out: Path, monkeypatch: pytest.MonkeyPatch, launcher: Launcher
+) -> None:
     # `hf_altparams.testing.launch` the function shadows the module of the same
     # name as an attribute of `hf_altparams.testing`; reach the module itself.
     launch_module = sys.modules["hf_altparams.testing.launch"]
+    # forked: rank 1 waits for a store that never answers, until the grace after rank 0's failure
+    monkeypatch.setattr(launch_module, "_GRACE_AFTER_FAILURE", 2.0)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -98,7 +104,7 @@ def test_port_taken_in_the_meantime_is_retried_once(tmp_out: Path, monkeypatch: 
         real_free_port = launch_module.free_port
         monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real_free_port())
 
-        result = launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=2, launcher="torchrun")
+        result = launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=2, launcher=launcher)
 
     used = result.args[result.args.index("--master_port") + 1]
     assert used != str(busy_port)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,6 @@ import pytest
 from hf_altparams.testing import LaunchError, launch, rank_results
 from hf_altparams.testing.forked import server_for, server_key
 from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env, launch_ranks
-from tests.scripts import script_path
 
 # What a rank sees of its process: environment, argv, cwd, sys.path[0], parent, what is already imported.
 _REPORT = textwrap.dedent("""
@@ -217,25 +215,6 @@ def test_forked_with_accelerate_use_cpu_gives_accelerate_launch_s_state(tmp_path
     assert forked == real
     assert [r["distributed_type"] for r in forked] == ["DistributedType.MULTI_CPU"] * 2
     assert [r["num_processes"] for r in forked] == [2, 2]
-
-
-@pytest.mark.distributed
-def test_a_port_taken_in_the_meantime_is_retried_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    launch_module = sys.modules["hf_altparams.testing.launch"]
-    monkeypatch.setattr(launch_module, "_GRACE_AFTER_FAILURE", 2.0)  # rank 1 waits for a store that never answers
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        busy_port = busy.getsockname()[1]
-        ports = iter([busy_port])
-        real_free_port = launch_module.free_port
-        monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real_free_port())
-
-        result = launch(script_path("smoke_allreduce.py"), str(tmp_path), nproc=2, launcher="forked", timeout=300)
-
-    used = result.args[result.args.index("--master_port") + 1]
-    assert used != str(busy_port)
-    assert [r["world_size"] for r in rank_results(tmp_path, nproc=2)] == [2, 2]
 
 
 @pytest.mark.distributed
