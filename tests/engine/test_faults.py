@@ -21,17 +21,21 @@ timeout and the run completes.
 
 The ranks are started without a launcher: on one node torchrun would stop the
 survivor itself when a rank dies, which hides what a job spread over nodes meets.
-They meet in a file barrier before the process group exists and in a
-long-timeout barrier before ``prepare`` (the script's docstring), so a loaded
-machine, where their start-up differs by seconds, changes none of the timings
-checked here.
+Each is forked on its own from the suite's warm server
+(:mod:`hf_altparams.testing.forked`: torch, accelerate and hf_altparams
+imported once, not once per rank) with the environment variables the script
+reads, and nothing watches it but this test. They meet in a file barrier before
+the process group exists and in a long-timeout barrier before ``prepare`` (the
+script's docstring), so a loaded machine, where their start-up differs by
+seconds, changes none of the timings checked here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
-import sys
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ import pytest
 from hf_altparams.engine import PhaseSwitcher
 from hf_altparams.errors import PlanError
 from hf_altparams.plan import Alternating, ParamGroups
+from hf_altparams.testing.forked import ForkServer, server_for
 from hf_altparams.testing.launch import free_port, launch_env
 from tests.scripts import script_path
 
@@ -53,11 +58,49 @@ SCENARIOS = {
     "skip_step": ("skip_step", 6.0, "none"),
 }
 EXIT_WITHIN = 60.0  # s from the fault to the survivor's exit
-START_WITHIN = 240.0  # s for 6 processes to import torch and start on a loaded 2-core box
+START_WITHIN = 240.0  # s for 10 ranks to start and meet on a loaded 2-core box
 
 
-def _start(sync: Path, mode: str, group_timeout: float, collective_timeout: str) -> list[subprocess.Popen[str]]:
-    env = dict(
+class _Ranks:
+    """Ranks forked from `server`, watched by the test alone: when each exit was first seen, its code, its output."""
+
+    def __init__(self, server: ForkServer) -> None:
+        self.server = server
+        self.logs: dict[int, Path] = {}
+        self.ended: dict[int, tuple[int, float]] = {}  # pid -> (exit code, time.time() when seen)
+
+    def start(self, args: list[str], env: dict[str, str], log: Path) -> int:
+        pid = self.server.start_rank(script_path("fault_switch.py"), args, env, cwd=os.getcwd(), log=log)
+        self.logs[pid] = log
+        return pid
+
+    def wait(self, pid: int, timeout: float) -> bool:
+        """Whether `pid` has exited, waiting up to `timeout` s; every rank's exit is stamped as it is seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for seen, code in self.server.exits(timeout=min(0.1, max(0.0, deadline - time.monotonic()))).items():
+                if seen in self.logs and seen not in self.ended:
+                    self.ended[seen] = (code, time.time())
+            if pid in self.ended or time.monotonic() >= deadline:
+                return pid in self.ended
+
+    def output(self, pid: int) -> str:
+        log = self.logs[pid]
+        return log.read_text("utf-8", "replace") if log.exists() else ""
+
+    def stop(self) -> None:
+        """SIGKILL the session of every rank still running (each leads one of its own); wait until all are reaped."""
+        for pid in self.logs:
+            if not self.wait(pid, 0.0):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        for pid in self.logs:
+            self.wait(pid, 60.0)
+        self.server.forget(list(self.logs))
+
+
+def _start(ranks: _Ranks, sync: Path, mode: str, group_timeout: float, collective_timeout: str) -> list[int]:
+    job = dict(
         launch_env("accelerate", None),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
@@ -66,12 +109,10 @@ def _start(sync: Path, mode: str, group_timeout: float, collective_timeout: str)
         FAULT_SYNC_DIR=str(sync),
     )
     return [
-        subprocess.Popen(
-            [sys.executable, str(script_path("fault_switch.py")), mode, str(group_timeout), collective_timeout],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        ranks.start(
+            [mode, str(group_timeout), collective_timeout],
+            dict(job, RANK=str(rank), LOCAL_RANK=str(rank)),
+            sync.parent / f"{sync.name}.rank{rank}.log",
         )
         for rank in range(2)
     ]
@@ -86,31 +127,29 @@ def _result(output: str) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_a_dead_or_stuck_rank_makes_the_switch_fail_in_bounded_time(tmp_path: Path) -> None:
     started = time.monotonic()
-    jobs = {name: _start(tmp_path / name, *spec) for name, spec in SCENARIOS.items()}
+    ranks = _Ranks(server_for(launch_env("accelerate", None)))
+    jobs = {name: _start(ranks, tmp_path / name, *spec) for name, spec in SCENARIOS.items()}
     outcome: dict[str, tuple[int, float, str]] = {}
     skipped_rank1 = ""
     try:
-        for name, (rank0, _) in jobs.items():
+        for name, (rank0, rank1) in jobs.items():
             left = max(1.0, START_WITHIN + EXIT_WITHIN - (time.monotonic() - started))
-            try:
-                out, _ = rank0.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                rank0.kill()
-                out, _ = rank0.communicate()
-                pytest.fail(f"{name}: rank 0 still running after {time.monotonic() - started:.0f} s:\n{out[-3000:]}")
-            outcome[name] = (rank0.returncode, time.time(), out)
+            if not ranks.wait(rank0, left):
+                elapsed = time.monotonic() - started
+                pytest.fail(f"{name}: rank 0 still running after {elapsed:.0f} s:\n{ranks.output(rank0)[-3000:]}")
+            outcome[name] = (*ranks.ended[rank0], ranks.output(rank0))
             if name == "late_first_switch":  # nothing failed: rank 1 ends by itself too
-                rank1 = jobs[name][1]
-                rank1_out, _ = rank1.communicate(timeout=left)
-                assert rank1.returncode == 0, f"late_first_switch: rank 1 failed:\n{rank1_out[-3000:]}"
+                assert ranks.wait(rank1, left), (
+                    f"late_first_switch: rank 1 still running:\n{ranks.output(rank1)[-3000:]}"
+                )
+                assert ranks.ended[rank1][0] == 0, f"late_first_switch: rank 1 failed:\n{ranks.output(rank1)[-3000:]}"
             if name == "skip_step":  # rank 1 fails too, in its own next collective
-                skipped_rank1 = jobs[name][1].communicate(timeout=EXIT_WITHIN)[0]
+                assert ranks.wait(rank1, EXIT_WITHIN), (
+                    f"skip_step: rank 1 still running:\n{ranks.output(rank1)[-3000:]}"
+                )
+                skipped_rank1 = ranks.output(rank1)
     finally:
-        for procs in jobs.values():
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.communicate()
+        ranks.stop()
     late = outcome.pop("late_first_switch")
     assert late[0] == 0, f"late_first_switch: rank 0 failed:\n{late[2][-3000:]}"
     on_time = _result(late[2])

@@ -1,8 +1,12 @@
 """glibc's host heap: ``host_heap()`` and the ``mmap_large_host_allocations`` opt-in.
 
 The opt-in changes the whole process for good, so every scenario that calls it
-for real runs in a fresh interpreter (``sys.executable -c ...``) or in launched
-ranks; the tests of argument checking replace glibc with a recorder.
+for real runs in a process of its own: a one-rank run forked from the suite's
+warm server (``launch_ranks``: torch imported once, not once per scenario;
+glibc's heap settings are the defaults there, as in a fresh interpreter), or a
+fresh interpreter when this environment sets glibc's malloc variables (they are
+dropped for it), or launched ranks; the tests of argument checking replace
+glibc with a recorder.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +26,12 @@ from hf_altparams.engine.memory import MAX_MMAP_THRESHOLD
 from hf_altparams.engine.memory import release as memory_module
 from hf_altparams.errors import AltParamsError
 from hf_altparams.testing import launch, rank_results
+from hf_altparams.testing.launch import launch_ranks
 from tests.scripts import script_path
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[2]
+RESULT = "HOST-HEAP-RESULT"  # the scenarios' output line (a forked run's output holds its warnings too)
 needs_glibc = pytest.mark.skipif(host_heap() is None, reason="needs glibc >= 2.33 (mallinfo2)")
 
 # Free a 20 MiB tensor (mmapped by default: glibc then raises its dynamic
@@ -40,18 +47,38 @@ y = torch.ones(4 << 20)
 rss_live = rss_bytes()
 del y
 held1, rss1 = host_heap().free_bytes, rss_bytes()
-print(json.dumps({"applied": applied, "held": held1 - held0, "rss_live": rss_live - rss0, "rss_after": rss1 - rss0}))
+print(_RESULT, json.dumps({"applied": applied, "held": held1 - held0, "rss_live": rss_live - rss0, "rss_after": rss1 - rss0}))
 """
 
 
+def _malloc_settings(env: dict[str, str]) -> list[str]:
+    """The variables of `env` that change glibc's malloc (the fork server would carry them to its ranks)."""
+    return [k for k in env if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]
+
+
 def _python(code: str, *args: str) -> Any:
-    """Run ``code`` in a fresh interpreter with glibc's defaults; its last stdout line, parsed as JSON."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``code`` as a script in a process of its own with glibc's defaults; the JSON it printed after
+    ``_RESULT`` (a name the script is given)."""
+    script = f"_RESULT = {RESULT!r}\n{code}"
+    if not _malloc_settings(dict(os.environ)):
+        with tempfile.TemporaryDirectory(prefix="host_heap_") as folder:
+            path = Path(folder) / "scenario.py"
+            path.write_text(script)
+            (rank,) = launch_ranks(path, *args, nproc=1, timeout=120)
+        assert rank.returncode == 0, rank.stdout[-3000:]
+        output = rank.stdout
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in _malloc_settings(dict(os.environ))}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["OMP_NUM_THREADS"] = "1"
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        output = proc.stdout
+    lines = [line for line in output.splitlines() if line.startswith(RESULT + " ")]
+    assert lines, output[-3000:]
+    return json.loads(lines[-1][len(RESULT) + 1 :])
 
 
 @needs_glibc
@@ -77,7 +104,7 @@ def test_glibc_takes_the_largest_threshold_accepted() -> None:
 import json
 from hf_altparams.engine import mmap_large_host_allocations
 from hf_altparams.engine.memory import MAX_MMAP_THRESHOLD
-print(json.dumps(mmap_large_host_allocations(MAX_MMAP_THRESHOLD)))
+print(_RESULT, json.dumps(mmap_large_host_allocations(MAX_MMAP_THRESHOLD)))
 """
     assert _python(code) is True
 

@@ -1,15 +1,19 @@
 """Phases under DeepSpeed ZeRO-1/2 on 2 CPU ranks, through the Trainer and Accelerate (one launch for every test).
 
 ``tests/scripts/deepspeed_check.py`` runs every configuration in one process
-group under plain ``torchrun`` (no ``ACCELERATE_USE_CPU``, which makes the
-Trainer drop DeepSpeed), with ``TORCH_EXTENSIONS_DIR`` an empty folder: no C++
-op is built. The tests below assert on what it recorded. Skipped without
-deepspeed (``pip install hf_altparams[deepspeed]``).
+group, on 2 ranks forked from the suite's warm server (``launcher="forked"``:
+the environment of plain ``torchrun``'s ranks, without ``ACCELERATE_USE_CPU``,
+which makes the Trainer drop DeepSpeed), with ``TORCH_EXTENSIONS_DIR`` an empty
+folder: no C++ op is built. The tests below assert on what it recorded. The
+user's command, DeepSpeed ranks of a real ``torchrun``, runs in
+``tests/check/test_check_deepspeed.py`` (the check's own launch of ZeRO-2).
+Skipped without deepspeed (``pip install hf_altparams[deepspeed]``).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +46,17 @@ def extensions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory, extensions: Path) -> Path:
     out = tmp_path_factory.mktemp("deepspeed_check")
+    # The folder goes as an argument and ACCELERATE_USE_CPU is overridden only when this environment sets it:
+    # either in the launch's environment would key a fork server of its own (a fresh import of everything).
+    cpu = {"ACCELERATE_USE_CPU": "false"} if "ACCELERATE_USE_CPU" in os.environ else None
     launch(
         script_path("deepspeed_check.py"),
         str(out),
+        str(extensions),
         nproc=NPROC,
+        launcher="forked",
         timeout=600,
-        env={"TORCH_EXTENSIONS_DIR": str(extensions), "ACCELERATE_USE_CPU": "false"},
+        env=cpu,
     )
     return out
 

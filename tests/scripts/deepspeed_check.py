@@ -2,12 +2,22 @@
 
 Usage (every rank runs it; results go to ``OUT_DIR/rank{r}.json``, final weights to ``OUT_DIR/<run>.pt``)::
 
-    python -m torch.distributed.run --nproc_per_node 2 deepspeed_check.py OUT_DIR
+    python -m torch.distributed.run --nproc_per_node 2 deepspeed_check.py OUT_DIR [EXTENSIONS_DIR]
 
-Plain ``torchrun``: no ``ACCELERATE_USE_CPU`` (it makes the Trainer drop DeepSpeed
+Plain ``torchrun`` (or its ranks forked by ``launch(..., launcher="forked")``,
+as the test does): no ``ACCELERATE_USE_CPU`` (it makes the Trainer drop DeepSpeed
 silently); the DDP reference runs ask for CPU themselves (``use_cpu=True`` /
 ``cpu=True``). DeepSpeed's shared-memory comm op is not built
-(:func:`hf_altparams.engine.deepspeed.skip_shm_comm_build`).
+(:func:`hf_altparams.engine.deepspeed.skip_shm_comm_build`); ``EXTENSIONS_DIR``
+becomes ``TORCH_EXTENSIONS_DIR``, where a C++ op would be built (the test checks
+that it stays empty; given as an argument, not in the environment, so that the
+forked ranks come from the suite's usual server).
+
+Before the runs the objects of the imported modules are moved out of the
+garbage collector's sight (``gc.freeze()``): the Trainer and Accelerate call
+``gc.collect()`` for every run (``free_memory``), and a full collection walks
+every object of torch, transformers and DeepSpeed, about half a CPU-second each
+time; the runs' own objects are still collected.
 
 The job: a 4-layer Llama from a config (hidden 32), sequences of 16 tokens,
 AdamW with ``adam_epsilon=1e-3`` (so that fp32 round-off is not amplified into
@@ -40,6 +50,7 @@ DeepSpeed collective (``count_comm=True``), the loss:
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -425,12 +436,16 @@ def refusals(out: Path) -> dict[str, Any]:
     return found
 
 
-def main(out: Path) -> None:
+def main(out: Path, extensions: Optional[Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if extensions is not None:  # read when an op would be built, not at import
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)
     skip_shm_comm_build()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    gc.collect()
+    gc.freeze()  # the modules' objects: every run's gc.collect() walks only what the runs made (module docstring)
     only = set(os.environ.get("DS_CHECK_ONLY", "").split(",")) - {""}
     runs: dict[str, Callable[[], dict[str, Any]]] = {}
     for stage in (1, 2):
@@ -472,4 +487,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
