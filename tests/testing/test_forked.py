@@ -193,7 +193,9 @@ def test_json_protocol_carries_any_environment(tmp_path: Path) -> None:
 def test_a_rank_s_full_collection_skips_what_the_server_imported(tmp_path: Path) -> None:
     # The Trainer and Accelerate's free_memory run full collections; the preloaded modules' objects are frozen.
     script = _script(
-        tmp_path, "gc_counts.py", "import gc, sys\nopen(sys.argv[1], 'w').write(f'{gc.get_freeze_count()} {len(gc.get_objects())}')\n"
+        tmp_path,
+        "gc_counts.py",
+        "import gc, sys\nopen(sys.argv[1], 'w').write(f'{gc.get_freeze_count()} {len(gc.get_objects())}')\n",
     )
     launch(script, str(tmp_path / "counts.txt"), nproc=1, launcher="forked", timeout=300)
     frozen, collected = map(int, (tmp_path / "counts.txt").read_text().split())
