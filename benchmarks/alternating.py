@@ -33,7 +33,11 @@ The model has two halves, ``layer1`` and ``layer2`` (one ``Linear`` each, about
   ``hf_drop_twocoll`` (only the two collectives), to attribute the difference.
 
 Each scenario runs in FRESH processes (its own ``torchrun`` launch), so memory
-does not carry over from one to the next. Per scenario and device:
+does not carry over from one to the next. ``--launcher forked`` (CPU only, for
+the tests) forks each launch's ranks from ``hf_altparams.testing``'s warm server
+instead (``docs/testing.md``): no interpreter start-up per rank, but the ranks
+share the server's pages copy-on-write, so their memory and page-fault figures
+are not those of a fresh process. Per scenario and device:
 
 * peak memory growth over the pre-training baseline (the model built, nothing
   else): on CPU the process's peak RSS (``VmHWM``, reset at the baseline) minus
@@ -343,27 +347,8 @@ SCENARIO_LOOPS: dict[str, Loop] = {
 
 # ============================================================== driver
 def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, result: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": str(args.threads),
-            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        }
-    )
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = (
+    worker = (
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(_free_port()),
-            __file__,
             "--worker",
             scenario,
             "--device",
@@ -386,6 +371,34 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
         + (["--bucket-view"] if args.bucket_view else [])
         + (["--breakdown"] if args.breakdown else [])
     )
+    if args.launcher == "forked":  # CPU only (parse_args): ranks forked from hf_altparams.testing's warm server
+        from hf_altparams.testing import launch
+
+        env = {"OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
+        launch(__file__, *worker, nproc=nproc, launcher="forked", env=env, timeout=args.timeout)
+        return json.loads(result.read_text())
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+    )
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        __file__,
+        *worker,
+    ]
     proc = subprocess.run(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
     )
@@ -576,6 +589,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for JSON and markdown")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per scenario launch")
+    parser.add_argument(
+        "--launcher",
+        choices=["torchrun", "forked"],
+        default="torchrun",
+        help="torchrun: fresh interpreters (the figures); forked: CPU ranks forked from a warm server "
+        "(hf_altparams.testing, docs/testing.md): no start-up per rank, for the tests; the ranks share the "
+        "server's pages, so memory and page-fault figures are not comparable",
+    )
     parser.add_argument("--worker", choices=SCENARIOS + DIAGNOSTIC, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -588,6 +609,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.scenarios += [d for d in DIAGNOSTIC if d not in args.scenarios]
     if "single" not in args.scenarios:
         parser.error("--scenarios must include 'single' (the baseline of every ratio)")
+    if args.launcher == "forked" and args.devices != ["cpu"]:
+        parser.error(
+            f"--launcher forked runs CPU ranks only: it needs --devices cpu, got --devices {' '.join(args.devices)}"
+        )
     return args
 
 

@@ -39,14 +39,15 @@ CPU time over it (less sensitive than the wall time to a loaded machine); the
 loss the Trainer logs. A variant that raises is recorded with its error and the
 step it was in; its DDP wrapper is freed and the next variant runs.
 
-All variants run in one ``torchrun`` launch (2 processes), one after the other,
-``naive`` last (its DDP error must not touch the others), for ``--repeats``
-rounds; the order of the others rotates by one each round. Step times: the
-median over the steps after the first, both ranks and every round pooled; the
-ratio to ``naive_find_unused`` is the median over the rounds of the ratio of
-the two medians measured in the same round. Correctness figures (digests,
-bytes, optimizer state) are the first round's; the JSON says whether the final
-digests of every round agree.
+All variants run in one ``torchrun`` launch (2 processes; ``--launcher
+forked`` forks them from ``hf_altparams.testing``'s warm server instead, for
+the tests), one after the other, ``naive`` last (its DDP error must not touch
+the others), for ``--repeats`` rounds; the order of the others rotates by one
+each round. Step times: the median over the steps after the first, both ranks
+and every round pooled; the ratio to ``naive_find_unused`` is the median over
+the rounds of the ratio of the two medians measured in the same round.
+Correctness figures (digests, bytes, optimizer state) are the first round's;
+the JSON says whether the final digests of every round agree.
 
     python benchmarks/lisa_peers.py                    # the job above, about 2 minutes on 2 CPU cores
     python benchmarks/lisa_peers.py --steps 8 --every 2 --hidden 64 --intermediate 128 --vocab 256 --seq 16
@@ -350,6 +351,7 @@ def driver(args: argparse.Namespace, job: Job) -> int:
             str(args.repeats),
             *job_args(job),
             nproc=args.nproc,
+            launcher=args.launcher,
             timeout=args.timeout,
             env={"OMP_NUM_THREADS": str(args.threads)},
         )
@@ -442,6 +444,13 @@ def parse(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, Job
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument(
+        "--launcher",
+        choices=["torchrun", "forked"],
+        default="torchrun",
+        help="torchrun: fresh interpreters (the figures); forked: ranks forked from a warm server "
+        "(hf_altparams.testing, docs/testing.md): no start-up per rank, for the tests",
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--name", default="lisa_peers_cpu", help="stem of the output files")
     p.add_argument("--worker", metavar="RANKS_DIR", help=argparse.SUPPRESS)

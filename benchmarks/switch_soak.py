@@ -45,11 +45,14 @@ stack of every allocation (a private torch API, fenced) and diffs the live
 blocks by allocation site between readings, and counts the old reducers
 still alive after each switch: where the memory goes, without another GPU run.
 
-Each variant's raw readings go to ``<out>/switch_soak_<tag>_raw/`` as soon as
-it ends (a crash or a timeout loses only what had not finished; a crashed
-worker is restarted for the remaining variants); then a JSON summary, a
-markdown table and a PNG plot (``memory_allocated`` and ``memory_reserved``
-per switch, per variant) go to ``<out>/switch_soak_<tag>.{json,md,png}``,
+Every launch is a ``torchrun`` (``--launcher forked``, CPU only, for the
+tests: ranks forked from ``hf_altparams.testing``'s warm server, no start-up
+per launch, their RSS not that of a fresh process). Each variant's raw
+readings go to ``<out>/switch_soak_<tag>_raw/`` as soon as it ends (a crash or
+a timeout loses only what had not finished; a crashed worker is restarted for
+the remaining variants); then a JSON summary, a markdown table and a PNG plot
+(``memory_allocated`` and ``memory_reserved`` per switch, per variant) go to
+``<out>/switch_soak_<tag>.{json,md,png}``,
 where ``tag`` is ``cuda_1r`` (NCCL), ``cuda_2r`` (gloo, one GPU) or ``cpu_<N>r``.
 
 Run::
@@ -628,7 +631,14 @@ def run_driver(args: argparse.Namespace) -> None:
                 *remaining,
             ]
             try:
-                proc = launch(__file__, *common, nproc=args.ranks, env={**env, **extra}, timeout=args.timeout)
+                proc = launch(
+                    __file__,
+                    *common,
+                    nproc=args.ranks,
+                    launcher=args.launcher,
+                    env={**env, **extra},
+                    timeout=args.timeout,
+                )
                 print(
                     "\n".join(line for line in (proc.stdout or "").splitlines() if "switch_soak:" in line), flush=True
                 )
@@ -842,7 +852,8 @@ def plot(runs: dict[str, Any], path: Path, title: str) -> Optional[str]:
             axis.axvline(warm, color="grey", linestyle=":", linewidth=0.8)
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, ncol=3)
+        if axis.get_lines():  # every variant skipped: an empty plot, no legend
+            axis.legend(fontsize=7, ncol=3)
     axes[-1, 0].set_xlabel("switch (iteration)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -951,6 +962,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip variants that would end after this")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+    parser.add_argument(
+        "--launcher",
+        choices=["torchrun", "forked"],
+        default="torchrun",
+        help="torchrun: fresh interpreters (the figures); forked: CPU ranks forked from a warm server "
+        "(hf_altparams.testing, docs/testing.md): no start-up per launch, for the tests; the ranks share the "
+        "server's pages, so RSS figures are not those of a fresh process",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--summarize", action="store_true", help="only rebuild the table and plot from raw files")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -965,6 +984,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--backend nccl needs --device cuda and --ranks 1 (NCCL refuses two ranks on one GPU)")
     if args.ranks < 1:
         parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.launcher == "forked" and args.device != "cpu":
+        parser.error(f"--launcher forked runs CPU ranks only: it needs --device cpu, got --device {args.device}")
     if args.variants is None:
         args.variants = [v for v in VARIANTS if v != "record_streams" or args.backend == "nccl"]
     unknown = [v for v in args.variants if v.partition(":")[0] not in VARIANTS]

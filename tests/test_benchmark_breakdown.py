@@ -2,43 +2,40 @@
 
 End to end on 2 gloo ranks with tiny halves and few steps (no timing
 thresholds: the box is shared), plus the timers' nesting with a fake clock.
+The driver runs in the test's process and forks each scenario's ranks from the
+warm server (``--launcher forked``): what is checked is what the ranks time
+and what the driver writes, not the launcher (``benchmarks/gpu.sh`` runs it
+under torchrun).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.support.benchmark_cli import benchmark_main, load_benchmark
+
 SCENARIOS = ("hf_drop", "hf_keep_before")  # one all-reduce per switch; two, and a release at every switch
 STEPS, WARMUP = 6, 2
 
 
 def _breakdown_module() -> Any:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import _breakdown
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return _breakdown
+    return load_benchmark("_breakdown")
 
 
 @pytest.fixture(scope="module")
 def breakdown_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("breakdown")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [
-        sys.executable,
-        str(BENCHMARKS / "alternating.py"),
+    benchmark_main(
+        "alternating",
         "--breakdown",
         "--devices",
         "cpu",
+        "--launcher",
+        "forked",
         "--size-mib",
         "0.05",
         "--steps",
@@ -52,9 +49,7 @@ def breakdown_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
         "--scenarios",
         "single",
         *SCENARIOS,
-    ]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    )
     return out, json.loads((out / "alternating_cpu_breakdown.json").read_text())
 
 
@@ -120,3 +115,10 @@ def test_nested_timers_count_exclusive_time(monkeypatch: pytest.MonkeyPatch) -> 
     entry = recorder.switches[0]
     assert (entry["rebuild_init"], entry["rebuild"], entry["unattributed"], entry["switch"]) == (3.0, 2.0, 1.0, 6.0)
     assert sum(entry[p] for p in breakdown.PARTS) == entry["switch"]
+
+
+def test_the_forked_launcher_is_refused_for_cuda_ranks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_main("alternating", "--devices", "cuda", "--launcher", "forked", "--out", str(tmp_path))
+    assert exit_.value.code == 2 and "--launcher forked runs CPU ranks only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -3,34 +3,26 @@
 One process, tiny models and few switches (no timing thresholds: the box is
 shared); what is checked is that both ways of building the reducer's inputs
 (or both reducer settings) ran on the same number of switches and that the
-report names the model.
+report names the model. Each run is one rank forked from the warm server of
+``hf_altparams.testing`` (the script as ``torchrun --nproc_per_node 1`` runs it:
+world size 1, as ``python benchmarks/switch_profile.py`` runs it), so no run
+pays an interpreter's start-up and the test process keeps no process group.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from hf_altparams.testing.launch import launch, launch_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_profile.py"
 
 
 def _run(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout
+    return launch(SCRIPT, *args, nproc=1, launcher="forked", timeout=300).stdout
 
 
 @pytest.mark.parametrize("model", [["--model", "halves", "--size-mib", "0.05"], ["--model", "bert", "--layers", "2"]])
@@ -66,15 +58,7 @@ def test_compare_kept_times_both_reducer_settings_on_equal_halves_of_the_switche
 
 
 def test_bert_needs_two_layers_to_alternate() -> None:
-    env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", "bert", "--layers", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=120,
-    )
+    (proc,) = launch_ranks(SCRIPT, "--model", "bert", "--layers", "1", nproc=1, timeout=120)
     assert proc.returncode == 2 and "--layers >= 2" in proc.stdout and "got 1" in proc.stdout
 
 

@@ -4,23 +4,28 @@ Tiny halves and few switches on gloo (RSS instead of CUDA memory): what is
 checked is the shape of the output and what holds on any machine (a reading
 after every switch, the ranks' digests equal, the Python-visible tensors the
 same after the warm-up, every old bucket freed), never a timing. The GPU
-figures come from ``benchmarks/gpu.sh``.
+figures come from ``benchmarks/gpu.sh`` (real launches). Here the driver runs
+in the test's process and its ranks are forked from the warm server
+(``--launcher forked``): the subject is what the ranks read and what the
+driver writes, not the launcher.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "switch_soak.py"
+from tests.support.benchmark_cli import benchmark_main
+
 TINY = [
     "--device",
     "cpu",
+    "--launcher",
+    "forked",
+    "--timeout",
+    "600",
     "--size-mib",
     "0.05",
     "--layers",
@@ -36,22 +41,22 @@ TINY = [
 ]
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+def _run(*args: str) -> None:
+    benchmark_main("switch_soak", *args)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """argparse's message for arguments the command line refuses (exit code 2, as the script exits)."""
+    with pytest.raises(SystemExit) as exit_:
+        _run(*args)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
 
 
 @pytest.mark.distributed
 def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path: Path) -> None:
     variants = ["default", "single_a", "single_b", "keep_reducers", "find_unused", "release", "probe", "waited"]
-    proc = _run(
+    _run(
         *TINY,
         "--switches",
         "24",
@@ -66,7 +71,6 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
         "--out",
         str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stdout[-4000:]
     summary = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())
     rows = {row["variant"]: row for row in summary["rows"]}
     assert list(rows) == variants
@@ -106,8 +110,7 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
     assert summary["plot"] == "switch_soak_cpu_1r.png"
     # The table and the plot can be rebuilt from the raw readings alone (e.g. after a cut-off GPU run).
     (tmp_path / "switch_soak_cpu_1r.md").unlink()
-    again = _run("--summarize", *TINY, "--switches", "24", "--short-switches", "16", "--out", str(tmp_path))
-    assert again.returncode == 0, again.stdout[-4000:]
+    _run("--summarize", *TINY, "--switches", "24", "--short-switches", "16", "--out", str(tmp_path))
     assert (tmp_path / "switch_soak_cpu_1r.md").read_text() == table
 
 
@@ -115,7 +118,7 @@ def test_every_variant_reports_a_reading_per_switch_a_table_and_a_plot(tmp_path:
 def test_two_ranks_stay_identical_and_skip_alike_what_the_budget_cannot_hold(tmp_path: Path) -> None:
     # single_a's million switches cannot fit the 120 s budget once default showed the time an
     # iteration takes: both ranks skip it together (rank 0 decides, the others follow).
-    proc = _run(
+    _run(
         *TINY,
         "--ranks",
         "2",
@@ -129,7 +132,6 @@ def test_two_ranks_stay_identical_and_skip_alike_what_the_budget_cannot_hold(tmp
         "--out",
         str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stdout[-4000:]
     rows = json.loads((tmp_path / "switch_soak_cpu_2r.json").read_text())["rows"]
     assert [(row["variant"], row.get("ranks"), row.get("ranks_identical")) for row in rows] == [
         ("default", 2, True),
@@ -140,22 +142,23 @@ def test_two_ranks_stay_identical_and_skip_alike_what_the_budget_cannot_hold(tmp
 
 @pytest.mark.distributed
 def test_a_spent_time_budget_skips_variants_and_says_so(tmp_path: Path) -> None:
-    proc = _run(
-        *TINY, "--switches", "12", "--budget-s", "0.01", "--variants", "default", "single_a", "--out", str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    _run(*TINY, "--switches", "12", "--budget-s", "0.01", "--variants", "default", "single_a", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "switch_soak_cpu_1r.json").read_text())["rows"]
     assert [row["variant"] for row in rows] == ["default", "single_a"]
     assert all(row["note"].startswith("skipped: the time budget (no time left for a launch") for row in rows)
 
 
-def test_bad_arguments_are_refused_before_anything_runs() -> None:
-    proc = _run("--device", "cpu", "--variants", "defualt")
-    assert proc.returncode == 2 and "unknown ['defualt']" in proc.stdout
-    proc = _run("--device", "cpu", "--backend", "nccl")
-    assert proc.returncode == 2 and "--backend nccl needs --device cuda and --ranks 1" in proc.stdout
-    proc = _run("--device", "cpu", "--switches", "10", "--warmup", "9", "--variants", "default")
-    assert proc.returncode == 2 and "--warmup (9)" in proc.stdout
+def test_bad_arguments_are_refused_before_anything_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = ["--out", str(tmp_path)]
+    assert "unknown ['defualt']" in _refused(capsys, "--device", "cpu", "--variants", "defualt", *out)
+    assert "--backend nccl needs --device cuda and --ranks 1" in _refused(
+        capsys, "--device", "cpu", "--backend", "nccl", *out
+    )
+    assert "--warmup (9)" in _refused(
+        capsys, "--device", "cpu", "--switches", "10", "--warmup", "9", "--variants", "default", *out
+    )
+    assert "--launcher forked runs CPU ranks only" in _refused(capsys, "--device", "cuda", "--launcher", "forked", *out)
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
 
 
 def test_snapshot_sites_name_the_code_that_allocated_and_the_diff_finds_what_grew() -> None:

@@ -8,6 +8,7 @@
 * :mod:`tests.support.faults`: kills a checkpoint save part-way (torn-checkpoint tests);
 * :mod:`tests.support.switch_leaks`: what a DDP switch must free, and the guard that fails when it does not;
 * :mod:`tests.support.fake_strategy`: a strategy registered by the tests only (the seam's proof).
+* :mod:`tests.support.benchmark_cli`: a benchmark's command line run in the test's own process.
 
 Imported as ``tests.support.x`` with the repository root on ``sys.path``
 (pytest: ``pythonpath = .`` in ``setup.cfg``; the benchmarks, the check
