@@ -5,7 +5,9 @@ setup.cfg) is the stub of the part the library uses. Without it every Accelerate
 name would be ``Any`` and a wrong call into Accelerate, or a ``PhasedAccelerator``
 override that no longer fits ``Accelerator``, would pass unseen: the second test
 checks that mypy reports such mistakes (``tests/integrations/test_accelerate_stubs.py``
-checks that the stub says nothing Accelerate lacks).
+checks that the stub says nothing Accelerate lacks). transformers and peft are read
+from their stubs in ``typings/`` too (so that mypy does not analyse them; checked by
+``test_transformers_stubs.py`` and ``test_peft_stubs.py`` there).
 """
 
 from __future__ import annotations

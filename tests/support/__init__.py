@@ -9,6 +9,7 @@
 * :mod:`tests.support.switch_leaks`: what a DDP switch must free, and the guard that fails when it does not;
 * :mod:`tests.support.fake_strategy`: a strategy registered by the tests only (the seam's proof).
 * :mod:`tests.support.benchmark_cli`: a benchmark's command line run in the test's own process.
+* :mod:`tests.support.stub_drift`: compares a stub of ours (``typings/<library>``) with the installed library.
 
 Imported as ``tests.support.x`` with the repository root on ``sys.path``
 (pytest: ``pythonpath = .`` in ``setup.cfg``; the benchmarks, the check

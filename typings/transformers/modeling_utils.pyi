@@ -1,0 +1,3 @@
+from torch import nn
+
+class PreTrainedModel(nn.Module): ...

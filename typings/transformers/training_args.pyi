@@ -1,0 +1,6 @@
+from typing import Any
+
+class TrainingArguments:
+    output_dir: str | None
+    @property
+    def should_save(self) -> Any: ...
