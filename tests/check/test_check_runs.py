@@ -135,8 +135,10 @@ def assert_lisa_passed(code: int, verdict: dict[str, Any], ranks: int) -> None:
         assert len(phases) == 12 and changes >= 5 and len(result["switches"]) in (changes, changes + 1)
 
 
-def test_a_correct_lisa_setup_passes_on_four_self_launched_ranks() -> None:
-    code, verdict = check("--setup", "tests.check.setups:lisa_small", ranks=4)
+def test_a_correct_lisa_setup_passes_on_four_ranks() -> None:
+    """Four ranks of the user's own launcher (the check's own launch is run for real by the built-in default,
+    below, and by ``tests/check/test_launch.py``)."""
+    code, verdict = check_launched("--setup", "tests.check.setups:lisa_small", ranks=4)
     assert_lisa_passed(code, verdict, 4)
 
 
@@ -177,14 +179,18 @@ def test_a_broken_setup_fails_naming_its_cause(setup: str, cause: str, ranks: in
 
 
 def test_under_the_user_s_own_torchrun_rank_0_reports_and_the_job_exits_with_the_verdict() -> None:
-    """Also the correct LISA set-up on 2 ranks (the 1- and 4-rank runs are self-launched, above)."""
+    """Also the correct LISA set-up on 2 ranks (the 1- and 4-rank runs are above)."""
     code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "12", ACCELERATE_USE_CPU="1")
     assert_lisa_passed(code, verdict, 2)
     assert [r["rank"] for r in verdict["ranks"]] == [0, 1] and "launched" in verdict["header"]
 
 
 def test_torchrun_on_cpu_without_accelerate_use_cpu_is_refused_naming_the_variable() -> None:
-    """Accelerate would run each CPU rank alone (distributed_type NO): refused before training."""
-    code, verdict = under_torchrun("--setup", "tests.check.setups:lisa_small", "--steps", "4")
+    """Accelerate would run each CPU rank alone (distributed_type NO): refused before training.
+
+    The ranks of a launcher with torchrun's environment (``check_launched``, without ``ACCELERATE_USE_CPU``): what
+    the check reads to refuse is that environment; the user's own torchrun itself is run above.
+    """
+    code, verdict = check_launched("--setup", "tests.check.setups:lisa_small", steps=4, cpu=False)
     assert code != 0 and verdict["causes"] == ["setup_refused"]
     assert "set ACCELERATE_USE_CPU=1 for `torchrun`" in verdict["failures"][0]["detail"]
