@@ -67,6 +67,7 @@ __all__ = [
     "decide_on_rank0",
     "launched",
     "plan_launch",
+    "rank_env",
     "read_results",
     "self_launch",
     "signals_interrupt",
@@ -295,6 +296,23 @@ class LaunchOutcome:
     stopped: list[dict[str, Any]] = field(default_factory=list)
 
 
+def rank_env(folder: str, deepspeed: bool) -> dict[str, str]:
+    """The environment :func:`self_launch` starts its launch with: this process's, :data:`RESULTS_ENV` set to
+    ``folder``; for DeepSpeed a plain ``torchrun`` one, without ``ACCELERATE_USE_CPU`` (with it Accelerate drops
+    DeepSpeed); else, without a GPU, ``ACCELERATE_USE_CPU=1`` (without it Accelerate runs each CPU rank alone).
+
+    Example::
+
+        rank_env("/tmp/results", deepspeed=True).get("ACCELERATE_USE_CPU")  # None, whatever this process has
+    """
+    env = dict(os.environ, **{RESULTS_ENV: folder})
+    if deepspeed:
+        env.pop(CPU_ENV, None)
+    elif not torch.cuda.is_available():
+        env.setdefault(CPU_ENV, "1")
+    return env
+
+
 def self_launch(
     plan: LaunchPlan,
     deadline: float,
@@ -309,20 +327,15 @@ def self_launch(
     pre-flight's price, quoted when a rank is killed; ``allowed``: the ``--deadline``
     the report names (default ``deadline``; less may be left once the check has
     priced the run). :class:`Interrupted` (inside :func:`signals_interrupt`) passes
-    through, once every process is stopped. ``deepspeed``: the ranks run DeepSpeed,
-    so their environment is a plain ``torchrun`` one, without ``ACCELERATE_USE_CPU``
-    (with it Accelerate drops DeepSpeed); else CPU ranks get it (without it
-    Accelerate runs each CPU rank alone).
+    through, once every process is stopped. ``deepspeed``: the ranks run DeepSpeed
+    (their environment: :func:`rank_env`).
     """
     allowed = deadline if allowed is None else allowed
     with tempfile.TemporaryDirectory(prefix="hf_altparams_check_") as folder:
-        env = dict(os.environ, **{RESULTS_ENV: folder})
-        if deepspeed:
-            env.pop(CPU_ENV, None)  # Accelerate would drop DeepSpeed
-        elif not torch.cuda.is_available():
-            env.setdefault(CPU_ENV, "1")  # else Accelerate runs each CPU rank alone
         watch = Watch(folder, plan.processes)
-        (done,), timed_out = run_launchers([plan.command], env, timeout=deadline, on_poll=watch.poll)
+        (done,), timed_out = run_launchers(
+            [plan.command], rank_env(folder, deepspeed=deepspeed), timeout=deadline, on_poll=watch.poll
+        )
         tail = "\n".join((done.stdout or "").splitlines()[-40:])
         results = read_results(Path(folder), plan.processes)
         world = max([plan.processes] + [r.world for r in results if r is not None])

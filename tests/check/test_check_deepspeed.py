@@ -1,10 +1,13 @@
 """``python -m hf_altparams check --deepspeed``: ZeRO-1/2 judged on CPU ranks, ZeRO-3 refused before any rank starts.
 
-The flags are checked in this process (nothing starts); two launches run the
-check for real under DeepSpeed on 2 CPU ranks (plain ``torchrun`` environment,
-no C++ op built): the library's LISA passes, the usual LISA callback (freeze all
-layers, unfreeze the drawn one, the schedule training everything) fails naming
-``idle_group_changed``. The launches are skipped without deepspeed.
+The flags are checked in this process (nothing starts); two runs train the
+check for real under DeepSpeed on 2 CPU ranks of the user's own launcher
+(``check_launched``: a plain ``torchrun`` environment, no C++ op built): the
+library's LISA passes, the usual LISA callback (freeze all layers, unfreeze the
+drawn one, the schedule training everything) fails naming ``idle_group_changed``.
+That the check's own launch gives its DeepSpeed ranks that environment is
+checked on :func:`~hf_altparams.check.launch.rank_env`. The runs are skipped
+without deepspeed.
 """
 
 from __future__ import annotations
@@ -17,11 +20,19 @@ import pytest
 import torch
 
 from hf_altparams.check import main
+from hf_altparams.check.launch import RESULTS_ENV, rank_env
 from hf_altparams.check.weights import IdleWatch, frozen_groups
 from hf_altparams.check.zero import complete, deepspeed_config, refusal, strategy_config
 from hf_altparams.engine.strategies import strategy_named
 from hf_altparams.plan import Alternating, ParamGroups
-from tests.check.test_check_runs import check, check_launched
+from tests.check.test_check_runs import check_launched
+
+
+@pytest.fixture(scope="module")
+def extensions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``TORCH_EXTENSIONS_DIR`` for every DeepSpeed run here: where a C++ op would be built (none must be). One
+    folder for both runs: the forked ranks' server is chosen by it (``TORCH*`` is read at import)."""
+    return tmp_path_factory.mktemp("torch_extensions")
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -110,18 +121,31 @@ def test_a_group_frozen_behind_the_schedule_that_changes_is_an_idle_change() -> 
     assert watch.boundary(2, None) == []
 
 
+def test_the_check_s_launch_gives_deepspeed_ranks_a_plain_torchrun_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ACCELERATE_USE_CPU`` (which makes Accelerate drop DeepSpeed) is left out for DeepSpeed's ranks, even where
+    the user set it; CPU ranks without DeepSpeed get it (else Accelerate runs each alone)."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    env = rank_env("/results", deepspeed=True)
+    assert "ACCELERATE_USE_CPU" not in env and env[RESULTS_ENV] == "/results"
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    if not torch.cuda.is_available():
+        assert rank_env("/results", deepspeed=False)["ACCELERATE_USE_CPU"] == "1"
+    assert "ACCELERATE_USE_CPU" not in rank_env("/results", deepspeed=True)
+
+
 @pytest.mark.distributed
-def test_zero2_with_the_librarys_lisa_passes_every_judgement(tmp_path: Path) -> None:
+def test_zero2_with_the_librarys_lisa_passes_every_judgement(extensions: Path) -> None:
     pytest.importorskip("deepspeed")
-    extensions = tmp_path / "torch_extensions"
-    extensions.mkdir()
-    code, verdict = check(
+    code, verdict = check_launched(  # the environment the check's own launch gives DeepSpeed ranks (above)
         "--setup",
         "tests.check.setups:lisa_small",
         "--strategy",
         "zero2",
         steps=12,
-        env={"TORCH_EXTENSIONS_DIR": str(extensions), "ACCELERATE_USE_CPU": "1"},  # the check's launch drops it
+        env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+        cpu=False,
     )
     assert code == 0 and verdict["passed"], verdict["failures"]
     assert list(extensions.iterdir()) == []  # no C++ op built
@@ -145,12 +169,20 @@ def test_zero2_with_the_librarys_lisa_passes_every_judgement(tmp_path: Path) -> 
 
 
 @pytest.mark.distributed
-def test_the_usual_lisa_callback_under_zero_fails_naming_the_layers_that_moved(tmp_path: Path) -> None:
+def test_the_usual_lisa_callback_under_zero_fails_naming_the_layers_that_moved(
+    tmp_path: Path, extensions: Path
+) -> None:
     pytest.importorskip("deepspeed")
     config = tmp_path / "ds_zero1.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}))
     code, verdict = check_launched(  # the user's own launcher, without ACCELERATE_USE_CPU (it would drop DeepSpeed)
-        "--setup", "tests.check.setups:lisa_callback_of_ones_own", "--deepspeed", str(config), steps=6, cpu=False
+        "--setup",
+        "tests.check.setups:lisa_callback_of_ones_own",
+        "--deepspeed",
+        str(config),
+        steps=6,
+        env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+        cpu=False,
     )
     assert code == 1 and "idle_group_changed" in verdict["causes"], verdict["failures"]
     failure = next(f for f in verdict["failures"] if f["cause"] == "idle_group_changed")
