@@ -1,9 +1,10 @@
 """``check`` run for real on what a user tried: no false alarm on correct set-ups, no silent pass, every model kind.
 
-The runs "with every default" self-launch their ranks as a user's ``python -m
-hf_altparams check`` does; the others run as the ranks of the user's own launcher
-(``check_launched``; one rank where nothing needs two: the readings of one rank
-are what is judged). Each prints its verdict as JSON. The set-ups are in
+The plain module's run self-launches its ranks as a user's ``python -m
+hf_altparams check`` does (what a fresh interpreter imports in ``prepare`` and
+its first step is its subject); the others run as the ranks of the user's own
+launcher (``check_launched``; one rank where nothing needs two: the readings of
+one rank are what is judged). Each prints its verdict as JSON. The set-ups are in
 :mod:`tests.check.setups`; the judgement of each reading on made-up figures is
 in ``tests/check/test_judgement.py``.
 """
@@ -25,8 +26,13 @@ def status(verdict: dict[str, Any]) -> dict[str, str]:
 
 
 def test_fsdp2_with_every_default_passes_one_unit_per_group() -> None:
-    """The built-in Llama under ``--fsdp2``: held within the plan, no unit mixing groups (was 4-5x the plan)."""
-    code, verdict = check("--fsdp2")
+    """The built-in Llama under ``--fsdp2``: held within the plan, no unit mixing groups (was 4-5x the plan).
+
+    Every default of the run but ``--steps`` (12, as every run here), on two ranks of the user's own launcher:
+    what is judged is the training, not the launch (the check's own launch is run for real in
+    ``tests/check/test_check_runs.py`` and ``tests/check/test_launch.py``).
+    """
+    code, verdict = check_launched("--fsdp2")
     assert code == 0 and verdict["passed"], verdict["failures"]
     assert status(verdict)["memory held vs plan"] == "pass"
     assert verdict["ranks"][0]["parallel"] == "FSDP2"
