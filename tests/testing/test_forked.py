@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -18,16 +21,19 @@ from hf_altparams.testing.forked import server_for, server_key
 from hf_altparams.testing.launch import LAUNCH_TAG_ENV, launch_env, launch_ranks
 
 # What a rank sees of its process: environment, argv, cwd, sys.path[0], parent, what is already imported.
+# Written as `write_rank_result` writes it, without importing hf_altparams (and torch): a real torchrun rank
+# then starts in a fraction of a CPU-second.
 _REPORT = textwrap.dedent("""
-    import os, sys
+    import json, os, sys
+    from pathlib import Path
     preloaded = "torch" in sys.modules
     import numpy
-    from hf_altparams.testing import write_rank_result
-    write_rank_result(sys.argv[1], {
+    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+    Path(sys.argv[1], "rank" + os.environ["RANK"] + ".json").write_text(json.dumps({
         "env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
         "ppid": os.getppid(), "pid": os.getpid(), "pgid": os.getpgid(0), "torch_preloaded": preloaded,
         "numpy_draw": int(numpy.random.randint(2**31)),
-    })
+    }))
 """)
 
 # Rank 1 fails at once; rank 0 would wait for it forever (a collective, in a real run).
@@ -162,26 +168,6 @@ def test_the_script_s_exit_code_is_the_rank_s(tmp_path: Path) -> None:
     assert [end.stdout.split() for end in ends] == [["rank", "0"], ["rank", "1"]]
 
 
-def test_the_server_ends_when_its_client_is_gone(tmp_path: Path) -> None:
-    # A client that starts a server, then dies without closing it (no atexit handler runs).
-    client = (
-        "import os, sys\n"
-        "from hf_altparams.testing.forked import server_for\n"
-        "from hf_altparams.testing.launch import launch_env\n"
-        "print(server_for(launch_env('forked')).pid, flush=True)\n"
-        "os._exit(0)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", client], capture_output=True, text=True, timeout=300, env={**os.environ}
-    )
-    assert done.returncode == 0, done.stderr
-    pid = int(done.stdout.split()[-1])
-    deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid), "the server outlived its client"
-
-
 def test_json_protocol_carries_any_environment(tmp_path: Path) -> None:
     # Values with newlines and non-ASCII text reach the rank unchanged.
     script = _script(tmp_path, "env.py", "import os, sys\nopen(sys.argv[1], 'w').write(os.environ['ODD'])\n")
@@ -229,32 +215,84 @@ def test_forked_with_accelerate_use_cpu_gives_accelerate_launch_s_state(tmp_path
     assert [r["num_processes"] for r in forked] == [2, 2]
 
 
-@pytest.mark.distributed
-def test_an_interrupted_launch_stops_every_rank(tmp_path: Path) -> None:
-    script = _script(tmp_path, "hanging.py", _HANGING)
-    client = (
-        "import sys\n"
-        "from hf_altparams.testing import launch\n"
-        "try:\n"
-        "    launch(sys.argv[1], sys.argv[2], nproc=2, launcher='forked', timeout=300)\n"
-        "except KeyboardInterrupt:\n"
-        "    print('interrupted', flush=True)\n"
-        "    sys.exit(7)\n"
-    )
+# A client that launches `hanging.py` on 2 forked ranks; on Ctrl-C it says so with its server's pid, waits for the
+# test to look at the ranks, and dies without closing its server (no atexit handler runs).
+_CLIENT = textwrap.dedent("""
+    import os, sys
+    from hf_altparams.testing import launch
+    from hf_altparams.testing.forked import server_for
+    from hf_altparams.testing.launch import launch_env
+    try:
+        launch(sys.argv[1], sys.argv[2], nproc=2, launcher="forked", timeout=300)
+    except KeyboardInterrupt:
+        print("interrupted", server_for(launch_env("forked")).pid, flush=True)
+        sys.stdin.readline()
+        os._exit(7)
+""")
+
+
+@dataclass
+class _Interrupted:
+    """What the test saw of a client interrupted during its launch, then gone without closing its server."""
+
+    code: int | None
+    said: str
+    pids: list[int]  # every rank and the child it started
+    alive_after_interrupt: list[int]  # of those, alive while the interrupted client still ran
+    server: int
+    server_alive_after_client: bool
+
+
+@pytest.fixture(scope="module")
+def interrupted_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Interrupted]:
+    """One client process for both tests below: it starts a server and a launch (the CPU of a fresh
+    interpreter importing torch, transformers and accelerate, twice: paid once)."""
+    folder = tmp_path_factory.mktemp("interrupted")
+    script = _script(folder, "hanging.py", _HANGING)
     proc = subprocess.Popen(
-        [sys.executable, "-c", client, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CLIENT, str(script), str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 240
-        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while len(list(folder.glob("pid*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         time.sleep(0.5)  # both pid files written in full
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        assert proc.stdout is not None and proc.stdin is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        said = proc.stdout.readline() if ready else ""
+        pids = [int(pid) for f in sorted(folder.glob("pid*")) for pid in f.read_text().split()]
+        stopping = time.monotonic() + 10  # a SIGKILLed process may take a moment to end; the client still waits
+        while any(_alive(pid) for pid in pids) and time.monotonic() < stopping:
+            time.sleep(0.1)
+        alive = [pid for pid in pids if _alive(pid)]
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        code = proc.wait(timeout=120)
+        server = int(said.split()[-1]) if said.startswith("interrupted") else -1
+        ends = time.monotonic() + 30
+        while server > 0 and _alive(server) and time.monotonic() < ends:
+            time.sleep(0.1)
+        yield _Interrupted(code, said, pids, alive, server, server > 0 and _alive(server))
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 7 and "interrupted" in out
-    pids = [int(pid) for f in sorted(tmp_path.glob("pid*")) for pid in f.read_text().split()]
-    assert len(pids) == 4
-    assert not [pid for pid in pids if _alive(pid)], "a rank or its child outlived the interrupt"
+            proc.wait()
+
+
+@pytest.mark.distributed
+def test_an_interrupted_launch_stops_every_rank(interrupted_client: _Interrupted) -> None:
+    """Stopped by the launch itself, while its client still runs (not by the server's end with the client)."""
+    assert interrupted_client.code == 7 and interrupted_client.said.startswith("interrupted")
+    assert len(interrupted_client.pids) == 4
+    assert interrupted_client.alive_after_interrupt == [], "a rank or its child outlived the interrupt"
+
+
+@pytest.mark.distributed
+def test_the_server_ends_when_its_client_is_gone(interrupted_client: _Interrupted) -> None:
+    assert interrupted_client.code == 7 and interrupted_client.server > 0
+    assert not interrupted_client.server_alive_after_client, "the server outlived its client"
