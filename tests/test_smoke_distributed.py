@@ -1,4 +1,4 @@
-"""Two real processes, gloo on CPU, under both launchers the library supports."""
+"""Two real processes, gloo on CPU, under each launcher the library supports."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,12 +17,8 @@ from tests.scripts import script_path
 NPROC = 2
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_ranks_allreduce_and_ddp_step(tmp_out: Path, launcher: str) -> None:
-    launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=NPROC, launcher=launcher)
-    ranks = rank_results(tmp_out, nproc=NPROC)
-
+def _assert_two_ranks_allreduced_and_stepped(ranks: list[dict[str, Any]]) -> None:
+    """What ``smoke_allreduce.py``'s ranks report: separate gloo processes, a sum all-reduced, one DDP step."""
     assert [r["rank"] for r in ranks] == list(range(NPROC))
     assert all(r["world_size"] == NPROC for r in ranks), ranks
     assert all(r["backend"] == "gloo" for r in ranks)
@@ -36,6 +33,13 @@ def test_two_ranks_allreduce_and_ddp_step(tmp_out: Path, launcher: str) -> None:
     assert all(r["param_sha256"] == ranks[0]["param_sha256"] for r in ranks)
 
 
+@pytest.mark.distributed
+def test_two_ranks_allreduce_and_ddp_step_under_accelerate_launch(tmp_out: Path) -> None:
+    """The same under torchrun (and the forked launcher): the port-retry test's launches, below."""
+    launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=NPROC, launcher="accelerate")
+    _assert_two_ranks_allreduced_and_stepped(rank_results(tmp_out, nproc=NPROC))
+
+
 # --- the launcher's own failure handling ------------------------------------
 
 _FAILING = """
@@ -47,6 +51,7 @@ if os.environ["RANK"] == "1":
 _HANGING = """
 import os, sys, time
 from pathlib import Path
+from typing import Any
 Path(sys.argv[1], "pid" + os.environ["RANK"]).write_text(str(os.getpid()))
 time.sleep(120)  # bounded, in case the kill under test fails
 """
@@ -91,6 +96,7 @@ def test_timeout_kills_launcher_and_ranks(tmp_path: Path) -> None:
 def test_port_taken_in_the_meantime_is_retried_once(
     tmp_out: Path, monkeypatch: pytest.MonkeyPatch, launcher: Launcher
 ) -> None:
+    """Also each launcher's smoke test: the retried launch runs ``smoke_allreduce.py`` as any launch does."""
     # `hf_altparams.testing.launch` the function shadows the module of the same
     # name as an attribute of `hf_altparams.testing`; reach the module itself.
     launch_module = sys.modules["hf_altparams.testing.launch"]
@@ -104,8 +110,10 @@ def test_port_taken_in_the_meantime_is_retried_once(
         real_free_port = launch_module.free_port
         monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real_free_port())
 
-        result = launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=2, launcher=launcher)
+        result = launch(script_path("smoke_allreduce.py"), str(tmp_out), nproc=NPROC, launcher=launcher)
 
     used = result.args[result.args.index("--master_port") + 1]
     assert used != str(busy_port)
-    assert [r["world_size"] for r in rank_results(tmp_out, nproc=2)] == [2, 2]
+    ranks = rank_results(tmp_out, nproc=NPROC)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    _assert_two_ranks_allreduced_and_stepped(ranks)
