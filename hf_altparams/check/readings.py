@@ -187,9 +187,12 @@ class MemoryGauge:
 
         ``unreachable``: bytes of tensors the census cannot reach (DDP's buckets)
         that are held now. On a GPU the baseline stays 0. Then, on either, the
-        objects alive are frozen until :meth:`thaw` (see the module docstring).
+        objects alive are frozen until :meth:`thaw` (see the module docstring). Objects frozen before (a
+        process forked from a server that froze its imports) are unfrozen first, for the census to see them.
         """
         self.rebased = True
+        if gc.get_freeze_count() and not self.frozen:
+            gc.unfreeze()  # frozen before this process ran the check (a fork server's imports): refrozen below
         if not self.cuda:
             self._settle()
             self._baseline = self._raw() - sum(live_tensor_bytes("cpu").values()) - unreachable
