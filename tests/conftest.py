@@ -18,6 +18,19 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in each test process, as every launched rank has (``OMP_NUM_THREADS=1``).
+
+    CI runs two test processes on two cores (pytest-xdist) next to the ranks they launch; a second
+    intra-op thread per process only oversubscribes the cores, and its spinning costs more CPU than
+    the tiny in-process models gain (an in-process check run: 8.5 CPU-s with two threads, 3.0 with one).
+    A test that needs more threads sets them itself and puts the count back.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip tests marked ``cuda`` on a machine without a CUDA device (CI); gpu.sh runs them."""
     import torch

@@ -37,6 +37,23 @@ def test_after_the_rebase_a_reading_still_frees_new_cycles_and_the_thaw_gives_th
     assert sum(live_tensor_bytes().values()) >= kept.numel() * kept.element_size()
 
 
+def test_objects_frozen_before_the_check_runs_are_counted_by_the_rebase() -> None:
+    # A process may have frozen objects before the check starts (a worker forked from a server that froze its
+    # imports, or the user's own gc.freeze()): the rebase's census must still see their tensors.
+    held = _Cycle(torch.ones(1 << 18))  # 1 MiB, reachable only through the frozen generation's cycle
+    gc.collect()
+    gc.freeze()
+    gauge = MemoryGauge(torch.device("cpu"))
+    try:
+        gauge.start()
+        gauge.rebase()  # raised "cannot see frozen objects" before
+        assert gauge.frozen and gc.get_freeze_count() > 0
+    finally:
+        gauge.thaw()
+        gc.unfreeze()
+    assert sum(live_tensor_bytes().values()) >= held.tensor.numel() * held.tensor.element_size()
+
+
 class _Computed:
     """An object whose ``__class__`` is computed on reading, as torch.distributed's deprecated names warn then."""
 

@@ -54,17 +54,7 @@ def accelerate_state() -> Iterator[None]:
     accelerate_internals.fresh_accelerator_state(partial=True)
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread, as the check's ranks run (``OMP_NUM_THREADS=1``): a second thread only spins on a busy
-    machine (a run here: 3 CPU-s with one, 8.5 with two)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("accelerate_state", "one_thread")
+@pytest.mark.usefixtures("accelerate_state")
 @pytest.mark.parametrize("setup", ["optimizer_decays_idle_groups", "decays_every_weight_per_step", "ema_written_back"])
 def test_each_way_of_changing_idle_groups_fails_naming_them(setup: str) -> None:
     """The three set-ups the user tried, each through one rank of the check (``run_rank``, as the launched ranks
