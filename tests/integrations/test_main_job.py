@@ -6,6 +6,12 @@ either fp32 weights (GroupedOptimizer) or bf16 storage + fp32 masters (Precision
 measured figures next to the planned ones. The memory budget is given (``--memory-gib``) so that at
 this size, too, the plan says plain DDP does not fit while hf_altparams does.
 
+The README's command runs as it is, in a fresh interpreter that starts its ranks with torchrun
+(``default_run``). The second run, the other precision and recipe, runs the same ``main()`` in
+this process with its ranks forked from the suite's warm server (``launcher="forked"``): the
+launcher is the first run's subject, not the second's, and a torchrun launch costs CI three fresh
+interpreters.
+
 Which precision trains is decided by ``bf16_speed`` (a timed probe matmul on CPU); the runs that
 test the choice force the verdict with ``HF_ALTPARAMS_BF16``, so no assertion depends on how fast
 this machine is.
@@ -28,8 +34,11 @@ import pytest
 import torch
 
 from hf_altparams.planner.hardware import BF16_ENV, cpu_verdict
+from hf_altparams.testing import launch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fit_large_model.py"
+#: The tiny size; the budget that plain DDP does not fit at that size; a run that crosses phase switches.
+MAIN_JOB_ARGS = ("--size", "tiny", "--memory-gib", "0.6", "--steps", "5", "--every", "2", "--batch", "2", "--seq", "64")
 ROWS = {"fp32": "hf_altparams, fp32 weights", "bf16": "hf_altparams, bf16 + fp32 masters"}
 
 
@@ -39,25 +48,7 @@ def run_main_job(out: Path, *extra: str, bf16: Optional[str] = None) -> str:
     if bf16 is not None:
         env[BF16_ENV] = bf16
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--size",
-            "tiny",
-            "--memory-gib",
-            "0.6",
-            "--steps",
-            "5",
-            "--every",
-            "2",
-            "--batch",
-            "2",
-            "--seq",
-            "64",
-            "--out",
-            str(out),
-            *extra,
-        ],
+        [sys.executable, str(EXAMPLE), *MAIN_JOB_ARGS, "--out", str(out), *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -127,15 +118,46 @@ def test_main_job_picks_the_precision_the_device_computes_fast_and_measures_the_
     assert speed["reason"] in line and f"torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}" in line
 
 
+def run_main_job_forked(out: Path, *extra: str, bf16: str, capfd: pytest.CaptureFixture[str]) -> str:
+    """The main job as :func:`run_main_job` runs it, with its ranks forked from the suite's warm server.
+
+    ``main()`` runs in this process (the verdict forced by ``HF_ALTPARAMS_BF16``, the plan, the report);
+    only its ``launch`` (the ``torchrun`` command that the README's run, :func:`run_main_job`, exercises)
+    is replaced: the same ranks (``--rank-of``: ``rank_main`` of the example) start as the ranks of
+    ``launch(..., launcher="forked")``, with the environment a torchrun rank has. Every warning
+    the driver raises is recorded (pytest would keep them out of its output); the driver's and
+    the ranks' output and those warnings are returned.
+    """
+    example = load_example()
+
+    def forked_ranks(run_dir: Path, args: Any) -> list[dict[str, Any]]:
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv(BF16_ENV)  # decided before the launch; a rank never reads it (and it would key a new server)
+            ranks = launch(EXAMPLE, "--rank-of", str(run_dir), nproc=args.ranks, launcher="forked", timeout=400)
+        print(ranks.stdout, flush=True)
+        return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(args.ranks)]
+
+    argv = [*MAIN_JOB_ARGS, "--out", str(out), *extra]
+    with pytest.MonkeyPatch.context() as env, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        env.setenv(BF16_ENV, bf16)
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        env.setattr(example, "launch", forked_ranks)
+        example.main(argv)
+    captured = capfd.readouterr()
+    return captured.out + captured.err + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+
+
 @pytest.mark.distributed
 def test_main_job_trains_fp32_where_bf16_is_slow_and_bf16_with_masters_where_it_is_fast(
-    tmp_path: Path, default_run: tuple[str, dict[str, Any]]
+    tmp_path: Path, default_run: tuple[str, dict[str, Any]], capfd: pytest.CaptureFixture[str]
 ) -> None:
     # The verdict forced to the one the probe did not give, with the other recipe: every CI run trains both
     # precisions (fp32 weights and bf16 + fp32 masters) and both recipes, in two runs of the main job.
+    # The README's command itself (its own torchrun launch) is default_run's; this run forks its ranks.
     bf16 = "slow" if default_run[1]["bf16_speed"]["fast"] else "fast"
     recipe, precision = "badam", ("fp32" if bf16 == "slow" else "bf16")
-    out = run_main_job(tmp_path, "--recipe", recipe, bf16=bf16)
+    out = run_main_job_forked(tmp_path, "--recipe", recipe, bf16=bf16, capfd=capfd)
     result = json.loads((tmp_path / f"fit_large_model_cpu_tiny_{recipe}.json").read_text())
     check_run(out, result, precision)
     chosen = "fp32 weights" if precision == "fp32" else "bf16 weights + fp32 masters"
