@@ -91,6 +91,7 @@ def run(dtype: torch.dtype, args: argparse.Namespace) -> tuple[float, float, str
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
         lr_scheduler_type="constant",
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory needs a GPU (torch warns on CPU)
     )
     trainer = Trainer(
         model=model,

@@ -168,6 +168,7 @@ def main() -> None:
         report_to=[],
         seed=args.seed,
         disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory needs a GPU (torch warns on CPU)
         # AlternatingFreeze re-buckets DDP for exactly the trained parameters, so DDP need
         # not search for unused ones (the Trainer's default would, at every step).
         ddp_find_unused_parameters=False,

@@ -22,6 +22,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from hf_altparams.errors import AltParamsError, PlanError
 from hf_altparams.integrations.trainer import AlternatingFreeze, grouped_optimizer
+from hf_altparams.plan import TrainShareWarning
 from hf_altparams.plan.groups import ParamGroups
 from hf_altparams.plan.schedules import Alternating, GradualUnfreeze, PhaseSequence
 from hf_altparams.testing import launch, rank_results
@@ -441,8 +442,9 @@ def test_minilm_bf16_lisa_example_reports_accuracy_for_both_storages(
     monkeypatch.setattr(sys, "argv", [str(example), *args])
     monkeypatch.syspath_prepend(str(example.parent))  # as `python script.py` does: its sibling example imports
     monkeypatch.chdir(tmp_path)
-    try:
-        runpy.run_path(str(example), run_name="__main__")
+    try:  # LISA's default always=("emb", "head") trains MiniLM's embeddings, half its parameters: the docstring's warning
+        with pytest.warns(TrainShareWarning, match=r"'emb' 52\.\d%"):
+            runpy.run_path(str(example), run_name="__main__")
     finally:
         sys.modules.pop("trainer_gradual_unfreeze", None)  # the sibling, imported from examples/ by the run
     out = capsys.readouterr().out
