@@ -10,7 +10,6 @@ and a prepared optimizer and scheduler, whose attributes are set at construction
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.stub_drift import stub_problems
+from tests.support.stub_drift import edited_stubs, stub_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "typings"
@@ -103,12 +102,6 @@ def test_every_name_in_the_stub_exists_in_the_installed_accelerate(fresh_acceler
 def test_the_drift_check_catches_a_stub_that_says_more_than_accelerate(
     fresh_accelerate_state: None, tmp_path: Path, edit: tuple[str, str, str], expected: str
 ) -> None:
-    copy = tmp_path / "typings"
-    shutil.copytree(STUBS, copy)
-    file, old, new = edit
-    path = copy / "accelerate" / file
-    text = path.read_text()
-    assert text.count(old) == 1, f"the edit's anchor {old!r} is not once in {file}"
-    path.write_text(text.replace(old, new))
+    copy = edited_stubs(STUBS, "accelerate", edit, tmp_path / "typings")
     problems = stub_problems(copy, "accelerate", _live_objects(), "Accelerate")
     assert any(expected in p for p in problems), problems

@@ -7,12 +7,11 @@ is compared with the module it stands for (:mod:`tests.support.stub_drift`).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support.stub_drift import stub_problems
+from tests.support.stub_drift import edited_stubs, stub_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "typings"
@@ -25,9 +24,8 @@ def test_every_name_in_the_stub_exists_in_the_installed_peft() -> None:
 
 
 def test_the_drift_check_catches_a_stub_that_says_more_than_peft(tmp_path: Path) -> None:
-    copy = tmp_path / "typings"
-    shutil.copytree(STUBS / "peft", copy / "peft")
-    path = copy / "peft" / "utils" / "other.pyi"
-    path.write_text(path.read_text().replace("adapter_layer_names:", "adapter_layers_names:"))
+    copy = edited_stubs(
+        STUBS, "peft", ("utils/other.pyi", "adapter_layer_names:", "adapter_layers_names:"), tmp_path / "typings"
+    )
     problems = stub_problems(copy, "peft", {}, "peft")
     assert any("AuxiliaryTrainingWrapper.adapter_layers_names: no such attribute" in p for p in problems), problems

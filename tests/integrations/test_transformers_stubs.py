@@ -12,12 +12,11 @@ source, so no live object is needed.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support.stub_drift import stub_problems
+from tests.support.stub_drift import edited_stubs, stub_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "typings"
@@ -83,12 +82,6 @@ def test_every_name_in_the_stub_exists_in_the_installed_transformers() -> None:
 def test_the_drift_check_catches_a_stub_that_says_more_than_transformers(
     tmp_path: Path, edit: tuple[str, str, str], expected: str
 ) -> None:
-    copy = tmp_path / "typings"
-    shutil.copytree(STUBS / "transformers", copy / "transformers")
-    file, old, new = edit
-    path = copy / "transformers" / file
-    text = path.read_text()
-    assert text.count(old) == 1, f"the edit's anchor {old!r} is not once in {file}"
-    path.write_text(text.replace(old, new))
+    copy = edited_stubs(STUBS, "transformers", edit, tmp_path / "typings")
     problems = stub_problems(copy, "transformers", {}, "transformers")
     assert any(expected in p for p in problems), problems

@@ -20,7 +20,8 @@ module it stands for:
   requires is in the stub, without a default; a keyword-only one stays keyword-only.
 
 Types are not compared: the stubs' types are written from the library's source
-(or its own annotations). Used by ``tests/integrations/test_accelerate_stubs.py``,
+(or its own annotations). :func:`edited_stubs` makes a copy of a stub with one
+edit, for a test that the comparison catches it. Used by ``tests/integrations/test_accelerate_stubs.py``,
 ``test_transformers_stubs.py`` and ``test_peft_stubs.py``.
 """
 
@@ -33,10 +34,11 @@ import importlib
 import importlib.util
 import inspect
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["stub_problems"]
+__all__ = ["edited_stubs", "stub_problems"]
 
 
 # ------------------------------------------------------------------ reading the stub
@@ -223,3 +225,15 @@ def stub_problems(stubs: Path, package: str, live: dict[str, Any], lib: str) -> 
                 else:
                     problems += _signature_problems(where, real, node, lib)
     return problems
+
+
+def edited_stubs(stubs: Path, package: str, edit: tuple[str, str, str], into: Path) -> Path:
+    """A copy of ``stubs/<package>`` under ``into`` with one edit ``(file, old, new)``: ``old``, found exactly
+    once in ``<package>/<file>``, replaced by ``new``; returns ``into``, for :func:`stub_problems`."""
+    shutil.copytree(stubs / package, into / package)
+    file, old, new = edit
+    path = into / package / file
+    text = path.read_text()
+    assert text.count(old) == 1, f"the edit's anchor {old!r} is not once in {file}"
+    path.write_text(text.replace(old, new))
+    return into
