@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -67,6 +68,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write, newline included: the ranks share the launcher's output, and with unbuffered
+    output (``python -u``, ``PYTHONUNBUFFERED``) ``print`` writes the text and the newline apart, so another
+    rank's line could land between them (the digests below are read back line by line)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Random token sequences; the label says whether token 7 occurs."""
 
@@ -92,7 +101,7 @@ class KillOnce(TrainerCallback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and state.global_step == self.step and args.process_index == self.rank:
             phase = self.freeze.phase.name if self.freeze.phase else None
-            print(f"rank {self.rank}: SIGKILL after step {self.step}, mid-phase {phase}", flush=True)
+            say(f"rank {self.rank}: SIGKILL after step {self.step}, mid-phase {phase}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -159,16 +168,15 @@ def main() -> None:
 
     resume = last_complete_checkpoint(args.output_dir)  # None: from scratch; torn saves are skipped
     if trainer.is_world_process_zero():
-        print(
+        say(
             f"attempt {attempt}: "
-            + (f"resuming from {os.path.basename(resume)}" if resume else "no complete checkpoint, starting at step 0"),
-            flush=True,
+            + (f"resuming from {os.path.basename(resume)}" if resume else "no complete checkpoint, starting at step 0")
         )
     trainer.train(resume_from_checkpoint=resume)
 
     if trainer.is_world_process_zero():
-        print(f"attempt {attempt}: done, {trainer.state.global_step} steps", flush=True)
-    print(f"rank {training_args.process_index} final parameter sha256: {digest(model)}", flush=True)
+        say(f"attempt {attempt}: done, {trainer.state.global_step} steps")
+    say(f"rank {training_args.process_index} final parameter sha256: {digest(model)}")
     shutdown(trainer.model_wrapped)  # free the DDP reducer, let the gloo threads finish, destroy the group
 
 
