@@ -224,9 +224,10 @@ def tensor_census() -> tuple[int, int]:
             continue
         try:
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # meta, sparse, or a subclass without storage
-            continue
-        storages[(storage.data_ptr(), str(obj.device))] = storage.nbytes()
+            key = (storage.data_ptr(), str(obj.device))
+        except (RuntimeError, NotImplementedError):  # meta, sparse, a subclass without storage, or a fake
+            continue  # tensor an earlier torch.compile in this process left alive (it has no data pointer)
+        storages[key] = storage.nbytes()
     return len(storages), sum(storages.values())
 
 
