@@ -8,13 +8,12 @@ cases run in this process on the same tiny BERT.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import re
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -61,16 +60,8 @@ def changed_groups(sums: list[dict[str, str]]) -> list[set[str]]:
     return [{g for g in before if before[g] != after[g]} for before, after in zip(sums, sums[1:])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _imports_out_of_the_collectors_sight() -> Iterator[None]:
-    """Every ``Trainer.train()`` runs a full ``gc.collect()`` (Accelerate's ``free_memory``), which walks every
-    object of torch, transformers and pytest: about half a CPU-second for each of this file's in-process runs. The
-    objects alive before the first test are frozen (left out of it) for the module; what the tests make is still
-    collected."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+#: every ``Trainer.train()`` runs a full collection: see the fixture in ``tests/conftest.py``
+pytestmark = pytest.mark.usefixtures("imports_frozen")
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,10 @@ and of the callback's marker. Then:
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, NoReturn
 
 import pytest
 import torch
@@ -49,15 +48,8 @@ class _Killed(BaseException):
     """Stands for the process dying: nothing after it runs."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _imports_out_of_the_collectors_sight() -> Iterator[None]:
-    """Every ``Trainer.train()`` runs a full ``gc.collect()`` (Accelerate's ``free_memory``), which walks every
-    object of torch, transformers and pytest: about half a CPU-second for each of this file's 15 runs. The objects
-    alive before the first test are frozen (left out of it) for the module; what the tests make is still collected."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+#: every ``Trainer.train()`` runs a full collection: see the fixture in ``tests/conftest.py``
+pytestmark = pytest.mark.usefixtures("imports_frozen")
 
 
 @pytest.fixture(autouse=True)
