@@ -60,7 +60,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +77,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 import _breakdown  # noqa: E402  (benchmarks/ is the script's folder)
 from _machine import machine  # noqa: E402
+from _rank_env import rank_env  # noqa: E402
 from hf_altparams.engine import GroupedOptimizer, PhaseSwitcher, mmap_large_host_allocations, register_comm_counter  # noqa: E402
 from hf_altparams.engine.shutdown import shutdown  # noqa: E402
 from hf_altparams.plan import Alternating, ParamGroups  # noqa: E402
@@ -347,6 +347,8 @@ SCENARIO_LOOPS: dict[str, Loop] = {
 
 # ============================================================== driver
 def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, result: Path) -> list[dict[str, Any]]:
+    from hf_altparams.testing import launch
+
     worker = (
         [
             "--worker",
@@ -371,48 +373,11 @@ def _launch(scenario: str, device: str, nproc: int, args: argparse.Namespace, re
         + (["--bucket-view"] if args.bucket_view else [])
         + (["--breakdown"] if args.breakdown else [])
     )
-    if args.launcher == "forked":  # CPU only (parse_args): ranks forked from hf_altparams.testing's warm server
-        from hf_altparams.testing import launch
-
-        env = {"OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
-        launch(__file__, *worker, nproc=nproc, launcher="forked", env=env, timeout=args.timeout)
-        return json.loads(result.read_text())
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": str(args.threads),
-            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        }
+    # forked: CPU only (parse_args), ranks forked from hf_altparams.testing's warm server
+    launch(
+        __file__, *worker, nproc=nproc, launcher=args.launcher, env=rank_env(device, args.threads), timeout=args.timeout
     )
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        __file__,
-        *worker,
-    ]
-    proc = subprocess.run(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{scenario} on {device} failed:\n{proc.stdout[-4000:]}")
     return json.loads(result.read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]]:

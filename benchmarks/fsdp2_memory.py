@@ -30,7 +30,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +42,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
-from hf_altparams.testing.launch import free_port  # noqa: E402
+from _rank_env import rank_env  # noqa: E402
+from hf_altparams.testing.launch import launch as launch_ranks  # noqa: E402
 
 SCENARIOS = ("alone_a", "alone_b", "alt_keep", "alt_drop", "alt_offload")
 MIB = 2**20
@@ -107,17 +107,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(args.nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        __file__,
+    worker = [
         "--worker",
         scenario,
         "--out",
@@ -133,14 +123,8 @@ def launch(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, 
         "--steps",
         str(args.steps),
     ]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    subprocess.run(cmd, check=True, env=env, timeout=args.timeout)
+    proc = launch_ranks(__file__, *worker, nproc=args.nproc, env=rank_env(args.device), timeout=args.timeout)
+    print(proc.stdout, end="", flush=True)  # the ranks' own lines, as a launch in this terminal would show them
     return [json.loads(Path(out, f"{scenario}.rank{r}.json").read_text()) for r in range(args.nproc)]
 
 

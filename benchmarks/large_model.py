@@ -52,7 +52,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -271,30 +270,17 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------- driver
 def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc: int) -> list[dict[str, Any]]:
-    from hf_altparams.testing.launch import free_port, rank_results
+    from _rank_env import rank_env
+    from hf_altparams.testing import launch as launch_ranks
+    from hf_altparams.testing import rank_results
 
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = rank_env(args.device)
+    if args.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # glibc's dynamic mmap threshold otherwise serves large tensors from a fragmenting heap
         # (see RESULTS.md, "Reading the CPU figures"): RSS would measure the allocator, not the state
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+        env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            __file__,
+        worker = [
             "--worker",
             "--scenario",
             scenario,
@@ -315,12 +301,8 @@ def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc
             "--memory-gb",
             str(args.memory_gb),
         ]
-        cmd += ["--checkpointing"] if args.checkpointing else []
-        proc = subprocess.run(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{scenario} failed:\n{proc.stdout[-4000:]}")
+        worker += ["--checkpointing"] if args.checkpointing else []
+        launch_ranks(__file__, *worker, nproc=nproc, env=env, timeout=args.timeout)
         return rank_results(out, nproc)
 
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +41,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
-from hf_altparams.testing.launch import free_port, rank_results  # noqa: E402
+from _rank_env import rank_env  # noqa: E402
+from hf_altparams.testing.launch import launch, rank_results  # noqa: E402
 from tests.scripts import script_path  # noqa: E402
 
 MIB = 2**20
@@ -65,38 +64,11 @@ RANK_ENV: dict[str, str] = {}
 
 
 def run_once(scenario: str, device: str, nproc: int, extra: list[str], timeout: float) -> list[dict[str, Any]]:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    env.update(RANK_ENV)
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(script_path("memory_peak.py")),
-            out,
-            "--scenario",
-            scenario,
-            "--device",
-            device,
-            *extra,
-        ]
-        proc = subprocess.run(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        worker = [out, "--scenario", scenario, "--device", device, *extra]
+        launch(
+            script_path("memory_peak.py"), *worker, nproc=nproc, env={**rank_env(device), **RANK_ENV}, timeout=timeout
         )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{scenario} on {device} failed:\n{proc.stdout[-4000:]}")
         return rank_results(out, nproc)
 
 

@@ -566,13 +566,14 @@ def tag_of(args: argparse.Namespace) -> str:
 
 
 def run_driver(args: argparse.Namespace) -> None:
+    from _rank_env import rank_env
     from hf_altparams.testing.launch import LaunchError, launch
 
     out = Path(args.out)
     raw = out / f"switch_soak_{tag_of(args)}_raw"
     raw.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s if args.budget_s else 0.0
-    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")} if args.device == "cuda" else {}
+    env = rank_env(args.device)
     launches: list[tuple[dict[str, str], list[str]]] = []
     for spec in args.variants:
         extra = VARIANT_ENV.get(spec.partition(":")[0], {})
