@@ -84,9 +84,17 @@ def _kill(processes: list[psutil.Process]) -> None:
 
 
 def _is_rank(process: psutil.Process) -> bool:
-    """A process running ``python [-u] -m hf_altparams ...`` (a launcher runs its own module first)."""
+    """A process running ``python [-u] -m hf_altparams ...`` (a launcher runs its own module first).
+
+    Not a fork that has not yet run its program: it still shows its parent's command line (the check's own
+    while the check starts its launcher; a rank's while the rank starts a helper program), for a few
+    milliseconds, longer on a loaded machine, where a poll saw a third "rank" next to the two real ones.
+    """
     try:
         cmd = process.cmdline()
+        parent = process.parent()
+        if parent is not None and parent.cmdline() == cmd:
+            return False
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     return "-m" in cmd and cmd.index("-m") + 1 < len(cmd) and cmd[cmd.index("-m") + 1] == "hf_altparams"
