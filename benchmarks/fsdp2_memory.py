@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 
 from _machine import machine  # noqa: E402  (benchmarks/ is the script's folder)
 from _rank_env import rank_env  # noqa: E402
-from hf_altparams.testing.launch import launch as launch_ranks  # noqa: E402
+from hf_altparams.testing.launch import launch  # noqa: E402
 
 SCENARIOS = ("alone_a", "alone_b", "alt_keep", "alt_drop", "alt_offload")
 MIB = 2**20
@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
+def run_scenario(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
     worker = [
         "--worker",
         scenario,
@@ -123,7 +123,7 @@ def launch(scenario: str, args: argparse.Namespace, out: str) -> list[dict[str, 
         "--steps",
         str(args.steps),
     ]
-    proc = launch_ranks(__file__, *worker, nproc=args.nproc, env=rank_env(args.device), timeout=args.timeout)
+    proc = launch(__file__, *worker, nproc=args.nproc, env=rank_env(args.device), timeout=args.timeout)
     print(proc.stdout, end="", flush=True)  # the ranks' own lines, as a launch in this terminal would show them
     return [json.loads(Path(out, f"{scenario}.rank{r}.json").read_text()) for r in range(args.nproc)]
 
@@ -147,7 +147,7 @@ def main() -> None:
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in SCENARIOS:
-            ranks = launch(scenario, args, tmp)
+            ranks = run_scenario(scenario, args, tmp)
             peaks[scenario] = max(r["peak_bytes"] for r in ranks)
             print(
                 f"{scenario:12s} peak per rank {peaks[scenario] / MIB:9.1f} MiB "

@@ -269,10 +269,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------- driver
-def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc: int) -> list[dict[str, Any]]:
+def run_scenario(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc: int) -> list[dict[str, Any]]:
     from _rank_env import rank_env
-    from hf_altparams.testing import launch as launch_ranks
-    from hf_altparams.testing import rank_results
+    from hf_altparams.testing import launch, rank_results
 
     env = rank_env(args.device)
     if args.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -302,7 +301,7 @@ def launch(scenario: str, args: argparse.Namespace, shape: dict[str, int], nproc
             str(args.memory_gb),
         ]
         worker += ["--checkpointing"] if args.checkpointing else []
-        launch_ranks(__file__, *worker, nproc=nproc, env=env, timeout=args.timeout)
+        launch(__file__, *worker, nproc=nproc, env=env, timeout=args.timeout)
         return rank_results(out, nproc)
 
 
@@ -373,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     print(where, flush=True)
     rows: dict[str, dict[str, Any]] = {}
     for scenario in args.scenarios:
-        ranks = launch(scenario, args, shape, nproc)
+        ranks = run_scenario(scenario, args, shape, nproc)
         worst = max(ranks, key=lambda r: r.get("peak_growth_bytes", 0))
         worst["planned_bytes"] = planned_peak(scenario, shape, nproc, steps=args.steps, host_too=not cuda)
         worst["model_state_by_rank"] = [r.get("model_state_bytes") for r in ranks]
